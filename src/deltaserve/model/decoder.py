@@ -1,0 +1,89 @@
+"""Decoder layer and the two residual schemes: Block AttnRes (K3, spec §5) and plain pre-norm
+residuals (Kimi-Linear, spec §4)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops.attn_res import attn_res_mix
+from .config import ModelConfig
+from .context import ForwardContext
+from .kda_layer import KdaAttention
+from .mla_layer import MlaAttention
+from .modules import RMSNorm, WeightVector
+from .moe_layer import GluMlp, MoeBlock
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        d = cfg.hidden_size
+        self.layer_id = layer_id
+        self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        attn_cls = KdaAttention if cfg.layer_types[layer_id] == "kda" else MlaAttention
+        self.self_attn = attn_cls(cfg, layer_id)
+        if cfg.moe_layers[layer_id]:
+            self.block_sparse_moe = MoeBlock(cfg)
+        else:
+            self.mlp = GluMlp(cfg, d, cfg.intermediate_size)
+        if cfg.attn_res_block_size is not None:
+            self.self_attention_res_proj = WeightVector(1, d)
+            self.self_attention_res_norm = WeightVector(d)
+            self.mlp_res_proj = WeightVector(1, d)
+            self.mlp_res_norm = WeightVector(d)
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
+
+    def attention(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.self_attn(self.input_layernorm(x), ctx)
+
+    def forward_residual(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Kimi-Linear: h + Attn(norm(h)), then h + FFN(norm(h))."""
+        h = h + self.attention(h, ctx)
+        return h + self.ffn(self.post_attention_layernorm(h))
+
+    def forward_attn_res(self, cur: torch.Tensor, bank: list[torch.Tensor], block_size: int,
+                         ctx: ForwardContext) -> torch.Tensor:
+        """K3 Block AttnRes step. `cur` is the running sum of the current block; `bank` (mutated)
+        holds the finished blocks' sums. Banking happens after the attention-input mix."""
+        x_attn = cur if not bank else attn_res_mix(cur, bank, self.self_attention_res_proj.flat(),
+                                                   self.self_attention_res_norm.flat())
+        a = self.attention(x_attn, ctx)
+        if self.layer_id % block_size == 0:
+            bank.append(cur)
+            cur = a
+        else:
+            cur = cur + a
+        x_ffn = attn_res_mix(cur, bank, self.mlp_res_proj.flat(), self.mlp_res_norm.flat())
+        return cur + self.ffn(self.post_attention_layernorm(x_ffn))
+
+
+class DecoderStack(nn.Module):
+    """`model.*`: embeddings, layers, final norm (and K3's output AttnRes mix)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.attn_res_block_size is not None:
+            self.output_attn_res_proj = WeightVector(1, cfg.hidden_size)
+            self.output_attn_res_norm = WeightVector(cfg.hidden_size)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden states [N, D] of the packed tokens."""
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        block = self.cfg.attn_res_block_size
+        if block is None:
+            for layer in self.layers:
+                h = layer.forward_residual(h, ctx)
+        else:
+            bank: list[torch.Tensor] = []
+            for layer in self.layers:
+                h = layer.forward_attn_res(h, bank, block, ctx)
+            h = attn_res_mix(h, bank, self.output_attn_res_proj.flat(), self.output_attn_res_norm.flat())
+        return self.norm(h)

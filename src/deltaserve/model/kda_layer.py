@@ -1,0 +1,88 @@
+"""Kimi Delta Attention layer (spec/model.md §6) driven with or without a cache."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops import kda as kda_ops
+from ..ops.norms import gated_rms_norm
+from .config import ModelConfig
+from .context import ForwardContext
+from .modules import WeightVector, empty_linear
+
+
+class KdaAttention(nn.Module):
+    """Parameters carry the checkpoint names. `A_log` is stored flat `[H]` (the loader strips
+    K3's padding and Kimi-Linear's 4-D form); conv weights stay `[P, 1, W]` fp32."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        k = cfg.kda
+        d, p = cfg.hidden_size, k.proj_dim
+        self.layer_id = layer_id
+        self.num_heads, self.head_dim, self.kernel = k.num_heads, k.head_dim, k.conv_kernel
+        self.lower_bound = k.gate_lower_bound
+        self.eps = cfg.rms_norm_eps
+        self.scale = k.head_dim ** -0.5
+        self.q_proj, self.k_proj, self.v_proj = (empty_linear(d, p) for _ in range(3))
+        for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+            self.register_module(name, WeightVector(p, 1, k.conv_kernel))
+        self.f_a_proj = empty_linear(d, k.head_dim)
+        self.f_b_proj = empty_linear(k.head_dim, p)
+        self.dt_bias = nn.Parameter(torch.zeros(p))
+        self.A_log = nn.Parameter(torch.zeros(k.num_heads))
+        self.b_proj = empty_linear(d, k.num_heads)
+        if k.full_rank_gate:
+            self.g_proj = empty_linear(d, p)
+        else:
+            self.g_a_proj = empty_linear(d, k.head_dim)
+            self.g_b_proj = empty_linear(k.head_dim, p)
+        self.o_norm = WeightVector(k.head_dim)
+        self.o_proj = empty_linear(p, d)
+
+    def conv_weight(self) -> torch.Tensor:
+        """Fused depthwise weight [3P, W] over the concatenated (q, k, v) channels."""
+        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
+
+    def decay(self, f: torch.Tensor) -> torch.Tensor:
+        if self.lower_bound is not None:
+            return kda_ops.kda_gate_sigmoid(f, self.A_log, self.dt_bias, self.lower_bound)
+        return kda_ops.kda_gate_softplus(f, self.A_log, self.dt_bias)
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "g_proj"):
+            return self.g_proj(x)
+        return self.g_b_proj(self.g_a_proj(x))
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        n, h, dk = x.shape[0], self.num_heads, self.head_dim
+        cache = ctx.cache
+        prior = cache.kda_state(self.layer_id) if cache is not None else None
+        pre = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        weight = self.conv_weight()
+        if cache is not None and cache.decode_only and prior is not None:
+            tail, state = prior
+            mixed, tail = kda_ops.causal_conv1d_step(pre, weight, tail)
+        else:
+            mixed, tail = kda_ops.causal_conv1d(pre, weight, ctx.cu_seqlens,
+                                                prior[0] if prior is not None else None)
+            state = prior[1] if prior is not None else None
+        q, k, v = mixed.view(n, 3, h, dk).unbind(1)
+        q, k = kda_ops.l2_norm(q), kda_ops.l2_norm(k)
+        g = self.decay(self.f_b_proj(self.f_a_proj(x)).view(n, h, dk))
+        beta = torch.sigmoid(self.b_proj(x).float())
+        exported = None
+        if cache is not None and cache.decode_only and prior is not None:
+            o = kda_ops.kda_recurrent_step(q, k, v, g, beta, state, self.scale)
+        else:
+            offsets = cache.kda_export_offsets() if cache is not None else None
+            o, state, exported = kda_ops.kda_chunked(q, k, v, g, beta, ctx.cu_seqlens, self.scale,
+                                                     initial_state=state, export_offsets=offsets)
+        if cache is not None:
+            cache.store_kda(self.layer_id, tail, state, exported)
+        gate = self.output_gate(x).view(n, h, dk)
+        o = gated_rms_norm(o, self.o_norm.weight, gate, self.eps, x.dtype)
+        return self.o_proj(o.reshape(n, h * dk))
+
+
+__all__ = ["KdaAttention"]

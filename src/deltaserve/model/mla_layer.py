@@ -1,0 +1,87 @@
+"""NoPE Multi-head Latent Attention layer (spec/model.md §7).
+
+Without earlier context the plain (unabsorbed) form runs over the new tokens; with a cached
+context the absorbed form attends over the latent rows `[c_hat | k_rot]` directly.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops import mla as mla_ops
+from .config import ModelConfig
+from .context import ForwardContext
+from .modules import RMSNorm, empty_linear
+
+
+class MlaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        m = cfg.mla
+        d = cfg.hidden_size
+        self.layer_id = layer_id
+        self.num_heads = m.num_heads
+        self.nope, self.rope, self.v_dim, self.rank = (m.qk_nope_head_dim, m.qk_rope_head_dim,
+                                                       m.v_head_dim, m.kv_lora_rank)
+        self.scale = m.qk_head_dim ** -0.5
+        if m.q_lora_rank is not None:
+            self.q_a_proj = empty_linear(d, m.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, m.latent_norm_eps)
+            self.q_b_proj = empty_linear(m.q_lora_rank, m.num_heads * m.qk_head_dim)
+        else:
+            self.q_proj = empty_linear(d, m.num_heads * m.qk_head_dim)
+        self.kv_a_proj_with_mqa = empty_linear(d, m.latent_dim)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, m.latent_norm_eps)
+        self.kv_b_proj = empty_linear(m.kv_lora_rank, m.num_heads * (m.qk_nope_head_dim + m.v_head_dim))
+        if m.output_gate:
+            self.g_proj = empty_linear(d, m.num_heads * m.v_head_dim)
+        self.o_proj = empty_linear(m.num_heads * m.v_head_dim, d)
+
+    def queries(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "q_a_proj"):
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        return q.view(x.shape[0], self.num_heads, self.nope + self.rope)
+
+    def latents(self, x: torch.Tensor) -> torch.Tensor:
+        """The cached row of each token: [kv_a_layernorm(c) | k_rot], [N, R + Dr]."""
+        kv = self.kv_a_proj_with_mqa(x)
+        return torch.cat([self.kv_a_layernorm(kv[:, :self.rank]), kv[:, self.rank:]], dim=-1)
+
+    def kv_b_split(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, nope, R], W_UV [H, v, R]) views of kv_b_proj."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
+        return w[:, :self.nope], w[:, self.nope:]
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        n, h = x.shape[0], self.num_heads
+        q = self.queries(x)
+        latent = self.latents(x)
+        context = None
+        if ctx.cache is not None:
+            ctx.cache.store_mla(self.layer_id, latent)
+            context = ctx.cache.mla_context(self.layer_id)
+        if context is None:
+            o = self._plain(q, latent, ctx.cu_seqlens)
+        else:
+            o = self._absorbed(q, *context, ctx.cu_seqlens)
+        o = o.reshape(n, h * self.v_dim)
+        if hasattr(self, "g_proj"):
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)
+
+    def _plain(self, q, latent, cu_seqlens):
+        n, h = q.shape[0], self.num_heads
+        kv = self.kv_b_proj(latent[:, :self.rank]).view(n, h, self.nope + self.v_dim)
+        k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
+        k_rot = latent[:, None, self.rank:].expand(n, h, self.rope)
+        k = torch.cat([k_nope, k_rot], dim=-1)
+        return mla_ops.mla_prefill_attention(q, k, v.contiguous(), cu_seqlens, self.scale)
+
+    def _absorbed(self, q, rows, cu_kv, cu_q):
+        w_uk, w_uv = self.kv_b_split()
+        q_hat = torch.einsum("nhd,hdr->nhr", q[..., :self.nope], w_uk)
+        q_lat = torch.cat([q_hat, q[..., self.nope:]], dim=-1)
+        o_lat = mla_ops.mla_absorbed_attention(q_lat, rows, cu_q, cu_kv, self.rank, self.scale)
+        return torch.einsum("nhr,hvr->nhv", o_lat, w_uv)

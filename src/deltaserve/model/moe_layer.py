@@ -1,0 +1,91 @@
+"""FFN layers: the dense GLU MLP (layer 0, shared experts) and the MoE (spec/model.md §8-11)."""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from ..ops.activations import silu_and_mul, situ_and_mul
+from ..ops.moe import grouped_experts, route
+from .config import ModelConfig
+from .modules import RMSNorm, empty_linear
+
+
+def glu_activation(cfg: ModelConfig):
+    """SiTU for K3 (every GLU site), SwiGLU for Kimi-Linear."""
+    if cfg.hidden_act == "situ":
+        return functools.partial(situ_and_mul, beta=cfg.situ_beta, linear_beta=cfg.situ_linear_beta)
+    return silu_and_mul
+
+
+class GluMlp(nn.Module):
+    """`down(act(gate(x), up(x)))`; names gate_proj / up_proj / down_proj."""
+
+    def __init__(self, cfg: ModelConfig, hidden: int, width: int):
+        super().__init__()
+        self.gate_proj = empty_linear(hidden, width)
+        self.up_proj = empty_linear(hidden, width)
+        self.down_proj = empty_linear(width, hidden)
+        self.act = glu_activation(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+
+
+class Router(nn.Module):
+    """`gate.weight [E, D]` and the fp32 `e_score_correction_bias [E]` (selection only)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(cfg.moe.num_experts, cfg.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.moe.num_experts))
+
+
+class StackedExperts(nn.Module):
+    """All routed experts of a layer stacked: w1 (gate), w3 (up) [E, I, Din]; w2 [E, Din, I].
+    The loader assembles them from `experts.{e}.w{1,2,3}` tensors (bf16 or MXFP4)."""
+
+    def __init__(self, num_experts: int, width: int, d_in: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.zeros(num_experts, width, d_in))
+        self.w3 = nn.Parameter(torch.zeros(num_experts, width, d_in))
+        self.w2 = nn.Parameter(torch.zeros(num_experts, d_in, width))
+
+
+class MoeBlock(nn.Module):
+    """K3 latent MoE: router and shared experts read x, the routed experts read
+    z = routed_expert_down_proj(x); the weighted sum is normalised, then up-projected.
+    Kimi-Linear: routed experts read x directly."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        m = cfg.moe
+        self.cfg = m
+        self.gate = Router(cfg)
+        d_in = m.latent_size or cfg.hidden_size
+        if m.latent_size is not None:
+            self.routed_expert_down_proj = empty_linear(cfg.hidden_size, m.latent_size)
+            self.routed_expert_up_proj = empty_linear(m.latent_size, cfg.hidden_size)
+            if m.latent_norm:
+                self.routed_expert_norm = RMSNorm(m.latent_size, cfg.rms_norm_eps)
+        self.experts = StackedExperts(m.num_experts, m.intermediate_size, d_in)
+        if m.num_shared_experts:
+            self.shared_experts = GluMlp(cfg, cfg.hidden_size, m.num_shared_experts * m.intermediate_size)
+        self.act = glu_activation(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.cfg
+        weights, ids = route(x, self.gate.weight, self.gate.e_score_correction_bias, m.top_k,
+                             m.num_expert_group, m.topk_group, m.renormalize,
+                             m.routed_scaling_factor, m.bias_in_weights)
+        latent = hasattr(self, "routed_expert_down_proj")
+        z = self.routed_expert_down_proj(x) if latent else x
+        r = grouped_experts(z, ids, weights, self.experts.w1, self.experts.w3, self.experts.w2, self.act)
+        if latent:
+            if hasattr(self, "routed_expert_norm"):
+                r = self.routed_expert_norm(r)
+            r = self.routed_expert_up_proj(r)
+        if hasattr(self, "shared_experts"):
+            r = r + self.shared_experts(x)
+        return r

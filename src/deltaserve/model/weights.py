@@ -1,0 +1,204 @@
+"""safetensors checkpoint -> `KimiForCausalLM` (spec/model.md §15-16).
+
+- one file (`model.safetensors`) or shards listed in `model.safetensors.index.json`, memory-mapped;
+- K3 text names live under `language_model.`; vision tensors are skipped with a log line;
+- routed experts `…experts.{e}.w{1,2,3}.weight` (bf16) or `.weight_packed`/`.weight_scale`
+  (MXFP4, recognised by suffix) are stacked into the layer's `experts.w{1,2,3}`;
+- `A_log` arrives padded (K3, `[>=H]`, tail must be zero) or 4-D (`[1, 1, H, 1]`), stored `[H]`;
+- tensors saved in fp32 stay fp32; every other floating tensor takes the requested dtype;
+- missing, unexpected or mis-shaped tensors raise `CheckpointError` listing all of them.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from ..ops.mxfp4 import mxfp4_decode
+from .config import ModelConfig
+from .kimi import KimiForCausalLM
+
+log = logging.getLogger(__name__)
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\."
+                     r"(weight|weight_packed|weight_scale)$")
+_SKIP_PREFIXES = ("vision_tower.", "mm_projector.")
+_MAX_LISTED = 20
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not match the model its config describes."""
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> file that holds it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: malformed index ({e})") from None
+        files = {name: model_dir / fname for name, fname in weight_map.items()}
+        absent = sorted({str(p.name) for p in files.values() if not p.is_file()})
+        if absent:
+            raise CheckpointError(f"{index} names missing shard files: {absent}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+
+
+def _text_name(name: str, family: str) -> str | None:
+    """Checkpoint name -> model parameter name; None for tensors the text model ignores."""
+    if family == "kimi_k3":
+        if name.startswith(_SKIP_PREFIXES):
+            return None
+        if not name.startswith("language_model."):
+            return name  # reported as unexpected
+        name = name[len("language_model."):]
+        if name.startswith("layers."):  # older dumps drop the inner "model."
+            name = "model." + name
+    return name
+
+
+def _normalise_a_log(t: torch.Tensor, heads: int, name: str) -> torch.Tensor:
+    if t.dim() == 4 and t.shape[0] == t.shape[1] == t.shape[3] == 1:
+        t = t.reshape(-1)
+    if t.dim() != 1 or t.shape[0] < heads:
+        raise CheckpointError(f"{name}: A_log shape {tuple(t.shape)} does not hold {heads} heads")
+    if t.shape[0] > heads and torch.any(t[heads:] != 0):
+        raise CheckpointError(f"{name}: A_log padding beyond {heads} heads is not zero")
+    return t[:heads]
+
+
+def _target_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if t.dtype == torch.float32 else dtype
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.bfloat16,
+               device: str | torch.device = "cpu", config: ModelConfig | None = None,
+               progress: bool = True) -> KimiForCausalLM:
+    """Build the model from `config.json` and load every text tensor."""
+    model_dir = Path(model_dir)
+    dtype = resolve_dtype(dtype)
+    cfg = config or ModelConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = KimiForCausalLM(cfg)
+    params = dict(model.named_parameters())
+    expected = {n: tuple(p.shape) for n, p in params.items()}
+    files = checkpoint_files(model_dir)
+
+    loaded: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, str], dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
+    unexpected, bad_shape, bad_names, skipped = [], [], set(), 0
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name, path in files.items():
+        by_file[path].append(name)
+    bar = tqdm(total=len(files), desc="loading weights", unit="tensor", disable=not progress)
+    for path, names in by_file.items():
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for raw_name in names:
+                bar.update(1)
+                name = _text_name(raw_name, cfg.family)
+                if name is None:
+                    skipped += 1
+                    continue
+                m = _EXPERT.match(name)
+                if m:
+                    experts[(m.group(1), m.group(3))][int(m.group(2))][m.group(4)] = f.get_tensor(raw_name)
+                    continue
+                if name not in expected:
+                    unexpected.append(raw_name)
+                    continue
+                t = f.get_tensor(raw_name)
+                if name.endswith(".A_log"):
+                    t = _normalise_a_log(t, cfg.kda.num_heads, raw_name)
+                if tuple(t.shape) != expected[name]:
+                    bad_shape.append(f"{raw_name}: {tuple(t.shape)} != expected {expected[name]}")
+                    bad_names.add(name)
+                    continue
+                loaded[name] = t.to(device=device, dtype=_target_dtype(t, dtype))
+    bar.close()
+    if skipped:
+        log.info("skipped %d vision tensors (the vision tower is not served yet)", skipped)
+
+    for (prefix, proj), per_expert in experts.items():
+        name = f"{prefix}.{proj}"
+        if name not in expected:
+            unexpected.extend(f"{prefix}.{e}.{proj}" for e in sorted(per_expert))
+            continue
+        stacked, problems = _stack_experts(name, per_expert, expected[name], dtype, device)
+        bad_shape.extend(problems)
+        if stacked is None:
+            bad_names.add(name)
+        else:
+            loaded[name] = stacked
+    if cfg.tie_word_embeddings and "lm_head.weight" not in loaded and "model.embed_tokens.weight" in loaded:
+        loaded["lm_head.weight"] = loaded["model.embed_tokens.weight"]
+
+    missing = sorted(set(expected) - set(loaded) - bad_names)
+    problems = _report("missing", missing) + _report("unexpected", unexpected) + _report("mis-shaped", bad_shape)
+    if problems:
+        raise CheckpointError(f"checkpoint {model_dir} does not match its config:\n" + "\n".join(problems))
+    for name, tensor in loaded.items():
+        module_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(tensor, requires_grad=False))
+    model.eval()
+    return model
+
+
+def _stack_experts(name, per_expert, shape, dtype, device):
+    num, out_dim, in_dim = shape
+    problems = []
+    if sorted(per_expert) != list(range(num)):
+        absent = sorted(set(range(num)) - set(per_expert))
+        extra = sorted(set(per_expert) - set(range(num)))
+        return None, [f"{name}: experts missing {absent[:_MAX_LISTED]} / unexpected {extra[:_MAX_LISTED]}"]
+    out = torch.empty(shape, dtype=dtype, device=device)
+    for e in range(num):
+        parts = per_expert[e]
+        if "weight" in parts:
+            w = parts["weight"]
+        elif "weight_packed" in parts and "weight_scale" in parts:
+            try:
+                w = mxfp4_decode(parts["weight_packed"], parts["weight_scale"], dtype)
+            except ValueError as err:
+                problems.append(f"{name}[{e}]: {err}")
+                continue
+        else:
+            problems.append(f"{name}[{e}]: needs 'weight' or both 'weight_packed' and 'weight_scale'")
+            continue
+        if tuple(w.shape) != (out_dim, in_dim):
+            problems.append(f"{name}[{e}]: {tuple(w.shape)} != expected {(out_dim, in_dim)}")
+            continue
+        out[e] = w
+    return (None if problems else out), problems
+
+
+def _report(kind: str, items: list[str]) -> list[str]:
+    if not items:
+        return []
+    more = f" (+{len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else ""
+    return [f"{kind} tensors ({len(items)}): " + ", ".join(items[:_MAX_LISTED]) + more]
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """Accept torch dtypes or their names ("float32", "bfloat16", "fp32", "bf16")."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            raise ValueError(f"unsupported dtype {dtype}")
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+             "float64": torch.float64, "auto": torch.bfloat16}
+    if dtype not in names:
+        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(names)}")
+    return names[dtype]

@@ -1,0 +1,16 @@
+"""GLU activations (spec/model.md §10): SiTU (K3) and SwiGLU (Kimi-Linear)."""
+from __future__ import annotations
+
+import torch
+
+
+def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float,
+                 linear_beta: float | None) -> torch.Tensor:
+    """`[beta*tanh(gate/beta)*sigmoid(gate)] * [linear_beta*tanh(up/linear_beta)]`, computed in
+    fp32, cast back to gate's dtype. With linear_beta None the up branch passes unchanged."""
+    raise NotImplementedError
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` in the input dtype (as torch's nn.Linear MLPs compute it)."""
+    raise NotImplementedError
