@@ -10,24 +10,34 @@ Conventions shared by every function here:
 """
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
+
+_SLICE_ELEMS = 1 << 22   # cap on X*C*K elements of one batched intra-chunk call (memory bound)
 
 
 def kda_gate_sigmoid(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                      lower_bound: float = -5.0) -> torch.Tensor:
     """K3 gate: `g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias[h]))`.
     f: [N, H, K]; A_log: [H] (already sliced/flattened); dt_bias: [H*K]. Returns fp32 [N, H, K]."""
-    raise NotImplementedError
+    h, k = f.shape[-2:]
+    a = A_log.float().reshape(h, 1).exp()
+    return lower_bound * torch.sigmoid(a * (f.float() + dt_bias.float().view(h, k)))
 
 
 def kda_gate_softplus(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
     """Kimi-Linear gate: `g = -exp(A_log[h]) * softplus(f + dt_bias[h])`. Shapes as above."""
-    raise NotImplementedError
+    h, k = f.shape[-2:]
+    a = A_log.float().reshape(h, 1).exp()
+    return -a * F.softplus(f.float() + dt_bias.float().view(h, k), beta=1.0, threshold=20.0)
 
 
 def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """`x / sqrt(sum(x^2, -1) + eps)` in fp32 (eps inside the sqrt). Returns fp32."""
-    raise NotImplementedError
+    x = x.float()
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -38,14 +48,110 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tenso
     `y[t, c] = silu(sum_j weight[c, j] * u[t - (W-1) + j, c])`.
     Returns (y fp32 [N, C], final_tail [B, W-1, C] in x's dtype: the last W-1 inputs of each
     sequence, taking rows from initial_tail when a sequence is shorter than W-1)."""
-    raise NotImplementedError
+    n, c = x.shape
+    w = weight.shape[-1]
+    p = w - 1
+    cu = cu_seqlens.to(device=x.device, dtype=torch.long)
+    b = cu.numel() - 1
+    lens = cu[1:] - cu[:-1]
+    # extended stream: per sequence, its p tail rows then its tokens
+    ext = x.new_zeros((n + b * p, c), dtype=torch.float32)
+    seq = torch.repeat_interleave(torch.arange(b, device=x.device), lens, output_size=n)
+    tok_pos = torch.arange(n, device=x.device) + (seq + 1) * p
+    ext[tok_pos] = x.float()
+    rows = torch.arange(p, device=x.device)
+    if initial_tail is not None and p > 0:
+        tail_pos = (cu[:-1] + torch.arange(b, device=x.device) * p)[:, None] + rows
+        ext[tail_pos.reshape(-1)] = initial_tail.float().reshape(-1, c)
+    wt = weight.float().reshape(c, w)
+    acc = ext[: n + b * p - p] * wt[:, 0]
+    for j in range(1, w):
+        acc += ext[j: j + acc.shape[0]] * wt[:, j]
+    y = F.silu(acc[tok_pos - p])
+    end_pos = (cu[1:] + torch.arange(b, device=x.device) * p)[:, None] + rows
+    return y, ext[end_pos].to(x.dtype)
 
 
 def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor,
                        tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token per sequence. x: [B, C]; tail: [B, W-1, C].
     Returns (y fp32 [B, C], new_tail [B, W-1, C]) where new_tail = tail[:, 1:] ++ x."""
-    raise NotImplementedError
+    window = torch.cat([tail, x.to(tail.dtype).unsqueeze(1)], dim=1)          # [B, W, C]
+    y = F.silu(torch.einsum("bwc,cw->bc", window.float(), weight.float().reshape(x.shape[1], -1)))
+    return y, window[:, 1:].clone()
+
+
+def _excl_cumsum(x: torch.Tensor, dim: int, reverse: bool = False) -> torch.Tensor:
+    """Exclusive (reverse) cumulative sum by shifting, never by subtracting."""
+    if reverse:
+        return _excl_cumsum(x.flip(dim), dim).flip(dim)
+    out = torch.zeros_like(x)
+    n = x.shape[dim]
+    out.narrow(dim, 1, n - 1).copy_(x.narrow(dim, 0, n - 1).cumsum(dim))
+    return out
+
+
+def _intra_chunk(q, k, v, g, beta):
+    """WY/UT intra-chunk quantities of §6.3 for a batch of chunks (q already scaled).
+    q, k, g: [X, C, K] (C a power of two); v: [X, C, V]; beta: [X, C].
+    Returns W, U, A_qk, Qg = q*exp(G), Kd^T = (k*exp(G_C - G))^T, eGC = exp(G_C).
+    exp(G_i - G_j) is never formed as a ratio nor from a difference of cumulative sums: pairs are
+    split by halving the chunk; a pair (i, j) in sibling halves factors through the boundary r
+    between them, exp(G_i - G_r) * exp(G_r - G_j), where both exponents are same-sign sums of
+    g inside one half, so every exponent is <= 0 and has no cancellation."""
+    x_, c, kd = k.shape
+    a = q.new_zeros(x_, 2, c, c)                   # [:, 0] = A_qk, [:, 1] = strict K K^T part
+    a[:, 0].diagonal(0, -2, -1).copy_((q * k).sum(-1))
+    m = 1
+    while m < c:
+        p = c // (2 * m)
+        gv = g.view(x_, p, 2, m, kd)
+        e_row = gv[:, :, 1].cumsum(2).exp()                        # exp(G_i - G_r), i right
+        e_col = _excl_cumsum(gv[:, :, 0], 2, reverse=True).exp()   # exp(G_r - G_j), j left
+        rows = torch.cat([q.view(x_, p, 2, m, kd)[:, :, 1], k.view(x_, p, 2, m, kd)[:, :, 1]], 2)
+        cols = k.view(x_, p, 2, m, kd)[:, :, 0] * e_col
+        cross = (rows * e_row.repeat(1, 1, 2, 1)) @ cols.transpose(-1, -2)     # [X, p, 2m, m]
+        blocks = a.view(x_, 2, p, 2, m, p, 2, m).diagonal(0, 2, 5)[:, :, 1, :, 0]
+        blocks.copy_(cross.view(x_, p, 2, m, m).permute(0, 2, 3, 4, 1))
+        m *= 2
+    lmat = a[:, 1] * beta.unsqueeze(-1)
+    eg = g.cumsum(1).exp()
+    rhs = torch.cat([k * eg, v], dim=-1) * beta.unsqueeze(-1)
+    sol = torch.linalg.solve_triangular(lmat, rhs, upper=False, unitriangular=True)  # (I+L)^-1
+    kdt = (k * _excl_cumsum(g, 1, reverse=True).exp()).transpose(-1, -2).contiguous()
+    return sol[..., :kd], sol[..., kd:], a[:, 0], q * eg, kdt, g.sum(1).exp()
+
+
+def _chunk_plan(cu: torch.Tensor, export_offsets, chunk: int):
+    """Cut sequences at export offsets into segments and segments into chunks of <= `chunk`.
+    Returns chunk starts/lengths/sequence/position (global token order, ends strictly
+    increasing) and, for exports, the flat index of the chunk ending at each offset."""
+    lens = cu[1:] - cu[:-1]
+    cuts = [cu]
+    ex_end = None
+    if export_offsets is not None:
+        if len(export_offsets) != lens.numel():
+            raise ValueError("export_offsets needs one list per sequence")
+        seq = [b for b, offs in enumerate(export_offsets) for _ in offs]
+        offs = torch.tensor([o for e in export_offsets for o in e], dtype=torch.long)
+        seq = torch.tensor(seq, dtype=torch.long)
+        if offs.numel() and bool(((offs <= 0) | (offs > lens[seq])).any()):
+            raise ValueError("export offsets must satisfy 0 < o <= len_b")
+        ex_end = cu[seq] + offs
+        cuts.append(ex_end)
+    bnd = torch.unique(torch.cat(cuts))                       # sorted segment boundaries
+    seg_len = bnd[1:] - bnd[:-1]
+    per_seg = (seg_len + chunk - 1) // chunk
+    nc = int(per_seg.sum())
+    seg_of = torch.repeat_interleave(torch.arange(seg_len.numel()), per_seg, output_size=nc)
+    first = _excl_cumsum(per_seg, 0)
+    start = bnd[seg_of] + chunk * (torch.arange(nc) - first[seg_of])
+    length = torch.minimum(bnd[seg_of + 1] - start, torch.tensor(chunk))
+    seq_of = torch.searchsorted(cu[1:], start, right=True)
+    n_chunks = torch.bincount(seq_of, minlength=lens.numel())
+    pos = torch.arange(nc) - _excl_cumsum(n_chunks, 0)[seq_of]
+    ex_chunk = None if ex_end is None else torch.searchsorted(start + length, ex_end)
+    return start, length, seq_of, pos, n_chunks, ex_chunk
 
 
 def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -60,7 +166,73 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     at no extra pass (chunks are cut at requested offsets).
     Returns (o fp32 [N, H, V], final_state fp32 [B, H, K, V],
              exported fp32 [sum(len(e)), H, K, V] in (sequence, offset) order, or None)."""
-    raise NotImplementedError
+    n, h, dk = k.shape
+    dv = v.shape[-1]
+    dev = k.device
+    cu = cu_seqlens.detach().to("cpu", torch.long)
+    nseq = cu.numel() - 1
+    start, length, seq_of, pos, n_chunks, ex_chunk = _chunk_plan(cu, export_offsets, chunk_size)
+    nc = start.numel()
+    if nc == 0:
+        final = (torch.zeros(nseq, h, dk, dv, device=dev) if initial_state is None
+                 else initial_state.to(device=dev, dtype=torch.float32).clone())
+        none = None if export_offsets is None else final.new_empty(0, h, dk, dv)
+        return torch.zeros(n, h, dv, device=dev), final, none
+    # step-major chunk order: step p holds chunk p of every sequence with > p chunks, in the
+    # order of sequences sorted by chunk count (descending), so active states form a prefix
+    order = torch.argsort(n_chunks, descending=True, stable=True)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(nseq)
+    perm = torch.argsort(pos * max(nseq, 1) + rank[seq_of])
+    steps = torch.bincount(pos, minlength=1).tolist() if nc else []
+    width = 1 << (chunk_size - 1).bit_length()      # chunks padded to a power of two
+    i = torch.arange(width)
+    tok = torch.where(i < length[perm, None], start[perm, None] + i, n).reshape(-1).to(dev)
+
+    def gather(t, d):
+        t = torch.cat([t.float().reshape(n, h, d), t.new_zeros(1, h, d, dtype=torch.float32)])
+        return t[tok].view(nc, width, h, d).transpose(1, 2).reshape(nc * h, width, d)
+
+    qc, kc, vc, gc = gather(q, dk) * scale, gather(k, dk), gather(v, dv), gather(g, dk)
+    bc = gather(beta, 1).squeeze(-1)
+    per = max(1, _SLICE_ELEMS // (width * dk))
+    parts = [_intra_chunk(qc[a:a + per], kc[a:a + per], vc[a:a + per], gc[a:a + per], bc[a:a + per])
+             for a in range(0, nc * h, per)]
+    w_, u_, aqk, qg, kdt, egc = (torch.cat(p) for p in zip(*parts))
+    del qc, kc, vc, gc, bc, parts
+
+    if initial_state is None:
+        state = torch.zeros(nseq * h, dk, dv, device=dev)
+    else:
+        state = initial_state.to(device=dev, dtype=torch.float32)[order.to(dev)].reshape(-1, dk, dv)
+    slot = torch.full((nc,), -1, dtype=torch.long)
+    uniq = inverse = None
+    if ex_chunk is not None:
+        uniq, inverse = torch.unique(ex_chunk, return_inverse=True)
+        inv_perm = torch.empty_like(perm)
+        inv_perm[perm] = torch.arange(nc)
+        slot[inv_perm[uniq]] = torch.arange(uniq.numel())
+        saved = state.new_empty(uniq.numel(), h, dk, dv)
+    out = torch.empty(nc * h, width, dv, device=dev)
+    c0 = 0
+    for na in steps:                 # heads and active sequences batched; rows = chunk*H + head
+        sl, s = slice(c0 * h, (c0 + na) * h), state[:na * h]
+        delta = torch.baddbmm(u_[sl], w_[sl], s, alpha=-1.0)
+        torch.baddbmm(torch.bmm(aqk[sl], delta), qg[sl], s, out=out[sl])
+        s = torch.baddbmm(egc[sl].unsqueeze(-1) * s, kdt[sl], delta)
+        state[:na * h] = s
+        if uniq is not None:
+            hit = torch.nonzero(slot[c0:c0 + na] >= 0).squeeze(1)
+            if hit.numel():
+                saved[slot[c0:c0 + na][hit].to(dev)] = s.view(na, h, dk, dv)[hit.to(dev)]
+        c0 += na
+    state = state.view(nseq, h, dk, dv)
+    final = torch.empty_like(state)
+    final[order.to(dev)] = state
+    o = torch.empty(n + 1, h, dv, device=dev)
+    o[tok] = out.view(nc, h, width, dv).transpose(1, 2).reshape(nc * width, h, dv)
+    exported = None if uniq is None else saved[inverse.to(dev)]
+    return o[:n], final, exported
 
 
 def kda_recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -69,4 +241,13 @@ def kda_recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     q, k, g: [B, H, K]; v: [B, H, V]; beta: [B, H]; state: fp32 [B, H, K, V].
     S <- diag(exp(g)) S;  S <- S + beta k (v - S^T k)^T;  o = scale * S^T q.
     Returns o fp32 [B, H, V]."""
-    raise NotImplementedError
+    k = k.float()
+    state.mul_(g.float().exp().unsqueeze(-1))
+    kv = (k.unsqueeze(-2) @ state).squeeze(-2)
+    delta = beta.float().unsqueeze(-1) * (v.float() - kv)
+    if state.is_contiguous():
+        dk, dv = state.shape[-2:]
+        state.view(-1, dk, dv).baddbmm_(k.reshape(-1, dk, 1), delta.reshape(-1, 1, dv))
+    else:
+        state.add_(k.unsqueeze(-1) * delta.unsqueeze(-2))
+    return scale * (q.float().unsqueeze(-2) @ state).squeeze(-2)
