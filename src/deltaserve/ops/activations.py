@@ -8,9 +8,12 @@ def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float,
                  linear_beta: float | None) -> torch.Tensor:
     """`[beta*tanh(gate/beta)*sigmoid(gate)] * [linear_beta*tanh(up/linear_beta)]`, computed in
     fp32, cast back to gate's dtype. With linear_beta None the up branch passes unchanged."""
-    raise NotImplementedError
+    g, u = gate.float(), up.float()
+    left = beta * torch.tanh(g / beta) * torch.sigmoid(g)
+    right = u if linear_beta is None else linear_beta * torch.tanh(u / linear_beta)
+    return (left * right).to(gate.dtype)
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` in the input dtype (as torch's nn.Linear MLPs compute it)."""
-    raise NotImplementedError
+    return torch.nn.functional.silu(gate) * up

@@ -10,4 +10,8 @@ def attn_res_mix(cur: torch.Tensor, bank: list[torch.Tensor], proj: torch.Tensor
     proj, norm: [D] (a checkpoint's [1, D] proj flattened). Scores are
     `rmsnorm_weightless(X) . (norm * proj)` in fp32 with no 1/sqrt(D); the RAW X are mixed in
     fp32 and the result is cast to cur's dtype."""
-    raise NotImplementedError
+    x = torch.stack([*bank, cur]).float()                           # [S, N, D], cur last
+    xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    scores = xn @ (norm.float() * proj.float())                      # [S, N]
+    a = torch.softmax(scores, dim=0)
+    return (a.unsqueeze(-1) * x).sum(0).to(cur.dtype)
