@@ -151,7 +151,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.bfloat16,
     for name, tensor in loaded.items():
         module_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(tensor, requires_grad=False))
-    model.eval()
+    model.eval()  # safe: nn.Module.eval (inference mode), not Python eval
     return model
 
 
