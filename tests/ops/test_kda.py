@@ -2,7 +2,7 @@
 
 Tolerances: fast ops run in fp32; oracles run in float64 on the same (fp32-representable)
 inputs. Recurrence outputs and states are O(1), and the fp32 chunked path lands within ~1e-6 of
-the oracle, so STATE_TOL (2e-6 rtol and atol) leaves margin and would still catch a wrong
+the oracle, so STATE_TOL (5e-6 rtol and atol) leaves a >5x margin and would still catch a wrong
 decay, order or offset. Elementwise ops use ELEM_TOL. Copies (conv tails) must match exactly.
 """
 from __future__ import annotations
@@ -16,12 +16,12 @@ from deltaserve.ops import kda as K
 from deltaserve.ops.reference import kda as R
 
 F64 = torch.float64
-STATE_TOL = dict(rtol=2e-6, atol=2e-6)
+STATE_TOL = dict(rtol=5e-6, atol=5e-6)
 ELEM_TOL = dict(rtol=1e-6, atol=1e-6)
 
 
 def _cu(lens):
-    return torch.tensor([0] + list(torch.tensor(lens, dtype=torch.long).cumsum(0)), dtype=torch.long)
+    return torch.tensor([0] + torch.tensor(lens, dtype=torch.long).cumsum(0).tolist())
 
 
 def _inputs(lens, h, dk, dv, g_lo=-1.0, g_hi=0.0, seed=0):
@@ -103,7 +103,8 @@ def test_l2_norm_eps_inside_sqrt():
     x[..., 0] = 1e-3                            # sum x^2 = 1e-6 = eps
     y = K.l2_norm(x)
     # eps inside the sqrt: 1e-3 / sqrt(2e-6) = 0.70711; outside: ~0.999; eps 1e-5: ~0.3015
-    torch.testing.assert_close(y[..., 0], torch.full((2, 3), 1.0 / math.sqrt(2.0)), rtol=1e-6, atol=0)
+    want = torch.full((2, 3), 1.0 / math.sqrt(2.0))
+    torch.testing.assert_close(y[..., 0], want, rtol=1e-6, atol=0)
     xr = torch.randn(7, 4, 128, dtype=torch.bfloat16)
     yr = K.l2_norm(xr)
     assert yr.dtype == torch.float32
@@ -130,7 +131,8 @@ def test_causal_conv1d_varlen_matches_oracle(with_tail):
     wt = torch.randn(c, w, generator=gen)
     tail = torch.randn(len(lens), w - 1, c, generator=gen) if with_tail else None
     y, t = K.causal_conv1d(x, wt, _cu(lens), tail)
-    y_ref, t_ref = _conv_oracle(x.double(), wt.double(), lens, None if tail is None else tail.double())
+    tail64 = None if tail is None else tail.double()
+    y_ref, t_ref = _conv_oracle(x.double(), wt.double(), lens, tail64)
     assert y.dtype == torch.float32 and t.dtype == x.dtype and t.shape == (len(lens), w - 1, c)
     _close(y, y_ref, ELEM_TOL)
     assert torch.equal(t.double(), t_ref)       # tails are copies of pre-conv inputs
@@ -189,10 +191,11 @@ def test_kda_chunked_varlen_matches_recurrent_oracle(h, dk, dv):
     _close(s, s_ref, STATE_TOL)
 
 
-def test_kda_chunked_zero_initial_state_and_empty_sequence():
+def test_kda_chunked_zero_state_empty_sequence_strided_inputs():
     lens, h, d = [0, 70, 0, 3], 2, 16
     q, k, v, g, beta, s0 = _inputs(lens, h, d, d, seed=7)
-    o, s, _ = K.kda_chunked(*_f32(q, k, v, g, beta), _cu(lens), 0.25)
+    q32, k32, v32 = torch.stack(_f32(q, k, v), 1).unbind(1)   # strided views, like the layer's
+    o, s, _ = K.kda_chunked(q32, k32, v32, g.float(), beta.float(), _cu(lens), 0.25)
     o_ref, s_ref = _oracle(lens, q, k, v, g, beta, torch.zeros_like(s0), 0.25)
     _close(o, o_ref, STATE_TOL)
     _close(s, s_ref, STATE_TOL)

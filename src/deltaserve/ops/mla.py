@@ -2,24 +2,98 @@
 
 The latent cache row of a token is `[c_hat (kv_lora_rank) | k_rot (qk_rope_head_dim)]`,
 c_hat already normalised. Nothing here is rotated: there are no positions in the text model.
+
+Both ops pad the packed sequences into batches and call torch's scaled_dot_product_attention,
+whose CPU flash kernel is blockwise (no [T, T] score matrix) and runs the softmax in fp32 for
+bf16 inputs (measured: bf16 output error equals that of an fp32 upcast, i.e. the output
+rounding). The flash kernel needs equal q/k/v head dims, so v is zero-padded where narrower.
+Sequences are grouped into length buckets (`length_buckets`) so that padding wastes at most
+about 2x the real attention work.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+_BUCKET_SLACK = 1 << 16     # padded work (query x key pairs) always tolerated per bucket
+_FOLD_LIMIT = 1 << 27       # max mask elements for the head-folded (MQA) absorbed path
+
+
+def length_buckets(ns: list[int], cs: list[int], waste: float = 2.0,
+                   slack: int = _BUCKET_SLACK) -> list[list[int]]:
+    """Group sequences (n_b queries over c_b keys each) into buckets padded to one batch.
+    A bucket's padded work `len * max(n) * max(c)` stays within `waste * sum(n_b * c_b) + slack`.
+    Sequences with no query are dropped. Returns lists of sequence indices."""
+    order = sorted((b for b in range(len(ns)) if ns[b] > 0),
+                   key=lambda b: (ns[b] * cs[b], ns[b]), reverse=True)
+    buckets: list[list[int]] = []
+    cur: list[int] = []
+    max_n = max_c = work = 0
+    for b in order:
+        n, c = ns[b], cs[b]
+        mn, mc = max(max_n, n), max(max_c, c)
+        if cur and (len(cur) + 1) * mn * mc > waste * (work + n * c) + slack:
+            buckets.append(cur)
+            cur, mn, mc, work = [], n, c, 0
+        cur.append(b)
+        max_n, max_c, work = mn, mc, work + n * c
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+def _pad_index(starts: torch.Tensor, lens: torch.Tensor, width: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(src rows in the packed tensor, dst rows in the [len(lens) * width] padded tensor)."""
+    seg = torch.repeat_interleave(torch.arange(len(lens)), lens)
+    first = torch.cumsum(lens, 0) - lens
+    t = torch.arange(int(lens.sum())) - first[seg]
+    return starts[seg] + t, seg * width + t
+
+
+def _padded(x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, rows: int) -> torch.Tensor:
+    out = x.new_zeros((rows,) + tuple(x.shape[1:]))
+    out[dst] = x[src]
+    return out
+
+
+def _lens(cu: torch.Tensor) -> tuple[list[int], list[int]]:
+    cu = [int(v) for v in cu.tolist()]
+    return cu[:-1], [b - a for a, b in zip(cu[:-1], cu[1:])]
 
 
 def mla_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention within each packed sequence (unabsorbed form).
     q, k: [N, H, Dqk]; v: [N, H, Dv]; returns [N, H, Dv] in q's dtype (softmax in fp32)."""
-    n = q.shape[0]
-    seq = torch.repeat_interleave(torch.arange(cu_seqlens.numel() - 1, device=q.device),
-                                  cu_seqlens.diff())
-    pos = torch.arange(n, device=q.device)
-    allowed = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])     # [N, N]
-    scores = torch.einsum("nhd,mhd->hnm", q.float(), k.float()) * scale
-    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-    return torch.einsum("hnm,mhd->nhd", probs, v.float()).to(q.dtype)
+    n_tok, h, dqk = q.shape
+    dv = v.shape[-1]
+    d = max(dqk, dv)
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    if dqk < d:
+        q, k = F.pad(q, (0, d - dqk)), F.pad(k, (0, d - dqk))
+    if dv < d:
+        v = F.pad(v, (0, d - dv))
+    starts, lens = _lens(cu_seqlens)
+    out = q.new_empty(n_tok, h, dv)
+    for bucket in length_buckets(lens, lens):
+        b_lens = torch.tensor([lens[b] for b in bucket])
+        width = int(b_lens.max())
+        nb = len(bucket)
+        if nb == 1:
+            s0 = starts[bucket[0]]
+            sl = slice(s0, s0 + width)
+            qp, kp, vp = (t[sl].unsqueeze(0).transpose(1, 2) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
+            out[sl] = o[0].transpose(0, 1)[..., :dv]
+            continue
+        src, dst = _pad_index(torch.tensor([starts[b] for b in bucket]), b_lens, width)
+        qp, kp, vp = (_padded(t, src, dst, nb * width).view(nb, width, h, d).transpose(1, 2)
+                      for t in (q, k, v))
+        # Left-aligned padding: the causal mask alone hides padded keys from real queries.
+        o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
+        out[src] = o.transpose(1, 2).reshape(nb * width, h, d)[dst, :, :dv]
+    return out
 
 
 def mla_absorbed_attention(q_latent: torch.Tensor, kv_latent: torch.Tensor,
@@ -30,14 +104,37 @@ def mla_absorbed_attention(q_latent: torch.Tensor, kv_latent: torch.Tensor,
     latent rows of every sequence's full context (cached + new), packed by cu_kv.
     Query i of sequence b (of n_b queries, c_b context rows) sits at position c_b - n_b + i and
     sees context rows [0, c_b - n_b + i]. Keys are the full rows, values the first R columns.
-    Returns the latent outputs [Nq, H, R] in q_latent's dtype (softmax in fp32)."""
-    dev = q_latent.device
-    nq_per, nkv_per = cu_q.diff(), cu_kv.diff()
-    q_seq = torch.repeat_interleave(torch.arange(nq_per.numel(), device=dev), nq_per)
-    kv_seq = torch.repeat_interleave(torch.arange(nkv_per.numel(), device=dev), nkv_per)
-    q_pos = torch.arange(q_latent.shape[0], device=dev) - cu_q[q_seq] + (nkv_per - nq_per)[q_seq]
-    kv_pos = torch.arange(kv_latent.shape[0], device=dev) - cu_kv[kv_seq]
-    allowed = (q_seq[:, None] == kv_seq[None, :]) & (kv_pos[None, :] <= q_pos[:, None])
-    scores = torch.einsum("nhc,mc->hnm", q_latent.float(), kv_latent.float()) * scale
-    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-    return torch.einsum("hnm,mr->nhr", probs, kv_latent[:, :kv_lora_rank].float()).to(q_latent.dtype)
+    Returns the latent outputs [Nq, H, R] in q_latent's dtype (softmax in fp32).
+
+    The full rows serve as values too (equal head dims keep SDPA on its flash kernel); the
+    output's last Dr columns are dropped. Few queries (decode): heads are folded into the query
+    axis against one shared KV head; many queries: SDPA's native GQA broadcast."""
+    nq, h, dk = q_latent.shape
+    kv = kv_latent.to(q_latent.dtype)
+    q_starts, ns = _lens(cu_q)
+    kv_starts, cs = _lens(cu_kv)
+    if len(ns) != len(cs) or any(n > c for n, c in zip(ns, cs)):
+        raise ValueError("every sequence needs at least as many context rows as queries")
+    out = q_latent.new_empty(nq, h, kv_lora_rank)
+    for bucket in length_buckets(ns, cs):
+        b_n = torch.tensor([ns[b] for b in bucket])
+        b_c = torch.tensor([cs[b] for b in bucket])
+        nb, mq, mc = len(bucket), int(b_n.max()), int(b_c.max())
+        q_src, q_dst = _pad_index(torch.tensor([q_starts[b] for b in bucket]), b_n, mq)
+        k_src, k_dst = _pad_index(torch.tensor([kv_starts[b] for b in bucket]), b_c, mc)
+        qp = _padded(q_latent, q_src, q_dst, nb * mq).view(nb, mq, h, dk)
+        kp = _padded(kv, k_src, k_dst, nb * mc).view(nb, 1, mc, dk)
+        # Padded query rows see padded (zero) keys: finite, and dropped below.
+        last = (b_c - b_n).view(nb, 1, 1) + torch.arange(mq).view(1, mq, 1)
+        allowed = torch.arange(mc).view(1, 1, mc) <= last                      # [nb, mq, mc]
+        if nb * mq * h * mc <= _FOLD_LIMIT:
+            mask = allowed[:, None, :, None, :].expand(nb, 1, mq, h, mc).reshape(nb, 1, mq * h, mc)
+            o = F.scaled_dot_product_attention(qp.view(nb, 1, mq * h, dk), kp, kp,
+                                               attn_mask=mask, scale=scale)
+            o = o.view(nb * mq, h, dk)
+        else:
+            o = F.scaled_dot_product_attention(qp.transpose(1, 2), kp, kp, attn_mask=allowed[:, None],
+                                               scale=scale, enable_gqa=True)
+            o = o.transpose(1, 2).reshape(nb * mq, h, dk)
+        out[q_src] = o[q_dst, :, :kv_lora_rank]
+    return out

@@ -97,5 +97,6 @@ def naive_chunk_kda(q, k, v, g, beta, scale, initial_state=None, chunk_size=64):
         delta = u - w @ s
         out.append(torch.exp(gcum) * qc @ s + a_qk @ delta)
         g_last = gcum[:, -1:]
-        s = torch.exp(g_last).transpose(1, 2) * s + (kc * torch.exp(g_last - gcum)).transpose(1, 2) @ delta
+        k_dec = (kc * torch.exp(g_last - gcum)).transpose(1, 2)
+        s = torch.exp(g_last).transpose(1, 2) * s + k_dec @ delta
     return torch.cat(out, 1).transpose(0, 1)[:t_len], s
