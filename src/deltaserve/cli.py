@@ -37,11 +37,51 @@ def _add_make_tiny(sub) -> None:
     p.set_defaults(func=_make_tiny)
 
 
+def _generate(args: argparse.Namespace) -> int:
+    import logging
+
+    from .engine.llm import LLM
+    from .engine.sampling_params import SamplingParams
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
+              kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
+              num_threads=args.threads)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    for out in llm.generate(args.prompt, params):
+        print(f"{out.prompt!r} -> {out.outputs[0].text!r} ({out.outputs[0].finish_reason})")
+    print(llm.stats())
+    return 0
+
+
+def _budget(v: str) -> int | float:
+    return float(v) if "." in v else int(v)
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="run prompts through the offline engine and print the outputs")
+    p.add_argument("--model", required=True, type=Path, help="checkpoint directory")
+    p.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--kv-cache-memory", type=_budget, default=0.1,
+                   help="bytes (integer) or a fraction of RAM (with a dot, e.g. 0.1)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.set_defaults(func=_generate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltaserve",
                                      description="deltaserve: a serving engine for Kimi K3 / Kimi-Linear")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_make_tiny,):
+    for add in (_add_make_tiny, _add_generate):
         add(sub)
     return parser
 

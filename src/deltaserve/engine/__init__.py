@@ -1,0 +1,1 @@
+"""The engine: requests, sampling, scheduling and the offline `LLM` API."""

@@ -1,0 +1,92 @@
+"""Sizing the two pools from one memory budget (spec/serving.md §1.1: per-layer-type costs).
+
+A running sequence owns exactly one KDA slot, so the KDA pool gets `max_num_seqs` slots and every
+remaining byte goes to MLA pages. The budget must hold at least `max_model_len` tokens of MLA
+pages, otherwise a lone long request could never run (it would re-prefill forever).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..model.config import ModelConfig
+from .kda_pool import KdaStatePool
+from .mla_pool import MlaPagePool
+
+log = logging.getLogger(__name__)
+
+
+def total_ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def resolve_budget(kv_cache_memory: int | float) -> int:
+    """An int is bytes; a float in (0, 1] is a fraction of physical RAM."""
+    if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, (int, float)):
+        raise ValueError(f"kv_cache_memory must be bytes (int) or a RAM fraction (float), got {kv_cache_memory!r}")
+    if isinstance(kv_cache_memory, float):
+        if not 0.0 < kv_cache_memory <= 1.0:
+            raise ValueError(f"kv_cache_memory as a fraction must lie in (0, 1], got {kv_cache_memory}")
+        return int(kv_cache_memory * total_ram_bytes())
+    if kv_cache_memory <= 0:
+        raise ValueError(f"kv_cache_memory must be positive, got {kv_cache_memory}")
+    return kv_cache_memory
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    page_size: int
+    num_pages: int
+    num_slots: int
+    page_bytes: int
+    slot_bytes: int
+    kv_dtype: torch.dtype
+    state_dtype: torch.dtype
+
+    @property
+    def token_capacity(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_pages * self.page_bytes + self.num_slots * self.slot_bytes
+
+
+def kda_shapes(cfg: ModelConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    k = cfg.kda
+    return (k.conv_kernel - 1, 3 * k.proj_dim), (k.num_heads, k.head_dim, k.head_dim)
+
+
+def plan_layout(cfg: ModelConfig, budget_bytes: int, max_num_seqs: int, max_model_len: int,
+                page_size: int, kv_dtype: torch.dtype, state_dtype: torch.dtype = torch.float32) -> CacheLayout:
+    if page_size < 1 or max_num_seqs < 1:
+        raise ValueError("page_size and max_num_seqs must be positive")
+    tail, state = kda_shapes(cfg)
+    slot_bytes = KdaStatePool.bytes_per_slot(len(cfg.kda_layer_ids), tail, state, kv_dtype, state_dtype)
+    page_bytes = MlaPagePool.bytes_per_page(len(cfg.mla_layer_ids), page_size, cfg.mla.latent_dim, kv_dtype)
+    left = budget_bytes - max_num_seqs * slot_bytes
+    num_pages = left // page_bytes if page_bytes and left > 0 else 0
+    need = -(-max_model_len // page_size)
+    if num_pages < need:
+        raise ValueError(
+            f"kv_cache_memory={budget_bytes} B cannot hold {max_num_seqs} KDA slots "
+            f"({slot_bytes} B each) plus MLA pages for max_model_len={max_model_len} tokens "
+            f"({need} pages of {page_bytes} B); raise kv_cache_memory or lower max_num_seqs/max_model_len")
+    layout = CacheLayout(page_size, int(num_pages), max_num_seqs, page_bytes, slot_bytes, kv_dtype, state_dtype)
+    log.info("KV cache: %d MLA pages x %d tokens = %d tokens (%.1f MiB), %d KDA slots (%.1f MiB)",
+             layout.num_pages, page_size, layout.token_capacity, layout.num_pages * page_bytes / 2**20,
+             max_num_seqs, max_num_seqs * slot_bytes / 2**20)
+    return layout
+
+
+def build_pools(cfg: ModelConfig, layout: CacheLayout, device: torch.device | str = "cpu"
+                ) -> tuple[MlaPagePool, KdaStatePool]:
+    tail, state = kda_shapes(cfg)
+    mla = MlaPagePool(cfg.mla_layer_ids, layout.num_pages, layout.page_size, cfg.mla.latent_dim,
+                      layout.kv_dtype, device)
+    kda = KdaStatePool(cfg.kda_layer_ids, layout.num_slots, tail, state, layout.kv_dtype,
+                       layout.state_dtype, device)
+    return mla, kda

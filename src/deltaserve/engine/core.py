@@ -1,0 +1,181 @@
+"""`EngineCore`: requests in, finished `RequestOutput`s out, one scheduler step at a time.
+
+All validation happens in `add_request` before anything is queued, so a rejected request leaves
+no trace; finished and aborted sequences free their cache in the same call.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.manager import CacheManager
+from ..model.kimi import KimiForCausalLM
+from .detokenizer import IncrementalDetokenizer
+from .outputs import CompletionOutput, Logprob, RequestOutput
+from .runner import ModelRunner
+from .sampler import SamplingRow
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import InvalidRequestError, Sequence, SeqStatus
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    seqs: list[Sequence]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+
+class EngineCore:
+    def __init__(self, model: KimiForCausalLM, tokenizer, cache: CacheManager, *, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int, seed: int = 0):
+        self.model, self.tokenizer, self.cache = model, tokenizer, cache
+        self.max_model_len = max_model_len
+        self.scheduler = Scheduler(cache, max_num_seqs, max_num_batched_tokens)
+        self.runner = ModelRunner(model, cache)
+        self.requests: dict[str, _Request] = {}
+        self.counters: Counter[str] = Counter()
+        self._rng = torch.Generator().manual_seed(seed)
+        self._next_seq = 0
+        eos = set(tokenizer.stop_token_ids) if tokenizer is not None else set()
+        if model.config.eos_token_id is not None:
+            eos.add(model.config.eos_token_id)
+        self.eos_ids = frozenset(eos)
+
+    def validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidRequestError(f"prompt token ids must be ints in [0, {vocab})")
+        if len(prompt_ids) > self.max_model_len:
+            raise InvalidRequestError(f"prompt of {len(prompt_ids)} tokens is longer than "
+                                      f"max_model_len={self.max_model_len}")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer (skip_tokenizer_init=True)")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"stop_token_ids outside [0, {vocab}): {bad}")
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None) -> None:
+        self.validate(request_id, prompt_ids, params)
+        seqs = []
+        for i in range(params.n):
+            gen = torch.Generator().manual_seed((params.seed + i) % 2**64) if params.seed is not None else self._rng
+            detok = IncrementalDetokenizer(self.tokenizer, params) if self.tokenizer is not None else None
+            seqs.append(Sequence(self._next_seq, request_id, i, list(prompt_ids), params, gen, detok,
+                                 logprobs=[] if params.logprobs is not None else None))
+            self._next_seq += 1
+        self.requests[request_id] = _Request(request_id, prompt, list(prompt_ids), seqs)
+        for s in seqs:
+            self.scheduler.add(s)
+        self.counters["requests_added"] += 1
+        self.counters["prompt_tokens"] += len(prompt_ids) * params.n
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for s in req.seqs:
+            if not s.finished:
+                self.scheduler.remove(s)
+                self._finish(s, "abort")
+        self.counters["requests_aborted"] += 1
+        return self._output(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def _banned(self, seq: Sequence) -> list[int]:
+        if len(seq.output_ids) >= seq.params.min_tokens:
+            return []
+        stop = set(seq.params.stop_token_ids)
+        if not seq.params.ignore_eos:
+            stop |= self.eos_ids
+        return sorted(stop)
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step; returns the requests that finished in it."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        rows = [SamplingRow(s.seq.params, s.seq.generator, s.seq.prompt_ids, s.seq.output_ids,
+                            banned_ids=self._banned(s.seq)) if s.completes else None for s in scheduled]
+        sampled = self.runner.execute(scheduled, rows)
+        self.counters["steps"] += 1
+        self.counters["computed_tokens"] += sum(s.num_new for s in scheduled)
+        done: list[RequestOutput] = []
+        j = 0
+        for s, row in zip(scheduled, rows):
+            s.seq.num_computed += s.num_new
+            if row is None:
+                continue
+            self._append(s.seq, sampled.token_ids[j], sampled.logprobs[j])
+            j += 1
+            if s.seq.finished:
+                self.scheduler.remove(s.seq)
+                req = self.requests[s.seq.request_id]
+                if req.finished:
+                    del self.requests[req.request_id]
+                    self.counters["requests_finished"] += 1
+                    done.append(self._output(req))
+        return done
+
+    def _append(self, seq: Sequence, token: int, lp) -> None:
+        seq.output_ids.append(token)
+        self.counters["generated_tokens"] += 1
+        if lp is not None and seq.logprobs is not None:
+            entry = {t: Logprob(v, None, self._piece(t)) for t, v in lp.top.items()}
+            entry[token] = Logprob(lp.logprob, lp.rank, self._piece(token))
+            seq.logprobs.append(entry)
+            seq.cumulative_logprob += lp.logprob
+        p = seq.params
+        if len(seq.output_ids) >= p.min_tokens and (token in p.stop_token_ids or
+                                                     (token in self.eos_ids and not p.ignore_eos)):
+            self._finish(seq, "stop", token if token in p.stop_token_ids else None)
+        elif seq.detokenizer is not None and seq.detokenizer.append(token):
+            self._finish(seq, "stop", seq.detokenizer.stop_reason)
+        elif (p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens) or \
+                seq.num_tokens >= self.max_model_len:
+            self._finish(seq, "length")
+
+    def _piece(self, token: int) -> str | None:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else None
+
+    @staticmethod
+    def _finish(seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        """Mark finished; the detokenizer's last delta flushes a dangling UTF-8 tail as U+FFFD so
+        `text == decode(token_ids)`. The flushed piece is kept for streaming consumers."""
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        if seq.detokenizer is not None:
+            seq.final_delta = seq.detokenizer.delta(final=True)
+
+    @staticmethod
+    def _output(req: _Request) -> RequestOutput:
+        outs = [CompletionOutput(s.index, s.text, list(s.output_ids),
+                                 s.cumulative_logprob if s.logprobs is not None else None,
+                                 s.logprobs, s.finish_reason, s.stop_reason) for s in req.seqs]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, req.finished)
+
+    def stats(self) -> dict[str, int]:
+        out = {k: self.counters[k] for k in ("steps", "requests_added", "requests_finished",
+                                             "requests_aborted", "prompt_tokens", "computed_tokens",
+                                             "generated_tokens")}
+        out["preemptions"] = self.scheduler.num_preemptions
+        out["num_running"] = len(self.scheduler.running)
+        out["num_waiting"] = len(self.scheduler.waiting)
+        out.update(self.cache.usage())
+        return out

@@ -1,0 +1,104 @@
+"""Offline API shaped like vLLM's: `LLM(model_dir, ...).generate(prompts, params)`."""
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..cache import CacheManager, build_pools, plan_layout, resolve_budget
+from ..model import load_model, resolve_dtype
+from ..model.tokenizer import Tokenizer
+from .core import EngineCore
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+from .sequence import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_FRACTION = 0.1
+
+
+class LLM:
+    """Loads a checkpoint, sizes the caches and runs requests to completion.
+
+    `kv_cache_memory` is bytes (int) or a fraction of physical RAM (float); `max_model_len`
+    defaults to the config's `max_position_embeddings`. With `skip_tokenizer_init=True` no
+    tokenizer is loaded: prompts must be token ids and outputs carry no text.
+    """
+
+    def __init__(self, model: str | Path, dtype: torch.dtype | str = "bfloat16", *, max_num_seqs: int = 16,
+                 max_num_batched_tokens: int = 2048, page_size: int = 16,
+                 kv_cache_memory: int | float = DEFAULT_KV_CACHE_FRACTION, max_model_len: int | None = None,
+                 kv_state_dtype: torch.dtype | str = "float32", skip_tokenizer_init: bool = False,
+                 seed: int = 0, device: str = "cpu", num_threads: int | None = None, progress: bool = True):
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        dtype = resolve_dtype(dtype)
+        self.model = load_model(model, dtype=dtype, device=device, progress=progress)
+        self.tokenizer = None if skip_tokenizer_init else Tokenizer.from_pretrained(model)
+        cfg = self.model.config
+        self.max_model_len = max_model_len or cfg.max_position_embeddings
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        layout = plan_layout(cfg, resolve_budget(kv_cache_memory), max_num_seqs, self.max_model_len,
+                             page_size, dtype, resolve_dtype(kv_state_dtype))
+        self.cache = CacheManager(*build_pools(cfg, layout, device))
+        self.engine = EngineCore(self.model, self.tokenizer, self.cache, max_num_seqs=max_num_seqs,
+                                 max_num_batched_tokens=max_num_batched_tokens,
+                                 max_model_len=self.max_model_len, seed=seed)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.tokenizer
+
+    def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("text prompts need a tokenizer (skip_tokenizer_init=True)")
+            return prompt, self.tokenizer.encode(prompt, allow_special=True)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise InvalidRequestError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__}")
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Outputs in prompt order. Every request is validated before any is queued; if the run
+        is interrupted, the unfinished requests of this call are aborted (cache freed)."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequestError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        staged = []
+        for prompt, p in zip(prompts, params):
+            text, ids = self._prompt_ids(prompt)
+            rid = str(next(self._ids))
+            self.engine.validate(rid, ids, p)
+            staged.append((rid, ids, p, text))
+        results: dict[str, RequestOutput] = {}
+        try:
+            for rid, ids, p, text in staged:
+                self.engine.add_request(rid, ids, p, prompt=text)
+            with tqdm(total=len(staged), disable=not use_tqdm, desc="generate") as bar:
+                while len(results) < len(staged):
+                    if not self.engine.scheduler.has_work():
+                        raise RuntimeError("engine idle with unfinished requests")
+                    for out in self.engine.step():
+                        results[out.request_id] = out
+                        bar.update(1)
+        finally:
+            for rid, *_ in staged:
+                if rid not in results:
+                    self.engine.abort_request(rid)
+        return [results[rid] for rid, *_ in staged]
+
+    def stats(self) -> dict[str, int]:
+        return self.engine.stats()
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity()
