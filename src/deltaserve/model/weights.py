@@ -6,7 +6,8 @@
   (MXFP4, recognised by suffix) are stacked into the layer's `experts.w{1,2,3}`;
 - `A_log` arrives padded (K3, `[>=H]`, tail must be zero) or 4-D (`[1, 1, H, 1]`), stored `[H]`;
 - tensors saved in fp32 stay fp32; every other floating tensor takes the requested dtype;
-- missing, unexpected or mis-shaped tensors raise `CheckpointError` listing all of them.
+- missing, unexpected, duplicated, mis-shaped or non-floating tensors (and index entries whose
+  shard lacks them) raise one `CheckpointError` listing all of them.
 """
 from __future__ import annotations
 
@@ -57,26 +58,28 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
 
 
 def _text_name(name: str, family: str) -> str | None:
-    """Checkpoint name -> model parameter name; None for tensors the text model ignores."""
+    """Checkpoint name -> model parameter name; None for tensors the text model ignores
+    (vision), "" for a K3 name outside `language_model.` (unexpected)."""
     if family == "kimi_k3":
         if name.startswith(_SKIP_PREFIXES):
             return None
         if not name.startswith("language_model."):
-            return name  # reported as unexpected
+            return ""
         name = name[len("language_model."):]
         if name.startswith("layers."):  # older dumps drop the inner "model."
             name = "model." + name
     return name
 
 
-def _normalise_a_log(t: torch.Tensor, heads: int, name: str) -> torch.Tensor:
+def _normalise_a_log(t: torch.Tensor, heads: int, name: str) -> tuple[torch.Tensor | None, str]:
+    """(A_log as [heads], "") or (None, the problem)."""
     if t.dim() == 4 and t.shape[0] == t.shape[1] == t.shape[3] == 1:
         t = t.reshape(-1)
     if t.dim() != 1 or t.shape[0] < heads:
-        raise CheckpointError(f"{name}: A_log shape {tuple(t.shape)} does not hold {heads} heads")
+        return None, f"{name}: A_log shape {tuple(t.shape)} does not hold {heads} heads"
     if t.shape[0] > heads and torch.any(t[heads:] != 0):
-        raise CheckpointError(f"{name}: A_log padding beyond {heads} heads is not zero")
-    return t[:heads]
+        return None, f"{name}: A_log padding beyond {heads} heads is not zero"
+    return t[:heads], ""
 
 
 def _target_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
@@ -98,20 +101,34 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.bfloat16,
 
     loaded: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, str], dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
-    unexpected, bad_shape, bad_names, skipped = [], [], set(), 0
+    unexpected, bad_shape, bad_dtype, bad_expert, duplicate, absent = [], [], [], [], [], []
+    bad_names, skipped = set(), 0
+    source: dict[str, str] = {}
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name, path in files.items():
         by_file[path].append(name)
     bar = tqdm(total=len(files), desc="loading weights", unit="tensor", disable=not progress)
     for path, names in by_file.items():
         with safe_open(path, framework="pt", device="cpu") as f:
+            held = set(f.keys())
             for raw_name in names:
                 bar.update(1)
+                if raw_name not in held:
+                    absent.append(f"{raw_name} (index: {path.name})")
+                    continue
                 name = _text_name(raw_name, cfg.family)
                 if name is None:
                     skipped += 1
                     continue
+                if not name:
+                    unexpected.append(raw_name)
+                    continue
                 m = _EXPERT.match(name)
+                key = name if m is None else f"{m.group(1)}.{m.group(2)}.{m.group(3)}.{m.group(4)}"
+                if key in source:
+                    duplicate.append(f"{raw_name} (same parameter as {source[key]})")
+                    continue
+                source[key] = raw_name
                 if m:
                     experts[(m.group(1), m.group(3))][int(m.group(2))][m.group(4)] = f.get_tensor(raw_name)
                     continue
@@ -119,8 +136,16 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.bfloat16,
                     unexpected.append(raw_name)
                     continue
                 t = f.get_tensor(raw_name)
+                if not t.is_floating_point():
+                    bad_dtype.append(f"{raw_name}: {t.dtype} (expected a floating dtype)")
+                    bad_names.add(name)
+                    continue
                 if name.endswith(".A_log"):
-                    t = _normalise_a_log(t, cfg.kda.num_heads, raw_name)
+                    t, problem = _normalise_a_log(t, cfg.kda.num_heads, raw_name)
+                    if t is None:
+                        bad_shape.append(problem)
+                        bad_names.add(name)
+                        continue
                 if tuple(t.shape) != expected[name]:
                     bad_shape.append(f"{raw_name}: {tuple(t.shape)} != expected {expected[name]}")
                     bad_names.add(name)
@@ -136,7 +161,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.bfloat16,
             unexpected.extend(f"{prefix}.{e}.{proj}" for e in sorted(per_expert))
             continue
         stacked, problems = _stack_experts(name, per_expert, expected[name], dtype, device)
-        bad_shape.extend(problems)
+        bad_expert.extend(problems)
         if stacked is None:
             bad_names.add(name)
         else:
@@ -145,7 +170,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.bfloat16,
         loaded["lm_head.weight"] = loaded["model.embed_tokens.weight"]
 
     missing = sorted(set(expected) - set(loaded) - bad_names)
-    problems = _report("missing", missing) + _report("unexpected", unexpected) + _report("mis-shaped", bad_shape)
+    problems = (_report("missing", missing) + _report("unexpected", unexpected)
+                + _report("duplicated", duplicate) + _report("mis-shaped", bad_shape)
+                + _report("wrong-dtype", bad_dtype) + _report("invalid expert", bad_expert)
+                + _report("absent from their shard", absent))
     if problems:
         raise CheckpointError(f"checkpoint {model_dir} does not match its config:\n" + "\n".join(problems))
     for name, tensor in loaded.items():
@@ -156,28 +184,34 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.bfloat16,
 
 
 def _stack_experts(name, per_expert, shape, dtype, device):
+    """Stack `{prefix}.{e}.{proj}` tensors into `[E, O, I]`; problems name the expert tensors."""
     num, out_dim, in_dim = shape
+    prefix, _, proj = name.rpartition(".")
     problems = []
     if sorted(per_expert) != list(range(num)):
-        absent = sorted(set(range(num)) - set(per_expert))
-        extra = sorted(set(per_expert) - set(range(num)))
-        return None, [f"{name}: experts missing {absent[:_MAX_LISTED]} / unexpected {extra[:_MAX_LISTED]}"]
+        absent = [f"{prefix}.{e}.{proj} (missing)" for e in sorted(set(range(num)) - set(per_expert))]
+        extra = [f"{prefix}.{e}.{proj} (unexpected)" for e in sorted(set(per_expert) - set(range(num)))]
+        return None, absent + extra
     out = torch.empty(shape, dtype=dtype, device=device)
     for e in range(num):
-        parts = per_expert[e]
+        parts, where = per_expert[e], f"{prefix}.{e}.{proj}"
+        if sorted(parts) not in (["weight"], ["weight_packed", "weight_scale"]):
+            problems.append(f"{where}: needs either 'weight' or both 'weight_packed' and 'weight_scale',"
+                            f" got {sorted(parts)}")
+            continue
         if "weight" in parts:
             w = parts["weight"]
-        elif "weight_packed" in parts and "weight_scale" in parts:
+            if not w.is_floating_point():
+                problems.append(f"{where}.weight: {w.dtype} (expected a floating dtype)")
+                continue
+        else:
             try:
                 w = mxfp4_decode(parts["weight_packed"], parts["weight_scale"], dtype)
             except ValueError as err:
-                problems.append(f"{name}[{e}]: {err}")
+                problems.append(f"{where}: {err}")
                 continue
-        else:
-            problems.append(f"{name}[{e}]: needs 'weight' or both 'weight_packed' and 'weight_scale'")
-            continue
         if tuple(w.shape) != (out_dim, in_dim):
-            problems.append(f"{name}[{e}]: {tuple(w.shape)} != expected {(out_dim, in_dim)}")
+            problems.append(f"{where}: {tuple(w.shape)} != expected {(out_dim, in_dim)}")
             continue
         out[e] = w
     return (None if problems else out), problems
