@@ -12,11 +12,6 @@ from deltaserve.cache.mla_pool import MlaPagePool
 from deltaserve.model.tiny import make_tiny
 
 
-@pytest.fixture(autouse=True)
-def _tiktoken_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken"))
-
-
 @pytest.fixture(scope="module", params=["kimi_k3", "kimi_linear"])
 def ckpt(request, tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp(request.param), family=request.param, preset="tiny", seed=11)

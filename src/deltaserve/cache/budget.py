@@ -1,7 +1,8 @@
 """Sizing the two pools from one memory budget (spec/serving.md §1.1: per-layer-type costs).
 
-A running sequence owns exactly one KDA slot, so the KDA pool gets `max_num_seqs` slots and every
-remaining byte goes to MLA pages. The budget must hold at least `max_model_len` tokens of MLA
+A running sequence owns exactly one live KDA slot, so the live pool gets `max_num_seqs` slots;
+with prefix caching, `checkpoint_fraction` of the budget becomes checkpoint slots (at least one);
+every remaining byte goes to MLA pages. The budget must hold at least `max_model_len` tokens of MLA
 pages, otherwise a lone long request could never run (it would re-prefill forever).
 """
 from __future__ import annotations
@@ -45,6 +46,7 @@ class CacheLayout:
     slot_bytes: int
     kv_dtype: torch.dtype
     state_dtype: torch.dtype
+    num_checkpoint_slots: int = 0
 
     @property
     def token_capacity(self) -> int:
@@ -52,7 +54,7 @@ class CacheLayout:
 
     @property
     def total_bytes(self) -> int:
-        return self.num_pages * self.page_bytes + self.num_slots * self.slot_bytes
+        return self.num_pages * self.page_bytes + (self.num_slots + self.num_checkpoint_slots) * self.slot_bytes
 
 
 def kda_shapes(cfg: ModelConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:
@@ -61,32 +63,40 @@ def kda_shapes(cfg: ModelConfig) -> tuple[tuple[int, int], tuple[int, int, int]]
 
 
 def plan_layout(cfg: ModelConfig, budget_bytes: int, max_num_seqs: int, max_model_len: int,
-                page_size: int, kv_dtype: torch.dtype, state_dtype: torch.dtype = torch.float32) -> CacheLayout:
+                page_size: int, kv_dtype: torch.dtype, state_dtype: torch.dtype = torch.float32,
+                checkpoint_fraction: float = 0.0) -> CacheLayout:
     if page_size < 1 or max_num_seqs < 1:
         raise ValueError("page_size and max_num_seqs must be positive")
     tail, state = kda_shapes(cfg)
     slot_bytes = KdaStatePool.bytes_per_slot(len(cfg.kda_layer_ids), tail, state, kv_dtype, state_dtype)
     page_bytes = MlaPagePool.bytes_per_page(len(cfg.mla_layer_ids), page_size, cfg.mla.latent_dim, kv_dtype)
-    left = budget_bytes - max_num_seqs * slot_bytes
+    if not 0.0 <= checkpoint_fraction < 1.0:
+        raise ValueError(f"checkpoint_fraction must lie in [0, 1), got {checkpoint_fraction}")
+    n_ckpt = max(1, int(checkpoint_fraction * budget_bytes) // slot_bytes) if checkpoint_fraction else 0
+    left = budget_bytes - (max_num_seqs + n_ckpt) * slot_bytes
     num_pages = left // page_bytes if page_bytes and left > 0 else 0
     need = -(-max_model_len // page_size)
     if num_pages < need:
         raise ValueError(
-            f"kv_cache_memory={budget_bytes} B cannot hold {max_num_seqs} KDA slots "
+            f"kv_cache_memory={budget_bytes} B cannot hold {max_num_seqs} + {n_ckpt} KDA slots "
             f"({slot_bytes} B each) plus MLA pages for max_model_len={max_model_len} tokens "
             f"({need} pages of {page_bytes} B); raise kv_cache_memory or lower max_num_seqs/max_model_len")
-    layout = CacheLayout(page_size, int(num_pages), max_num_seqs, page_bytes, slot_bytes, kv_dtype, state_dtype)
-    log.info("KV cache: %d MLA pages x %d tokens = %d tokens (%.1f MiB), %d KDA slots (%.1f MiB)",
-             layout.num_pages, page_size, layout.token_capacity, layout.num_pages * page_bytes / 2**20,
-             max_num_seqs, max_num_seqs * slot_bytes / 2**20)
+    layout = CacheLayout(page_size, int(num_pages), max_num_seqs, page_bytes, slot_bytes, kv_dtype,
+                         state_dtype, n_ckpt)
+    log.info("KV cache: %d MLA pages x %d tokens = %d tokens (%.1f MiB), %d live KDA slots + %d "
+             "checkpoint slots (%.1f MiB)", layout.num_pages, page_size, layout.token_capacity,
+             layout.num_pages * page_bytes / 2**20, max_num_seqs, n_ckpt,
+             (max_num_seqs + n_ckpt) * slot_bytes / 2**20)
     return layout
 
 
 def build_pools(cfg: ModelConfig, layout: CacheLayout, device: torch.device | str = "cpu"
-                ) -> tuple[MlaPagePool, KdaStatePool]:
+                ) -> tuple[MlaPagePool, KdaStatePool, KdaStatePool | None]:
     tail, state = kda_shapes(cfg)
     mla = MlaPagePool(cfg.mla_layer_ids, layout.num_pages, layout.page_size, cfg.mla.latent_dim,
                       layout.kv_dtype, device)
     kda = KdaStatePool(cfg.kda_layer_ids, layout.num_slots, tail, state, layout.kv_dtype,
                        layout.state_dtype, device)
-    return mla, kda
+    ckpt = KdaStatePool(cfg.kda_layer_ids, layout.num_checkpoint_slots, tail, state, layout.kv_dtype,
+                        layout.state_dtype, device) if layout.num_checkpoint_slots else None
+    return mla, kda, ckpt

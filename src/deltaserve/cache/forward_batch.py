@@ -28,13 +28,22 @@ def _flat_rows(page_tables: list[list[int]], starts: list[int], ends: list[int],
 
 class ForwardBatch:
     def __init__(self, input_ids: torch.Tensor, context_lens: list[int], new_lens: list[int],
-                 page_tables: list[list[int]], slots: list[int], mla: MlaPagePool, kda: KdaStatePool):
+                 page_tables: list[list[int]], slots: list[int], mla: MlaPagePool, kda: KdaStatePool,
+                 export_offsets: list[list[int]] | None = None, export_slots: list[int] = (),
+                 checkpoints: KdaStatePool | None = None):
+        """`export_offsets[b]`: interior offsets of sequence b's chunk whose KDA state the
+        forward pass writes into `checkpoints` slots `export_slots` (flattened (b, offset) order)."""
         if not (len(context_lens) == len(new_lens) == len(page_tables) == len(slots)) or min(new_lens) < 1:
             raise ValueError("ForwardBatch: one entry per sequence and at least one new token each")
         device = input_ids.device
         self.input_ids = input_ids
         self.context_lens, self.new_lens = list(context_lens), list(new_lens)
-        self.mla, self.kda = mla, kda
+        self.mla, self.kda, self.checkpoints = mla, kda, checkpoints
+        n_exports = sum(len(e) for e in export_offsets) if export_offsets else 0
+        if n_exports != len(export_slots) or (n_exports and checkpoints is None):
+            raise ValueError("ForwardBatch: one checkpoint slot per export offset is required")
+        self.export_offsets = export_offsets if n_exports else None
+        self.export_slots = torch.tensor(list(export_slots), dtype=torch.long, device=device)
         self.cu_seqlens = torch.tensor([0, *new_lens], dtype=torch.long).cumsum(0).to(device)
         self.slots = torch.tensor(slots, dtype=torch.long, device=device)
         self.any_context = max(context_lens) > 0
@@ -61,10 +70,12 @@ class ForwardBatch:
         return self.kda.read(layer, self.slots)
 
     def kda_export_offsets(self):
-        return None
+        return self.export_offsets
 
     def store_kda(self, layer, conv_tail, state, exported):
         self.kda.write(layer, self.slots, conv_tail, state)
+        if exported is not None:
+            self.checkpoints.write(layer, self.export_slots, *exported)
 
     def store_mla(self, layer, latent):
         self.mla.rows(layer).index_copy_(0, self.write_rows, latent.to(self.mla.storage.dtype))

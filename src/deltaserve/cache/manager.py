@@ -1,42 +1,115 @@
-"""`CacheManager`: the pools plus who owns what. The scheduler asks it for slots and pages; the
-runner reads block tables and slot ids from it.
+"""`CacheManager`: the pools, who owns what, and (when enabled) the hybrid prefix cache.
 
-Invariants (checked by `check_integrity`): every page's refcount equals the number of sequences
-whose block table lists it, every owned slot belongs to exactly one sequence, and
-free + used == capacity for both pools.
+A prefix hit of length L needs MLA pages covering [0, L) and a KDA checkpoint at exactly L: both
+halves or nothing. A hit shares the full pages (L is a multiple of the match unit, itself a
+multiple of the page size, so no partial page is ever shared) and copies the checkpoint into the
+sequence's own live slot (copy-on-write): live slots are never shared, checkpoint slots are only
+written before they are registered.
+
+Invariants (`check_integrity`): every page's refcount equals the number of sequence block
+tables plus index units listing it; every live slot has one owner; every checkpoint slot is
+owned by exactly one index entry or one sequence's pending/turn-end snapshot.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
+from .checkpoint_policy import CheckpointPolicy
+from .hashing import extend_hashes, root_hash
 from .kda_pool import KdaStatePool
 from .mla_pool import MlaPagePool
+from .prefix_index import PrefixIndex
 
 
 @dataclass
 class SeqCache:
     slot: int
     pages: list[int] = field(default_factory=list)
+    root: bytes = b""
+    prompt_len: int = 0
+    hashes: list[bytes] = field(default_factory=list)
+    registered: int = 0                                    # leading units in the index
+    wanted: set[int] = field(default_factory=set)          # boundaries to checkpoint
+    pending: dict[int, int] = field(default_factory=dict)  # boundary -> slot, written this step
+    turn: tuple[int, int] | None = None                    # (boundary, slot) of the latest decode-side state
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    length: int = 0
+    k_mla: int = 0
+    k_hit: int = 0
+    hashes: tuple[bytes, ...] = ()
+    root: bytes = b""
 
 
 class CacheManager:
-    def __init__(self, mla: MlaPagePool, kda: KdaStatePool):
-        self.mla, self.kda = mla, kda
+    def __init__(self, mla: MlaPagePool, kda: KdaStatePool, checkpoints: KdaStatePool | None = None,
+                 policy: CheckpointPolicy | None = None, model_id: str = ""):
+        self.mla, self.kda, self.ckpt_pool = mla, kda, checkpoints
         self.page_size = mla.page_size
         self.seqs: dict[int, SeqCache] = {}
+        self.policy = policy or CheckpointPolicy()
+        if checkpoints is not None and self.policy.unit % self.page_size:
+            raise ValueError(f"prefix_match_unit={self.policy.unit} must be a multiple of page_size={self.page_size}")
+        self.index = PrefixIndex(mla, checkpoints) if checkpoints is not None else None
+        self.model_id = model_id
+        self.counters: Counter[str] = Counter()
 
-    def can_admit(self, num_tokens: int) -> bool:
-        return self.kda.num_free > 0 and self.mla.pages_for(num_tokens) <= self.mla.num_free
+    @property
+    def prefix_enabled(self) -> bool:
+        return self.index is not None
 
-    def admit(self, seq_id: int, num_tokens: int) -> bool:
-        """Give a new sequence a zeroed slot and pages for `num_tokens`; False (nothing taken) if
-        either pool is short."""
+    def lookup(self, tokens: list[int], cache_salt: str | None = None) -> PrefixHit:
+        """Longest usable hit (L < len(tokens)); no side effects."""
+        if self.index is None:
+            return PrefixHit()
+        u = self.policy.unit
+        root = root_hash(self.model_id, cache_salt)
+        hashes = extend_hashes([], root, tokens[:((len(tokens) - 1) // u) * u], u)
+        k_mla, k_hit = self.index.match(hashes)
+        return PrefixHit(k_hit * u, k_mla, k_hit, tuple(hashes), root)
+
+    def _take_pages(self, n: int) -> list[int] | None:
+        if n > self.mla.num_free and self.index is not None:
+            self.index.evict_pages(n)
+        return self.mla.allocate(n) if n <= self.mla.num_free else None
+
+    def admit(self, seq_id: int, num_tokens: int, hit: PrefixHit | None = None, prompt_len: int = 0) -> bool:
+        """Give a new sequence a live slot (the hit's checkpoint copied in, else zeros), the hit's
+        shared pages and fresh pages up to `num_tokens`; False (nothing taken) if short."""
         if seq_id in self.seqs:
             raise RuntimeError(f"sequence {seq_id} already holds cache")
-        if not self.can_admit(num_tokens):
+        hit = hit or PrefixHit()
+        if self.kda.num_free == 0:
             return False
-        self.seqs[seq_id] = SeqCache(self.kda.allocate(), self.mla.allocate(self.mla.pages_for(num_tokens)))
+        shared = self.index.pages_of(list(hit.hashes), hit.k_hit) if hit.k_hit else []
+        self.mla.incref(shared)
+        fresh = self._take_pages(self.mla.pages_for(num_tokens) - len(shared))
+        if fresh is None:
+            self.mla.release(shared)
+            return False
+        slot = self.kda.allocate()
+        sc = SeqCache(slot, shared + fresh, hit.root, prompt_len, list(hit.hashes[:hit.k_hit]), hit.k_hit)
+        self.seqs[seq_id] = sc
+        if self.index is not None:
+            self._count_lookup(hit)
+            if hit.k_hit:
+                self._copy(self.ckpt_pool, self.index.ckpts[hit.hashes[hit.k_hit - 1]], self.kda, slot)
+                self.index.touch(list(hit.hashes), hit.k_mla)
+            sc.wanted = self.policy.boundaries(prompt_len, hit)
         return True
+
+    def _count_lookup(self, hit: PrefixHit) -> None:
+        c = self.counters
+        c["queries"] += 1
+        if hit.k_hit:
+            c["hits"] += 1
+            c["hit_tokens"] += hit.length
+        if hit.k_mla > hit.k_hit:
+            c["retention_misses"] += 1
+            c["retention_miss_tokens"] += (hit.k_mla - hit.k_hit) * self.policy.unit
 
     def grow(self, seq_id: int, num_tokens: int) -> bool:
         """Make the sequence's pages cover `num_tokens` tokens; False (nothing taken) if short."""
@@ -44,29 +117,135 @@ class CacheManager:
         extra = self.mla.pages_for(num_tokens) - len(sc.pages)
         if extra <= 0:
             return True
-        if extra > self.mla.num_free:
+        fresh = self._take_pages(extra)
+        if fresh is None:
             return False
-        sc.pages.extend(self.mla.allocate(extra))
+        sc.pages.extend(fresh)
         return True
 
-    def free(self, seq_id: int) -> None:
+    def _ckpt_slot(self) -> int | None:
+        if self.ckpt_pool.num_free == 0 and not self.index.evict_checkpoint():
+            return None
+        return self.ckpt_pool.allocate()
+
+    def plan_exports(self, seq_id: int, start: int, n: int) -> tuple[list[int], list[int]]:
+        """Interior offsets (relative to `start`, 0 < o < n) of this chunk to snapshot in the
+        forward pass, and the checkpoint slots they go to. Chunk-end boundaries are copied from
+        the live slot in `commit`."""
+        if self.index is None:
+            return [], []
+        sc = self.seqs[seq_id]
+        offsets, slots = [], []
+        for b in sorted(x for x in sc.wanted if start < x <= start + n):
+            slot = self._ckpt_slot()
+            if slot is None:
+                break
+            sc.pending[b] = slot
+            if b < start + n:
+                offsets.append(b - start)
+                slots.append(slot)
+        return offsets, slots
+
+    def commit(self, seq_id: int, tokens: list[int], num_computed: int) -> None:
+        """After a step: snapshot a chunk-end boundary, register completed units and the step's
+        checkpoints, and keep the latest decode-side boundary state for the end of the turn."""
+        if self.index is None:
+            return
+        sc, u = self.seqs[seq_id], self.policy.unit
+        if num_computed in sc.pending:
+            self._copy(self.kda, sc.slot, self.ckpt_pool, sc.pending[num_computed])
+        elif num_computed % u == 0 and num_computed > sc.prompt_len and self.policy.turn_end:
+            self._snapshot_turn(sc, num_computed)
+        extend_hashes(sc.hashes, sc.root, tokens[:num_computed], u)
+        self._ensure_units(sc, num_computed // u)
+        for b, slot in sc.pending.items():
+            sc.wanted.discard(b)
+            self._register(sc.hashes[b // u - 1], slot)
+        sc.pending.clear()
+
+    def _ensure_units(self, sc: SeqCache, upto: int) -> None:
+        """Index units [0, upto) of the sequence. Units it registered under another sequence's
+        pages may have been evicted since; a present unit implies present ancestors, so walk
+        back to the deepest present one and (re-)add the rest with this sequence's own pages."""
+        per_unit = self.policy.unit // self.page_size
+        k = min(sc.registered, upto)
+        while k > 0 and sc.hashes[k - 1] not in self.index.units:
+            k -= 1
+        for j in range(k, upto):
+            self.index.add_unit(sc.hashes[j], sc.hashes[j - 1] if j else None,
+                                sc.pages[j * per_unit:(j + 1) * per_unit])
+        sc.registered = max(sc.registered, upto)
+
+    def _snapshot_turn(self, sc: SeqCache, boundary: int) -> None:
+        slot = sc.turn[1] if sc.turn is not None else self._ckpt_slot()
+        if slot is None:
+            return
+        self._copy(self.kda, sc.slot, self.ckpt_pool, slot)
+        sc.turn = (boundary, slot)
+
+    def _register(self, h: bytes, slot: int) -> None:
+        if self.index.add_checkpoint(h, slot):
+            self.counters["checkpoints_stored"] += 1
+        else:
+            self.ckpt_pool.release(slot)
+
+    @staticmethod
+    def _copy(src: KdaStatePool, s: int, dst: KdaStatePool, d: int) -> None:
+        dst.tails[:, d].copy_(src.tails[:, s])
+        dst.states[:, d].copy_(src.states[:, s])
+
+    def free(self, seq_id: int, finished: bool = False) -> None:
+        """Release a sequence's cache. `finished=True` (a completed turn, not an abort or
+        preemption) keeps its end-of-turn state as a checkpoint."""
         sc = self.seqs.pop(seq_id, None)
         if sc is None:
             return
+        for slot in sc.pending.values():
+            self.ckpt_pool.release(slot)
+        if sc.turn is not None:
+            boundary, slot = sc.turn
+            if finished and boundary // self.policy.unit <= len(sc.hashes):
+                self._ensure_units(sc, boundary // self.policy.unit)
+                self._register(sc.hashes[boundary // self.policy.unit - 1], slot)
+            else:
+                self.ckpt_pool.release(slot)
         self.mla.release(sc.pages)
         self.kda.release(sc.slot)
 
     def check_integrity(self) -> None:
-        refs: dict[int, int] = {}
+        refs: dict[int, int] = self.index.page_refs() if self.index is not None else {}
         slots: dict[int, int] = {}
+        ckpt_owners: dict[int, int] = {}
         for sc in self.seqs.values():
             for p in sc.pages:
                 refs[p] = refs.get(p, 0) + 1
             slots[sc.slot] = slots.get(sc.slot, 0) + 1
+            owned = list(sc.pending.values()) + ([sc.turn[1]] if sc.turn is not None else [])
+            for s in owned:
+                ckpt_owners[s] = ckpt_owners.get(s, 0) + 1
         self.mla.check_integrity(refs)
         self.kda.check_integrity(slots)
+        if self.index is not None:
+            self.index.check_integrity()
+            for s in self.index.ckpts.values():
+                ckpt_owners[s] = ckpt_owners.get(s, 0) + 1
+            self.ckpt_pool.check_integrity(ckpt_owners)
 
     def usage(self) -> dict[str, int]:
         return {"mla_pages_total": self.mla.num_pages, "mla_pages_used": self.mla.num_used,
                 "kda_slots_total": self.kda.num_slots, "kda_slots_used": self.kda.num_used,
                 "page_size": self.page_size}
+
+    def prefix_stats(self) -> dict[str, int]:
+        if self.index is None:
+            return {}
+        out = {k: self.counters[k] for k in ("queries", "hits", "hit_tokens", "retention_misses",
+                                             "retention_miss_tokens", "checkpoints_stored")}
+        out["checkpoints_evicted"] = self.index.evicted_checkpoints
+        out["units_evicted"] = self.index.evicted_units
+        out["cached_units"] = len(self.index.units)
+        out["cached_pages"] = len(self.index.page_refs())
+        out["checkpoints"] = len(self.index.ckpts)
+        out["checkpoint_slots_total"] = self.ckpt_pool.num_slots
+        out["checkpoint_slots_used"] = self.ckpt_pool.num_used
+        return out

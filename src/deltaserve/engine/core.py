@@ -69,14 +69,15 @@ class EngineCore:
             raise InvalidRequestError(f"stop_token_ids outside [0, {vocab}): {bad}")
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None) -> None:
+                    prompt: str | None = None, cache_salt: str | None = None) -> None:
         self.validate(request_id, prompt_ids, params)
         seqs = []
         for i in range(params.n):
             gen = torch.Generator().manual_seed((params.seed + i) % 2**64) if params.seed is not None else self._rng
             detok = IncrementalDetokenizer(self.tokenizer, params) if self.tokenizer is not None else None
             seqs.append(Sequence(self._next_seq, request_id, i, list(prompt_ids), params, gen, detok,
-                                 logprobs=[] if params.logprobs is not None else None))
+                                 logprobs=[] if params.logprobs is not None else None,
+                                 cache_salt=cache_salt))
             self._next_seq += 1
         self.requests[request_id] = _Request(request_id, prompt, list(prompt_ids), seqs)
         for s in seqs:
@@ -120,6 +121,8 @@ class EngineCore:
         j = 0
         for s, row in zip(scheduled, rows):
             s.seq.num_computed += s.num_new
+            if self.cache.prefix_enabled:
+                self.cache.commit(s.seq.seq_id, s.seq.all_ids(), s.seq.num_computed)
             if row is None:
                 continue
             self._append(s.seq, sampled.token_ids[j], sampled.logprobs[j])
@@ -170,7 +173,7 @@ class EngineCore:
                                  s.logprobs, s.finish_reason, s.stop_reason) for s in req.seqs]
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, req.finished)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict:
         out = {k: self.counters[k] for k in ("steps", "requests_added", "requests_finished",
                                              "requests_aborted", "prompt_tokens", "computed_tokens",
                                              "generated_tokens")}
@@ -178,4 +181,6 @@ class EngineCore:
         out["num_running"] = len(self.scheduler.running)
         out["num_waiting"] = len(self.scheduler.waiting)
         out.update(self.cache.usage())
+        if self.cache.prefix_enabled:
+            out["prefix_cache"] = self.cache.prefix_stats()
         return out

@@ -9,6 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..cache import CacheManager, build_pools, plan_layout, resolve_budget
+from ..cache.checkpoint_policy import CheckpointPolicy
 from ..model import load_model, resolve_dtype
 from ..model.tokenizer import Tokenizer
 from .core import EngineCore
@@ -27,13 +28,20 @@ class LLM:
     `kv_cache_memory` is bytes (int) or a fraction of physical RAM (float); `max_model_len`
     defaults to the config's `max_position_embeddings`. With `skip_tokenizer_init=True` no
     tokenizer is loaded: prompts must be token ids and outputs carry no text.
+    `enable_prefix_caching` turns on the hybrid prefix cache (`cache.manager`): hits at multiples
+    of `prefix_match_unit` tokens (a multiple of `page_size`), KDA checkpoints kept per
+    `kda_checkpoint_policy` ("default" or a comma list of prompt-end, junction, turn-end; plus
+    every `kda_checkpoint_interval` tokens) in `checkpoint_fraction` of the budget.
     """
 
     def __init__(self, model: str | Path, dtype: torch.dtype | str = "bfloat16", *, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 2048, page_size: int = 16,
                  kv_cache_memory: int | float = DEFAULT_KV_CACHE_FRACTION, max_model_len: int | None = None,
                  kv_state_dtype: torch.dtype | str = "float32", skip_tokenizer_init: bool = False,
-                 seed: int = 0, device: str = "cpu", num_threads: int | None = None, progress: bool = True):
+                 seed: int = 0, device: str = "cpu", num_threads: int | None = None, progress: bool = True,
+                 enable_prefix_caching: bool = False, prefix_match_unit: int = 64,
+                 kda_checkpoint_policy: str = "default", kda_checkpoint_interval: int | None = None,
+                 checkpoint_fraction: float = 0.25):
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         dtype = resolve_dtype(dtype)
@@ -43,9 +51,12 @@ class LLM:
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        policy = CheckpointPolicy.parse(kda_checkpoint_policy, prefix_match_unit, kda_checkpoint_interval)
         layout = plan_layout(cfg, resolve_budget(kv_cache_memory), max_num_seqs, self.max_model_len,
-                             page_size, dtype, resolve_dtype(kv_state_dtype))
-        self.cache = CacheManager(*build_pools(cfg, layout, device))
+                             page_size, dtype, resolve_dtype(kv_state_dtype),
+                             checkpoint_fraction if enable_prefix_caching else 0.0)
+        model_id = f"{Path(model).resolve()}:{dtype}"
+        self.cache = CacheManager(*build_pools(cfg, layout, device), policy=policy, model_id=model_id)
         self.engine = EngineCore(self.model, self.tokenizer, self.cache, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens,
                                  max_model_len=self.max_model_len, seed=seed)
@@ -97,7 +108,7 @@ class LLM:
                     self.engine.abort_request(rid)
         return [results[rid] for rid, *_ in staged]
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict:
         return self.engine.stats()
 
     def check_integrity(self) -> None:

@@ -21,10 +21,16 @@ class ModelRunner:
         for s in scheduled:
             ids.extend(s.seq.token_slice(s.seq.num_computed, s.seq.num_computed + s.num_new))
         caches = [self.cache.seqs[s.seq.seq_id] for s in scheduled]
+        offsets, slots = [], []
+        for s in scheduled:
+            o, sl = self.cache.plan_exports(s.seq.seq_id, s.seq.num_computed, s.num_new)
+            offsets.append(o)
+            slots.extend(sl)
         return ForwardBatch(torch.tensor(ids, dtype=torch.long, device=self.model.device),
                             [s.seq.num_computed for s in scheduled], [s.num_new for s in scheduled],
                             [c.pages for c in caches], [c.slot for c in caches],
-                            self.cache.mla, self.cache.kda)
+                            self.cache.mla, self.cache.kda, offsets if slots else None, slots,
+                            self.cache.ckpt_pool)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], rows: list[SamplingRow | None]) -> SamplerOutput | None:

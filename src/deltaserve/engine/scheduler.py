@@ -4,7 +4,8 @@ Each step: running sequences first, oldest first, each taking up to its pending 
 from the `max_num_batched_tokens` budget (decodes take 1, unfinished prefills take a chunk);
 when pages run out the newest running sequence is preempted (cache freed, `num_computed = 0`,
 put back at the head of the queue). Waiting sequences are then admitted strictly in arrival
-order while budget, `max_num_seqs` and cache allow, and never in a step that preempted. The
+order while budget, `max_num_seqs` and cache allow, and never in a step that preempted; with
+prefix caching an admitted sequence starts at its hit length (pages shared, state copied). The
 oldest running sequence always makes progress, so no request starves.
 """
 from __future__ import annotations
@@ -51,7 +52,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.cache.free(seq.seq_id)
+        self.cache.free(seq.seq_id, finished=seq.finished and seq.finish_reason != "abort")
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -83,9 +84,12 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            n = min(seq.num_pending, budget)
-            if not self.cache.admit(seq.seq_id, n):
+            hit = self.cache.lookup(seq.all_ids(), seq.cache_salt) if self.cache.prefix_enabled else None
+            start = hit.length if hit is not None else 0
+            n = min(seq.num_tokens - start, budget)
+            if not self.cache.admit(seq.seq_id, start + n, hit, len(seq.prompt_ids)):
                 break
+            seq.num_computed = start
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)

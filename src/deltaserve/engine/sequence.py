@@ -43,6 +43,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     final_delta: str = ""
+    cache_salt: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -51,6 +52,9 @@ class Sequence:
     @property
     def num_pending(self) -> int:
         return self.num_tokens - self.num_computed
+
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         p = len(self.prompt_ids)

@@ -27,8 +27,9 @@ class LayerCache(Protocol):
         """Per sequence, offsets (relative to the step's first token) whose state to export."""
 
     def store_kda(self, layer: int, conv_tail: torch.Tensor, state: torch.Tensor,
-                  exported: torch.Tensor | None) -> None:
-        """Receive the states after the step (and exported interior states, if requested)."""
+                  exported: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Receive the states after the step and, if offsets were requested, the exported
+        (conv tails [E, W-1, 3P], fp32 states [E, H, K, V]) in (sequence, offset) order."""
 
     def store_mla(self, layer: int, latent: torch.Tensor) -> None:
         """Append the step's latent rows [N, R + Dr] (normalised c_hat | k_rot)."""
@@ -60,7 +61,7 @@ class DenseCache:
         self.lengths = [0] * num_seqs
         self.kda: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.mla: dict[int, list[torch.Tensor]] = {}
-        self.exports: dict[int, torch.Tensor] = {}
+        self.exports: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.export_offsets: list[list[int]] | None = None
         self.decode_only = False
         self._new: list[int] = [0] * num_seqs

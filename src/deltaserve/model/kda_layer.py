@@ -76,8 +76,12 @@ class KdaAttention(nn.Module):
             o = kda_ops.kda_recurrent_step(q, k, v, g, beta, state, self.scale)
         else:
             offsets = cache.kda_export_offsets() if cache is not None else None
-            o, state, exported = kda_ops.kda_chunked(q, k, v, g, beta, ctx.cu_seqlens, self.scale,
-                                                     initial_state=state, export_offsets=offsets)
+            o, state, states_at = kda_ops.kda_chunked(q, k, v, g, beta, ctx.cu_seqlens, self.scale,
+                                                      initial_state=state, export_offsets=offsets)
+            if offsets is not None:
+                tails_at = kda_ops.conv_tails_at(pre, ctx.cu_seqlens, prior[0] if prior is not None else None,
+                                                 offsets, self.kernel)
+                exported = (tails_at, states_at)
         if cache is not None:
             cache.store_kda(self.layer_id, tail, state, exported)
         gate = self.output_gate(x).view(n, h, dk)

@@ -73,6 +73,29 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tenso
     return y, ext[end_pos].to(x.dtype)
 
 
+def conv_tails_at(x: torch.Tensor, cu_seqlens: torch.Tensor, initial_tail: torch.Tensor | None,
+                  export_offsets: list[list[int]], width: int) -> torch.Tensor:
+    """Conv tails at interior offsets: for each (b, o) in order, the W-1 pre-conv inputs before
+    token o of sequence b (`0 < o <= len_b`), reaching into `initial_tail` (or zeros) when
+    o < W-1. Equals `causal_conv1d`'s final tail of the prefix of length o. x: [N, C].
+    Returns [sum(len(e)), W-1, C] in x's dtype."""
+    p, c = width - 1, x.shape[1]
+    cu = cu_seqlens.detach().to("cpu", torch.long)
+    seq = torch.tensor([b for b, offs in enumerate(export_offsets) for _ in offs], dtype=torch.long)
+    off = torch.tensor([o for offs in export_offsets for o in offs], dtype=torch.long)
+    if off.numel() == 0 or p == 0:
+        return x.new_zeros(off.numel(), p, c)
+    lens = cu[1:] - cu[:-1]
+    if bool((off < 1).any()) or bool((off > lens[seq]).any()):
+        raise ValueError("conv export offsets must lie in 1..len of their sequence")
+    rel = off[:, None] - p + torch.arange(p)                       # positions within the sequence
+    prior = torch.zeros(len(export_offsets), p, c, dtype=x.dtype, device=x.device) \
+        if initial_tail is None else initial_tail.to(x.dtype)
+    src = torch.cat([x, prior.reshape(-1, c)])
+    idx = torch.where(rel >= 0, cu[seq][:, None] + rel, x.shape[0] + seq[:, None] * p + (rel + p))
+    return src[idx.to(x.device).reshape(-1)].view(-1, p, c)
+
+
 def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor,
                        tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token per sequence. x: [B, C]; tail: [B, W-1, C].

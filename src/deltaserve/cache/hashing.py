@@ -1,0 +1,31 @@
+"""Chained block hashes over match units of `u` tokens (DESIGN.md §3).
+
+`h_k = sha256(h_{k-1} || tokens[(k-1)u : ku] as little-endian int64)`, with
+`h_0 = sha256(namespace || model id || cache salt || extra keys)`. Two prefixes share `h_k` iff
+they share the first k·u tokens (and the root keys), so a hash names an exact token boundary.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+
+_NAMESPACE = b"deltaserve-prefix-v1"
+
+
+def root_hash(model_id: str, cache_salt: str | None = None, extra: tuple[str, ...] = ()) -> bytes:
+    h = hashlib.sha256(_NAMESPACE)
+    for part in (model_id, cache_salt or "", *extra):
+        data = part.encode()
+        h.update(struct.pack("<Q", len(data)))
+        h.update(data)
+    return h.digest()
+
+
+def extend_hashes(hashes: list[bytes], root: bytes, tokens: list[int], unit: int) -> list[bytes]:
+    """Append to `hashes` (the chain so far over `tokens`) the hashes of every further unit
+    that `tokens` completes; returns `hashes`."""
+    for k in range(len(hashes), len(tokens) // unit):
+        parent = hashes[-1] if hashes else root
+        chunk = tokens[k * unit:(k + 1) * unit]
+        hashes.append(hashlib.sha256(parent + struct.pack(f"<{unit}q", *chunk)).digest())
+    return hashes

@@ -1,0 +1,51 @@
+"""Chained hashes and the prefix index: exact-boundary naming, salts, leaf-only LRU eviction,
+checkpoints pinning their units."""
+import torch
+
+from deltaserve.cache.hashing import extend_hashes, root_hash
+from deltaserve.cache.kda_pool import KdaStatePool
+from deltaserve.cache.mla_pool import MlaPagePool
+from deltaserve.cache.prefix_index import PrefixIndex
+
+
+def test_hashes_name_exact_boundaries():
+    root = root_hash("m")
+    a = extend_hashes([], root, list(range(20)), 4)
+    assert len(a) == 5
+    b = extend_hashes([], root, list(range(11)) + [99] + list(range(12, 20)), 4)
+    assert a[:2] == b[:2] and a[2] != b[2] and a[3] != b[3], "a change poisons every later unit"
+    assert extend_hashes(a[:2], root, list(range(20)), 4) == a, "incremental == from scratch"
+    assert extend_hashes([], root_hash("m", "salt"), list(range(20)), 4)[0] != a[0]
+    assert extend_hashes([], root_hash("other"), list(range(20)), 4)[0] != a[0]
+    assert root_hash("ab", "c") != root_hash("a", "bc"), "keys are length-prefixed"
+
+
+def test_eviction_takes_leaves_and_respects_pins():
+    mla = MlaPagePool([0], num_pages=6, page_size=2, row_dim=3, dtype=torch.float32)
+    ck = KdaStatePool([1], num_slots=2, tail_shape=(1, 2), state_shape=(1, 2, 2), tail_dtype=torch.float32)
+    idx = PrefixIndex(mla, ck)
+    hs = extend_hashes([], root_hash("m"), list(range(9)), 3)
+    pages = mla.allocate(6)
+    for k, h in enumerate(hs):
+        idx.add_unit(h, hs[k - 1] if k else None, pages[2 * k:2 * k + 2])
+    mla.release(pages)                      # the sequence finished: only the index holds them
+    slot = ck.allocate()
+    idx.add_checkpoint(hs[1], slot)
+    assert idx.match(hs) == (3, 2)
+    idx.evict_pages(2)
+    assert list(idx.units) == hs[:2], "only the unpinned leaf went"
+    idx.check_integrity()
+    idx.evict_pages(6)
+    assert not idx.units and not idx.ckpts and mla.num_free == 6 and ck.num_free == 2
+    assert idx.evicted_checkpoints == 1 and idx.evicted_units == 3
+
+
+def test_shared_pages_are_never_evicted():
+    mla = MlaPagePool([0], num_pages=4, page_size=2, row_dim=3, dtype=torch.float32)
+    ck = KdaStatePool([1], num_slots=1, tail_shape=(1, 2), state_shape=(1, 2, 2), tail_dtype=torch.float32)
+    idx = PrefixIndex(mla, ck)
+    h = extend_hashes([], root_hash("m"), [1, 2], 2)
+    pages = mla.allocate(1)
+    idx.add_unit(h[0], None, pages)         # still held by its running sequence
+    idx.evict_pages(4)
+    assert h[0] in idx.units and mla.refcount[pages[0]] == 2
