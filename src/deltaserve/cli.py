@@ -47,7 +47,9 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
               kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
-              num_threads=args.threads)
+              num_threads=args.threads, enable_prefix_caching=args.enable_prefix_caching,
+              prefix_match_unit=args.prefix_match_unit, kda_checkpoint_policy=args.kda_checkpoint_policy,
+              kda_checkpoint_interval=args.kda_checkpoint_interval)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     for out in llm.generate(args.prompt, params):
         print(f"{out.prompt!r} -> {out.outputs[0].text!r} ({out.outputs[0].finish_reason})")
@@ -74,14 +76,30 @@ def _add_generate(sub) -> None:
     p.add_argument("--kv-cache-memory", type=_budget, default=0.1,
                    help="bytes (integer) or a fraction of RAM (with a dot, e.g. 0.1)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="hybrid prefix cache: MLA pages + KDA checkpoints, both halves or nothing")
+    p.add_argument("--prefix-match-unit", type=int, default=64,
+                   help="hit granularity in tokens (a multiple of --page-size)")
+    p.add_argument("--kda-checkpoint-policy", default="default",
+                   help="'default' or a comma list of prompt-end, junction, turn-end")
+    p.add_argument("--kda-checkpoint-interval", type=int, default=None,
+                   help="also checkpoint every N prompt tokens (a multiple of the match unit)")
     p.set_defaults(func=_generate)
+
+
+def _add_bench(sub) -> None:
+    from .bench import prefix
+
+    p = sub.add_parser("bench", help="benchmarks (each prints measured figures beside a baseline)")
+    kinds = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    prefix.add_parser(kinds)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltaserve",
                                      description="deltaserve: a serving engine for Kimi K3 / Kimi-Linear")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_make_tiny, _add_generate):
+    for add in (_add_make_tiny, _add_generate, _add_bench):
         add(sub)
     return parser
 

@@ -1,0 +1,1 @@
+"""Benchmarks behind `deltaserve bench`: each prints measured figures next to a baseline."""

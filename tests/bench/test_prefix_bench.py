@@ -1,0 +1,26 @@
+"""The prefix benchmark's ideal is exact, and a small replay is never better than the ideal."""
+from deltaserve.bench.prefix import OURS, VLLM_LIKE, replay
+from deltaserve.bench.workload import WorkloadSpec, build_sessions, ideal_computed
+from deltaserve.model.tiny import make_tiny
+
+
+def test_ideal_counts_tokens_past_the_longest_seen_prefix():
+    seen = [[1, 2, 3, 4]]
+    assert ideal_computed([[1, 2, 3, 9, 9], [1, 2, 3, 9, 8], [1, 2, 3, 4]], seen) == 2 + 1 + 1
+    assert seen[-1] == [1, 2, 3, 4] and len(seen) == 4
+
+
+def test_sessions_share_the_system_prefix_and_branch():
+    spec = WorkloadSpec(sessions=6, rounds=2, system_tokens=50, tool_tokens=20, user_tokens=(5, 9), seed=3)
+    sessions = build_sessions(spec, 100, avoid={0, 1})
+    assert all(s.history[:70] == sessions[0].history[:70] for s in sessions)
+    assert any(len(s.history) > 70 for s in sessions), "some sessions branch off another's first turn"
+    assert all(len(s.turns) == 2 and not {0, 1} & set(sum(s.turns, [])) for s in sessions)
+
+
+def test_replay_is_exact_and_bounded_by_the_ideal(tmp_path):
+    ckpt = make_tiny(tmp_path / "k3", family="kimi_k3", preset="tiny", seed=2)
+    spec = WorkloadSpec(sessions=3, rounds=2, system_tokens=300, tool_tokens=100, user_tokens=(20, 60), seed=1)
+    for run in (OURS, VLLM_LIKE):
+        r = replay(str(ckpt), run, spec, answer_tokens=8, kv_cache_memory=256 * 2**20, dtype="float32")
+        assert r["hits"] > 0 and r["computed"] >= r["ideal"], r
