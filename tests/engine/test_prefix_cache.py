@@ -154,3 +154,21 @@ def test_turn_end_checkpoint_serves_the_follow_up(ckpt):
     assert after["hit_tokens"] - before["hit_tokens"] == 32, "13 + 20 tokens: the turn ended past 32"
     llm.check_integrity()
 
+
+
+def test_logits_after_a_hit_match_the_cold_run(ckpt):
+    """Top-5 logprobs (log_softmax of the logits) of every generated position agree with the
+    cache off, for requests that hit."""
+    on, off = make(ckpt, True, kda_checkpoint_interval=16), make(ckpt, False)
+    vocab = on.model.config.vocab_size
+    prompts = shared_prefix_workload(vocab, 7, [37], [3, 6, 11])
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=5)
+    on.generate(prompts[:1], params, use_tqdm=False)
+    hot = on.generate(prompts[1:], params, use_tqdm=False)
+    assert on.stats()["prefix_cache"]["hits"] >= 2
+    cold = off.generate(prompts[1:], params, use_tqdm=False)
+    for h, c in zip(hot, cold):
+        assert h.outputs[0].token_ids == c.outputs[0].token_ids
+        for lh, lc in zip(h.outputs[0].logprobs, c.outputs[0].logprobs):
+            assert lh.keys() == lc.keys()
+            assert max(abs(lh[t].logprob - lc[t].logprob) for t in lh) < 1e-4
