@@ -172,3 +172,19 @@ def test_skip_tokenizer_init_token_prompts(ckpt, tmp_path):
     assert out[0].outputs[0].text == ""
     with pytest.raises(ValueError, match="tokenizer"):
         llm.generate(["text"], use_tqdm=False)
+
+
+def test_bf16_model_and_bf16_state_pool(ckpt):
+    """bf16 weights/activations with a bf16 KDA state pool: the pools take the dtypes asked for,
+    and the first greedy token (a pure prefill) equals the bf16 no-cache reference."""
+    from deltaserve.model.config import ModelConfig
+    cfg = ModelConfig.from_pretrained(ckpt)
+    llm = LLM(ckpt, dtype="bfloat16", kv_state_dtype=torch.bfloat16, max_num_seqs=2, page_size=4,
+              kv_cache_memory=budget_for(cfg, 2, 40, 4), max_model_len=64, progress=False)
+    assert llm.cache.kda.states.dtype == torch.bfloat16 and llm.cache.mla.storage.dtype == torch.bfloat16
+    prompts = random_prompts(cfg.vocab_size, [9, 21], seed=12)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids[0] == reference_greedy(llm.model, p, 1)[0]
+        assert len(o.outputs[0].token_ids) == 5
+    llm.check_integrity()
