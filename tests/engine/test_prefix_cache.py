@@ -172,3 +172,20 @@ def test_logits_after_a_hit_match_the_cold_run(ckpt):
         for lh, lc in zip(h.outputs[0].logprobs, c.outputs[0].logprobs):
             assert lh.keys() == lc.keys()
             assert max(abs(lh[t].logprob - lc[t].logprob) for t in lh) < 1e-4
+
+
+def test_cache_salt_isolates_requests(ckpt):
+    llm = make(ckpt, True)
+    prompt = random_prompts(llm.model.config.vocab_size, [30], seed=13)[0]
+
+    def hit_tokens(salt):
+        before = llm.stats()["prefix_cache"]["hit_tokens"]
+        llm.generate({"prompt_token_ids": prompt, "cache_salt": salt}, GREEDY, use_tqdm=False)
+        return llm.stats()["prefix_cache"]["hit_tokens"] - before
+
+    assert hit_tokens("alice") == 0
+    assert hit_tokens("bob") == 0, "another salt never sees alice's cache"
+    assert hit_tokens("alice") == 24 and hit_tokens(None) == 0
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.generate({"prompt_token_ids": prompt, "cache_salt": 3}, use_tqdm=False)
+    llm.check_integrity()

@@ -65,21 +65,33 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
 
-    def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def _prompt_ids(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int], str | None]:
+        """A prompt is text, token ids, or (as in vLLM) a dict with `prompt` or
+        `prompt_token_ids` and an optional `cache_salt` (requests with different salts never
+        share cached prefixes)."""
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+            salt = prompt.get("cache_salt")
+            if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt) or \
+                    not (salt is None or isinstance(salt, str)):
+                raise InvalidRequestError("a dict prompt holds exactly one of 'prompt' / 'prompt_token_ids' "
+                                          "and optionally a string 'cache_salt'")
+            text, ids = self._prompt_ids(prompt.get("prompt", prompt.get("prompt_token_ids")))[:2]
+            return text, ids, salt
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("text prompts need a tokenizer (skip_tokenizer_init=True)")
-            return prompt, self.tokenizer.encode(prompt, allow_special=True)
+            return prompt, self.tokenizer.encode(prompt, allow_special=True), None
         if isinstance(prompt, (list, tuple)):
-            return None, list(prompt)
+            return None, list(prompt), None
         raise InvalidRequestError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__}")
 
-    def generate(self, prompts: str | list[str] | list[list[int]],
+    def generate(self, prompts: str | list[str] | list[list[int]] | list[dict],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Outputs in prompt order. Every request is validated before any is queued; if the run
         is interrupted, the unfinished requests of this call are aborted (cache freed)."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if sampling_params is not None else SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
@@ -87,14 +99,14 @@ class LLM:
             raise InvalidRequestError(f"{len(params)} sampling params for {len(prompts)} prompts")
         staged = []
         for prompt, p in zip(prompts, params):
-            text, ids = self._prompt_ids(prompt)
+            text, ids, salt = self._prompt_ids(prompt)
             rid = str(next(self._ids))
             self.engine.validate(rid, ids, p)
-            staged.append((rid, ids, p, text))
+            staged.append((rid, ids, p, text, salt))
         results: dict[str, RequestOutput] = {}
         try:
-            for rid, ids, p, text in staged:
-                self.engine.add_request(rid, ids, p, prompt=text)
+            for rid, ids, p, text, salt in staged:
+                self.engine.add_request(rid, ids, p, prompt=text, cache_salt=salt)
             with tqdm(total=len(staged), disable=not use_tqdm, desc="generate") as bar:
                 while len(results) < len(staged):
                     if not self.engine.scheduler.has_work():
