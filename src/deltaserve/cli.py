@@ -95,11 +95,25 @@ def _add_bench(sub) -> None:
     prefix.add_parser(kinds)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from .server.serve import serve
+
+    return serve(args)
+
+
+def _add_serve(sub) -> None:
+    from .server.serve import add_arguments
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the embedded tiny model)")
+    add_arguments(p)
+    p.set_defaults(func=_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltaserve",
                                      description="deltaserve: a serving engine for Kimi K3 / Kimi-Linear")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_make_tiny, _add_generate, _add_bench):
+    for add in (_add_make_tiny, _add_generate, _add_bench, _add_serve):
         add(sub)
     return parser
 

@@ -33,6 +33,18 @@ class _Request:
         return all(s.finished for s in self.seqs)
 
 
+@dataclass
+class SeqDelta:
+    """What one sequence gained in one step (see `EngineCore.step_deltas`)."""
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+    stop_reason: str | int | None
+
+
 class EngineCore:
     def __init__(self, model: KimiForCausalLM, tokenizer, cache: CacheManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, seed: int = 0):
@@ -135,6 +147,26 @@ class EngineCore:
                     self.counters["requests_finished"] += 1
                     done.append(self._output(req))
         return done
+
+    def step_deltas(self) -> list[SeqDelta]:
+        """`step()`, reported per sequence for streaming: one `SeqDelta` for each sequence that
+        got tokens or finished in this step. Its text is `IncrementalDetokenizer.delta()` (on
+        finish the flushed `final_delta`), so a sequence's deltas concatenate to its `text`."""
+        before = [(s, len(s.output_ids)) for r in self.requests.values() for s in r.seqs
+                  if not s.finished]
+        self.step()
+        out = []
+        for s, n in before:
+            if len(s.output_ids) == n and not s.finished:
+                continue
+            if s.detokenizer is None:
+                text = ""
+            else:
+                text = s.final_delta if s.finished else s.detokenizer.delta()
+            out.append(SeqDelta(s.request_id, s.index, s.output_ids[n:], text,
+                                s.logprobs[n:] if s.logprobs is not None else None,
+                                s.finish_reason, s.stop_reason))
+        return out
 
     def _append(self, seq: Sequence, token: int, lp) -> None:
         seq.output_ids.append(token)

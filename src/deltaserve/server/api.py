@@ -1,0 +1,380 @@
+"""OpenAI-compatible HTTP routes: `build_app(engine, served_model_name, api_key=None)`.
+
+Routes: `/v1/completions`, `/v1/chat/completions` (JSON or SSE with `data: [DONE]`),
+`/v1/models`, `/tokenize`, `/detokenize`, `/health` (process up; never needs the key) and
+`/ready` (the engine thread answered a round trip). Every error is an OpenAI-style body
+`{"error": {"message", "type", "param", "code"}}`; messages never carry internals.
+Non-streaming responses are assembled from the same delta stream as streaming ones, so the
+two agree for the same seed. Text prompts are encoded with special tokens disallowed.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine.sampling_params import SamplingParams, SamplingParamsError
+from ..engine.sequence import InvalidRequestError
+from ..model.tokenizer import TokenizerError
+from .async_engine import AsyncEngine, EngineDeadError, RequestStream
+from .chat import ChatFormatError, render_chat
+from .parsers import StreamingParser, parse_output
+from .protocol import (MAX_BODY_BYTES, ChatRequest, CompletionRequest, DetokenizeRequest,
+                       TokenizeRequest, error_body)
+
+log = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code), self.status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errs = exc.errors()
+    if not errs:
+        return "invalid request", None
+    e = errs[0]
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    return (f"{param}: {e.get('msg', 'invalid value')}" if param else e.get("msg", "invalid request")), param
+
+
+class _BodyLimit:
+    """ASGI middleware: 413 for a declared body over `limit` bytes."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            length = dict(scope.get("headers", ())).get(b"content-length", b"0")
+            if not length.isdigit() or int(length) > self.limit:
+                msg = f"request body over {self.limit} bytes" if length.isdigit() else "bad Content-Length"
+                status = 413 if length.isdigit() else 400
+                await JSONResponse(error_body(msg), status)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI app over a started-or-not `AsyncEngine` (started on app start-up)."""
+
+    @asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        yield
+
+    app = FastAPI(title="deltaserve", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.add_middleware(_BodyLimit, limit=max_body_bytes)
+    tok = engine.tokenizer
+    key = api_key.encode() if api_key else None
+
+    def auth(request: Request) -> None:
+        if key is None:
+            return
+        header = request.headers.get("authorization", "")
+        given = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(given.encode(), key):
+            raise APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+
+    guard = [Depends(auth)]
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc: RequestValidationError):
+        msg, param = _validation_message(exc)
+        return JSONResponse(error_body(msg, param=param), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, exc: StarletteHTTPException):
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), type_), exc.status_code)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != served_model_name:
+            raise APIError(404, f"the model {name!r} does not exist", "not_found_error", "model",
+                           "model_not_found")
+
+    def make_params(kw: dict, **extra) -> SamplingParams:
+        try:
+            return SamplingParams(**kw, **extra)
+        except SamplingParamsError as e:
+            raise APIError(400, str(e)) from None
+
+    async def submit(ids: list[int], params: SamplingParams) -> RequestStream:
+        try:
+            return await engine.add(ids, params)
+        except (InvalidRequestError, SamplingParamsError) as e:
+            raise APIError(400, str(e)) from None
+        except EngineDeadError:
+            raise APIError(503, "the engine is not running", "service_unavailable") from None
+
+    def require_tokenizer():
+        if tok is None:
+            raise APIError(400, "this model was loaded without a tokenizer")
+        return tok
+
+    def chat_prompt(messages, tools, thinking: bool) -> list[int]:
+        try:
+            return render_chat(require_tokenizer(), engine.family, messages, tools=tools,
+                               thinking=thinking, chat_template=engine.chat_template)
+        except ChatFormatError as e:
+            raise APIError(400, str(e), param="messages") from None
+
+    def usage(prompt: int, completion: int) -> dict:
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    async def drain(stream: RequestStream, on_delta) -> None:
+        """Feed every delta to `on_delta`; abort the request if we stop early."""
+        try:
+            async for d in stream:
+                on_delta(d)
+        finally:
+            stream.abort()
+
+    async def sse_stream(body, stream: RequestStream, head: dict, prompt_len: int, counts: list[int],
+                         include_usage: bool):
+        """SSE framing shared by both endpoints: the body's chunks, then the usage chunk, an
+        error event if the engine failed, `[DONE]`; the request is aborted however it ends."""
+        try:
+            async for item in body:
+                yield item
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": usage(prompt_len, sum(counts))})
+        except RuntimeError as e:
+            yield _sse(error_body(str(e), "server_error"))
+        finally:
+            stream.abort()
+        yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------ completions
+
+    def completion_logprobs(d, offset: int) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t, entry in zip(d.token_ids, d.logprobs or []):
+            piece = tok.decode([t], skip_special_tokens=True)
+            out["tokens"].append(piece)
+            out["token_logprobs"].append(entry[t].logprob)
+            out["top_logprobs"].append({tok.decode([a], skip_special_tokens=True): lp.logprob
+                                        for a, lp in entry.items()})
+            out["text_offset"].append(offset)
+            offset += len(piece)
+        return out
+
+    def completion_ids(prompt) -> list[int]:
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise APIError(400, "batched prompts are not supported; send one prompt", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return require_tokenizer().encode(prompt)
+        return list(prompt)
+
+    @app.post("/v1/completions", dependencies=guard)
+    async def completions(req: CompletionRequest):
+        check_model(req.model)
+        if req.echo or req.suffix is not None:
+            raise APIError(400, "echo and suffix are not supported", param="echo" if req.echo else "suffix")
+        try:
+            kw = req.sampling_kwargs()
+        except ValueError as e:
+            raise APIError(400, str(e), param="stop") from None
+        ids = completion_ids(req.prompt)
+        params = make_params(kw, max_tokens=req.max_tokens, logprobs=req.logprobs)
+        stream = await submit(ids, params)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "object": "text_completion", "created": created, "model": served_model_name}
+        want_lp = req.logprobs is not None
+        if req.stream:
+            counts, offsets = [0] * req.n, [0] * req.n
+
+            async def events():
+                async for d in stream:
+                    counts[d.index] += len(d.token_ids)
+                    lp = completion_logprobs(d, offsets[d.index]) if want_lp else None
+                    offsets[d.index] += len(d.text)
+                    yield _sse({**head, "choices": [{"index": d.index, "text": d.text, "logprobs": lp,
+                                                     "finish_reason": d.finish_reason}]})
+            return StreamingResponse(sse_stream(events(), stream, head, len(ids), counts, req.include_usage),
+                                     media_type="text/event-stream")
+        acc = [{"index": i, "text": "", "logprobs": None, "finish_reason": None, "n": 0} for i in range(req.n)]
+
+        def on(d):
+            c = acc[d.index]
+            if want_lp:
+                lp = completion_logprobs(d, len(c["text"]))
+                c["logprobs"] = lp if c["logprobs"] is None else {k: c["logprobs"][k] + lp[k] for k in lp}
+            c["text"] += d.text
+            c["n"] += len(d.token_ids)
+            c["finish_reason"] = d.finish_reason
+        await run_collect(stream, on)
+        total = sum(c.pop("n") for c in acc)
+        return {**head, "choices": acc, "usage": usage(len(ids), total)}
+
+    async def run_collect(stream, on) -> None:
+        try:
+            await drain(stream, on)
+        except RuntimeError as e:
+            raise APIError(500, str(e), "server_error") from None
+
+    # ------------------------------------------------------------ chat
+
+    def chat_logprobs(d, k: int) -> list[dict]:
+        out = []
+        for t, entry in zip(d.token_ids, d.logprobs or []):
+            def item(tid, lp):
+                b = tok.token_bytes(tid)
+                return {"token": lp.decoded_token or "", "logprob": lp.logprob, "bytes": list(b)}
+            top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:k]
+            out.append({**item(t, entry[t]), "top_logprobs": [item(a, b) for a, b in top]})
+        return out
+
+    def tool_call_json(call, index: int | None = None) -> dict:
+        out = {"id": call.id, "type": "function",
+               "function": {"name": call.name, "arguments": call.arguments_json}}
+        return out if index is None else {"index": index, **out}
+
+    @app.post("/v1/chat/completions", dependencies=guard)
+    async def chat_completions(req: ChatRequest):
+        check_model(req.model)
+        if req.response_format is not None and req.response_format.type != "text":
+            raise APIError(400, f"response_format {req.response_format.type!r} is not supported yet",
+                           param="response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        try:
+            kw = req.sampling_kwargs()
+        except ValueError as e:
+            raise APIError(400, str(e), param="stop") from None
+        tkw = req.chat_template_kwargs.thinking if req.chat_template_kwargs else None
+        thinking = next((v for v in (req.thinking, tkw) if v is not None), True)
+        declared = bool(req.tools) and req.tool_choice != "none"
+        ids = chat_prompt(req.messages, req.tools if declared else None, thinking)
+        top_k = req.top_logprobs or 0
+        params = make_params(kw, max_tokens=req.max_completion_tokens or req.max_tokens,
+                             logprobs=top_k if req.logprobs else None, skip_special_tokens=False)
+        stream = await submit(ids, params)
+        family = engine.family
+        think = thinking and family == "kimi_k3"
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "created": created, "model": served_model_name}
+        if req.stream:
+            return StreamingResponse(chat_events(req, stream, ids, head, declared, think, top_k),
+                                     media_type="text/event-stream")
+        acc = [{"text": "", "lp": [], "n": 0, "finish": None} for _ in range(req.n)]
+
+        def on(d):
+            c = acc[d.index]
+            c["text"] += d.text
+            c["n"] += len(d.token_ids)
+            c["finish"] = d.finish_reason
+            if req.logprobs:
+                c["lp"] += chat_logprobs(d, top_k)
+        await run_collect(stream, on)
+        choices = []
+        for i, c in enumerate(acc):
+            p = parse_output(c["text"], family, declared, think)
+            msg = {"role": "assistant", "content": p.content or None,
+                   "reasoning_content": p.reasoning_content or None}
+            if p.tool_calls:
+                msg["tool_calls"] = [tool_call_json(t) for t in p.tool_calls]
+            finish = "tool_calls" if p.tool_calls and c["finish"] == "stop" else c["finish"]
+            choices.append({"index": i, "message": msg, "finish_reason": finish,
+                            "logprobs": {"content": c["lp"]} if req.logprobs else None})
+        return {**head, "object": "chat.completion", "choices": choices,
+                "usage": usage(len(ids), sum(c["n"] for c in acc))}
+
+    def chat_events(req, stream, ids, head, declared, think, top_k):
+        head = {**head, "object": "chat.completion.chunk"}
+        parsers = [StreamingParser(engine.family, declared, think) for _ in range(req.n)]
+        ncalls, counts = [0] * req.n, [0] * req.n
+
+        def chunk(i, delta, finish=None, lp=None):
+            return _sse({**head, "choices": [{"index": i, "delta": delta, "logprobs": lp,
+                                              "finish_reason": finish}]})
+
+        async def body():
+            for i in range(req.n):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            async for d in stream:
+                i = d.index
+                counts[i] += len(d.token_ids)
+                parts = parsers[i].feed(d.text) + (parsers[i].finish() if d.finish_reason else [])
+                delta: dict = {}
+                for p in parts:
+                    if p.kind == "tool_call":
+                        delta.setdefault("tool_calls", []).append(tool_call_json(p.tool_call, ncalls[i]))
+                        ncalls[i] += 1
+                    elif p.text:
+                        name = "content" if p.kind == "content" else "reasoning_content"
+                        delta[name] = delta.get(name, "") + p.text
+                lp = {"content": chat_logprobs(d, top_k)} if req.logprobs and d.token_ids else None
+                finish = d.finish_reason
+                if finish == "stop" and ncalls[i]:
+                    finish = "tool_calls"
+                if delta or lp or finish:
+                    yield chunk(i, delta, finish, lp)
+        return sse_stream(body(), stream, head, len(ids), counts, req.include_usage)
+
+    # ------------------------------------------------------------ misc routes
+
+    @app.get("/v1/models", dependencies=guard)
+    async def models():
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": 0,
+                                            "owned_by": "deltaserve", "max_model_len": engine.max_model_len}]}
+
+    @app.post("/tokenize", dependencies=guard)
+    async def tokenize(req: TokenizeRequest):
+        check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        ids = require_tokenizer().encode(req.prompt) if req.prompt is not None else \
+            chat_prompt(req.messages, None, True)
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize", dependencies=guard)
+    async def detokenize(req: DetokenizeRequest):
+        check_model(req.model)
+        try:
+            return {"prompt": require_tokenizer().decode(req.tokens)}
+        except TokenizerError as e:
+            raise APIError(400, str(e), param="tokens") from None
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready", dependencies=guard)
+    async def ready():
+        try:
+            stats = await engine.call(lambda core: core.stats(), timeout=5.0)
+        except Exception:
+            raise APIError(503, "the engine did not answer", "service_unavailable") from None
+        return {"status": "ready", "num_running": stats["num_running"],
+                "num_waiting": stats["num_waiting"]}
+
+    return app

@@ -1,0 +1,222 @@
+"""`AsyncEngine`: the `EngineCore` step loop on one background thread, driven from asyncio.
+
+The engine thread is the only one that touches the core. The event loop side talks to it only
+through typed messages on a thread-safe queue (`AddRequest`, `AbortRequest`, `Call`, `Shutdown`);
+replies come back on `concurrent.futures.Future`s, and each request's `SeqDelta`s are pushed
+into its own `asyncio.Queue` with `loop.call_soon_threadsafe`. A request that is dropped before
+it finishes (client disconnect, cancelled task) sends `AbortRequest`, which frees its cache.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..engine.core import EngineCore, SeqDelta
+from ..engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is not running (shut down or crashed)."""
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: Callable[[SeqDelta | BaseException], None]
+    accepted: Future
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Call:
+    """Run `fn(core)` on the engine thread between steps (stats, integrity checks)."""
+    fn: Callable[[EngineCore], Any]
+    result: Future
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+@dataclass
+class RequestStream:
+    """The outputs of one request: async-iterate for `SeqDelta`s until all `n` have finished."""
+    engine: "AsyncEngine"
+    request_id: str
+    n: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    remaining: int = 0
+    done: bool = False
+
+    def __post_init__(self):
+        self.remaining = self.n
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> SeqDelta:
+        if self.remaining == 0:
+            self.done = True
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.done = True
+            raise item
+        if item.finish_reason is not None:
+            self.remaining -= 1
+        return item
+
+    def abort(self) -> None:
+        """Abort unless finished (idempotent); call from `finally` around consumption."""
+        if not self.done and self.remaining > 0:
+            self.done = True
+            self.engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    """Owns an `EngineCore` on a daemon thread; `family` and `chat_template` describe the
+    checkpoint for the chat routes."""
+
+    def __init__(self, core: EngineCore, family: str, chat_template: str | None = None):
+        self.core = core
+        self.tokenizer = core.tokenizer
+        self.max_model_len = core.max_model_len
+        self.vocab_size = core.model.config.vocab_size
+        self.family = family
+        self.chat_template = chat_template
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, Callable] = {}
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    # ------------------------------------------------------------ control (any thread)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="deltaserve-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._inbox.put(Shutdown())
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(AbortRequest(request_id))
+
+    def call_sync(self, fn: Callable[[EngineCore], Any], timeout: float = 30.0) -> Any:
+        """`fn(core)` evaluated on the engine thread; blocks the calling (non-loop) thread."""
+        return self._call(fn).result(timeout)
+
+    async def call(self, fn: Callable[[EngineCore], Any], timeout: float = 30.0) -> Any:
+        return await asyncio.wait_for(asyncio.wrap_future(self._call(fn)), timeout)
+
+    def _call(self, fn) -> Future:
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        fut: Future = Future()
+        self._inbox.put(Call(fn, fut))
+        return fut
+
+    async def add(self, prompt_ids: list[int], params: SamplingParams,
+                  request_id: str | None = None) -> RequestStream:
+        """Queue a request; raises the core's validation error (`InvalidRequestError`) before
+        anything is queued, else returns its stream."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(self, request_id or uuid.uuid4().hex, params.n)
+
+        def sink(item, q=stream.queue):
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:
+                pass  # the loop is closed: nobody is listening any more
+
+        accepted: Future = Future()
+        self._inbox.put(AddRequest(stream.request_id, list(prompt_ids), params, sink, accepted))
+        await asyncio.wrap_future(accepted)
+        return stream
+
+    # ------------------------------------------------------------ the engine thread
+
+    def _handle(self, msg) -> bool:
+        """Apply one message; False on Shutdown."""
+        if isinstance(msg, AddRequest):
+            try:
+                self.core.add_request(msg.request_id, msg.prompt_ids, msg.params)
+            except Exception as e:  # validation: report to the caller, queue nothing
+                msg.accepted.set_exception(e)
+            else:
+                self._sinks[msg.request_id] = msg.sink
+                msg.accepted.set_result(None)
+        elif isinstance(msg, AbortRequest):
+            if self._sinks.pop(msg.request_id, None) is not None:
+                self.core.abort_request(msg.request_id)
+        elif isinstance(msg, Call):
+            try:
+                msg.result.set_result(msg.fn(self.core))
+            except Exception as e:
+                msg.result.set_exception(e)
+        elif isinstance(msg, Shutdown):
+            return False
+        return True
+
+    def _fail_all(self, err: BaseException) -> None:
+        for rid, sink in list(self._sinks.items()):
+            self.core.abort_request(rid)
+            sink(err)
+        self._sinks.clear()
+
+    def _run(self) -> None:
+        running = True
+        while running:
+            busy = self.core.scheduler.has_work()
+            try:
+                msg = self._inbox.get_nowait() if busy else self._inbox.get()
+            except queue.Empty:
+                msg = None
+            while msg is not None and running:
+                running = self._handle(msg)
+                try:
+                    msg = self._inbox.get_nowait()
+                except queue.Empty:
+                    msg = None
+            if not running:
+                break
+            if not self.core.scheduler.has_work():
+                if self._sinks:
+                    self._fail_all(RuntimeError("the engine cannot schedule the remaining requests"))
+                continue
+            try:
+                deltas = self.core.step_deltas()
+            except Exception:
+                log.exception("engine step failed; aborting the running requests")
+                self._fail_all(RuntimeError("internal engine error"))
+                continue
+            for d in deltas:
+                sink = self._sinks.get(d.request_id)
+                if sink is not None:
+                    sink(d)
+            for rid in [r for r in self._sinks if r not in self.core.requests]:
+                del self._sinks[rid]
+        self._fail_all(EngineDeadError("the engine was shut down"))

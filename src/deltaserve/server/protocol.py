@@ -1,0 +1,121 @@
+"""Pydantic v2 request schemas shaped like OpenAI's, plus the error body and caps.
+
+Fields are strict (no str -> int coercion, no NaN/inf); caps on `n`, `logprobs` and `stop`
+are checked here, before any work. Responses are built as plain dicts in `api.py`.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from ..engine.sampling_params import MAX_LOGPROBS
+
+MAX_N = 16
+MAX_STOP = 16
+MAX_STOP_LEN = 256
+MAX_BODY_BYTES = 8 * 2**20
+
+Number = Union[StrictInt, StrictFloat]
+Stop = Union[StrictStr, list[StrictStr], None]
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Base):
+    include_usage: StrictBool = False
+
+
+class _Sampling(_Base):
+    model: StrictStr
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    temperature: Optional[Number] = Field(None, ge=0, le=2)
+    top_p: Optional[Number] = Field(None, gt=0, le=1)
+    top_k: Optional[StrictInt] = Field(None, ge=-1)
+    min_p: Optional[Number] = Field(None, ge=0, le=1)
+    seed: Optional[StrictInt] = Field(None, ge=-(2**63), lt=2**64)
+    stop: Stop = None
+    stop_token_ids: Optional[list[StrictInt]] = Field(None, max_length=MAX_STOP)
+    presence_penalty: Optional[Number] = Field(None, ge=-2, le=2)
+    frequency_penalty: Optional[Number] = Field(None, ge=-2, le=2)
+    repetition_penalty: Optional[Number] = Field(None, gt=0, le=10)
+    min_tokens: StrictInt = Field(0, ge=0)
+    ignore_eos: StrictBool = False
+    stream: StrictBool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[StrictStr] = None
+
+    def stop_list(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings are allowed")
+        if any(not s or len(s) > MAX_STOP_LEN for s in stops):
+            raise ValueError(f"stop strings must be non-empty and at most {MAX_STOP_LEN} characters")
+        return stops
+
+    def sampling_kwargs(self) -> dict:
+        """Keyword arguments for `SamplingParams` (OpenAI defaults where a field is absent)."""
+        kw: dict[str, Any] = dict(n=self.n, seed=self.seed, stop=self.stop_list(),
+                                  stop_token_ids=self.stop_token_ids, min_tokens=self.min_tokens,
+                                  ignore_eos=self.ignore_eos,
+                                  temperature=1.0 if self.temperature is None else float(self.temperature))
+        for name in ("top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            v = getattr(self, name)
+            if v is not None:
+                kw[name] = float(v)
+        if self.top_k is not None:
+            kw["top_k"] = self.top_k
+        return kw
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
+    max_tokens: Optional[StrictInt] = Field(16, ge=1)
+    logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = False
+    suffix: Optional[StrictStr] = None
+
+
+class ResponseFormat(_Base):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class ChatTemplateKwargs(_Base):
+    thinking: Optional[StrictBool] = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: Optional[StrictInt] = Field(None, ge=1)
+    max_completion_tokens: Optional[StrictInt] = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
+    parallel_tool_calls: Optional[StrictBool] = None
+    response_format: Optional[ResponseFormat] = None
+    thinking: Optional[StrictBool] = None
+    chat_template_kwargs: Optional[ChatTemplateKwargs] = None
+
+
+class TokenizeRequest(_Base):
+    model: Optional[StrictStr] = None
+    prompt: Optional[StrictStr] = None
+    messages: Optional[list[dict[str, Any]]] = Field(None, min_length=1)
+    add_generation_prompt: StrictBool = True
+
+
+class DetokenizeRequest(_Base):
+    model: Optional[StrictStr] = None
+    tokens: list[StrictInt] = Field(max_length=1 << 20)

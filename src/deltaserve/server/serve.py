@@ -1,0 +1,95 @@
+"""`deltaserve serve [MODEL_DIR]`: load the engine, wrap it in `AsyncEngine`, run uvicorn.
+
+With no MODEL_DIR it serves the embedded default: a random-weight tiny Kimi K3 checkpoint
+(`make_tiny(..., family="kimi_k3", preset="tiny", seed=0)`) generated once, reproducibly, under
+the user cache directory.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("deltaserve.serve")
+
+DEFAULT_NAME = "default-kimi_k3-tiny-seed0"
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "deltaserve"
+
+
+def default_model_dir() -> Path:
+    """The embedded default checkpoint, written atomically on first use."""
+    from ..model.tiny import make_tiny
+
+    out = cache_dir() / DEFAULT_NAME
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=DEFAULT_NAME + ".", dir=out.parent))
+    try:
+        make_tiny(tmp, family="kimi_k3", preset="tiny", seed=0)
+        os.replace(tmp, out)
+    except OSError:
+        if not (out / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..cli import _budget
+
+    p.add_argument("model", nargs="?", type=Path, default=None,
+                   help="checkpoint directory (default: the embedded random-weight tiny K3)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: the dir name)")
+    p.add_argument("--api-key", default=os.environ.get("DELTASERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", type=_budget, default=0.1,
+                   help="bytes (integer) or a fraction of RAM (with a dot, e.g. 0.1)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--enable-prefix-caching", action="store_true")
+    p.add_argument("--prefix-match-unit", type=int, default=64)
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ..engine.llm import LLM
+    from .api import build_app
+    from .async_engine import AsyncEngine
+    from .chat import load_chat_template
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    model_dir, name = args.model, args.served_model_name
+    if model_dir is None:
+        model_dir = default_model_dir()
+        name = name or DEFAULT_NAME
+        log.warning("no MODEL_DIR given: serving the embedded default, a RANDOM-WEIGHT tiny Kimi K3 "
+                    "(make_tiny seed 0) at %s; its text is gibberish, the machinery is real", model_dir)
+    name = name or Path(model_dir).resolve().name
+    llm = LLM(model_dir, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
+              kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, progress=False,
+              enable_prefix_caching=args.enable_prefix_caching, prefix_match_unit=args.prefix_match_unit)
+    engine = AsyncEngine(llm.engine, llm.model.config.family, load_chat_template(model_dir))
+    app = build_app(engine, name, api_key=args.api_key)
+    log.info("serving %r on http://%s:%d (api key %s)", name, args.host, args.port,
+             "required" if args.api_key else "off")
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    finally:
+        engine.shutdown()
+    return 0
