@@ -1,19 +1,14 @@
 """The real server (uvicorn on a loopback port, a tiny random K3) driven by the `openai` client."""
 import json
-import threading
 import time
 
 import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
 
-from deltaserve import LLM  # noqa: E402
-from deltaserve.model.tiny import make_tiny  # noqa: E402
-from deltaserve.server.api import build_app  # noqa: E402
-from deltaserve.server.async_engine import AsyncEngine  # noqa: E402
-from deltaserve.server.chat import load_chat_template  # noqa: E402
+from tests.server.live_server import live_server  # noqa: E402
+
 
 KEY = "sk-test-key"
 MODEL = "tiny-k3"
@@ -22,25 +17,8 @@ MAX_LEN = 256
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path_factory.mktemp("tiktoken")))
-        ckpt = make_tiny(tmp_path_factory.mktemp("k3"), family="kimi_k3", preset="tiny", seed=0)
-        llm = LLM(ckpt, dtype="float32", max_num_seqs=4, max_num_batched_tokens=512, page_size=16,
-                  kv_cache_memory=64 * 2**20, max_model_len=MAX_LEN, progress=False)
-        engine = AsyncEngine(llm.engine, llm.model.config.family, load_chat_template(ckpt))
-        app = build_app(engine, MODEL, api_key=KEY, max_body_bytes=1 << 20)
-        srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        thread = threading.Thread(target=srv.run, daemon=True)
-        thread.start()
-        deadline = time.time() + 60
-        while not srv.started:
-            assert time.time() < deadline and thread.is_alive(), "server did not start"
-            time.sleep(0.05)
-        port = srv.servers[0].sockets[0].getsockname()[1]
-        yield {"url": f"http://127.0.0.1:{port}", "engine": engine, "tok": llm.tokenizer}
-        srv.should_exit = True
-        thread.join(30)
-        engine.shutdown()
+    with live_server(tmp_path_factory, MODEL, dict(api_key=KEY, max_body_bytes=1 << 20), max_model_len=MAX_LEN) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -197,6 +175,36 @@ BAD = [
     ("/tokenize", {"prompt": "a", "messages": USER}, 400),
     ("/detokenize", {"tokens": [-1]}, 400),
     ("/detokenize", {"tokens": [10**9]}, 400),
+    (CMPL, {"model": MODEL, "prompt": "x", "temperature": 3}, 400),
+    (CMPL, {"model": MODEL, "prompt": "x", "top_p": 1.5}, 400),
+    (CMPL, {"model": MODEL, "prompt": "x", "min_p": -0.1}, 400),
+    (CMPL, {"model": MODEL, "prompt": "x", "top_k": -5}, 400),
+    (CMPL, {"model": MODEL, "prompt": "x", "n": 1.5}, 400),
+    (CMPL, {"model": MODEL, "prompt": "x", "n": True}, 400),
+    (CMPL, {"model": MODEL, "prompt": "x", "logprobs": -1}, 400),
+    (CMPL, {"model": MODEL, "prompt": "x", "stop": ["y" * 1000]}, 400),
+    (CMPL, {"model": MODEL, "prompt": "x", "stop_token_ids": list(range(100))}, 400),
+    (CMPL, {"model": MODEL, "prompt": "x", "echo": True}, 400),
+    (CMPL, {"model": MODEL, "prompt": "x", "repetition_penalty": 0}, 400),
+    (CMPL, {"model": MODEL, "prompt": "x", "frequency_penalty": -3}, 400),
+    (CMPL, {"model": MODEL, "prompt": "x", "min_tokens": -1}, 400),
+    (CMPL, {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": "yes"}}, 400),
+    (CMPL, {"model": MODEL, "prompt": "x" * 4000}, 400),  # over max_model_len after encoding
+    (CMPL, {"model": 5, "prompt": "x"}, 400),
+    (CHAT, {"model": MODEL}, 400),
+    (CHAT, {"model": MODEL, "messages": USER, "n": 17}, 400),
+    (CHAT, {"model": MODEL, "messages": USER, "top_logprobs": 100, "logprobs": True}, 400),
+    (CHAT, {"model": MODEL, "messages": USER, "logprobs": "yes"}, 400),
+    (CHAT, {"model": MODEL, "messages": USER, "max_completion_tokens": 0}, 400),
+    (CHAT, {"model": MODEL, "messages": USER, "tool_choice": "sometimes"}, 400),
+    (CHAT, {"model": MODEL, "messages": USER, "tools": "get_weather"}, 400),
+    (CHAT, {"model": MODEL, "messages": USER, "response_format": {"type": "yaml"}}, 400),
+    (CHAT, {"model": MODEL, "messages": [{"content": "no role"}]}, 400),
+    (CHAT, {"model": MODEL, "messages": ["hi"]}, 400),
+    (CHAT, {"model": "other", "messages": USER}, 404),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x" * 4000}]}, 400),
+    ("/detokenize", {"tokens": "abc"}, 400),
+    ("/tokenize", {}, 400),
 ]
 
 

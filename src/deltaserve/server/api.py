@@ -2,7 +2,9 @@
 
 Routes: `/v1/completions`, `/v1/chat/completions` (JSON or SSE with `data: [DONE]`),
 `/v1/models`, `/tokenize`, `/detokenize`, `/health` (process up; never needs the key) and
-`/ready` (the engine thread answered a round trip). Every error is an OpenAI-style body
+`/ready` (the engine thread answered a round trip), `/metrics` (Prometheus, see `metrics.py`).
+With `max_waiting_requests` set, a generation request arriving while that many are queued gets
+429 with `Retry-After`, before any work. Every error is an OpenAI-style body
 `{"error": {"message", "type", "param", "code"}}`; messages never carry internals.
 Non-streaming responses are assembled from the same delta stream as streaming ones, so the
 two agree for the same seed. Text prompts are encoded with special tokens disallowed.
@@ -18,7 +20,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.sampling_params import SamplingParams, SamplingParamsError
@@ -26,6 +28,8 @@ from ..engine.sequence import InvalidRequestError
 from ..model.tokenizer import TokenizerError
 from .async_engine import AsyncEngine, EngineDeadError, RequestStream
 from .chat import ChatFormatError, render_chat
+from .errors import APIError, BodyLimit, validation_message
+from .metrics import Metrics
 from .parsers import StreamingParser, parse_output
 from .protocol import (MAX_BODY_BYTES, ChatRequest, CompletionRequest, DetokenizeRequest,
                        TokenizeRequest, error_body)
@@ -33,50 +37,15 @@ from .protocol import (MAX_BODY_BYTES, ChatRequest, CompletionRequest, Detokeniz
 log = logging.getLogger(__name__)
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.type, self.param, self.code), self.status)
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errs = exc.errors()
-    if not errs:
-        return "invalid request", None
-    e = errs[0]
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-    param = ".".join(loc) or None
-    return (f"{param}: {e.get('msg', 'invalid value')}" if param else e.get("msg", "invalid request")), param
-
-
-class _BodyLimit:
-    """ASGI middleware: 413 for a declared body over `limit` bytes."""
-
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            length = dict(scope.get("headers", ())).get(b"content-length", b"0")
-            if not length.isdigit() or int(length) > self.limit:
-                msg = f"request body over {self.limit} bytes" if length.isdigit() else "bad Content-Length"
-                status = 413 if length.isdigit() else 400
-                await JSONResponse(error_body(msg), status)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The FastAPI app over a started-or-not `AsyncEngine` (started on app start-up)."""
+              max_body_bytes: int = MAX_BODY_BYTES, max_waiting_requests: int | None = None,
+              retry_after_s: int = 1) -> FastAPI:
+    """The FastAPI app over a started-or-not `AsyncEngine` (started on app start-up);
+    `max_waiting_requests=None` means no queue cap."""
 
     @asynccontextmanager
     async def lifespan(app):
@@ -85,9 +54,17 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     app = FastAPI(title="deltaserve", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    app.add_middleware(_BodyLimit, limit=max_body_bytes)
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
     tok = engine.tokenizer
     key = api_key.encode() if api_key else None
+    metrics = app.state.metrics = Metrics(served_model_name)
+
+    def admit() -> None:
+        if max_waiting_requests is not None and engine.queue_load() >= max_waiting_requests:
+            metrics.rejected.inc()
+            raise APIError(429, "the server is overloaded: too many waiting requests; retry later",
+                           "rate_limit_error", code="too_many_waiting_requests",
+                           headers={"Retry-After": str(retry_after_s)})
 
     def auth(request: Request) -> None:
         if key is None:
@@ -105,7 +82,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
-        msg, param = _validation_message(exc)
+        msg, param = validation_message(exc)
         return JSONResponse(error_body(msg, param=param), 400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -126,11 +103,13 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     async def submit(ids: list[int], params: SamplingParams) -> RequestStream:
         try:
-            return await engine.add(ids, params)
+            stream = await engine.add(ids, params)
         except (InvalidRequestError, SamplingParamsError) as e:
             raise APIError(400, str(e)) from None
         except EngineDeadError:
             raise APIError(503, "the engine is not running", "service_unavailable") from None
+        stream.observer = metrics.track(len(ids), params.n)
+        return stream
 
     def require_tokenizer():
         if tok is None:
@@ -196,6 +175,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     @app.post("/v1/completions", dependencies=guard)
     async def completions(req: CompletionRequest):
+        admit()
         check_model(req.model)
         if req.echo or req.suffix is not None:
             raise APIError(400, "echo and suffix are not supported", param="echo" if req.echo else "suffix")
@@ -260,6 +240,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     @app.post("/v1/chat/completions", dependencies=guard)
     async def chat_completions(req: ChatRequest):
+        admit()
         check_model(req.model)
         if req.response_format is not None and req.response_format.type != "text":
             raise APIError(400, f"response_format {req.response_format.type!r} is not supported yet",
@@ -367,6 +348,11 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     @app.get("/health")
     async def health():
         return {"status": "ok"}
+
+    @app.get("/metrics", dependencies=guard)
+    async def prometheus():
+        body, ctype = await metrics.render(engine)
+        return Response(body, media_type=ctype)
 
     @app.get("/ready", dependencies=guard)
     async def ready():

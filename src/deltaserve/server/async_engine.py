@@ -62,6 +62,7 @@ class RequestStream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     remaining: int = 0
     done: bool = False
+    observer: Any = None  # optional: `.on_delta(d)` per delta, `.aborted()` on an early abort
 
     def __post_init__(self):
         self.remaining = self.n
@@ -79,6 +80,8 @@ class RequestStream:
             raise item
         if item.finish_reason is not None:
             self.remaining -= 1
+        if self.observer is not None:
+            self.observer.on_delta(item)
         return item
 
     def abort(self) -> None:
@@ -86,6 +89,8 @@ class RequestStream:
         if not self.done and self.remaining > 0:
             self.done = True
             self.engine.abort(self.request_id)
+            if self.observer is not None:
+                self.observer.aborted()
 
 
 class AsyncEngine:
@@ -103,6 +108,11 @@ class AsyncEngine:
         self._sinks: dict[str, Callable] = {}
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        # queue-size estimate readable from the event loop without touching the core: the
+        # engine thread publishes len(scheduler.waiting) (an int store is atomic); `pending`
+        # counts adds sent but not yet accepted (event-loop side only)
+        self.num_waiting = 0
+        self.pending = 0
 
     # ------------------------------------------------------------ control (any thread)
 
@@ -115,6 +125,10 @@ class AsyncEngine:
         if self._thread is not None and self._thread.is_alive():
             self._inbox.put(Shutdown())
             self._thread.join(timeout)
+
+    def queue_load(self) -> int:
+        """Requests waiting in the scheduler plus those on their way in."""
+        return self.num_waiting + self.pending
 
     @property
     def alive(self) -> bool:
@@ -153,8 +167,12 @@ class AsyncEngine:
                 pass  # the loop is closed: nobody is listening any more
 
         accepted: Future = Future()
-        self._inbox.put(AddRequest(stream.request_id, list(prompt_ids), params, sink, accepted))
-        await asyncio.wrap_future(accepted)
+        self.pending += 1
+        try:
+            self._inbox.put(AddRequest(stream.request_id, list(prompt_ids), params, sink, accepted))
+            await asyncio.wrap_future(accepted)
+        finally:
+            self.pending -= 1
         return stream
 
     # ------------------------------------------------------------ the engine thread
@@ -168,6 +186,7 @@ class AsyncEngine:
                 msg.accepted.set_exception(e)
             else:
                 self._sinks[msg.request_id] = msg.sink
+                self.num_waiting = len(self.core.scheduler.waiting)
                 msg.accepted.set_result(None)
         elif isinstance(msg, AbortRequest):
             if self._sinks.pop(msg.request_id, None) is not None:
@@ -203,6 +222,7 @@ class AsyncEngine:
                     msg = None
             if not running:
                 break
+            self.num_waiting = len(self.core.scheduler.waiting)
             if not self.core.scheduler.has_work():
                 if self._sinks:
                     self._fail_all(RuntimeError("the engine cannot schedule the remaining requests"))
@@ -219,4 +239,5 @@ class AsyncEngine:
                     sink(d)
             for rid in [r for r in self._sinks if r not in self.core.requests]:
                 del self._sinks[rid]
+            self.num_waiting = len(self.core.scheduler.waiting)
         self._fail_all(EngineDeadError("the engine was shut down"))

@@ -62,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--prefix-match-unit", type=int, default=64)
+    p.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="queue cap: a completion/chat request arriving while this many requests "
+                        "wait for the engine gets 429 with Retry-After (negative: no cap)")
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -85,7 +88,8 @@ def serve(args: argparse.Namespace) -> int:
               kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, progress=False,
               enable_prefix_caching=args.enable_prefix_caching, prefix_match_unit=args.prefix_match_unit)
     engine = AsyncEngine(llm.engine, llm.model.config.family, load_chat_template(model_dir))
-    app = build_app(engine, name, api_key=args.api_key)
+    cap = args.max_waiting_requests
+    app = build_app(engine, name, api_key=args.api_key, max_waiting_requests=cap if cap >= 0 else None)
     log.info("serving %r on http://%s:%d (api key %s)", name, args.host, args.port,
              "required" if args.api_key else "off")
     try:

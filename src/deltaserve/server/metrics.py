@@ -1,0 +1,152 @@
+"""Prometheus metrics for the server: a per-app `CollectorRegistry` with `deltaserve:` names
+shaped like vLLM's (`vllm:` -> `deltaserve:`).
+
+Request-side numbers (finish reasons, tokens, TTFT / inter-token / end-to-end latency) are
+recorded on the event loop from each request's delta stream. Engine-side numbers (queue sizes,
+MLA pages, KDA slots, prefix-cache counters) come from a `stats()` snapshot taken on the engine
+thread through `AsyncEngine.call` when `/metrics` is scraped; the event loop never touches the
+`EngineCore`. If the engine does not answer, the last snapshot is served.
+"""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+P = "deltaserve:"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0)
+
+# stats()["prefix_cache"] key -> (metric name without prefix, help); all cumulative counters
+PREFIX_COUNTERS = {
+    "queries": ("prefix_cache_queries", "Prefix-cache lookups (one per admitted sequence)"),
+    "hits": ("prefix_cache_hits", "Prefix-cache lookups that reused cached state"),
+    "hit_tokens": ("prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache"),
+    "retention_misses": ("prefix_cache_retention_misses",
+                         "Prefix matches lost because the KDA checkpoint was evicted"),
+    "checkpoints_stored": ("prefix_cache_checkpoints_stored", "KDA state checkpoints stored"),
+    "checkpoints_evicted": ("prefix_cache_checkpoints_evicted", "KDA state checkpoints evicted"),
+}
+# stats() key -> (gauge name without prefix, help)
+ENGINE_GAUGES = {
+    "num_running": ("num_requests_running", "Sequences running in the engine"),
+    "num_waiting": ("num_requests_waiting", "Sequences waiting to be scheduled"),
+    "mla_pages_used": ("mla_pages_used", "MLA KV-cache pages in use"),
+    "mla_pages_total": ("mla_pages_total", "MLA KV-cache pages in the pool"),
+    "kda_slots_used": ("kda_slots_used", "KDA recurrent-state slots in use"),
+    "kda_slots_total": ("kda_slots_total", "KDA recurrent-state slots in the pool"),
+}
+PREFIX_GAUGES = {
+    "checkpoint_slots_used": ("prefix_cache_checkpoint_slots_used", "KDA checkpoint slots in use"),
+    "checkpoint_slots_total": ("prefix_cache_checkpoint_slots_total", "KDA checkpoint slots in the pool"),
+}
+
+
+class _EngineCollector:
+    """Yields gauges and counters from the latest engine `stats()` snapshot."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.snapshot: dict | None = None
+
+    def collect(self):
+        s = self.snapshot
+        if not s:
+            return
+        lab = ["model_name"]
+        for key, (name, doc) in ENGINE_GAUGES.items():
+            if key in s:
+                g = GaugeMetricFamily(P + name, doc, labels=lab)
+                g.add_metric([self.model_name], s[key])
+                yield g
+        pc = s.get("prefix_cache")
+        if pc:
+            for key, (name, doc) in PREFIX_COUNTERS.items():
+                if key in pc:
+                    c = CounterMetricFamily(P + name, doc, labels=lab)
+                    c.add_metric([self.model_name], pc[key])
+                    yield c
+            for key, (name, doc) in PREFIX_GAUGES.items():
+                if key in pc:
+                    g = GaugeMetricFamily(P + name, doc, labels=lab)
+                    g.add_metric([self.model_name], pc[key])
+                    yield g
+
+
+class RequestTracker:
+    """Observes one request's deltas (called by `RequestStream`); records into `Metrics`."""
+
+    def __init__(self, metrics: "Metrics", n: int):
+        self.m, self.start = metrics, time.monotonic()
+        self.last: list[float | None] = [None] * n
+        self.open = n
+
+    def on_delta(self, d) -> None:
+        now, i, k = time.monotonic(), d.index, len(d.token_ids)
+        m = self.m
+        if k:
+            m.generation_tokens.inc(k)
+            prev = self.last[i]
+            if prev is None:
+                m.ttft.observe(now - self.start)
+                k -= 1
+                prev = now
+            if k > 0:  # tokens that arrived together share the gap since the previous delta
+                gap = (now - prev) / k
+                for _ in range(k):
+                    m.tpot.observe(gap)
+            self.last[i] = now
+        if d.finish_reason is not None:
+            self._finish(d.finish_reason)
+
+    def aborted(self) -> None:
+        while self.open > 0:
+            self._finish("abort")
+
+    def _finish(self, reason: str) -> None:
+        if self.open <= 0:
+            return
+        self.open -= 1
+        self.m._success.labels(self.m.model_name, reason).inc()
+        self.m.e2e.observe(time.monotonic() - self.start)
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = reg = CollectorRegistry()
+        lab = {"labelnames": ["model_name"]}
+        self.model_name = model_name
+        self._success = Counter(P + "request_success", "Finished sequences by finish reason",
+                                ["model_name", "finished_reason"], registry=reg)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of admitted requests",
+                                     registry=reg, **lab).labels(model_name)
+        self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens",
+                                         registry=reg, **lab).labels(model_name)
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token",
+                              buckets=TTFT_BUCKETS, registry=reg, **lab).labels(model_name)
+        self.tpot = Histogram(P + "time_per_output_token_seconds", "Inter-token latency",
+                              buckets=TPOT_BUCKETS, registry=reg, **lab).labels(model_name)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "End-to-end sequence latency",
+                             buckets=E2E_BUCKETS, registry=reg, **lab).labels(model_name)
+        self.rejected = Counter(P + "request_rejected", "Requests refused because the waiting "
+                                "queue was full", registry=reg, **lab).labels(model_name)
+        self.engine = _EngineCollector(model_name)
+        reg.register(self.engine)
+
+    def track(self, prompt_len: int, n: int) -> RequestTracker:
+        self.prompt_tokens.inc(prompt_len)
+        return RequestTracker(self, n)
+
+    async def render(self, engine) -> tuple[bytes, str]:
+        try:
+            self.engine.snapshot = await engine.call(lambda core: core.stats(), timeout=5.0)
+        except Exception:
+            pass  # serve the last snapshot (or none) rather than fail the scrape
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
