@@ -3,8 +3,7 @@ from deltaserve.cli import main
 from deltaserve.model.tiny import make_tiny
 
 
-def test_generate_command(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken"))
+def test_generate_command(tmp_path, capsys):
     ckpt = make_tiny(tmp_path / "k3", family="kimi_k3", preset="tiny", seed=1)
     rc = main(["generate", "--model", str(ckpt), "--prompt", "Hello", "--prompt", "Bonjour",
                "--max-tokens", "5", "--max-model-len", "64", "--kv-cache-memory", str(8 * 2**20),

@@ -10,13 +10,6 @@ from deltaserve.model.tiny import make_tiny
 from deltaserve.model.tokenizer import Tokenizer
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _tiktoken_cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path_factory.mktemp("tiktoken_cache")))
-        yield
-
-
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
     return Tokenizer.from_pretrained(make_tiny(tmp_path_factory.mktemp("k3"), family="kimi_k3"))

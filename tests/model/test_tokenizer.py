@@ -19,13 +19,6 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _tiktoken_cache(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path_factory.mktemp("tiktoken_cache")))
-        yield
-
-
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tok")

@@ -4,7 +4,6 @@ import contextlib
 import threading
 import time
 
-import pytest
 import uvicorn
 
 from deltaserve import LLM
@@ -17,24 +16,22 @@ from deltaserve.server.chat import load_chat_template
 @contextlib.contextmanager
 def live_server(tmp_path_factory, model_name: str, app_kwargs: dict, **llm_kwargs):
     """Yields {"url", "engine", "tok"}."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path_factory.mktemp("tiktoken")))
-        ckpt = make_tiny(tmp_path_factory.mktemp("k3"), family="kimi_k3", preset="tiny", seed=0)
-        llm = LLM(ckpt, dtype="float32", max_num_seqs=4, max_num_batched_tokens=512, page_size=16,
-                  kv_cache_memory=64 * 2**20, progress=False, **llm_kwargs)
-        engine = AsyncEngine(llm.engine, llm.model.config.family, load_chat_template(ckpt))
-        app = build_app(engine, model_name, **app_kwargs)
-        srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        thread = threading.Thread(target=srv.run, daemon=True)
-        thread.start()
-        deadline = time.time() + 60
-        while not srv.started:
-            assert time.time() < deadline and thread.is_alive(), "server did not start"
-            time.sleep(0.05)
-        port = srv.servers[0].sockets[0].getsockname()[1]
-        try:
-            yield {"url": f"http://127.0.0.1:{port}", "engine": engine, "tok": llm.tokenizer}
-        finally:
-            srv.should_exit = True
-            thread.join(30)
-            engine.shutdown()
+    ckpt = make_tiny(tmp_path_factory.mktemp("k3"), family="kimi_k3", preset="tiny", seed=0)
+    llm = LLM(ckpt, dtype="float32", max_num_seqs=4, max_num_batched_tokens=512, page_size=16,
+              kv_cache_memory=64 * 2**20, progress=False, **llm_kwargs)
+    engine = AsyncEngine(llm.engine, llm.model.config.family, load_chat_template(ckpt))
+    app = build_app(engine, model_name, **app_kwargs)
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not srv.started:
+        assert time.time() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.05)
+    port = srv.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield {"url": f"http://127.0.0.1:{port}", "engine": engine, "tok": llm.tokenizer}
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+        engine.shutdown()
