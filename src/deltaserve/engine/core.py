@@ -114,10 +114,7 @@ class EngineCore:
     def _banned(self, seq: Sequence) -> list[int]:
         if len(seq.output_ids) >= seq.params.min_tokens:
             return []
-        stop = set(seq.params.stop_token_ids)
-        if not seq.params.ignore_eos:
-            stop |= self.eos_ids
-        return sorted(stop)
+        return sorted(seq.params.stop_ids(self.eos_ids))
 
     def step(self) -> list[RequestOutput]:
         """One scheduler step; returns the requests that finished in it."""
@@ -177,8 +174,7 @@ class EngineCore:
             seq.logprobs.append(entry)
             seq.cumulative_logprob += lp.logprob
         p = seq.params
-        if len(seq.output_ids) >= p.min_tokens and (token in p.stop_token_ids or
-                                                     (token in self.eos_ids and not p.ignore_eos)):
+        if len(seq.output_ids) >= p.min_tokens and token in p.stop_ids(self.eos_ids):
             self._finish(seq, "stop", token if token in p.stop_token_ids else None)
         elif seq.detokenizer is not None and seq.detokenizer.append(token):
             self._finish(seq, "stop", seq.detokenizer.stop_reason)
