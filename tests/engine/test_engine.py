@@ -149,12 +149,12 @@ def test_stop_token_and_stop_string(ckpt):
     assert by_id.token_ids == free.token_ids[:first + 1]
     assert by_id.finish_reason == "stop" and by_id.stop_reason == stop_id
     text = free.text
-    needle = text[len(text) // 2:len(text) // 2 + 2]
-    if needle.strip():
-        by_str = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop=[needle],
-                                                       ignore_eos=True), use_tqdm=False)[0].outputs[0]
-        assert by_str.finish_reason == "stop" and by_str.stop_reason == needle
-        assert by_str.text == text[:text.index(needle)]
+    needle = next(text[i:i + 2] for i in range(len(text) // 2, len(text) - 1)
+                  if text[i:i + 2].isprintable() and not text[i:i + 2].isspace() and "\ufffd" not in text[i:i + 2])
+    by_str = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop=[needle],
+                                                   ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert by_str.finish_reason == "stop" and by_str.stop_reason == needle
+    assert by_str.text == text[:text.index(needle)]
     with pytest.raises(ValueError):
         LLM(ckpt, dtype="float32", skip_tokenizer_init=True, max_model_len=32, kv_cache_memory=10**7,
             progress=False).generate([prompt], SamplingParams(stop=["x"]), use_tqdm=False)
