@@ -40,16 +40,12 @@ def _add_make_tiny(sub) -> None:
 def _generate(args: argparse.Namespace) -> int:
     import logging
 
+    from .engine.args import engine_kwargs
     from .engine.llm import LLM
     from .engine.sampling_params import SamplingParams
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
-              kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
-              num_threads=args.threads, enable_prefix_caching=args.enable_prefix_caching,
-              prefix_match_unit=args.prefix_match_unit, kda_checkpoint_policy=args.kda_checkpoint_policy,
-              kda_checkpoint_interval=args.kda_checkpoint_interval)
+    llm = LLM(args.model, **engine_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     for out in llm.generate(args.prompt, params):
         print(f"{out.prompt!r} -> {out.outputs[0].text!r} ({out.outputs[0].finish_reason})")
@@ -57,33 +53,16 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _budget(v: str) -> int | float:
-    return float(v) if "." in v else int(v)
-
-
 def _add_generate(sub) -> None:
+    from .engine.args import add_engine_args
+
     p = sub.add_parser("generate", help="run prompts through the offline engine and print the outputs")
     p.add_argument("--model", required=True, type=Path, help="checkpoint directory")
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=8192)
-    p.add_argument("--kv-cache-memory", type=_budget, default=0.1,
-                   help="bytes (integer) or a fraction of RAM (with a dot, e.g. 0.1)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    p.add_argument("--enable-prefix-caching", action="store_true",
-                   help="hybrid prefix cache: MLA pages + KDA checkpoints, both halves or nothing")
-    p.add_argument("--prefix-match-unit", type=int, default=64,
-                   help="hit granularity in tokens (a multiple of --page-size)")
-    p.add_argument("--kda-checkpoint-policy", default="default",
-                   help="'default' or a comma list of prompt-end, junction, turn-end")
-    p.add_argument("--kda-checkpoint-interval", type=int, default=None,
-                   help="also checkpoint every N prompt tokens (a multiple of the match unit)")
+    add_engine_args(p)
     p.set_defaults(func=_generate)
 
 

@@ -44,7 +44,7 @@ def default_model_dir() -> Path:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..cli import _budget
+    from ..engine.args import add_engine_args
 
     p.add_argument("model", nargs="?", type=Path, default=None,
                    help="checkpoint directory (default: the embedded random-weight tiny K3)")
@@ -53,15 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the dir name)")
     p.add_argument("--api-key", default=os.environ.get("DELTASERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health")
-    p.add_argument("--max-model-len", type=int, default=8192)
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", type=_budget, default=0.1,
-                   help="bytes (integer) or a fraction of RAM (with a dot, e.g. 0.1)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--enable-prefix-caching", action="store_true")
-    p.add_argument("--prefix-match-unit", type=int, default=64)
+    add_engine_args(p)
     p.add_argument("--max-waiting-requests", type=int, default=256,
                    help="queue cap: a completion/chat request arriving while this many requests "
                         "wait for the engine gets 429 with Retry-After (negative: no cap)")
@@ -70,6 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from ..engine.args import engine_kwargs
     from ..engine.llm import LLM
     from .api import build_app
     from .async_engine import AsyncEngine
@@ -83,10 +76,7 @@ def serve(args: argparse.Namespace) -> int:
         log.warning("no MODEL_DIR given: serving the embedded default, a RANDOM-WEIGHT tiny Kimi K3 "
                     "(make_tiny seed 0) at %s; its text is gibberish, the machinery is real", model_dir)
     name = name or Path(model_dir).resolve().name
-    llm = LLM(model_dir, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
-              kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, progress=False,
-              enable_prefix_caching=args.enable_prefix_caching, prefix_match_unit=args.prefix_match_unit)
+    llm = LLM(model_dir, progress=False, **engine_kwargs(args))
     engine = AsyncEngine(llm.engine, llm.model.config.family, load_chat_template(model_dir))
     cap = args.max_waiting_requests
     app = build_app(engine, name, api_key=args.api_key, max_waiting_requests=cap if cap >= 0 else None)
