@@ -1,9 +1,10 @@
 """A real server for tests: uvicorn on a loopback port (port 0) in a daemon thread, over a tiny
-random K3, torn down with the engine thread."""
+random K3, torn down with the engine thread; plus the shared test server's settings and helpers."""
 import contextlib
 import threading
 import time
 
+import httpx
 import uvicorn
 
 from deltaserve import LLM
@@ -35,3 +36,28 @@ def live_server(tmp_path_factory, model_name: str, app_kwargs: dict, **llm_kwarg
         srv.should_exit = True
         thread.join(30)
         engine.shutdown()
+
+
+KEY = "sk-test-key"
+MODEL = "tiny-k3"
+MAX_LEN = 512  # room for tool declarations (the tiny vocabulary spends ~1 token per byte)
+
+
+def http(server, method, path, key=KEY, **kw):
+    headers = kw.pop("headers", {})
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    return httpx.request(method, server["url"] + path, headers=headers, timeout=60, **kw)
+
+
+def idle_and_clean(engine, timeout=20.0):
+    """Wait until the engine holds no request, then check the cache invariants."""
+    deadline = time.time() + timeout
+    while True:
+        busy, stats = engine.call_sync(lambda c: (bool(c.requests), c.stats()))
+        if not busy or time.time() > deadline:
+            break
+        time.sleep(0.05)
+    engine.call_sync(lambda c: c.cache.check_integrity())
+    assert not busy and stats["mla_pages_used"] == 0 and stats["kda_slots_used"] == 0, stats
+    return stats

@@ -1,49 +1,13 @@
-"""The real server (uvicorn on a loopback port, a tiny random K3) driven by the `openai` client."""
+"""The real server (uvicorn on a loopback port, a tiny random K3) driven by the `openai` client.
+The `server` / `client` fixtures (one server for the package) are in conftest.py."""
 import json
-import time
 
 import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
 
-from tests.server.live_server import live_server  # noqa: E402
-
-
-KEY = "sk-test-key"
-MODEL = "tiny-k3"
-MAX_LEN = 256
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with live_server(tmp_path_factory, MODEL, dict(api_key=KEY, max_body_bytes=1 << 20), max_model_len=MAX_LEN) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server["url"] + "/v1", api_key=KEY, max_retries=0, timeout=60)
-
-
-def http(server, method, path, key=KEY, **kw):
-    headers = kw.pop("headers", {})
-    if key is not None:
-        headers["Authorization"] = f"Bearer {key}"
-    return httpx.request(method, server["url"] + path, headers=headers, timeout=60, **kw)
-
-
-def idle_and_clean(engine, timeout=20.0):
-    """Wait until the engine holds no request, then check the cache invariants."""
-    deadline = time.time() + timeout
-    while True:
-        busy, stats = engine.call_sync(lambda c: (bool(c.requests), c.stats()))
-        if not busy or time.time() > deadline:
-            break
-        time.sleep(0.05)
-    engine.call_sync(lambda c: c.cache.check_integrity())
-    assert not busy and stats["mla_pages_used"] == 0 and stats["kda_slots_used"] == 0, stats
-    return stats
+from tests.server.live_server import KEY, MAX_LEN, MODEL, http, idle_and_clean  # noqa: E402
 
 
 IGN = {"ignore_eos": True}
@@ -143,6 +107,8 @@ def test_api_key(server):
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
 USER = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
 BAD = [
     (CMPL, {"prompt": "x"}, 400),  # no model
     (CMPL, {"model": "nope", "prompt": "x"}, 404),
@@ -161,7 +127,6 @@ BAD = [
     (CMPL, {"model": MODEL, "prompt": []}, 400),
     (CMPL, {"model": MODEL, "prompt": [10**9]}, 400),
     (CMPL, {"model": MODEL, "prompt": [1] * (MAX_LEN + 1)}, 400),
-    (CMPL, {"model": MODEL, "prompt": ["a", "b"]}, 400),
     (CMPL, {"model": MODEL, "prompt": "x", "stream": "yes"}, 400),
     (CHAT, {"model": MODEL, "messages": []}, 400),
     (CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400),
@@ -169,7 +134,6 @@ BAD = [
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": ""}]}, 400),
     (CHAT, {"model": MODEL, "messages": "hi"}, 400),
     (CHAT, {"model": MODEL, "messages": USER, "top_logprobs": 2}, 400),
-    (CHAT, {"model": MODEL, "messages": USER, "response_format": {"type": "json_object"}}, 400),
     (CHAT, {"model": MODEL, "messages": USER, "tools": [{"function": {}}]}, 400),
     (CHAT, {"model": MODEL, "messages": USER, "presence_penalty": 5}, 400),
     ("/tokenize", {"prompt": "a", "messages": USER}, 400),
@@ -184,7 +148,6 @@ BAD = [
     (CMPL, {"model": MODEL, "prompt": "x", "logprobs": -1}, 400),
     (CMPL, {"model": MODEL, "prompt": "x", "stop": ["y" * 1000]}, 400),
     (CMPL, {"model": MODEL, "prompt": "x", "stop_token_ids": list(range(100))}, 400),
-    (CMPL, {"model": MODEL, "prompt": "x", "echo": True}, 400),
     (CMPL, {"model": MODEL, "prompt": "x", "repetition_penalty": 0}, 400),
     (CMPL, {"model": MODEL, "prompt": "x", "frequency_penalty": -3}, 400),
     (CMPL, {"model": MODEL, "prompt": "x", "min_tokens": -1}, 400),
@@ -205,6 +168,42 @@ BAD = [
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x" * 4000}]}, 400),
     ("/detokenize", {"tokens": "abc"}, 400),
     ("/tokenize", {}, 400),
+    # batched completions, echo, suffix
+    (CMPL, {"model": MODEL, "prompt": "x", "suffix": "y"}, 400),
+    (CMPL, {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, 400),
+    (CMPL, {"model": MODEL, "prompt": "x", "echo": "yes"}, 400),
+    (CMPL, {"model": MODEL, "prompt": ["a"] * 65}, 400),
+    (CMPL, {"model": MODEL, "prompt": ["a"] * 5, "n": 16}, 400),
+    (CMPL, {"model": MODEL, "prompt": ["a", ""]}, 400),
+    (CMPL, {"model": MODEL, "prompt": [[1, 2], []]}, 400),
+    (CMPL, {"model": MODEL, "prompt": [[1, 2], [10**9]]}, 400),
+    (CMPL, {"model": MODEL, "prompt": [[1, 2], [1] * (MAX_LEN + 1)]}, 400),
+    (CMPL, {"model": MODEL, "prompt": [["a"]]}, 400),
+    (CMPL, {"model": MODEL, "prompt": ["a", 1]}, 400),
+    (CMPL, {"model": MODEL, "prompt": "x", "response_format": {"type": "json_schema"}}, 400),
+    (CMPL, {"model": MODEL, "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, 400),
+    # response_format
+    (CHAT, {"model": MODEL, "messages": USER, "response_format": {"type": "json_schema"}}, 400),
+    (CHAT, {"model": MODEL, "messages": USER, "response_format": {"type": "json_object", "json_schema": 5}}, 400),
+    (CHAT, {"model": MODEL, "messages": USER, "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, 400),
+    (CHAT, {"model": MODEL, "messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "s"}}}, 400),
+    (CHAT, {"model": MODEL, "messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, 400),
+    (CHAT, {"model": MODEL, "messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}}}, 400),
+    (CHAT, {"model": MODEL, "messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "("}}}}, 400),
+    (CHAT, {"model": MODEL, "messages": USER, "response_format": "json_object"}, 400),
+    # tool_choice and control fields
+    (CHAT, {"model": MODEL, "messages": USER, "tool_choice": "required"}, 400),
+    (CHAT, {"model": MODEL, "messages": USER, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400),
+    (CHAT, {"model": MODEL, "messages": USER, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, 400),
+    (CHAT, {"model": MODEL, "messages": USER, "tools": TOOLS, "tool_choice": {"type": "function"}}, 400),
+    (CHAT, {"model": MODEL, "messages": USER, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": ""}}}, 400),
+    (CHAT, {"model": MODEL, "messages": USER, "tools": TOOLS, "tool_choice": {"type": "tool", "function": {"name": "get_weather"}}}, 400),
+    (CHAT, {"model": MODEL, "messages": USER, "tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, 400),
+    (CHAT, {"model": MODEL, "messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "integer", "minimum": "a"}}}],
+            "tool_choice": {"type": "function", "function": {"name": "f"}}}, 400),
+    (CHAT, {"model": MODEL, "messages": USER, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": "no"}, 400),
+    (CHAT, {"model": MODEL, "messages": USER, "reasoning_effort": "extreme"}, 400),
+    (CHAT, {"model": MODEL, "messages": USER, "thinking_effort": 3}, 400),
 ]
 
 
@@ -228,6 +227,19 @@ def test_raw_bodies(server, content, status):
     assert http(server, "GET", CMPL).status_code == 405
 
 
+def test_chunked_body_cap(server):
+    """No Content-Length (chunked): the cap is enforced while the body streams in."""
+    def chunks(n, size=1 << 16):
+        for _ in range(n):
+            yield b" " * size
+    r = http(server, "POST", CMPL, content=chunks(64), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and "over" in r.json()["error"]["message"]
+    body = json.dumps({"model": MODEL, "prompt": "ok", "max_tokens": 2}).encode()
+    ok = http(server, "POST", CMPL, content=iter([body[:10], body[10:]]),
+              headers={"Content-Type": "application/json"})
+    assert "content-length" not in ok.request.headers and ok.status_code == 200, ok.text
+
+
 def test_aborted_stream_frees_cache(server):
     engine = server["engine"]
     before = idle_and_clean(engine)["requests_aborted"]
@@ -248,8 +260,6 @@ SCRIPT = ("need the weather<|close|>think<|sep|><|open|>response<|sep|>checking<
           '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
           '<|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|>'
           "<|close|>call<|sep|><|close|>tools<|sep|>")
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}}}}]
 
 
 @pytest.fixture

@@ -1,7 +1,10 @@
 """`EngineCore`: requests in, finished `RequestOutput`s out, one scheduler step at a time.
 
 All validation happens in `add_request` before anything is queued, so a rejected request leaves
-no trace; finished and aborted sequences free their cache in the same call.
+no trace; finished and aborted sequences free their cache in the same call. A request with
+`params.structured` gets one grammar state per sequence (compiled at add time), advanced by each
+accepted token; a sequence finishes with "stop" as soon as its grammar is complete (no step is
+spent on the EOS that is all a complete grammar allows) or rejects a token.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from .sampler import SamplingRow
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import InvalidRequestError, Sequence, SeqStatus
+from .structured import GrammarCompiler, GrammarState, StructuredOutputError
 
 
 @dataclass
@@ -60,6 +64,8 @@ class EngineCore:
         if model.config.eos_token_id is not None:
             eos.add(model.config.eos_token_id)
         self.eos_ids = frozenset(eos)
+        self.grammars: dict[int, GrammarState] = {}  # seq_id -> structured-output state
+        self._grammar_compiler: GrammarCompiler | None = None
 
     def validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
@@ -79,10 +85,24 @@ class EngineCore:
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"stop_token_ids outside [0, {vocab}): {bad}")
+        if params.structured is not None and self.tokenizer is None:
+            raise InvalidRequestError("structured outputs need a tokenizer (skip_tokenizer_init=True)")
+
+    def _compile(self, params: SamplingParams) -> GrammarState | None:
+        if params.structured is None:
+            return None
+        try:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.config.vocab_size,
+                                                         sorted(self.eos_ids))
+            return self._grammar_compiler.compile(params.structured)
+        except StructuredOutputError as e:
+            raise InvalidRequestError(str(e)) from None
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, cache_salt: str | None = None) -> None:
         self.validate(request_id, prompt_ids, params)
+        grammar = self._compile(params)
         seqs = []
         for i in range(params.n):
             gen = torch.Generator().manual_seed((params.seed + i) % 2**64) if params.seed is not None else self._rng
@@ -90,6 +110,8 @@ class EngineCore:
             seqs.append(Sequence(self._next_seq, request_id, i, list(prompt_ids), params, gen, detok,
                                  logprobs=[] if params.logprobs is not None else None,
                                  cache_salt=cache_salt))
+            if grammar is not None:
+                self.grammars[seqs[-1].seq_id] = grammar.copy()
             self._next_seq += 1
         self.requests[request_id] = _Request(request_id, prompt, list(prompt_ids), seqs)
         for s in seqs:
@@ -105,6 +127,7 @@ class EngineCore:
             if not s.finished:
                 self.scheduler.remove(s)
                 self._finish(s, "abort")
+            self.grammars.pop(s.seq_id, None)
         self.counters["requests_aborted"] += 1
         return self._output(req)
 
@@ -122,7 +145,8 @@ class EngineCore:
         if not scheduled:
             return []
         rows = [SamplingRow(s.seq.params, s.seq.generator, s.seq.prompt_ids, s.seq.output_ids,
-                            banned_ids=self._banned(s.seq)) if s.completes else None for s in scheduled]
+                            banned_ids=self._banned(s.seq), grammar=self.grammars.get(s.seq.seq_id))
+                if s.completes else None for s in scheduled]
         sampled = self.runner.execute(scheduled, rows)
         self.counters["steps"] += 1
         self.counters["computed_tokens"] += sum(s.num_new for s in scheduled)
@@ -138,6 +162,7 @@ class EngineCore:
             j += 1
             if s.seq.finished:
                 self.scheduler.remove(s.seq)
+                self.grammars.pop(s.seq.seq_id, None)
                 req = self.requests[s.seq.request_id]
                 if req.finished:
                     del self.requests[req.request_id]
@@ -174,10 +199,14 @@ class EngineCore:
             seq.logprobs.append(entry)
             seq.cumulative_logprob += lp.logprob
         p = seq.params
+        grammar = self.grammars.get(seq.seq_id)
+        grammar_done = grammar is not None and grammar.advance(token)
         if len(seq.output_ids) >= p.min_tokens and token in p.stop_ids(self.eos_ids):
             self._finish(seq, "stop", token if token in p.stop_token_ids else None)
         elif seq.detokenizer is not None and seq.detokenizer.append(token):
             self._finish(seq, "stop", seq.detokenizer.stop_reason)
+        elif grammar_done:
+            self._finish(seq, "stop")
         elif (p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens) or \
                 seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length")

@@ -4,7 +4,10 @@ One step, for logits `[B, V]` and one `SamplingRow` per row, in this order (vLLM
 1. penalties (from a `[B, V]` count tensor built by `scatter_add` over padded id tensors):
    repetition over prompt + output ids (positive logits divided, negative multiplied), then
    frequency (`- f * count`) and presence (`- p * [count > 0]`) over output ids only;
-2. `banned_ids` set to -inf while `len(output_ids) < params.min_tokens`;
+2. `banned_ids` set to -inf while `len(output_ids) < params.min_tokens`; then, for rows with a
+   `grammar` (structured outputs), every token the grammar disallows set to -inf (if that
+   leaves nothing, the grammar mask alone is applied to the step-1 logits: see
+   `structured.apply_bitmask`);
 3. greedy rows (`params.greedy`): argmax, first index on ties;
 4. other rows: divide by temperature; min_p (keep `prob >= min_p * max_prob`); top-k (keep
    logits >= the k-th largest); top-p on the renormalised top-k distribution (keep the
@@ -29,6 +32,7 @@ from itertools import chain
 import torch
 
 from deltaserve.engine.sampling_params import SAMPLING_EPS, SamplingParams
+from deltaserve.engine.structured import GrammarState, apply_bitmask
 
 _Q_MIN = 1e-10  # floor for exponential noise, so probs / q is always finite
 
@@ -36,13 +40,15 @@ _Q_MIN = 1e-10  # floor for exponential noise, so probs / q is always finite
 @dataclass
 class SamplingRow:
     """One sequence in the step. `banned_ids` are masked only while the row has fewer than
-    `params.min_tokens` outputs; the engine fills it with `params.stop_ids(tokenizer eos ids)`."""
+    `params.min_tokens` outputs; the engine fills it with `params.stop_ids(tokenizer eos ids)`.
+    `grammar` is the row's structured-output state (None: unconstrained)."""
 
     params: SamplingParams
     generator: torch.Generator | None
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
     banned_ids: Sequence[int] = ()
+    grammar: GrammarState | None = None
 
 
 @dataclass
@@ -105,10 +111,13 @@ class Sampler:
 
     @classmethod
     def penalized_logits(cls, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Steps 1-2 (penalties, min_tokens bans) on a fp32 copy of `logits`."""
+        """Steps 1-2 (penalties, min_tokens bans, grammar masks) on a fp32 copy of `logits`."""
         x = logits.to(torch.float32, copy=True)
         cls._penalize(x, rows)
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        unbanned = x[constrained] if constrained else None
         cls._ban(x, rows)
+        apply_bitmask(x, constrained, [rows[i].grammar.bitmask() for i in constrained], unbanned)
         return x
 
     @staticmethod

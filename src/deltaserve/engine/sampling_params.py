@@ -4,12 +4,14 @@ Invariants after `__post_init__` (any violation raises `SamplingParamsError` nam
 and its allowed range): numeric fields have the right type (a bool is not a number), are
 finite and in range; `stop` is a list of non-empty strings; `stop_token_ids` is a list of
 non-negative ints; `top_k` is 0 (disabled, `-1` is normalised to 0) or >= 1; float fields
-are Python floats.
+are Python floats; `structured` is None or a `StructuredOutput` (engine/structured.py).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from .structured import StructuredOutput
 
 MAX_LOGPROBS = 20
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
@@ -67,6 +69,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    structured: StructuredOutput | None = None
 
     def __post_init__(self):
         self.n = _int("n", self.n, 1, rng=">= 1")
@@ -95,6 +98,9 @@ class SamplingParams:
             setattr(self, name, _float(name, getattr(self, name), lambda v: -2 <= v <= 2, "in [-2, 2]"))
         self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty,
                                          lambda v: v > 0, "> 0")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise SamplingParamsError(f"structured must be a StructuredOutput (or None), got "
+                                      f"{type(self.structured).__name__}")
 
     @staticmethod
     def _stop_list(stop) -> list[str]:

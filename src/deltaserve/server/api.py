@@ -8,6 +8,8 @@ With `max_waiting_requests` set, a generation request arriving while that many a
 `{"error": {"message", "type", "param", "code"}}`; messages never carry internals.
 Non-streaming responses are assembled from the same delta stream as streaming ones, so the
 two agree for the same seed. Text prompts are encoded with special tokens disallowed.
+The completion route is in `completions.py`; `response_format` / `tool_choice` are mapped to
+engine constraints (and K3 control messages) in `constraints.py`.
 """
 from __future__ import annotations
 
@@ -28,11 +30,12 @@ from ..engine.sequence import InvalidRequestError
 from ..model.tokenizer import TokenizerError
 from .async_engine import AsyncEngine, EngineDeadError, RequestStream
 from .chat import ChatFormatError, render_chat
+from .completions import RouteContext, add_completion_routes
+from .constraints import chat_constraint, forced_tool_calls
 from .errors import APIError, BodyLimit, validation_message
 from .metrics import Metrics
 from .parsers import StreamingParser, parse_output
-from .protocol import (MAX_BODY_BYTES, ChatRequest, CompletionRequest, DetokenizeRequest,
-                       TokenizeRequest, error_body)
+from .protocol import MAX_BODY_BYTES, ChatRequest, DetokenizeRequest, TokenizeRequest, error_body
 
 log = logging.getLogger(__name__)
 
@@ -116,10 +119,11 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             raise APIError(400, "this model was loaded without a tokenizer")
         return tok
 
-    def chat_prompt(messages, tools, thinking: bool) -> list[int]:
+    def chat_prompt(messages, tools, thinking: bool, controls=()) -> list[int]:
         try:
             return render_chat(require_tokenizer(), engine.family, messages, tools=tools,
-                               thinking=thinking, chat_template=engine.chat_template)
+                               thinking=thinking, chat_template=engine.chat_template,
+                               controls=controls)
         except ChatFormatError as e:
             raise APIError(400, str(e), param="messages") from None
 
@@ -150,76 +154,15 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             stream.abort()
         yield "data: [DONE]\n\n"
 
-    # ------------------------------------------------------------ completions
-
-    def completion_logprobs(d, offset: int) -> dict:
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for t, entry in zip(d.token_ids, d.logprobs or []):
-            piece = tok.decode([t], skip_special_tokens=True)
-            out["tokens"].append(piece)
-            out["token_logprobs"].append(entry[t].logprob)
-            out["top_logprobs"].append({tok.decode([a], skip_special_tokens=True): lp.logprob
-                                        for a, lp in entry.items()})
-            out["text_offset"].append(offset)
-            offset += len(piece)
-        return out
-
-    def completion_ids(prompt) -> list[int]:
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise APIError(400, "batched prompts are not supported; send one prompt", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return require_tokenizer().encode(prompt)
-        return list(prompt)
-
-    @app.post("/v1/completions", dependencies=guard)
-    async def completions(req: CompletionRequest):
-        admit()
-        check_model(req.model)
-        if req.echo or req.suffix is not None:
-            raise APIError(400, "echo and suffix are not supported", param="echo" if req.echo else "suffix")
-        try:
-            kw = req.sampling_kwargs()
-        except ValueError as e:
-            raise APIError(400, str(e), param="stop") from None
-        ids = completion_ids(req.prompt)
-        params = make_params(kw, max_tokens=req.max_tokens, logprobs=req.logprobs)
-        stream = await submit(ids, params)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        head = {"id": rid, "object": "text_completion", "created": created, "model": served_model_name}
-        want_lp = req.logprobs is not None
-        if req.stream:
-            counts, offsets = [0] * req.n, [0] * req.n
-
-            async def events():
-                async for d in stream:
-                    counts[d.index] += len(d.token_ids)
-                    lp = completion_logprobs(d, offsets[d.index]) if want_lp else None
-                    offsets[d.index] += len(d.text)
-                    yield _sse({**head, "choices": [{"index": d.index, "text": d.text, "logprobs": lp,
-                                                     "finish_reason": d.finish_reason}]})
-            return StreamingResponse(sse_stream(events(), stream, head, len(ids), counts, req.include_usage),
-                                     media_type="text/event-stream")
-        acc = [{"index": i, "text": "", "logprobs": None, "finish_reason": None, "n": 0} for i in range(req.n)]
-
-        def on(d):
-            c = acc[d.index]
-            if want_lp:
-                lp = completion_logprobs(d, len(c["text"]))
-                c["logprobs"] = lp if c["logprobs"] is None else {k: c["logprobs"][k] + lp[k] for k in lp}
-            c["text"] += d.text
-            c["n"] += len(d.token_ids)
-            c["finish_reason"] = d.finish_reason
-        await run_collect(stream, on)
-        total = sum(c.pop("n") for c in acc)
-        return {**head, "choices": acc, "usage": usage(len(ids), total)}
-
     async def run_collect(stream, on) -> None:
         try:
             await drain(stream, on)
         except RuntimeError as e:
             raise APIError(500, str(e), "server_error") from None
+
+    add_completion_routes(app, guard, RouteContext(
+        tok, served_model_name, admit, check_model, make_params, submit, require_tokenizer, usage,
+        _sse, sse_stream, run_collect))
 
     # ------------------------------------------------------------ chat
 
@@ -238,13 +181,17 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                "function": {"name": call.name, "arguments": call.arguments_json}}
         return out if index is None else {"index": index, **out}
 
+    def forced_finish(cons, finish: str | None, called: bool) -> str | None:
+        """OpenAI's finish reasons: "tool_calls" after free or "required" calls, "stop" after a
+        call to a named (forced) function."""
+        if finish == "stop" and called and cons.tool != "" and cons.tool is not None:
+            return "stop"
+        return "tool_calls" if finish == "stop" and called else finish
+
     @app.post("/v1/chat/completions", dependencies=guard)
     async def chat_completions(req: ChatRequest):
         admit()
         check_model(req.model)
-        if req.response_format is not None and req.response_format.type != "text":
-            raise APIError(400, f"response_format {req.response_format.type!r} is not supported yet",
-                           param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         try:
@@ -253,18 +200,21 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             raise APIError(400, str(e), param="stop") from None
         tkw = req.chat_template_kwargs.thinking if req.chat_template_kwargs else None
         thinking = next((v for v in (req.thinking, tkw) if v is not None), True)
+        family = engine.family
+        cons = chat_constraint(req, family, thinking)
         declared = bool(req.tools) and req.tool_choice != "none"
-        ids = chat_prompt(req.messages, req.tools if declared else None, thinking)
+        shown = req.tools if declared or (family == "kimi_k3" and req.tools) else None
+        ids = chat_prompt(req.messages, shown, thinking, cons.controls)
         top_k = req.top_logprobs or 0
         params = make_params(kw, max_tokens=req.max_completion_tokens or req.max_tokens,
-                             logprobs=top_k if req.logprobs else None, skip_special_tokens=False)
+                             logprobs=top_k if req.logprobs else None, skip_special_tokens=False,
+                             structured=cons.structured)
         stream = await submit(ids, params)
-        family = engine.family
         think = thinking and family == "kimi_k3"
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "created": created, "model": served_model_name}
         if req.stream:
-            return StreamingResponse(chat_events(req, stream, ids, head, declared, think, top_k),
+            return StreamingResponse(chat_events(req, stream, ids, head, declared, think, top_k, cons),
                                      media_type="text/event-stream")
         acc = [{"text": "", "lp": [], "n": 0, "finish": None} for _ in range(req.n)]
 
@@ -279,20 +229,27 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         choices = []
         for i, c in enumerate(acc):
             p = parse_output(c["text"], family, declared, think)
-            msg = {"role": "assistant", "content": p.content or None,
+            calls, content = p.tool_calls, p.content
+            if cons.tool is not None:
+                forced = forced_tool_calls(content, cons.tool, family)
+                if forced:
+                    calls, content = forced, ""
+            msg = {"role": "assistant", "content": content or None,
                    "reasoning_content": p.reasoning_content or None}
-            if p.tool_calls:
-                msg["tool_calls"] = [tool_call_json(t) for t in p.tool_calls]
-            finish = "tool_calls" if p.tool_calls and c["finish"] == "stop" else c["finish"]
-            choices.append({"index": i, "message": msg, "finish_reason": finish,
+            if calls:
+                msg["tool_calls"] = [tool_call_json(t) for t in calls]
+            choices.append({"index": i, "message": msg,
+                            "finish_reason": forced_finish(cons, c["finish"], bool(calls)),
                             "logprobs": {"content": c["lp"]} if req.logprobs else None})
         return {**head, "object": "chat.completion", "choices": choices,
                 "usage": usage(len(ids), sum(c["n"] for c in acc))}
 
-    def chat_events(req, stream, ids, head, declared, think, top_k):
+    def chat_events(req, stream, ids, head, declared, think, top_k, cons):
+        """SSE chunks. With a forced tool choice the response content (the forced JSON) is held
+        back and sent at the end as whole tool calls (or as content if it is incomplete)."""
         head = {**head, "object": "chat.completion.chunk"}
         parsers = [StreamingParser(engine.family, declared, think) for _ in range(req.n)]
-        ncalls, counts = [0] * req.n, [0] * req.n
+        ncalls, counts, held = [0] * req.n, [0] * req.n, [""] * req.n
 
         def chunk(i, delta, finish=None, lp=None):
             return _sse({**head, "choices": [{"index": i, "delta": delta, "logprobs": lp,
@@ -310,13 +267,21 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                     if p.kind == "tool_call":
                         delta.setdefault("tool_calls", []).append(tool_call_json(p.tool_call, ncalls[i]))
                         ncalls[i] += 1
+                    elif p.kind == "content" and cons.tool is not None:
+                        held[i] += p.text
                     elif p.text:
                         name = "content" if p.kind == "content" else "reasoning_content"
                         delta[name] = delta.get(name, "") + p.text
+                if d.finish_reason and cons.tool is not None and held[i]:
+                    forced = forced_tool_calls(held[i], cons.tool, engine.family)
+                    if forced:
+                        for t in forced:
+                            delta.setdefault("tool_calls", []).append(tool_call_json(t, ncalls[i]))
+                            ncalls[i] += 1
+                    else:
+                        delta["content"] = delta.get("content", "") + held[i]
                 lp = {"content": chat_logprobs(d, top_k)} if req.logprobs and d.token_ids else None
-                finish = d.finish_reason
-                if finish == "stop" and ncalls[i]:
-                    finish = "tool_calls"
+                finish = forced_finish(cons, d.finish_reason, bool(ncalls[i]))
                 if delta or lp or finish:
                     yield chunk(i, delta, finish, lp)
         return sse_stream(body(), stream, head, len(ids), counts, req.include_usage)

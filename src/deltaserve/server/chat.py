@@ -171,12 +171,13 @@ def load_chat_template(model_dir) -> str | None:
 
 def render_chat(tokenizer, family: str, messages: list[dict], tools: list[dict] | None = None,
                 add_generation_prompt: bool = True, thinking: bool = True,
-                chat_template: str | None = None) -> list[int]:
+                chat_template: str | None = None, controls=()) -> list[int]:
     """Prompt token ids for `messages` (+ `tools`) in `family`'s chat format.
 
     `thinking` selects K3's thinking (`<|open|>think<|sep|>`) or non-thinking
     (`<|open|>response<|sep|>`) generation prompt; Kimi-Linear (an instruct model) ignores it.
     `chat_template` (Kimi-Linear only) is a jinja template, e.g. from `load_chat_template`.
+    `controls` (K3 only; Kimi-Linear has no such messages) are `(type, body)` control messages.
     Raises `ChatFormatError` for malformed input.
     """
     if family not in FAMILIES:
@@ -190,6 +191,6 @@ def render_chat(tokenizer, family: str, messages: list[dict], tools: list[dict] 
         image = "<|kimi_image_placeholder|>" if "<|kimi_image_placeholder|>" in \
             tokenizer.special_tokens else "<|media_pad|>"
         return encode_pieces(tokenizer, k3_pieces(messages, tools, add_generation_prompt, thinking,
-                                                  Special(image)))
+                                                  Special(image), controls))
     from deltaserve.server.chat_kimi_linear import kimi_linear_ids
     return kimi_linear_ids(tokenizer, messages, tools, add_generation_prompt, chat_template)

@@ -14,6 +14,13 @@ Choices where §14.1 is silent (also in the module report):
   tool name / index from the matching `tool_call_id`, else from its own `name` / `index`.
 - images: one `<|media_pad|>` per image part (the HF-processor form of §12.6; the model expands
   it to the image's feature rows), or `<|kimi_image_placeholder|>` if the tokenizer defines it.
+- control messages (§14.1: thinking_effort, tool_choice, response_format, each an internal
+  `role="system" type="…"` message): rendered after the conversation, just before the
+  generation prompt, in the order given (the server's: effort, tool choice, format), so a
+  conversation prefix is shared by requests that differ only in their controls. Bodies:
+  the effort (`low`..`max`), `required` / `none`, `json_object` or
+  "json_schema\n```json\n" + compact JSON of the request's json_schema + "\n```"
+  (exact upstream bodies and placement unverified).
 - no `[BOS]` (OQ-6 open).
 """
 from __future__ import annotations
@@ -106,8 +113,23 @@ def tool_call(call: dict, index: int) -> list:
     return element("call", [("tool", call["name"]), ("index", str(index))], body)
 
 
+CONTROL_TYPES = ("thinking_effort", "tool_choice", "response_format")
+
+
+def control_messages(controls) -> list:
+    """`[(type, body)]` -> internal system messages (see the module docstring)."""
+    out: list = []
+    for item in controls or ():
+        if not (isinstance(item, tuple) and len(item) == 2 and item[0] in CONTROL_TYPES
+                and isinstance(item[1], str) and item[1]):
+            raise ChatFormatError(f"a control message must be (type in {CONTROL_TYPES}, non-empty "
+                                  f"body), got {item!r}")
+        out += message([("role", "system"), ("type", item[0])], [item[1]])
+    return out
+
+
 def k3_pieces(messages: list[dict], tools: list[dict], add_generation_prompt: bool,
-              thinking: bool, image_special=None) -> list:
+              thinking: bool, image_special=None, controls=()) -> list:
     image_special = image_special or IMAGE
     out: list = []
     if tools:
@@ -150,6 +172,7 @@ def k3_pieces(messages: list[dict], tools: list[dict], add_generation_prompt: bo
             if isinstance(index, bool) or not isinstance(index, (int, str)):
                 index = 1
             out += message([("role", "tool"), ("tool", name), ("index", str(index))], items)
+    out += control_messages(controls)
     if add_generation_prompt:
         out += open_tag("message", [("role", "assistant")])
         out += open_tag("think" if thinking else "response")

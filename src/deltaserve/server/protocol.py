@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from ..engine.sampling_params import MAX_LOGPROBS
 
 MAX_N = 16
+MAX_BATCH = 64  # completion prompts per request, and prompts * n
 MAX_STOP = 16
 MAX_STOP_LEN = 256
 MAX_BODY_BYTES = 8 * 2**20
@@ -79,16 +80,34 @@ class _Sampling(_Base):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+class JsonSchemaFormat(_Base):
+    name: StrictStr = Field(min_length=1, max_length=64)
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    description: Optional[StrictStr] = None
+    strict: Optional[StrictBool] = None
+
+
+class ResponseFormat(_Base):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
 class CompletionRequest(_Sampling):
     prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
     max_tokens: Optional[StrictInt] = Field(16, ge=1)
     logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
     suffix: Optional[StrictStr] = None
+    response_format: Optional[ResponseFormat] = None
 
 
-class ResponseFormat(_Base):
-    type: Literal["text", "json_object", "json_schema"]
+class FunctionName(_Base):
+    name: StrictStr = Field(min_length=1)
+
+
+class NamedToolChoice(_Base):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatTemplateKwargs(_Base):
@@ -102,10 +121,12 @@ class ChatRequest(_Sampling):
     logprobs: StrictBool = False
     top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[StrictBool] = None
     response_format: Optional[ResponseFormat] = None
     thinking: Optional[StrictBool] = None
+    reasoning_effort: Optional[Literal["low", "medium", "high"]] = None
+    thinking_effort: Optional[Literal["low", "medium", "high", "max"]] = None
     chat_template_kwargs: Optional[ChatTemplateKwargs] = None
 
 

@@ -1,0 +1,192 @@
+"""Structured outputs: grammar-constrained decoding with llguidance.
+
+`StructuredOutput` (a frozen, typed value on `SamplingParams.structured`) says what the output
+must match: a JSON schema (`{"type": "object"}` is OpenAI's `json_object`) and, optionally, a
+free `prefix`: text with no control tokens that must end with the `prefix` marker pieces
+(e.g. K3's think-close + response-open) before the JSON starts, so a thinking model reasons
+freely and only its answer is constrained (vLLM's "structured output after reasoning end").
+
+`GrammarCompiler(tokenizer, vocab_size, eos_ids)` compiles a `StructuredOutput` into a
+per-sequence `GrammarState`; `apply_bitmask` turns the states' packed masks into a `[R, V]`
+boolean tensor in one vectorized op (no Python loop over the vocabulary).
+
+Invariants:
+- Control (special) tokens are never allowed inside constrained text; the only special tokens
+  a grammar admits are the `prefix` markers it names and, once the JSON is complete, the
+  end-of-sequence ids `eos_ids` (nothing else: a complete grammar allows only EOS, and
+  `GrammarState.advance` reports it done so the engine stops without sampling that EOS).
+- Object keys are generated in the schema's declared `properties` order (as vLLM / OpenAI).
+- JSON is generated compactly (no free whitespace between tokens), so a grammar cannot be kept
+  alive by whitespace alone.
+- Ids at or past the tokenizer's vocabulary (model padding rows) are never allowed.
+- A schema llguidance cannot compile raises `StructuredOutputError` before anything is queued.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+ANY_JSON_OBJECT: dict = {"type": "object"}
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+
+
+class StructuredOutputError(ValueError):
+    """A constraint that cannot be built or compiled (bad JSON schema, unknown control token);
+    `EngineCore` reports it as an `InvalidRequestError`."""
+
+
+@dataclass(frozen=True)
+class Special:
+    """A control token, named as the tokenizer names it (e.g. `<|close|>`)."""
+    name: str
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Output = [free text (no control tokens) + `prefix` pieces] + JSON matching `json_schema`.
+
+    `json_schema` is stored as compact JSON text (key order kept) so the value is hashable and
+    immutable;
+    `prefix` is a tuple of `str` (literal text) and `Special` pieces. An empty prefix means the
+    JSON starts at the first generated token.
+    """
+    json_schema: str
+    prefix: tuple = ()
+
+    @classmethod
+    def json(cls, schema: dict | None = None, prefix: Sequence = ()) -> "StructuredOutput":
+        """Any JSON object when `schema` is None (OpenAI `json_object`), else `schema`."""
+        schema = ANY_JSON_OBJECT if schema is None else schema
+        if not isinstance(schema, dict):
+            raise StructuredOutputError("a JSON schema must be a JSON object")
+        try:
+            text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise StructuredOutputError(f"the JSON schema is not serialisable JSON: {e}") from None
+        return cls(text, tuple(prefix))
+
+    def __post_init__(self):
+        if not isinstance(self.json_schema, str):
+            raise StructuredOutputError("json_schema must be JSON text (use StructuredOutput.json)")
+        if not all(isinstance(p, (str, Special)) for p in self.prefix):
+            raise StructuredOutputError("prefix pieces must be str or Special")
+
+    def lark(self) -> str:
+        """The llguidance Lark grammar (JSON options forced compact, see module invariants)."""
+        schema = json.loads(self.json_schema)
+        schema.pop("x-guidance", None)
+        schema["x-guidance"] = _JSON_OPTIONS
+        body = "value: %json " + json.dumps(schema, separators=(",", ":"))
+        if not self.prefix:
+            return "start: value\n" + body + "\n"
+        marks = " ".join(p.name if isinstance(p, Special) else json.dumps(p) for p in self.prefix)
+        return f"start: FREE {marks} value\nFREE: /(.|\\n)*/\n{body}\n"
+
+
+def tool_call_schema(tools: list[dict], name: str | None = None) -> dict:
+    """vLLM's forced-tool-choice schemas: with `name`, that function's parameters (an object);
+    without, a non-empty array of `{"name": one declared function, "parameters": its schema}`."""
+    fns = [t.get("function", t) for t in tools]
+    params = {f["name"]: f.get("parameters") or {"type": "object"} for f in fns}
+    if name is not None:
+        if name not in params:
+            raise StructuredOutputError(f"tool_choice names {name!r}, which is not among the tools")
+        return params[name]
+    variants = [{"type": "object", "properties": {"name": {"const": n}, "parameters": p},
+                 "required": ["name", "parameters"], "additionalProperties": False}
+                for n, p in params.items()]
+    return {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
+
+
+class GrammarState:
+    """One sequence's position in its grammar (a wrapped `llguidance.LLMatcher`)."""
+
+    def __init__(self, matcher):
+        self._m = matcher
+
+    def bitmask(self) -> torch.Tensor:
+        """Allowed next tokens as packed int32 words (bit `i % 32` of word `i // 32`)."""
+        return torch.frombuffer(bytearray(self._m.compute_bitmask()), dtype=torch.int32)
+
+    def advance(self, token: int) -> bool:
+        """Consume `token`; True when the grammar takes no more tokens (it ended or rejected)."""
+        ok = self._m.consume_token(int(token))
+        return not ok or self._m.is_stopped() or self._m.is_error()
+
+    @property
+    def accepting(self) -> bool:
+        return self._m.is_accepting()
+
+    @property
+    def error(self) -> str | None:
+        return self._m.get_error() if self._m.is_error() else None
+
+    def copy(self) -> "GrammarState":
+        return GrammarState(self._m.deep_copy())
+
+
+class GrammarCompiler:
+    """Compiles `StructuredOutput`s against one tokenizer. Building the llguidance tokenizer is
+    the expensive part (about a second for a 160k vocabulary); do it once per engine."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: Sequence[int]):
+        import llguidance
+        from llguidance.tiktoken import lltokenizer_from_encoding
+
+        self._llg = llguidance
+        self.vocab_size = vocab_size
+        eos = sorted(e for e in eos_ids if 0 <= e < vocab_size)
+        if not eos:
+            raise StructuredOutputError("structured outputs need an end-of-sequence token id")
+        self._tok = lltokenizer_from_encoding(tokenizer.encoding, n_vocab=vocab_size, eos_token=eos)
+        self._specials = set(tokenizer.special_tokens)
+
+    def compile(self, so: StructuredOutput) -> GrammarState:
+        if not isinstance(so, StructuredOutput):
+            raise StructuredOutputError(f"structured must be a StructuredOutput, got {type(so).__name__}")
+        unknown = [p.name for p in so.prefix if isinstance(p, Special) and p.name not in self._specials]
+        if unknown:
+            raise StructuredOutputError(f"the tokenizer has no control tokens {unknown}")
+        try:
+            grammar = self._llg.LLMatcher.grammar_from_lark(so.lark())
+            matcher = self._llg.LLMatcher(self._tok, grammar, log_level=0)
+        except (ValueError, RuntimeError) as e:
+            raise StructuredOutputError(f"invalid JSON schema: {_short(str(e))}") from None
+        if matcher.is_error():
+            raise StructuredOutputError(f"invalid JSON schema: {_short(matcher.get_error())}")
+        return GrammarState(matcher)
+
+
+def _short(msg: str, limit: int = 300) -> str:
+    msg = " ".join(msg.split())
+    return msg if len(msg) <= limit else msg[:limit] + "..."
+
+
+def apply_bitmask(x: torch.Tensor, rows: Sequence[int], masks: Sequence[torch.Tensor],
+                  fallback: torch.Tensor | None = None) -> None:
+    """In place: `x[rows[j], t] = -inf` for every token `t` that `masks[j]` disallows.
+
+    A row that has no finite logit left afterwards (e.g. a min_tokens ban removed the EOS the
+    grammar requires) is refilled from `fallback[j]` (`[len(rows), V]`, the unbanned logits)
+    under the grammar mask alone, so the sampled token is always one the grammar accepts.
+    """
+    if not rows:
+        return
+    vocab = x.shape[1]
+    packed = torch.stack(list(masks)).to(x.device)
+    bits = (packed.unsqueeze(-1) >> _SHIFTS.to(x.device)) & 1
+    allowed = bits.reshape(len(rows), -1)[:, :vocab].bool()
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    idx = torch.tensor(list(rows), dtype=torch.long, device=x.device)
+    sub = x.index_select(0, idx).masked_fill_(~allowed, float("-inf"))
+    if fallback is not None:
+        dead = torch.isneginf(sub).all(dim=-1)
+        if bool(dead.any()):
+            refill = fallback.to(sub.device, sub.dtype).masked_fill(~allowed, float("-inf"))
+            sub = torch.where(dead.unsqueeze(1), refill, sub)
+    x.index_copy_(0, idx, sub)
