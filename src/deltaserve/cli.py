@@ -67,11 +67,12 @@ def _add_generate(sub) -> None:
 
 
 def _add_bench(sub) -> None:
-    from .bench import prefix
+    from .bench import kda_scaling, latency, prefix, roofline, throughput, vs_reference
 
     p = sub.add_parser("bench", help="benchmarks (each prints measured figures beside a baseline)")
     kinds = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    prefix.add_parser(kinds)
+    for mod in (prefix, roofline, latency, throughput, kda_scaling, vs_reference):
+        mod.add_parser(kinds)
 
 
 def _serve(args: argparse.Namespace) -> int:

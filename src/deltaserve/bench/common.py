@@ -1,0 +1,150 @@
+"""Shared pieces of the speed benchmarks: flags, the default model, prompts, timing and output.
+
+Every speed benchmark takes `--model DIR` (default: the embedded random-weight tiny K3 that
+`deltaserve serve` uses, generated once under the user cache directory), the engine flags of
+`engine.args.add_engine_args` (so `--dtype`, `--threads` and any engine flag reach `LLM`) and
+`--json`. Output is a table, or with `--json` exactly one JSON object on the last stdout line;
+every JSON object carries `meta` (date, machine, torch, threads, dtype, model).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Callable
+
+
+def int_list(v: str) -> list[int]:
+    """`--lengths 4096,8192`: a comma list of positive ints."""
+    try:
+        out = [int(x) for x in v.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of ints, got {v!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive ints, got {v!r}")
+    return out
+
+
+def add_common(p: argparse.ArgumentParser, dtype: str | None = None) -> None:
+    from ..engine.args import add_engine_args
+
+    p.add_argument("--model", type=Path, default=None,
+                   help="checkpoint directory (default: the embedded random-weight tiny K3)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    add_engine_args(p)
+    if dtype is not None:
+        p.set_defaults(dtype=dtype)
+
+
+def model_dir(args: argparse.Namespace) -> Path:
+    if args.model is not None:
+        return Path(args.model)
+    from ..server.serve import default_model_dir
+
+    return default_model_dir()
+
+
+def apply_threads(args: argparse.Namespace) -> int:
+    """Set torch's intra-op threads from `--threads` (if given); return the count in force."""
+    import torch
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    return torch.get_num_threads()
+
+
+def make_llm(args: argparse.Namespace, **overrides):
+    """`LLM(model_dir(args), **engine_kwargs(args) | overrides)`, quiet."""
+    from ..engine.args import engine_kwargs
+    from ..engine.llm import LLM
+
+    kwargs = engine_kwargs(args)
+    kwargs.update(overrides)
+    return LLM(str(model_dir(args)), progress=False, **kwargs)
+
+
+def avoid_ids(llm) -> set[int]:
+    """Stop and special token ids: random prompts never contain them."""
+    tok = llm.tokenizer
+    return set(llm.engine.eos_ids) | set(tok.special_ids if tok is not None else ())
+
+
+def random_prompts(n: int, length: int, vocab: int, avoid: set[int], seed: int) -> list[list[int]]:
+    """`n` prompts of `length` ids drawn uniformly from [0, vocab) minus `avoid`."""
+    import torch
+
+    pool = torch.tensor([t for t in range(vocab) if t not in avoid], dtype=torch.long)
+    g = torch.Generator().manual_seed(seed)
+    return [pool[torch.randint(0, pool.numel(), (length,), generator=g)].tolist() for _ in range(n)]
+
+
+def greedy(max_tokens: int):
+    from ..engine.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def best_time(fn: Callable[[], object], reps: int) -> float:
+    """Shortest wall time of `reps` calls (at least one)."""
+    return min(timed(fn)[0] for _ in range(max(1, reps)))
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def meta(args: argparse.Namespace, model: Path | None = None) -> dict:
+    import torch
+
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "cpu": _cpu_model(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "dtype": args.dtype,
+            "model": str(model) if model is not None else None}
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}" if math.isfinite(v) else str(v)
+    return "-" if v is None else str(v)
+
+
+def emit(args: argparse.Namespace, result: dict, rows: list[dict] | None = None,
+         cols: list[str] | None = None) -> int:
+    """With `--json`: one line `json.dumps(result)`. Otherwise a `|` table of `rows` over
+    `cols` (if given) followed by the scalar entries of `result` and of its dicts one level down."""
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    if rows and cols:
+        print(" | ".join(cols))
+        for r in rows:
+            print(" | ".join(_fmt(r.get(c)) for c in cols))
+    for k, v in result.items():
+        if isinstance(v, (int, float, str)) or v is None:
+            print(f"{k:36s} {_fmt(v)}")
+        elif isinstance(v, dict) and k != "meta":
+            for sub, x in v.items():
+                if isinstance(x, (int, float, str)) or x is None:
+                    print(f"{k + '.' + sub:36s} {_fmt(x)}")
+    m = result.get("meta", {})
+    print(f"# {m.get('date')} {m.get('cpu')} threads={m.get('threads')} dtype={m.get('dtype')}"
+          f" model={m.get('model')}")
+    return 0

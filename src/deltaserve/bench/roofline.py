@@ -1,0 +1,106 @@
+"""`deltaserve bench roofline`: this machine's limits at the chosen thread count.
+
+- streaming read bandwidth: best-of-`reps` wall time of `x.sum()` over an fp32 tensor of
+  `--bandwidth-mib` MiB, both with torch's own intra-op threads and split into one slice per
+  thread summed from Python threads (torch releases the GIL); `bandwidth_gb_s` is the better;
+- copy bandwidth: `y.copy_(x)`, counted as read + write bytes (reported, not used as the limit);
+- GEMM: best-of-`reps` `torch.matmul` of square n×n at each `--gemm-sizes` n, 2n³ FLOPs, per
+  dtype (bf16, fp32); the headline per dtype is the best size.
+
+GB and GFLOP are 1e9. Use a tensor far larger than the last-level cache for a DRAM figure
+(tests use small sizes, which then measure cache bandwidth).
+"""
+from __future__ import annotations
+
+import argparse
+from concurrent.futures import ThreadPoolExecutor
+
+from .common import add_common, apply_threads, best_time, emit, int_list, meta
+
+DTYPES = ("bfloat16", "float32")
+
+
+def add_roofline_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bandwidth-mib", type=int, default=512, help="size of the streamed tensor")
+    p.add_argument("--gemm-sizes", type=int_list, default=[1024, 2048], help="square GEMM sizes")
+    p.add_argument("--roofline-reps", type=int, default=5, help="best-of repetitions")
+
+
+def measure_bandwidth(mib: int, reps: int) -> dict:
+    import torch
+
+    n = max(1, mib * 2**20 // 4)
+    x = torch.ones(n, dtype=torch.float32)
+    y = torch.empty_like(x)
+    nbytes = x.numel() * 4
+    threads = torch.get_num_threads()
+    x.sum()
+    t_sum = best_time(x.sum, reps)
+    parts = x.chunk(threads)
+    with ThreadPoolExecutor(threads) as pool:
+        def split_sum():
+            return list(pool.map(lambda t: t.sum(), parts))
+        split_sum()
+        t_split = best_time(split_sum, reps)
+    y.copy_(x)
+    t_copy = best_time(lambda: y.copy_(x), reps)
+    read_sum, read_split = nbytes / t_sum / 1e9, nbytes / t_split / 1e9
+    return {"bandwidth_gb_s": max(read_sum, read_split), "read_sum_gb_s": read_sum,
+            "read_split_gb_s": read_split, "copy_gb_s": 2 * nbytes / t_copy / 1e9,
+            "bandwidth_bytes": nbytes}
+
+
+def measure_gemm(dtype_name: str, sizes: list[int], reps: int) -> dict:
+    """{"gflops": best over sizes, "by_size": {n: GFLOP/s}}."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    by_size = {}
+    for n in sizes:
+        g = torch.Generator().manual_seed(n)
+        a = torch.randn(n, n, generator=g).to(dtype)
+        b = torch.randn(n, n, generator=g).to(dtype)
+        out = torch.empty(n, n, dtype=dtype)
+        torch.matmul(a, b, out=out)
+        t = best_time(lambda: torch.matmul(a, b, out=out), reps)
+        by_size[str(n)] = 2 * n ** 3 / t / 1e9
+    return {"gflops": max(by_size.values()), "by_size": by_size}
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """The roofline figures at the current torch thread count."""
+    import torch
+
+    with torch.inference_mode():
+        out = measure_bandwidth(args.bandwidth_mib, args.roofline_reps)
+        for name in DTYPES:
+            g = measure_gemm(name, args.gemm_sizes, args.roofline_reps)
+            short = "bf16" if name == "bfloat16" else "fp32"
+            out[f"gemm_{short}_gflops"] = g["gflops"]
+            out[f"gemm_{short}_by_size"] = g["by_size"]
+    out["threads"] = torch.get_num_threads()
+    return out
+
+
+def gemm_gflops(roof: dict, dtype_name: str) -> float:
+    return roof["gemm_bf16_gflops" if dtype_name == "bfloat16" else "gemm_fp32_gflops"]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("roofline", help="memory bandwidth and GEMM GFLOP/s of this machine")
+    add_common(p)
+    add_roofline_args(p)
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    apply_threads(args)
+    roof = measure(args)
+    result = dict(roof, gemm_gflops=gemm_gflops(roof, args.dtype), meta=meta(args))
+    rows = [{"measure": "read bandwidth (sum)", "value": roof["read_sum_gb_s"], "unit": "GB/s"},
+            {"measure": "read bandwidth (split)", "value": roof["read_split_gb_s"], "unit": "GB/s"},
+            {"measure": "copy bandwidth", "value": roof["copy_gb_s"], "unit": "GB/s"}]
+    for short in ("bf16", "fp32"):
+        rows += [{"measure": f"{short} GEMM n={n}", "value": v, "unit": "GFLOP/s"}
+                 for n, v in roof[f"gemm_{short}_by_size"].items()]
+    return emit(args, result, rows, ["measure", "value", "unit"])
