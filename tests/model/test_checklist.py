@@ -49,7 +49,8 @@ def paths(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def k3(paths):
-    return load_model(paths["k3"], dtype=torch.float32, progress=False)
+    """Experts decoded at load: the checklist edits and reads them as dense `experts.w{1,2,3}`."""
+    return load_model(paths["k3"], dtype=torch.float32, progress=False, moe_weights="dequantized")
 
 
 @pytest.fixture(scope="module")
@@ -318,6 +319,9 @@ def test_17_mxfp4_by_suffix_low_nibble_first(k3, paths, tmp_path):
     ref = k3.forward_full(tokens)
     bf16 = load_model(paths["k3_bf16"], dtype=torch.float32, progress=False)
     assert torch.equal(bf16.forward_full(tokens), ref)                # packed == bf16 variant
+    packed = load_model(paths["k3"], dtype=torch.float32, progress=False)   # kept packed in memory
+    assert packed.model.layers[1].block_sparse_moe.experts.packed
+    assert torch.equal(packed.forward_full(tokens), ref)
     path = _edited_copy(paths["k3"], tmp_path / "noq", lambda c: c.pop("quantization_config"))
     assert torch.equal(load_model(path, dtype=torch.float32, progress=False).forward_full(tokens), ref)
     raw = read_raw(paths["k3"])

@@ -21,7 +21,7 @@ from deltaserve.model.tiny import make_tiny
 from deltaserve.ops.reference.mxfp4 import naive_mxfp4_decode
 
 K3L = "language_model.model.layers."
-BITS = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
+BITS = {torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.uint8: torch.uint8}
 CASES = [("kimi_k3", False), ("kimi_k3", True), ("kimi_linear", False), ("kimi_linear", True)]
 EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)")
 
@@ -91,7 +91,7 @@ def test_loads_bit_exactly(ckpts, case, dtype):
     path = ckpts[case]
     raw = read_raw(path)
     assert any(k.endswith(".weight_packed") for k in raw) == mxfp4
-    model = load_model(path, dtype=dtype, progress=False)
+    model = load_model(path, dtype=dtype, progress=False, moe_weights="dequantized")
     heads = model.config.kda.num_heads
     want = expected_params(raw, family, dtype, heads)
     got = dict(model.named_parameters())
@@ -105,6 +105,21 @@ def test_loads_bit_exactly(ckpts, case, dtype):
     assert got[a_log].shape == (heads,) and got[a_log].dtype == torch.float32
     assert got["model.layers.0.self_attn.dt_bias"].dtype == torch.float32       # never downcast
     assert got["model.norm.weight"].dtype == dtype and not model.training
+    if mxfp4:                        # the default keeps the checkpoint's bytes, validated, packed
+        packed = load_model(path, dtype=dtype, progress=False)
+        buffers = dict(packed.named_buffers())
+        prefix = "language_model." if family == "kimi_k3" else ""
+        n_experts = model.config.moe.num_experts
+        stacked = [n for n in want if ".experts.w" in n]
+        assert stacked
+        for name in stacked:
+            for part in ("packed", "scale"):
+                raw_stack = torch.stack([raw[f"{prefix}{name.rpartition('.')[0]}.{e}.{name.rpartition('.')[2]}"
+                                             f".weight_{part}"] for e in range(n_experts)])
+                assert same_bits(buffers[f"{name}_{part}"], raw_stack), name
+        dense = {n: p for n, p in packed.named_parameters()}
+        assert set(dense) == set(want) - set(stacked)
+        assert all(same_bits(p.data, want[n]) for n, p in dense.items())
 
 
 def test_mxfp4_and_bf16_variants_load_the_same_model(ckpts):
@@ -112,7 +127,8 @@ def test_mxfp4_and_bf16_variants_load_the_same_model(ckpts):
     variants are checked bit-exactly above, so this pins the packed ones)."""
     for family in ("kimi_k3", "kimi_linear"):
         a = load_model(ckpts[(family, False)], dtype=torch.float32, progress=False).state_dict()
-        b = load_model(ckpts[(family, True)], dtype=torch.float32, progress=False).state_dict()
+        b = load_model(ckpts[(family, True)], dtype=torch.float32, progress=False,
+                       moe_weights="dequantized").state_dict()
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 

@@ -69,6 +69,11 @@ class ForwardBatch:
             return None
         return self.kda.read(layer, self.slots)
 
+    def kda_slot_view(self, layer: int):
+        """(tails [S, W-1, 3P], states [S, H, K, V], slots [B]): the pool itself, for kernels that
+        update this step's slots in place (decode steps only)."""
+        return (*self.kda.layer_view(layer), self.slots)
+
     def kda_export_offsets(self):
         return self.export_offsets
 
@@ -79,6 +84,13 @@ class ForwardBatch:
 
     def store_mla(self, layer, latent):
         self.mla.rows(layer).index_copy_(0, self.write_rows, latent.to(self.mla.storage.dtype))
+
+    def mla_rows_view(self, layer: int):
+        """(the layer's pool rows [num_rows, R + Dr], read_rows, cu_kv): the context addressed in
+        place, for kernels that read the pages directly; None without earlier context."""
+        if not self.any_context:
+            return None
+        return self.mla.rows(layer), self.read_rows, self.cu_kv
 
     def mla_context(self, layer):
         if not self.any_context:

@@ -60,6 +60,11 @@ class KdaStatePool:
         self.owned[slot] = False
         self._free.append(slot)
 
+    def layer_view(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tails [S, W-1, 3P], states [S, H, K, V]) of one layer: views, not copies."""
+        i = self._index[layer_id]
+        return self.tails[i], self.states[i]
+
     def read(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies (tail [B, W-1, 3P], fp32 state [B, H, K, V]) of `slots` for one layer."""
         i = self._index[layer_id]

@@ -19,6 +19,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=memory_budget, default=0.1,
                    help="bytes (integer) or a fraction of RAM (with a dot, e.g. 0.1)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--moe-weights", default="packed", choices=["packed", "dequantized"],
+                   help="keep MXFP4 routed experts packed (~4.25 bits/weight) or decode them at load")
     p.add_argument("--enable-prefix-caching", action="store_true",
                    help="hybrid prefix cache: MLA pages + KDA checkpoints, both halves or nothing")
     p.add_argument("--prefix-match-unit", type=int, default=64,
@@ -36,4 +38,4 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
                 num_threads=args.threads, enable_prefix_caching=args.enable_prefix_caching,
                 prefix_match_unit=args.prefix_match_unit, kda_checkpoint_policy=args.kda_checkpoint_policy,
-                kda_checkpoint_interval=args.kda_checkpoint_interval)
+                kda_checkpoint_interval=args.kda_checkpoint_interval, moe_weights=args.moe_weights)

@@ -5,12 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.attn_res import attn_res_mix
 from .config import ModelConfig
 from .context import ForwardContext
 from .kda_layer import KdaAttention
 from .mla_layer import MlaAttention
-from .modules import RMSNorm, WeightVector
+from .modules import RMSNorm, WeightVector, attn_res
 from .moe_layer import GluMlp, MoeBlock
 
 
@@ -48,15 +47,15 @@ class DecoderLayer(nn.Module):
                          ctx: ForwardContext) -> torch.Tensor:
         """K3 Block AttnRes step. `cur` is the running sum of the current block; `bank` (mutated)
         holds the finished blocks' sums. Banking happens after the attention-input mix."""
-        x_attn = cur if not bank else attn_res_mix(cur, bank, self.self_attention_res_proj.flat(),
-                                                   self.self_attention_res_norm.flat())
+        x_attn = cur if not bank else attn_res(cur, bank, self.self_attention_res_proj,
+                                               self.self_attention_res_norm)
         a = self.attention(x_attn, ctx)
         if self.layer_id % block_size == 0:
             bank.append(cur)
             cur = a
         else:
             cur = cur + a
-        x_ffn = attn_res_mix(cur, bank, self.mlp_res_proj.flat(), self.mlp_res_norm.flat())
+        x_ffn = attn_res(cur, bank, self.mlp_res_proj, self.mlp_res_norm)
         return cur + self.ffn(self.post_attention_layernorm(x_ffn))
 
 
@@ -85,5 +84,5 @@ class DecoderStack(nn.Module):
             bank: list[torch.Tensor] = []
             for layer in self.layers:
                 h = layer.forward_attn_res(h, bank, block, ctx)
-            h = attn_res_mix(h, bank, self.output_attn_res_proj.flat(), self.output_attn_res_norm.flat())
+            h = attn_res(h, bank, self.output_attn_res_proj, self.output_attn_res_norm)
         return self.norm(h)

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from ..ops import kda as kda_ops
+from ..ops.cpu_kernels import GATE_SIGMOID, GATE_SOFTPLUS, native
 from ..ops.norms import gated_rms_norm
 from .config import ModelConfig
 from .context import ForwardContext
@@ -54,9 +55,31 @@ class KdaAttention(nn.Module):
             return self.g_proj(x)
         return self.g_b_proj(self.g_a_proj(x))
 
+    def _native_decode(self, x: torch.Tensor, cache) -> torch.Tensor | None:
+        """The fused decode step over the pool's own slots (`ops.cpu_kernels.kda_decode`), or None
+        where it does not apply (no pool view, non-bf16 activations, another state dtype)."""
+        view = getattr(cache, "kda_slot_view", None)
+        kernels = native(x.device) if view is not None and x.dtype == torch.bfloat16 else None
+        if kernels is None:
+            return None
+        tails, states, slots = view(self.layer_id)
+        if tails.dtype != torch.bfloat16 or states.dtype != torch.float32:
+            return None
+        sigmoid_gate = self.lower_bound is not None
+        o = kernels.kda_decode(self.q_proj(x), self.k_proj(x), self.v_proj(x), self.conv_weight().float(),
+                               tails, states, slots, self.f_b_proj(self.f_a_proj(x)), self.A_log.float(),
+                               self.dt_bias.float(), GATE_SIGMOID if sigmoid_gate else GATE_SOFTPLUS,
+                               self.lower_bound if sigmoid_gate else 0.0, self.b_proj(x),
+                               self.output_gate(x), self.o_norm.weight.float(), self.eps, self.scale)
+        return self.o_proj(o)
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         n, h, dk = x.shape[0], self.num_heads, self.head_dim
         cache = ctx.cache
+        if cache is not None and cache.decode_only:
+            fast = self._native_decode(x, cache)
+            if fast is not None:
+                return fast
         prior = cache.kda_state(self.layer_id) if cache is not None else None
         pre = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         weight = self.conv_weight()

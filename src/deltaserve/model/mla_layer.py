@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 from ..ops import mla as mla_ops
+from ..ops.cpu_kernels import MAX_ROWS, native
 from .config import ModelConfig
 from .context import ForwardContext
-from .modules import RMSNorm, empty_linear
+from .modules import RMSNorm, cached_derived, empty_linear
 
 
 class MlaAttention(nn.Module):
@@ -58,14 +59,16 @@ class MlaAttention(nn.Module):
         n, h = x.shape[0], self.num_heads
         q = self.queries(x)
         latent = self.latents(x)
-        context = None
-        if ctx.cache is not None:
-            ctx.cache.store_mla(self.layer_id, latent)
-            context = ctx.cache.mla_context(self.layer_id)
-        if context is None:
+        cache = ctx.cache
+        if cache is None:
             o = self._plain(q, latent, ctx.cu_seqlens)
         else:
-            o = self._absorbed(q, *context, ctx.cu_seqlens)
+            cache.store_mla(self.layer_id, latent)
+            o = self._native_decode(q, cache)
+            if o is None:
+                context = cache.mla_context(self.layer_id)
+                o = (self._plain(q, latent, ctx.cu_seqlens) if context is None
+                     else self._absorbed(q, *context, ctx.cu_seqlens))
         o = o.reshape(n, h * self.v_dim)
         if hasattr(self, "g_proj"):
             o = o * torch.sigmoid(self.g_proj(x))
@@ -79,9 +82,36 @@ class MlaAttention(nn.Module):
         k = torch.cat([k_nope, k_rot], dim=-1)
         return mla_ops.mla_prefill_attention(q, k, v.contiguous(), cu_seqlens, self.scale)
 
-    def _absorbed(self, q, rows, cu_kv, cu_q):
-        w_uk, w_uv = self.kv_b_split()
+    def _latent_queries(self, q):
+        w_uk, _ = self.kv_b_split()
         q_hat = torch.einsum("nhd,hdr->nhr", q[..., :self.nope], w_uk)
+        return torch.cat([q_hat, q[..., self.nope:]], dim=-1)
+
+    def _values(self, o_lat):
+        return torch.einsum("nhr,hvr->nhv", o_lat, self.kv_b_split()[1])
+
+    def _absorbed(self, q, rows, cu_kv, cu_q):
+        o_lat = mla_ops.mla_absorbed_attention(self._latent_queries(q), rows, cu_q, cu_kv, self.rank, self.scale)
+        return self._values(o_lat)
+
+    def _native_decode(self, q, cache):
+        """Decode steps on CPU in bf16: the fused kernel reads the pool's pages in place
+        (`ops.cpu_kernels.mla_decode`); None where it does not apply."""
+        view = getattr(cache, "mla_rows_view", None)
+        if not cache.decode_only or view is None or q.dtype != torch.bfloat16:
+            return None
+        kernels = native(q.device)
+        context = view(self.layer_id) if kernels is not None else None
+        if context is None or context[0].dtype != torch.bfloat16:
+            return None
+        rows, read_rows, cu_kv = context
+        if q.shape[0] > MAX_ROWS:
+            return self._values(kernels.mla_decode(self._latent_queries(q), rows, read_rows, cu_kv,
+                                                   self.rank, self.scale))
+        w = self.kv_b_proj.weight
+        w_uk_t = cached_derived(self, "w_uk_t", lambda: self.kv_b_split()[0].transpose(1, 2), w)   # [H, R, nope]
+        w_uv = cached_derived(self, "w_uv", lambda: self.kv_b_split()[1], w)                       # [H, v, R]
+        q_hat = kernels.linear_bf16_heads(q[..., :self.nope].transpose(0, 1), w_uk_t).transpose(0, 1)
         q_lat = torch.cat([q_hat, q[..., self.nope:]], dim=-1)
-        o_lat = mla_ops.mla_absorbed_attention(q_lat, rows, cu_q, cu_kv, self.rank, self.scale)
-        return torch.einsum("nhr,hvr->nhv", o_lat, w_uv)
+        o_lat = kernels.mla_decode(q_lat, rows, read_rows, cu_kv, self.rank, self.scale)
+        return kernels.linear_bf16_heads(o_lat.transpose(0, 1), w_uv).transpose(0, 1)

@@ -4,12 +4,40 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.attn_res import ATTN_RES_EPS, attn_res_mix
+from ..ops.cpu_kernels import native
+from ..ops.linear import linear
 from ..ops.norms import rms_norm
 
 
-def empty_linear(in_features: int, out_features: int) -> nn.Linear:
+def cached_derived(owner: nn.Module, key: str, build, *sources: torch.Tensor) -> torch.Tensor:
+    """`build()` (a contiguous tensor derived from `sources`: a dtype cast, a transposed copy),
+    memoised on `owner` until a source changes (storage or in-place version), so per-step
+    kernels do not re-derive weights. Plain attributes, not buffers: never saved or counted."""
+    stamp = tuple((t.data_ptr(), t._version) for t in sources)
+    memo = owner.__dict__.setdefault("_derived_memo", {})
+    hit = memo.get(key)
+    if hit is None or hit[0] != stamp:
+        with torch.no_grad():
+            hit = memo[key] = (stamp, build().contiguous())
+    return hit[1]
+
+
+def cached_fp32(owner: nn.Module, key: str, build, *sources: torch.Tensor) -> torch.Tensor:
+    """`cached_derived` of an fp32 value."""
+    return cached_derived(owner, key, lambda: build().float(), *sources)
+
+
+class Linear(nn.Linear):
+    """Bias-free `nn.Linear` whose forward takes the small-M native path (`ops.linear`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
+
+
+def empty_linear(in_features: int, out_features: int) -> Linear:
     """A bias-free linear layer (every linear layer in this family is bias-free)."""
-    return nn.Linear(in_features, out_features, bias=False)
+    return Linear(in_features, out_features, bias=False)
 
 
 class RMSNorm(nn.Module):
@@ -21,6 +49,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(-1) == 1:
+            kernels = native(x.device)
+            if kernels is not None:
+                return kernels.rms_norm(x, cached_fp32(self, "w", lambda: self.weight, self.weight), self.eps)
         return rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
@@ -36,3 +68,12 @@ class WeightVector(nn.Module):
 
     def flat(self) -> torch.Tensor:
         return self.weight.reshape(-1)
+
+
+def attn_res(cur: torch.Tensor, bank: list[torch.Tensor], proj: WeightVector, norm: WeightVector) -> torch.Tensor:
+    """`ops.attn_res.attn_res_mix(cur, bank, proj, norm)`, on the native kernel for bf16 on CPU."""
+    kernels = native(cur.device) if cur.dtype == torch.bfloat16 and cur.dim() == 2 else None
+    if kernels is not None and len(bank) < kernels.MAX_MIX:
+        q = cached_fp32(proj, "mix_q", lambda: norm.flat().float() * proj.flat().float(), proj.weight, norm.weight)
+        return kernels.attn_res_mix([*bank, cur], q, ATTN_RES_EPS)
+    return attn_res_mix(cur, bank, proj.flat(), norm.flat())

@@ -7,8 +7,10 @@ import torch
 from torch import nn
 
 from ..ops.activations import silu_and_mul, situ_and_mul
-from ..ops.moe import grouped_experts, route
+from ..ops.cpu_kernels import ACT_SILU, ACT_SITU, native
+from ..ops.moe import route
 from .config import ModelConfig
+from .experts import FUSED_MAX_TOKENS, StackedExperts
 from .modules import RMSNorm, empty_linear
 
 
@@ -28,8 +30,19 @@ class GluMlp(nn.Module):
         self.up_proj = empty_linear(hidden, width)
         self.down_proj = empty_linear(width, hidden)
         self.act = glu_activation(cfg)
+        self.act_spec = (ACT_SITU if cfg.hidden_act == "situ" else ACT_SILU, cfg.situ_beta or 0.0,
+                         cfg.situ_linear_beta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Small bf16 batches on CPU run as one fused call (the MoE kernel with a single expert
+        of weight 1, which rounds exactly as this module's three linears and activation)."""
+        n = x.shape[0]
+        if x.dtype == torch.bfloat16 and x.dim() == 2 and 0 < n <= FUSED_MAX_TOKENS:
+            kernels = native(x.device)
+            ws = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+            if kernels is not None and all(w.dtype == torch.bfloat16 for w in ws):
+                return kernels.moe_experts(x, x.new_zeros(n, 1, dtype=torch.long), x.new_ones(n, 1, dtype=torch.float32),
+                                           *(w.unsqueeze(0) for w in ws), *self.act_spec)
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -40,17 +53,6 @@ class Router(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(cfg.moe.num_experts, cfg.hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.moe.num_experts))
-
-
-class StackedExperts(nn.Module):
-    """All routed experts of a layer stacked: w1 (gate), w3 (up) [E, I, Din]; w2 [E, Din, I].
-    The loader assembles them from `experts.{e}.w{1,2,3}` tensors (bf16 or MXFP4)."""
-
-    def __init__(self, num_experts: int, width: int, d_in: int):
-        super().__init__()
-        self.w1 = nn.Parameter(torch.zeros(num_experts, width, d_in))
-        self.w3 = nn.Parameter(torch.zeros(num_experts, width, d_in))
-        self.w2 = nn.Parameter(torch.zeros(num_experts, d_in, width))
 
 
 class MoeBlock(nn.Module):
@@ -69,7 +71,8 @@ class MoeBlock(nn.Module):
             self.routed_expert_up_proj = empty_linear(m.latent_size, cfg.hidden_size)
             if m.latent_norm:
                 self.routed_expert_norm = RMSNorm(m.latent_size, cfg.rms_norm_eps)
-        self.experts = StackedExperts(m.num_experts, m.intermediate_size, d_in)
+        self.experts = StackedExperts(m.num_experts, m.intermediate_size, d_in, cfg.hidden_act,
+                                      cfg.situ_beta, cfg.situ_linear_beta)
         if m.num_shared_experts:
             self.shared_experts = GluMlp(cfg, cfg.hidden_size, m.num_shared_experts * m.intermediate_size)
         self.act = glu_activation(cfg)
@@ -81,7 +84,7 @@ class MoeBlock(nn.Module):
                              m.routed_scaling_factor, m.bias_in_weights)
         latent = hasattr(self, "routed_expert_down_proj")
         z = self.routed_expert_down_proj(x) if latent else x
-        r = grouped_experts(z, ids, weights, self.experts.w1, self.experts.w3, self.experts.w2, self.act)
+        r = self.experts(z, ids, weights, self.act)
         if latent:
             if hasattr(self, "routed_expert_norm"):
                 r = self.routed_expert_norm(r)

@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from ..ops.mxfp4 import mxfp4_decode
+from ..ops.mxfp4 import mxfp4_decode, mxfp4_validate
 from .config import ModelConfig
 from .kimi import KimiForCausalLM
 
@@ -86,10 +86,17 @@ def _target_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if t.dtype == torch.float32 else dtype
 
 
+MOE_WEIGHTS = ("packed", "dequantized")
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.bfloat16,
                device: str | torch.device = "cpu", config: ModelConfig | None = None,
-               progress: bool = True) -> KimiForCausalLM:
-    """Build the model from `config.json` and load every text tensor."""
+               progress: bool = True, moe_weights: str = "packed") -> KimiForCausalLM:
+    """Build the model from `config.json` and load every text tensor. `moe_weights="packed"`
+    keeps MXFP4 routed experts packed (a projection whose experts are all MXFP4); "dequantized"
+    decodes them to `dtype` at load."""
+    if moe_weights not in MOE_WEIGHTS:
+        raise ValueError(f"moe_weights must be one of {MOE_WEIGHTS}, got {moe_weights!r}")
     model_dir = Path(model_dir)
     dtype = resolve_dtype(dtype)
     cfg = config or ModelConfig.from_pretrained(model_dir)
@@ -100,6 +107,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.bfloat16,
     files = checkpoint_files(model_dir)
 
     loaded: dict[str, torch.Tensor] = {}
+    packed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     experts: dict[tuple[str, str], dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
     unexpected, bad_shape, bad_dtype, bad_expert, duplicate, absent = [], [], [], [], [], []
     bad_names, skipped = set(), 0
@@ -160,16 +168,20 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.bfloat16,
         if name not in expected:
             unexpected.extend(f"{prefix}.{e}.{proj}" for e in sorted(per_expert))
             continue
-        stacked, problems = _stack_experts(name, per_expert, expected[name], dtype, device)
+        keep_packed = moe_weights == "packed" and all("weight_packed" in v for v in per_expert.values())
+        stack = _stack_packed if keep_packed else _stack_experts
+        stacked, problems = stack(name, per_expert, expected[name], dtype, device)
         bad_expert.extend(problems)
         if stacked is None:
             bad_names.add(name)
+        elif keep_packed:
+            packed[name] = stacked
         else:
             loaded[name] = stacked
     if cfg.tie_word_embeddings and "lm_head.weight" not in loaded and "model.embed_tokens.weight" in loaded:
         loaded["lm_head.weight"] = loaded["model.embed_tokens.weight"]
 
-    missing = sorted(set(expected) - set(loaded) - bad_names)
+    missing = sorted(set(expected) - set(loaded) - set(packed) - bad_names)
     problems = (_report("missing", missing) + _report("unexpected", unexpected)
                 + _report("duplicated", duplicate) + _report("mis-shaped", bad_shape)
                 + _report("wrong-dtype", bad_dtype) + _report("invalid expert", bad_expert)
@@ -179,6 +191,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.bfloat16,
     for name, tensor in loaded.items():
         module_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(tensor, requires_grad=False))
+    for name, (codes, scales) in packed.items():
+        module_name, _, attr = name.rpartition(".")
+        model.get_submodule(module_name).set_packed(attr, codes, scales, dtype)
     model.eval()  # safe: nn.Module.eval (inference mode), not Python eval
     return model
 
@@ -215,6 +230,32 @@ def _stack_experts(name, per_expert, shape, dtype, device):
             continue
         out[e] = w
     return (None if problems else out), problems
+
+
+def _stack_packed(name, per_expert, shape, dtype, device):
+    """Stack MXFP4 experts into (packed [E, O, I/2], scale [E, O, I/32]) uint8, validated."""
+    num, out_dim, in_dim = shape
+    prefix, _, proj = name.rpartition(".")
+    if sorted(per_expert) != list(range(num)):
+        return _stack_experts(name, per_expert, shape, dtype, device)
+    codes = torch.empty(num, out_dim, in_dim // 2, dtype=torch.uint8, device=device)
+    scales = torch.empty(num, out_dim, in_dim // 32, dtype=torch.uint8, device=device)
+    problems = []
+    for e in range(num):
+        parts, where = per_expert[e], f"{prefix}.{e}.{proj}"
+        if sorted(parts) != ["weight_packed", "weight_scale"]:
+            problems.append(f"{where}: needs both 'weight_packed' and 'weight_scale', got {sorted(parts)}")
+            continue
+        try:
+            rows, cols = mxfp4_validate(parts["weight_packed"], parts["weight_scale"])
+        except ValueError as err:
+            problems.append(f"{where}: {err}")
+            continue
+        if (rows, cols) != (out_dim, in_dim):
+            problems.append(f"{where}: {(rows, cols)} != expected {(out_dim, in_dim)}")
+            continue
+        codes[e], scales[e] = parts["weight_packed"], parts["weight_scale"]
+    return (None if problems else (codes, scales)), problems
 
 
 def _report(kind: str, items: list[str]) -> list[str]:

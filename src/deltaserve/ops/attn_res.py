@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import torch
 
+ATTN_RES_EPS = 1e-5
+
 
 def attn_res_mix(cur: torch.Tensor, bank: list[torch.Tensor], proj: torch.Tensor,
-                 norm: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+                 norm: torch.Tensor, eps: float = ATTN_RES_EPS) -> torch.Tensor:
     """Softmax over depth of `[*bank, cur]` (cur LAST). cur and bank entries: [N, D];
     proj, norm: [D] (a checkpoint's [1, D] proj flattened). Scores are
     `rmsnorm_weightless(X) . (norm * proj)` in fp32 with no 1/sqrt(D); the RAW X are mixed in

@@ -4,7 +4,8 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
+
+from .linear import linear
 
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor | None,
@@ -64,8 +65,8 @@ def grouped_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Te
     for e in torch.nonzero(counts).flatten().tolist():
         rows = slice(ends[e] - sizes[e], ends[e])
         xe = x[tokens[rows]]
-        h = act(F.linear(xe, w1[e].to(x.dtype)), F.linear(xe, w3[e].to(x.dtype)))
-        ys[order[rows]] = F.linear(h.to(x.dtype), w2[e].to(x.dtype)).to(x.dtype)
+        h = act(linear(xe, w1[e].to(x.dtype)), linear(xe, w3[e].to(x.dtype)))
+        ys[order[rows]] = linear(h.to(x.dtype), w2[e].to(x.dtype)).to(x.dtype)
     acc = torch.promote_types(x.dtype, torch.float32)
     ys = ys.view(n, k, d_out)
     w = weights.to(acc)

@@ -28,10 +28,8 @@ _THRESHOLDS = tuple(torch.nextafter(torch.tensor(m), torch.tensor(0.0)).item() i
 _EXACT_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 
 
-def mxfp4_decode(packed: torch.Tensor, scale: torch.Tensor,
-                 dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Dequantise to `[O, I]` in dtype, exactly (bf16 holds every value of the format in the
-    normal exponent range). Raises ValueError on a NaN scale (0xFF) or mismatched shapes."""
+def mxfp4_validate(packed: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
+    """The decoded shape `(O, I)`; ValueError on wrong dtypes, mismatched shapes or a NaN scale."""
     if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
         raise ValueError("MXFP4 weight_packed and weight_scale must be uint8")
     if packed.dim() != 2 or scale.dim() != 2:
@@ -44,6 +42,14 @@ def mxfp4_decode(packed: torch.Tensor, scale: torch.Tensor,
                          f" (expected scale [{rows}, {cols}/{GROUP_SIZE}])")
     if bool((scale == 0xFF).any()):
         raise ValueError("MXFP4 scale holds 0xFF (NaN)")
+    return rows, cols
+
+
+def mxfp4_decode(packed: torch.Tensor, scale: torch.Tensor,
+                 dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Dequantise to `[O, I]` in dtype, exactly (bf16 holds every value of the format in the
+    normal exponent range). Raises ValueError on a NaN scale (0xFF) or mismatched shapes."""
+    rows, cols = mxfp4_validate(packed, scale)
     work = dtype if dtype in _EXACT_DTYPES else torch.float32
     byte_lut = _BYTE_LUT.to(device=packed.device, dtype=work)
     scale_lut = _SCALE_LUT.to(device=packed.device, dtype=work)

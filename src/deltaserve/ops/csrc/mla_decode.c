@@ -1,0 +1,127 @@
+/* deltaserve CPU kernel: absorbed MLA decode attention straight over the paged latent cache
+ * (spec/model.md §7). One query token per sequence b; all H heads share the latent rows:
+ *   o[b, h, :R] = sum_j softmax_j(scale * q[b, h, :] . row_j) * row_j[:R]
+ * with row_j = rows[read_rows[cu_kv[b] + j]], j over the whole context of b (new row included).
+ * fp32 scores, softmax and accumulation (as torch's SDPA runs bf16 inputs); bf16 output.
+ * Work splits each sequence's context into chunks (flash-decoding style) whose partial
+ * (max, sum, accumulator) triples are merged per sequence, so one long sequence uses every thread.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#define MLA_CHUNK 256
+
+static inline float ml_bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t ml_f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Partial attention of all heads over rows [j0, j1) of one sequence. part: H * (R + 2) floats
+ * laid out per head as [m, l, acc(R)]. scratch: D + H * MLA_CHUNK floats. */
+static void mla_chunk(const float *qf, int H, int D, int R, const uint16_t *rows, const int64_t *idx,
+                      int64_t j0, int64_t j1, float scale, float *part, float *scratch) {
+    float *row = scratch, *s = scratch + D;
+    const int n = (int)(j1 - j0);
+    for (int h = 0; h < H; ++h) part[h * (R + 2)] = -FLT_MAX;
+    for (int j = 0; j < n; ++j) {
+        const uint16_t *r = rows + idx[j0 + j] * (int64_t)D;
+        for (int d = 0; d < D; ++d) row[d] = ml_bf16_to_f32(r[d]);
+        for (int h = 0; h < H; ++h) {
+            const float *qh = qf + (int64_t)h * D;
+            float acc = 0.f;
+            for (int d = 0; d < D; ++d) acc += qh[d] * row[d];
+            acc *= scale;
+            s[h * MLA_CHUNK + j] = acc;
+            if (acc > part[h * (R + 2)]) part[h * (R + 2)] = acc;
+        }
+    }
+    for (int h = 0; h < H; ++h) {
+        float *ph = part + h * (R + 2);
+        ph[1] = 0.f;
+        for (int d = 0; d < R; ++d) ph[2 + d] = 0.f;
+    }
+    for (int j = 0; j < n; ++j) {
+        const uint16_t *r = rows + idx[j0 + j] * (int64_t)D;
+        for (int d = 0; d < R; ++d) row[d] = ml_bf16_to_f32(r[d]);
+        for (int h = 0; h < H; ++h) {
+            float *ph = part + h * (R + 2);
+            const float p = expf(s[h * MLA_CHUNK + j] - ph[0]);
+            ph[1] += p;
+            float *acc = ph + 2;
+            for (int d = 0; d < R; ++d) acc[d] += p * row[d];
+        }
+    }
+}
+
+int ds_mla_decode(int B, int H, int D, int R, const uint16_t *q, const uint16_t *rows,
+                  const int64_t *read_rows, const int64_t *cu_kv, float scale, uint16_t *out,
+                  int nthreads) {
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(B + 1));
+    if (!first) return -1;
+    first[0] = 0;
+    for (int b = 0; b < B; ++b) {
+        const int64_t len = cu_kv[b + 1] - cu_kv[b];
+        if (len < 1) { free(first); return -2; }
+        first[b + 1] = first[b] + (len + MLA_CHUNK - 1) / MLA_CHUNK;
+    }
+    const int64_t items = first[B];
+    float *parts = malloc(sizeof(float) * (size_t)items * H * (R + 2));
+    float *qf = malloc(sizeof(float) * (size_t)B * H * D);
+    if (!parts || !qf) { free(first); free(parts); free(qf); return -1; }
+    for (int64_t i = 0; i < (int64_t)B * H * D; ++i) qf[i] = ml_bf16_to_f32(q[i]);
+    int bad = 0;
+    #pragma omp parallel num_threads(nthreads) reduction(| : bad)
+    {
+        float *scratch = malloc(sizeof(float) * (size_t)(D + H * MLA_CHUNK));
+        if (!scratch) bad |= 1;
+        int b = 0;
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; ++it) {
+            if (!scratch) continue;
+            while (first[b + 1] <= it) ++b;   /* items ascend within each thread's share */
+            while (first[b] > it) --b;
+            const int64_t j0 = cu_kv[b] + (it - first[b]) * MLA_CHUNK;
+            const int64_t j1 = j0 + MLA_CHUNK < cu_kv[b + 1] ? j0 + MLA_CHUNK : cu_kv[b + 1];
+            mla_chunk(qf + (int64_t)b * H * D, H, D, R, rows, read_rows, j0, j1, scale,
+                      parts + it * H * (R + 2), scratch);
+        }
+        free(scratch);
+    }
+    if (bad) { free(first); free(parts); free(qf); return -1; }
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (B * H >= 4)
+    for (int t = 0; t < B * H; ++t) {
+        const int b = t / H, h = t % H;
+        float m = -FLT_MAX, l = 0.f;
+        for (int64_t it = first[b]; it < first[b + 1]; ++it) {
+            const float mi = parts[(it * H + h) * (R + 2)];
+            if (mi > m) m = mi;
+        }
+        float acc[1024];
+        const int r_cap = R < 1024 ? R : 1024;
+        for (int d = 0; d < r_cap; ++d) acc[d] = 0.f;
+        for (int64_t it = first[b]; it < first[b + 1]; ++it) {
+            const float *ph = parts + (it * H + h) * (R + 2);
+            const float w = expf(ph[0] - m);
+            l += w * ph[1];
+            for (int d = 0; d < r_cap; ++d) acc[d] += w * ph[2 + d];
+        }
+        uint16_t *o = out + ((int64_t)b * H + h) * R;
+        for (int d = 0; d < r_cap; ++d) o[d] = ml_f32_to_bf16(acc[d] / l);
+    }
+    free(first); free(parts); free(qf);
+    return 0;
+}

@@ -1,0 +1,183 @@
+"""Native CPU kernels (ops/cpu_kernels.py, csrc/*.c) against the PyTorch paths they replace.
+
+Tolerances: both sides accumulate in fp32 and round once to bf16, so outputs agree to about one
+bf16 ulp of the result (summation order differs); where the orders coincide they are equal.
+Skipped only where the kernels cannot be built (no C compiler)."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deltaserve.ops import cpu_kernels
+from deltaserve.ops import kda as kda_ops
+from deltaserve.ops.activations import silu_and_mul, situ_and_mul
+from deltaserve.ops.linear import linear
+from deltaserve.ops.mla import mla_absorbed_attention
+from deltaserve.ops.moe import grouped_experts
+from deltaserve.ops.mxfp4 import mxfp4_decode, mxfp4_encode
+from deltaserve.ops.norms import gated_rms_norm
+
+NK = cpu_kernels.native()
+needs_kernels = pytest.mark.skipif(NK is None, reason="native CPU kernels unavailable (no C compiler)")
+BF = torch.bfloat16
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> float:
+    """Max |a - b| in units of bf16 spacing at |ref| (floored at the tensor's rms)."""
+    scale = torch.maximum(ref.float().abs(), ref.float().pow(2).mean().sqrt())
+    return float(((a.float() - b.float()).abs() / (scale * 2.0 ** -7)).max())
+
+
+def packed_experts(e, o, i, gen):
+    ps, ss = zip(*[mxfp4_encode(torch.randn(o, i, generator=gen) * 0.1) for _ in range(e)])
+    return torch.stack(ps), torch.stack(ss)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("k", [64, 1000])
+def test_linear_bf16_matches_f_linear(rows, k):
+    gen = torch.Generator().manual_seed(rows * k)
+    x = torch.randn(rows, k, generator=gen).to(BF)
+    w = torch.randn(300, k, generator=gen).to(BF)
+    ref = F.linear(x, w)
+    got = NK.linear_bf16(x, w)
+    assert got.dtype == BF and got.shape == ref.shape
+    assert ulps(got, ref, ref) <= 2.0
+    assert torch.equal(linear(x, w), got)                 # dispatch takes the native path
+    big = torch.randn(9, k, generator=gen).to(BF)
+    assert torch.equal(linear(big, w), F.linear(big, w))  # above MAX_ROWS: torch
+
+
+@needs_kernels
+def test_linear_rejects_bad_operands():
+    with pytest.raises(ValueError):
+        NK.linear_bf16(torch.zeros(9, 32, dtype=BF), torch.zeros(4, 32, dtype=BF))
+    with pytest.raises(ValueError):
+        NK.linear_bf16(torch.zeros(1, 32), torch.zeros(4, 32))
+
+
+@needs_kernels
+def test_mxfp4_dequant_is_exact_and_gemv_matches():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 256, generator=gen) * torch.logspace(-3, 3, 96).unsqueeze(1)
+    packed, scale = mxfp4_encode(w)
+    dense = mxfp4_decode(packed, scale, BF)
+    assert torch.equal(NK.mxfp4_to_bf16(packed, scale), dense)
+    stacked = NK.mxfp4_to_bf16(packed.view(2, 48, 128), scale.view(2, 48, 8))
+    assert torch.equal(stacked.view(96, 256), dense)
+    for rows in (1, 4, 8):
+        x = torch.randn(rows, 256, generator=gen).to(BF)
+        ref = F.linear(x, dense)
+        assert ulps(NK.linear_mxfp4(x, packed, scale), ref, ref) <= 2.0
+
+
+@needs_kernels
+@pytest.mark.parametrize("act_kind", [cpu_kernels.ACT_SITU, cpu_kernels.ACT_SILU])
+@pytest.mark.parametrize("n", [1, 3, 11])
+def test_fused_moe_matches_grouped_experts(act_kind, n):
+    gen = torch.Generator().manual_seed(n)
+    e, inter, d, k = 8, 64, 96, 4
+    w1, w3, w2 = packed_experts(e, inter, d, gen), packed_experts(e, inter, d, gen), packed_experts(e, d, inter, gen)
+    dense = [torch.stack([mxfp4_decode(p[j], s[j], BF) for j in range(e)]) for p, s in (w1, w3, w2)]
+    x = torch.randn(n, d, generator=gen).to(BF)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)])
+    wts = torch.rand(n, k, generator=gen)
+    if act_kind == cpu_kernels.ACT_SITU:
+        act, beta, lbeta = functools.partial(situ_and_mul, beta=4.0, linear_beta=25.0), 4.0, 25.0
+    else:
+        act, beta, lbeta = silu_and_mul, 0.0, None
+    ref = grouped_experts(x, ids, wts, *dense, act)
+    from_packed = NK.moe_experts(x, ids, wts, w1, w3, w2, act_kind, beta, lbeta)
+    from_dense = NK.moe_experts(x, ids, wts, *dense, act_kind, beta, lbeta)
+    assert torch.equal(from_packed, from_dense)      # decode-on-the-fly == decode-then-multiply
+    assert ulps(from_dense, ref, ref) <= 2.0
+    with pytest.raises(ValueError):
+        NK.moe_experts(x, ids + e, wts, *dense, act_kind, beta, lbeta)
+
+
+def _kda_torch(q, k, v, conv_w, tails, states, f, a_log, dt_bias, b, gate, norm_w, eps, scale, heads):
+    """The PyTorch decode path of KdaAttention on copies of the slot state."""
+    n, p = q.shape
+    dk = p // heads
+    mixed, new_tail = kda_ops.causal_conv1d_step(torch.cat([q, k, v], -1), conv_w, tails.clone())
+    qq, kk, vv = mixed.view(n, 3, heads, dk).unbind(1)
+    qq, kk = kda_ops.l2_norm(qq), kda_ops.l2_norm(kk)
+    g = kda_ops.kda_gate_sigmoid(f.view(n, heads, dk), a_log, dt_bias, -5.0)
+    st = states.clone()
+    o = kda_ops.kda_recurrent_step(qq, kk, vv, g, torch.sigmoid(b.float()), st, scale)
+    return gated_rms_norm(o, norm_w, gate.view(n, heads, dk), eps, BF).reshape(n, p), new_tail, st
+
+
+@needs_kernels
+def test_kda_decode_matches_torch_step_and_updates_slots_in_place():
+    gen = torch.Generator().manual_seed(3)
+    heads, dk, w, bsz, num_slots = 2, 32, 4, 3, 5
+    p = heads * dk
+    rnd = lambda *s: torch.randn(*s, generator=gen)
+    q, k, v, f, gate = (rnd(bsz, p).to(BF) for _ in range(5))
+    b = rnd(bsz, heads).to(BF)
+    conv_w, a_log, dt_bias, norm_w = rnd(3 * p, w) * 0.5, rnd(heads) * 0.3, rnd(p) * 0.3, 1 + 0.1 * rnd(dk)
+    tails = rnd(num_slots, w - 1, 3 * p).to(BF)
+    states = rnd(num_slots, heads, dk, dk) * 0.1
+    slots = torch.tensor([4, 0, 2])
+    ref, ref_tail, ref_state = _kda_torch(q, k, v, conv_w, tails[slots], states[slots], f, a_log, dt_bias,
+                                          b, gate, norm_w, 1e-5, dk ** -0.5, heads)
+    untouched_t, untouched_s = tails[[1, 3]].clone(), states[[1, 3]].clone()
+    got = NK.kda_decode(q, k, v, conv_w, tails, states, slots, f, a_log, dt_bias, cpu_kernels.GATE_SIGMOID,
+                        -5.0, b, gate, norm_w, 1e-5, dk ** -0.5)
+    assert ulps(got, ref, ref) <= 2.0
+    assert torch.equal(tails[slots], ref_tail.to(BF))
+    torch.testing.assert_close(states[slots], ref_state, rtol=1e-5, atol=1e-6)
+    assert torch.equal(tails[[1, 3]], untouched_t) and torch.equal(states[[1, 3]], untouched_s)
+
+
+@needs_kernels
+def test_mla_decode_matches_absorbed_attention_over_scattered_rows():
+    gen = torch.Generator().manual_seed(5)
+    heads, rank, rope = 4, 64, 16
+    d = rank + rope
+    lens = [1, 300, 700]                      # > one 256-row chunk: the split-merge path runs
+    pool = torch.randn(2048, d, generator=gen).to(BF)
+    perm = torch.randperm(2048, generator=gen)
+    read_rows = perm[:sum(lens)]
+    cu_kv = torch.tensor([0, *lens]).cumsum(0)
+    q = torch.randn(len(lens), heads, d, generator=gen).to(BF)
+    got = NK.mla_decode(q, pool, read_rows, cu_kv, rank, d ** -0.5)
+    ref = mla_absorbed_attention(q, pool[read_rows], torch.arange(len(lens) + 1), cu_kv, rank, d ** -0.5)
+    assert got.shape == ref.shape == (len(lens), heads, rank)
+    assert ulps(got, ref, ref) <= 2.0
+    with pytest.raises(ValueError):
+        NK.mla_decode(q, pool, read_rows + 2048, cu_kv, rank, 1.0)
+
+
+@needs_kernels
+def test_disabled_kernels_fall_back_to_torch():
+    old = cpu_kernels.set_enabled(False)
+    try:
+        assert cpu_kernels.native() is None
+        x, w = torch.randn(1, 64).to(BF), torch.randn(8, 64).to(BF)
+        assert torch.equal(linear(x, w), F.linear(x, w))
+    finally:
+        cpu_kernels.set_enabled(old)
+
+
+def test_kernels_build_wherever_a_compiler_exists():
+    """CI machines have gcc: the native paths must really be exercised there, not skipped."""
+    import shutil
+    if shutil.which("cc") or shutil.which("gcc"):
+        assert NK is not None
+
+
+@needs_kernels
+def test_linear_bf16_heads_matches_bmm():
+    gen = torch.Generator().manual_seed(9)
+    for m in (1, 3, 8):
+        x = torch.randn(4, m, 96, generator=gen).to(BF)
+        w = torch.randn(4, 40, 96, generator=gen).to(BF)
+        ref = torch.bmm(x, w.transpose(1, 2))
+        got = NK.linear_bf16_heads(x, w)
+        assert ulps(got, ref, ref) <= 2.0
