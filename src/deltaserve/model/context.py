@@ -15,7 +15,13 @@ import torch
 
 
 class LayerCache(Protocol):
-    """Per-step cache view. Sequence b of the step owns rows cu_seqlens[b]:cu_seqlens[b+1]."""
+    """Per-step cache view. Sequence b of the step owns rows cu_seqlens[b]:cu_seqlens[b+1].
+
+    Two optional methods let native decode kernels work on the pools in place; layers probe
+    for them with getattr and otherwise use the methods below (`DenseCache` has neither):
+    `kda_slot_view(layer)` -> (tails [S, W-1, 3P], states [S, H, K, V], slots [B]) and
+    `mla_rows_view(layer)` -> (pool rows [num_rows, R + Dr], read_rows [Nkv], cu_kv [B+1]) or
+    None without earlier context."""
 
     decode_only: bool  # every sequence has one new token and an existing state
 

@@ -9,6 +9,8 @@ runs `ops.moe.grouped_experts`, the reference.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -62,17 +64,20 @@ class StackedExperts(nn.Module):
         return tuple(PackedExpertView(getattr(self, f"{p}_packed"), getattr(self, f"{p}_scale"),
                                       self.compute_dtype) for p in PROJECTIONS)
 
+    def _fused_operands(self):
+        if self.packed:
+            return tuple((getattr(self, f"{p}_packed"), getattr(self, f"{p}_scale")) for p in PROJECTIONS)
+        return self.w1, self.w3, self.w2
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, act) -> torch.Tensor:
-        """`grouped_experts` semantics (x [N, Din] -> [N, Din] in x's dtype)."""
-        kernels = native(x.device) if x.dtype == torch.bfloat16 and x.shape[0] <= FUSED_MAX_TOKENS else None
-        if kernels is not None and x.shape[0] > 0:
-            if self.packed:
-                ws = tuple((getattr(self, f"{p}_packed"), getattr(self, f"{p}_scale")) for p in PROJECTIONS)
-            elif self.w1.dtype == torch.bfloat16:
-                ws = (self.w1, self.w3, self.w2)
-            else:
-                ws = None
-            if ws is not None:
-                return kernels.moe_experts(x, ids, weights, *ws, self.act_kind, self.beta or 0.0,
-                                           self.linear_beta)
-        return grouped_experts(x, ids, weights, *self._views(), act)
+        """`grouped_experts` semantics (x [N, Din] -> [N, Din] in x's dtype). bf16 on CPU: small
+        batches run the fused kernel; larger ones the per-expert GEMMs with the native GLU."""
+        kernels = native(x.device) if x.dtype == torch.bfloat16 else None
+        if kernels is None:
+            return grouped_experts(x, ids, weights, *self._views(), act)
+        if 0 < x.shape[0] <= FUSED_MAX_TOKENS and (self.packed or self.w1.dtype == torch.bfloat16):
+            return kernels.moe_experts(x, ids, weights, *self._fused_operands(), self.act_kind,
+                                       self.beta or 0.0, self.linear_beta)
+        glu = functools.partial(kernels.glu, act=self.act_kind, beta=self.beta or 0.0,
+                                linear_beta=self.linear_beta)
+        return grouped_experts(x, ids, weights, *self._views(), glu)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..ops import mla as mla_ops
-from ..ops.cpu_kernels import MAX_ROWS, native
+from ..ops.cpu_kernels import MAX_ROWS, MLA_MAX_HEADS, MLA_MAX_RANK, native
 from .config import ModelConfig
 from .context import ForwardContext
 from .modules import RMSNorm, cached_derived, empty_linear
@@ -98,7 +98,8 @@ class MlaAttention(nn.Module):
         """Decode steps on CPU in bf16: the fused kernel reads the pool's pages in place
         (`ops.cpu_kernels.mla_decode`); None where it does not apply."""
         view = getattr(cache, "mla_rows_view", None)
-        if not cache.decode_only or view is None or q.dtype != torch.bfloat16:
+        if (not cache.decode_only or view is None or q.dtype != torch.bfloat16
+                or self.num_heads > MLA_MAX_HEADS or self.rank > MLA_MAX_RANK):
             return None
         kernels = native(q.device)
         context = view(self.layer_id) if kernels is not None else None

@@ -26,12 +26,15 @@ log = logging.getLogger(__name__)
 
 MAX_ROWS = 8          # the kernels' DS_MAX_M: the small-M (decode) regime
 GROUP_SIZE = 32
-_SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-Wall",
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = sorted(_CSRC.glob("*.c"))
+_HEADERS = sorted(_CSRC.glob("*.h"))
+_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-Wall",
           "-Werror=implicit-function-declaration", "-Werror=implicit-int"]
 _LIBS = ["-lm"]
 ACT_SILU, ACT_SITU = 0, 1
 GATE_SIGMOID, GATE_SOFTPLUS = 0, 1
+MLA_MAX_HEADS, MLA_MAX_RANK = 64, 1024   # ds_mla_decode's per-row score and merge buffers
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
 
@@ -52,7 +55,7 @@ def _cpu_flags() -> str:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([*(f.read_text() for f in _SOURCES), version, " ".join(_FLAGS), _cpu_flags()])
+    key = hashlib.sha256("\0".join([*(f.read_text() for f in _SOURCES + _HEADERS), version, " ".join(_FLAGS), _cpu_flags()])
                          .encode()).hexdigest()[:16]
     out_dir = _cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -83,6 +86,8 @@ class NativeKernels:
         lib.ds_linear_bf16.argtypes = [_P, _I, _I, _P, _I, _P, _L, _I]
         lib.ds_linear_bf16_heads.argtypes = [_P, _I, _I, _I, _P, _I, _P, _I]
         lib.ds_linear_bf16_heads.restype = None
+        lib.ds_glu_bf16.argtypes = [_P, _P, _L, _I, ctypes.c_float, ctypes.c_float, _P, _I]
+        lib.ds_glu_bf16.restype = None
         lib.ds_linear_mxfp4.argtypes = [_P, _I, _I, _P, _P, _I, _P, _L, _I]
         lib.ds_mxfp4_to_bf16.argtypes = [_P, _P, _L, _I, _P, _I]
         lib.ds_moe_experts.argtypes = [_P, _I, _I, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I,
@@ -125,6 +130,17 @@ class NativeKernels:
         y = torch.empty(h, m, w.shape[1], dtype=torch.bfloat16)
         self.lib.ds_linear_bf16_heads(x.data_ptr(), h, m, k, w.data_ptr(), w.shape[1], y.data_ptr(), self._threads())
         return y
+
+    def glu(self, gate: torch.Tensor, up: torch.Tensor, act: int, beta: float,
+            linear_beta: float | None) -> torch.Tensor:
+        """`situ_and_mul` (act ACT_SITU) or `silu_and_mul` (ACT_SILU) of bf16 tensors, bf16 out."""
+        if not (gate.dtype == up.dtype == torch.bfloat16 and gate.shape == up.shape):
+            raise ValueError("glu: operand shapes or dtypes disagree")
+        gate, up = gate.contiguous(), up.contiguous()
+        out = torch.empty_like(gate)
+        self.lib.ds_glu_bf16(gate.data_ptr(), up.data_ptr(), gate.numel(), act, beta, linear_beta or 0.0,
+                             out.data_ptr(), self._threads())
+        return out
 
     def linear_mxfp4(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """x [M <= MAX_ROWS, K] bf16 @ decode(packed [N, K/2], scale [N, K/32])^T -> [M, N] bf16."""
@@ -241,7 +257,7 @@ class NativeKernels:
         bsz, h, d = q_latent.shape
         ok = (q_latent.dtype == rows.dtype == torch.bfloat16 and rows.dim() == 2 and rows.shape[1] == d
               and rows.is_contiguous() and read_rows.dtype == cu_kv.dtype == torch.int64
-              and cu_kv.numel() == bsz + 1 and 0 < kv_lora_rank <= min(d, 1024))
+              and cu_kv.numel() == bsz + 1 and 0 < kv_lora_rank <= min(d, MLA_MAX_RANK) and h <= MLA_MAX_HEADS)
         if not ok:
             raise ValueError("mla_decode: operand shapes or dtypes disagree")
         q_latent, read_rows, cu_kv = q_latent.contiguous(), read_rows.contiguous(), cu_kv.contiguous()

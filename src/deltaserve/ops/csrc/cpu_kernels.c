@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+#include "bf16.h"
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define DS_AVX512BF16 1
@@ -20,21 +21,6 @@
 
 #define DS_MAX_M 8
 #define DS_GROUP 32
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* E2M1 code -> value; scaled_lut[s][c] = bf16(E2M1[c] * 2^(s-127)), exact (truncation of an
  * exactly representable fp32 value; the top scales overflow to +-inf as the formula does). */
@@ -68,7 +54,7 @@ int ds_has_avx512bf16(void) {
 
 /* ---- bf16 weights ------------------------------------------------------------------------ */
 
-static void row_bf16_portable(const uint16_t *x, int M, int K, const uint16_t *w, float *acc) {
+static __attribute__((unused)) void row_bf16_portable(const uint16_t *x, int M, int K, const uint16_t *w, float *acc) {
     for (int m = 0; m < M; ++m) {
         float s = 0.f;
         const uint16_t *xm = x + (int64_t)m * K;
@@ -130,12 +116,6 @@ static void rows_bf16(const uint16_t *x, int M, int K, const uint16_t *w, int R,
 #endif
 }
 
-static void row_bf16(const uint16_t *x, int M, int K, const uint16_t *w, float *acc) {
-    float tmp[DS_MAX_M];
-    rows_bf16(x, M, K, w, 1, tmp);
-    for (int m = 0; m < M; ++m) acc[m] = tmp[m];
-}
-
 /* y[M, N] (row stride ldy) = x[M, K] @ w[N, K]^T; M <= DS_MAX_M. */
 void ds_linear_bf16(const uint16_t *x, int M, int K, const uint16_t *w, int N, uint16_t *y,
                     int64_t ldy, int nthreads) {
@@ -167,7 +147,7 @@ void ds_linear_bf16_heads(const uint16_t *x, int H, int M, int K, const uint16_t
 
 /* ---- MXFP4 weights ----------------------------------------------------------------------- */
 
-static void row_mxfp4_portable(const uint16_t *x, int M, int K, const uint8_t *p, const uint8_t *s,
+static __attribute__((unused)) void row_mxfp4_portable(const uint16_t *x, int M, int K, const uint8_t *p, const uint8_t *s,
                                float *acc) {
     for (int m = 0; m < M; ++m) acc[m] = 0.f;
     for (int g = 0; g < K / DS_GROUP; ++g) {
@@ -292,6 +272,13 @@ static inline uint16_t glu(float g, float u, int act, float beta, float lbeta) {
         return f32_to_bf16(left * right);
     }
     return f32_to_bf16(round_bf16(g / (1.f + expf(-g))) * u);
+}
+
+/* out[i] = glu(gate[i], up[i]) over n bf16 elements (ops.activations' rounding points). */
+void ds_glu_bf16(const uint16_t *gate, const uint16_t *up, int64_t n, int act, float beta, float lbeta,
+                 uint16_t *out, int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= (1 << 14))
+    for (int64_t i = 0; i < n; ++i) out[i] = glu(bf16_to_f32(gate[i]), bf16_to_f32(up[i]), act, beta, lbeta);
 }
 
 /* acc[r * DS_MAX_M + m] = x[m] . w[row0 + r], r < R (R <= DS_ROWS(M)). */

@@ -15,21 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
-
-static inline float kd_bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t kd_f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#include "bf16.h"
 
 static inline float sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }
 
@@ -41,8 +27,8 @@ static void conv_step(const uint16_t *x, uint16_t *tail, const float *cw, int W,
     for (int i = 0; i < n; ++i) {
         const int c = c0 + i;
         float acc = 0.f;
-        for (int w = 0; w < W - 1; ++w) acc += kd_bf16_to_f32(tail[(int64_t)w * C3 + c]) * cw[(int64_t)c * W + w];
-        acc += kd_bf16_to_f32(x[i]) * cw[(int64_t)c * W + W - 1];
+        for (int w = 0; w < W - 1; ++w) acc += bf16_to_f32(tail[(int64_t)w * C3 + c]) * cw[(int64_t)c * W + w];
+        acc += bf16_to_f32(x[i]) * cw[(int64_t)c * W + W - 1];
         y[i] = acc / (1.f + expf(-acc));
         for (int w = 0; w < W - 2; ++w) tail[(int64_t)w * C3 + c] = tail[(int64_t)(w + 1) * C3 + c];
         if (W >= 2) tail[(int64_t)(W - 2) * C3 + c] = x[i];
@@ -79,7 +65,7 @@ int ds_kda_decode(int B, int H, int K, int W, const uint16_t *xq, const uint16_t
         l2norm(k, K);
         const float a = expf(a_log[h]);
         for (int i = 0; i < K; ++i) {
-            const float z = kd_bf16_to_f32(f[row + i]) + dt_bias[h * K + i];
+            const float z = bf16_to_f32(f[row + i]) + dt_bias[h * K + i];
             if (gate_kind == DS_GATE_SIGMOID) {
                 g[i] = lower_bound * sigmoidf(a * z);
             } else {
@@ -87,7 +73,7 @@ int ds_kda_decode(int B, int H, int K, int W, const uint16_t *xq, const uint16_t
                 g[i] = -a * sp;
             }
         }
-        const float beta = sigmoidf(kd_bf16_to_f32(b_logit[(int64_t)b * H + h]));
+        const float beta = sigmoidf(bf16_to_f32(b_logit[(int64_t)b * H + h]));
         float *kv = o;                                   /* o doubles as S^T k before the update */
         for (int j = 0; j < K; ++j) kv[j] = 0.f;
         for (int i = 0; i < K; ++i) {
@@ -105,7 +91,7 @@ int ds_kda_decode(int B, int H, int K, int W, const uint16_t *xq, const uint16_t
         for (int j = 0; j < K; ++j) { o[j] *= scale; ms += o[j] * o[j]; }
         const float r = 1.f / sqrtf(ms / (float)K + eps);
         for (int j = 0; j < K; ++j)
-            out[row + j] = kd_f32_to_bf16(o[j] * r * norm_w[j] * sigmoidf(kd_bf16_to_f32(gate[row + j])));
+            out[row + j] = f32_to_bf16(o[j] * r * norm_w[j] * sigmoidf(bf16_to_f32(gate[row + j])));
         free(q);
     }
     return bad ? -1 : 0;

@@ -7,20 +7,29 @@
 #include <stdint.h>
 #include <string.h>
 #include <omp.h>
+#include "bf16.h"
 
-static inline float so_bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+#define LANES 16   /* independent partial sums: lets the compiler vectorise the reductions */
 
-static inline uint16_t so_f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+/* (sum_d v[d] * q[d], sum_d v[d]^2) of a bf16 row v, in LANES interleaved partial sums. */
+static inline void dot_and_square(const uint16_t *v, const float *q, int n, float *dot, float *sq) {
+    float pd[LANES] = {0}, ps[LANES] = {0};
+    int d = 0;
+    for (; d + LANES <= n; d += LANES)
+        for (int l = 0; l < LANES; ++l) {
+            const float x = bf16_to_f32(v[d + l]);
+            ps[l] += x * x;
+            if (q) pd[l] += x * q[d + l];
+        }
+    float sd = 0.f, ss = 0.f;
+    for (int l = 0; l < LANES; ++l) { sd += pd[l]; ss += ps[l]; }
+    for (; d < n; ++d) {
+        const float x = bf16_to_f32(v[d]);
+        ss += x * x;
+        if (q) sd += x * q[d];
+    }
+    *dot = sd;
+    *sq = ss;
 }
 
 /* KimiRMSNorm: y = bf16(x * rsqrt(mean(x^2) + eps)); out = bf16(w * y). x, out [N, D] with row
@@ -30,12 +39,12 @@ void ds_rms_norm(const uint16_t *x, int64_t ldx, int N, int D, const float *w, f
     #pragma omp parallel for num_threads(nthreads) schedule(static) if ((int64_t)N * D >= (1 << 15))
     for (int n = 0; n < N; ++n) {
         const uint16_t *xr = x + (int64_t)n * ldx;
-        float ss = 0.f;
-        for (int d = 0; d < D; ++d) { const float v = so_bf16_to_f32(xr[d]); ss += v * v; }
+        float unused, ss;
+        dot_and_square(xr, 0, D, &unused, &ss);
         const float r = 1.f / sqrtf(ss / (float)D + eps);
         uint16_t *o = out + (int64_t)n * ldo;
         for (int d = 0; d < D; ++d)
-            o[d] = so_f32_to_bf16(w[d] * so_bf16_to_f32(so_f32_to_bf16(so_bf16_to_f32(xr[d]) * r)));
+            o[d] = f32_to_bf16(w[d] * bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[d]) * r)));
     }
 }
 
@@ -50,8 +59,8 @@ void ds_attn_res_mix(const uint16_t *const *xs, int S, int N, int D, const float
         const int s_cap = S < 64 ? S : 64;
         for (int s = 0; s < s_cap; ++s) {
             const uint16_t *xr = xs[s] + (int64_t)n * D;
-            float dot = 0.f, ss = 0.f;
-            for (int d = 0; d < D; ++d) { const float v = so_bf16_to_f32(xr[d]); dot += v * q[d]; ss += v * v; }
+            float dot, ss;
+            dot_and_square(xr, q, D, &dot, &ss);
             score[s] = dot * (1.f / sqrtf(ss / (float)D + eps));
             if (score[s] > m) m = score[s];
         }
@@ -60,8 +69,8 @@ void ds_attn_res_mix(const uint16_t *const *xs, int S, int N, int D, const float
         uint16_t *o = out + (int64_t)n * D;
         for (int d = 0; d < D; ++d) {
             float acc = 0.f;
-            for (int s = 0; s < s_cap; ++s) acc += score[s] * so_bf16_to_f32(xs[s][(int64_t)n * D + d]);
-            o[d] = so_f32_to_bf16(acc);
+            for (int s = 0; s < s_cap; ++s) acc += score[s] * bf16_to_f32(xs[s][(int64_t)n * D + d]);
+            o[d] = f32_to_bf16(acc);
         }
     }
 }
