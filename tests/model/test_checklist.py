@@ -319,7 +319,7 @@ def test_17_mxfp4_by_suffix_low_nibble_first(k3, paths, tmp_path):
     ref = k3.forward_full(tokens)
     bf16 = load_model(paths["k3_bf16"], dtype=torch.float32, progress=False)
     assert torch.equal(bf16.forward_full(tokens), ref)                # packed == bf16 variant
-    packed = load_model(paths["k3"], dtype=torch.float32, progress=False)   # kept packed in memory
+    packed = load_model(paths["k3"], dtype=torch.float32, progress=False, moe_weights="packed")
     assert packed.model.layers[1].block_sparse_moe.experts.packed
     assert torch.equal(packed.forward_full(tokens), ref)
     path = _edited_copy(paths["k3"], tmp_path / "noq", lambda c: c.pop("quantization_config"))

@@ -106,7 +106,7 @@ def test_loads_bit_exactly(ckpts, case, dtype):
     assert got["model.layers.0.self_attn.dt_bias"].dtype == torch.float32       # never downcast
     assert got["model.norm.weight"].dtype == dtype and not model.training
     if mxfp4:                        # the default keeps the checkpoint's bytes, validated, packed
-        packed = load_model(path, dtype=dtype, progress=False)
+        packed = load_model(path, dtype=dtype, progress=False, moe_weights="packed")
         buffers = dict(packed.named_buffers())
         prefix = "language_model." if family == "kimi_k3" else ""
         n_experts = model.config.moe.num_experts

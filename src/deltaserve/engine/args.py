@@ -19,8 +19,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=memory_budget, default=0.1,
                    help="bytes (integer) or a fraction of RAM (with a dot, e.g. 0.1)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    p.add_argument("--moe-weights", default="packed", choices=["packed", "dequantized"],
-                   help="keep MXFP4 routed experts packed (~4.25 bits/weight) or decode them at load")
+    p.add_argument("--moe-weights", default="auto", choices=["auto", "packed", "dequantized"],
+                   help="keep MXFP4 routed experts packed (~4.25 bits/weight) or decode them at load"
+                        " (auto: packed for bfloat16, decoded otherwise)")
     p.add_argument("--enable-prefix-caching", action="store_true",
                    help="hybrid prefix cache: MLA pages + KDA checkpoints, both halves or nothing")
     p.add_argument("--prefix-match-unit", type=int, default=64,

@@ -32,7 +32,8 @@ class LLM:
     of `prefix_match_unit` tokens (a multiple of `page_size`), KDA checkpoints kept per
     `kda_checkpoint_policy` ("default" or a comma list of prompt-end, junction, turn-end; plus
     every `kda_checkpoint_interval` tokens) in `checkpoint_fraction` of the budget.
-    `moe_weights` ("packed" | "dequantized") says whether MXFP4 routed experts stay packed.
+    `moe_weights` ("auto" | "packed" | "dequantized") says whether MXFP4 routed experts stay
+    packed ("auto": packed in bf16, dequantized otherwise).
     """
 
     def __init__(self, model: str | Path, dtype: torch.dtype | str = "bfloat16", *, max_num_seqs: int = 16,
@@ -42,7 +43,7 @@ class LLM:
                  seed: int = 0, device: str = "cpu", num_threads: int | None = None, progress: bool = True,
                  enable_prefix_caching: bool = False, prefix_match_unit: int = 64,
                  kda_checkpoint_policy: str = "default", kda_checkpoint_interval: int | None = None,
-                 checkpoint_fraction: float = 0.25, moe_weights: str = "packed"):
+                 checkpoint_fraction: float = 0.25, moe_weights: str = "auto"):
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         dtype = resolve_dtype(dtype)

@@ -1,7 +1,7 @@
 """Routed-expert weights of one MoE layer, dense or MXFP4-packed, and their execution.
 
 Dense: `w1` (gate), `w3` (up) `[E, I, Din]` and `w2` `[E, Din, I]` parameters. Packed
-(`--moe-weights packed`, the default for MXFP4 checkpoints): the checkpoint's `weight_packed`
+(`--moe-weights packed`, the default for MXFP4 checkpoints in bf16): the checkpoint's `weight_packed`
 `[E, O, I/2]` and `weight_scale` `[E, O, I/32]` uint8 tensors kept as they are, about 4.25 bits
 per weight; each GEMM decodes its expert on the fly (exactly, so both modes compute the same
 products). Small batches on CPU run the fused native kernel (`ops.cpu_kernels`); everything else

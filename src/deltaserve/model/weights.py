@@ -86,19 +86,22 @@ def _target_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if t.dtype == torch.float32 else dtype
 
 
-MOE_WEIGHTS = ("packed", "dequantized")
+MOE_WEIGHTS = ("auto", "packed", "dequantized")
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.bfloat16,
                device: str | torch.device = "cpu", config: ModelConfig | None = None,
-               progress: bool = True, moe_weights: str = "packed") -> KimiForCausalLM:
+               progress: bool = True, moe_weights: str = "auto") -> KimiForCausalLM:
     """Build the model from `config.json` and load every text tensor. `moe_weights="packed"`
     keeps MXFP4 routed experts packed (a projection whose experts are all MXFP4); "dequantized"
-    decodes them to `dtype` at load."""
+    decodes them to `dtype` at load; "auto" packs for bf16 (where the native kernels decode in
+    registers) and dequantizes otherwise (the PyTorch decode per GEMM would dominate)."""
     if moe_weights not in MOE_WEIGHTS:
         raise ValueError(f"moe_weights must be one of {MOE_WEIGHTS}, got {moe_weights!r}")
     model_dir = Path(model_dir)
     dtype = resolve_dtype(dtype)
+    if moe_weights == "auto":
+        moe_weights = "packed" if dtype == torch.bfloat16 else "dequantized"
     cfg = config or ModelConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = KimiForCausalLM(cfg)
