@@ -8,6 +8,8 @@ rest of the `generate` call (embedding, norms, AttnRes mixes, lm_head, schedulin
 
 Per kind: `ratio` = time(Lmax) / time(Lmin) and `linearity` = ratio / (Lmax / Lmin), so 1.0 is
 perfectly linear in prompt length and > 1 super-linear (MLA's quadratic term shows here).
+`linearity_vs_moe` divides by the MoE's linearity: the MoE's cost is linear by construction, so
+this cancels the machine's speed drifting during a long run.
 """
 from __future__ import annotations
 
@@ -86,9 +88,11 @@ def run(args: argparse.Namespace) -> dict:
         if lo[f"{k}_s"] > 0:
             ratio[k] = hi[f"{k}_s"] / lo[f"{k}_s"]
             linearity[k] = ratio[k] / scale
+    moe = linearity.get("moe")
+    vs_moe = {k: v / moe for k, v in linearity.items()} if moe else {}
     return {"rows": rows, "lengths": lengths, "length_ratio": scale, "ratio": ratio,
             "linearity": linearity, "kda_linearity": linearity.get("kda"),
-            "mla_linearity": linearity.get("mla"),
+            "mla_linearity": linearity.get("mla"), "linearity_vs_moe": vs_moe,
             "max_num_batched_tokens": llm.engine.scheduler.max_num_batched_tokens,
             "meta": meta(args, model_dir(args))}
 
