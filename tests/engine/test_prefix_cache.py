@@ -95,6 +95,10 @@ def test_restored_states_equal_cold_states(ckpt):
     llm.generate([prompt], GREEDY, use_tqdm=False)
     cache = llm.cache
     by_hash = {h: i for i, h in enumerate(cache.lookup(prompt + [0]).hashes)}
+    memo: list[bytes] = []                 # the scheduler's per-sequence memo gives the same hit
+    for grown in (prompt[:40], prompt + [0], prompt + [0]):
+        assert cache.lookup(grown, None, memo) == cache.lookup(grown)
+    assert memo == list(cache.lookup(prompt + [0]).hashes)
     checked = 0
     for h, slot in cache.index.ckpts.items():
         if h not in by_hash:

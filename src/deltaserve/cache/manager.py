@@ -61,13 +61,18 @@ class CacheManager:
     def prefix_enabled(self) -> bool:
         return self.index is not None
 
-    def lookup(self, tokens: list[int], cache_salt: str | None = None) -> PrefixHit:
-        """Longest usable hit (L < len(tokens)); no side effects."""
+    def lookup(self, tokens: list[int], cache_salt: str | None = None,
+               memo: list[bytes] | None = None) -> PrefixHit:
+        """Longest usable hit (L < len(tokens)); no side effects on the cache. `memo`, kept by
+        the caller for one sequence (fixed salt, tokens only ever appended), holds the unit
+        hashes computed so far and is extended in place, so a waiting request is not re-hashed
+        every step."""
         if self.index is None:
             return PrefixHit()
         u = self.policy.unit
         root = root_hash(self.model_id, cache_salt)
-        hashes = extend_hashes([], root, tokens[:((len(tokens) - 1) // u) * u], u)
+        limit = (len(tokens) - 1) // u
+        hashes = extend_hashes(memo if memo is not None else [], root, tokens[:limit * u], u)[:limit]
         k_mla, k_hit = self.index.match(hashes)
         return PrefixHit(k_hit * u, k_mla, k_hit, tuple(hashes), root)
 

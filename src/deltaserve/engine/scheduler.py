@@ -84,7 +84,7 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            hit = self.cache.lookup(seq.all_ids(), seq.cache_salt) if self.cache.prefix_enabled else None
+            hit = self.cache.lookup(seq.all_ids(), seq.cache_salt, seq.prefix_hashes) if self.cache.prefix_enabled else None
             start = hit.length if hit is not None else 0
             n = min(seq.num_tokens - start, budget)
             if not self.cache.admit(seq.seq_id, start + n, hit, len(seq.prompt_ids)):

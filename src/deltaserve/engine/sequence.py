@@ -44,6 +44,7 @@ class Sequence:
     stop_reason: str | int | None = None
     final_delta: str = ""
     cache_salt: str | None = None
+    prefix_hashes: list[bytes] = field(default_factory=list)   # memo for CacheManager.lookup
 
     @property
     def num_tokens(self) -> int:
