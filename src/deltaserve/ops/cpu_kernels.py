@@ -1,6 +1,6 @@
-"""Optional native CPU kernels (`csrc/cpu_kernels.c`), compiled on first use with the system C
-compiler (`-O3 -march=native -fopenmp`) into `~/.cache/deltaserve/native/` and called through
-ctypes on tensor data pointers.
+"""Optional native CPU kernels (`csrc/*.c`), compiled on first use with the system C compiler
+(`-O3 -march=native -fopenmp`) into one library under `~/.cache/deltaserve/native/` and called
+through ctypes on tensor data pointers.
 
 The pure-PyTorch ops stay the default and the oracle: callers use `native()` and fall back when
 it returns None (no compiler, a failed build, a non-CPU device, or `DELTASERVE_NATIVE=0`).
@@ -88,7 +88,6 @@ class NativeKernels:
         lib.ds_linear_bf16_heads.restype = None
         lib.ds_glu_bf16.argtypes = [_P, _P, _L, _I, ctypes.c_float, ctypes.c_float, _P, _I]
         lib.ds_glu_bf16.restype = None
-        lib.ds_linear_mxfp4.argtypes = [_P, _I, _I, _P, _P, _I, _P, _L, _I]
         lib.ds_mxfp4_to_bf16.argtypes = [_P, _P, _L, _I, _P, _I]
         lib.ds_moe_experts.argtypes = [_P, _I, _I, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I,
                                        ctypes.c_float, ctypes.c_float, _P, _I]
@@ -101,7 +100,7 @@ class NativeKernels:
         lib.ds_rms_norm.argtypes = [_P, _L, _I, _I, _P, ctypes.c_float, _P, _L, _I]
         lib.ds_attn_res_mix.argtypes = [ctypes.POINTER(ctypes.c_void_p), _I, _I, _I, _P, ctypes.c_float, _P, _I]
         lib.ds_rms_norm.restype = lib.ds_attn_res_mix.restype = None
-        for f in (lib.ds_linear_bf16, lib.ds_linear_mxfp4, lib.ds_mxfp4_to_bf16):
+        for f in (lib.ds_linear_bf16, lib.ds_mxfp4_to_bf16):
             f.restype = None
         self.avx512_bf16 = bool(lib.ds_has_avx512bf16())
 
@@ -141,21 +140,6 @@ class NativeKernels:
         self.lib.ds_glu_bf16(gate.data_ptr(), up.data_ptr(), gate.numel(), act, beta, linear_beta or 0.0,
                              out.data_ptr(), self._threads())
         return out
-
-    def linear_mxfp4(self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """x [M <= MAX_ROWS, K] bf16 @ decode(packed [N, K/2], scale [N, K/32])^T -> [M, N] bf16."""
-        m, k = x.shape
-        n = packed.shape[0]
-        if not (x.dtype == torch.bfloat16 and m <= MAX_ROWS and k % GROUP_SIZE == 0
-                and tuple(packed.shape) == (n, k // 2) and tuple(scale.shape) == (n, k // GROUP_SIZE)
-                and packed.dtype == scale.dtype == torch.uint8):
-            raise ValueError(f"linear_mxfp4: bad operands {tuple(x.shape)} {x.dtype} @ packed"
-                             f" {tuple(packed.shape)} scale {tuple(scale.shape)}")
-        x, packed, scale = x.contiguous(), packed.contiguous(), scale.contiguous()
-        y = torch.empty(m, n, dtype=torch.bfloat16)
-        self.lib.ds_linear_mxfp4(x.data_ptr(), m, k, packed.data_ptr(), scale.data_ptr(), n,
-                                 y.data_ptr(), n, self._threads())
-        return y
 
     def mxfp4_to_bf16(self, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """decode(packed [..., N, K/2], scale [..., N, K/32]) -> [..., N, K] bf16, exactly.

@@ -1,5 +1,6 @@
-/* deltaserve CPU kernels: small-M linear layers (batch-1..8 decode) for bf16 weights and for
- * MXFP4-packed weights, and a fast MXFP4 -> bf16 dequantiser for large-M (prefill) GEMMs.
+/* deltaserve CPU kernels: small-M linear layers (batch-1..8 decode) for bf16 weights, the fused
+ * routed experts over bf16 or MXFP4-packed weights, and a fast MXFP4 -> bf16 dequantiser for
+ * large-M (prefill) GEMMs.
  *
  * Every kernel computes y[m, n] = sum_k x[m, k] * w[n, k] with fp32 accumulation and writes
  * bf16 rounded to nearest-even (NaN kept quiet), the contract of torch's bf16 F.linear; only
@@ -221,17 +222,6 @@ static void row_mxfp4(const uint16_t *x, int M, int K, const uint8_t *p, const u
 #else
     row_mxfp4_portable(x, M, K, p, s, acc);
 #endif
-}
-
-/* y[M, N] (row stride ldy) = x[M, K] @ decode(packed, scale)^T; K % 32 == 0, M <= DS_MAX_M. */
-void ds_linear_mxfp4(const uint16_t *x, int M, int K, const uint8_t *packed, const uint8_t *scale,
-                     int N, uint16_t *y, int64_t ldy, int nthreads) {
-    #pragma omp parallel for num_threads(nthreads) schedule(static) if (N >= 256)
-    for (int n = 0; n < N; ++n) {
-        float acc[DS_MAX_M];
-        row_mxfp4(x, M, K, packed + (int64_t)n * (K / 2), scale + (int64_t)n * (K / DS_GROUP), acc);
-        for (int m = 0; m < M; ++m) y[(int64_t)m * ldy + n] = f32_to_bf16(acc[m]);
-    }
 }
 
 /* out[N, K] bf16 = decode(packed [N, K/2], scale [N, K/32]); exact. */
