@@ -9,7 +9,7 @@ from ..ops.cpu_kernels import GATE_SIGMOID, GATE_SOFTPLUS, native
 from ..ops.norms import gated_rms_norm
 from .config import ModelConfig
 from .context import ForwardContext
-from .modules import WeightVector, empty_linear
+from .modules import WeightVector, cached_fp32, empty_linear
 
 
 class KdaAttention(nn.Module):
@@ -66,11 +66,16 @@ class KdaAttention(nn.Module):
         if tails.dtype != torch.bfloat16 or states.dtype != torch.float32:
             return None
         sigmoid_gate = self.lower_bound is not None
-        o = kernels.kda_decode(self.q_proj(x), self.k_proj(x), self.v_proj(x), self.conv_weight().float(),
-                               tails, states, slots, self.f_b_proj(self.f_a_proj(x)), self.A_log.float(),
-                               self.dt_bias.float(), GATE_SIGMOID if sigmoid_gate else GATE_SOFTPLUS,
+        convs = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
+        f32 = {name: cached_fp32(self, name, build, *src) for name, build, src in (
+            ("conv", self.conv_weight, convs), ("A_log", lambda: self.A_log, (self.A_log,)),
+            ("dt_bias", lambda: self.dt_bias, (self.dt_bias,)),
+            ("o_norm", lambda: self.o_norm.weight, (self.o_norm.weight,)))}
+        o = kernels.kda_decode(self.q_proj(x), self.k_proj(x), self.v_proj(x), f32["conv"],
+                               tails, states, slots, self.f_b_proj(self.f_a_proj(x)), f32["A_log"],
+                               f32["dt_bias"], GATE_SIGMOID if sigmoid_gate else GATE_SOFTPLUS,
                                self.lower_bound if sigmoid_gate else 0.0, self.b_proj(x),
-                               self.output_gate(x), self.o_norm.weight.float(), self.eps, self.scale)
+                               self.output_gate(x), f32["o_norm"], self.eps, self.scale)
         return self.o_proj(o)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
