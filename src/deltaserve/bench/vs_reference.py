@@ -54,7 +54,8 @@ def transformers_generate(path, dtype_name: str, prompts: list[list[int]], n: in
 
     import torch
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype_name)).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype_name))
+    model.train(False)
     gen = copy.deepcopy(model.generation_config)
     gen.update(do_sample=False, eos_token_id=None, temperature=None, top_p=None, top_k=None)
     warm = copy.deepcopy(gen)

@@ -197,7 +197,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.bfloat16,
     for name, (codes, scales) in packed.items():
         module_name, _, attr = name.rpartition(".")
         model.get_submodule(module_name).set_packed(attr, codes, scales, dtype)
-    model.eval()  # safe: nn.Module.eval (inference mode), not Python eval
+    model.train(False)  # inference mode
     return model
 
 
