@@ -1,0 +1,49 @@
+"""The native decode paths wired into the engine (bf16, CPU): the in-place KDA slot update, the
+paged MLA decode and the fused experts must address the right slots and rows. Three sequences
+share the pools with small scattered pages; greedy tokens must match the PyTorch paths until
+bf16 summation-order noise could first flip an argmax (kernels: ulp-level, tests/ops)."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from deltaserve import LLM, SamplingParams
+from deltaserve.model.tiny import make_tiny
+from deltaserve.ops import cpu_kernels
+
+pytestmark = pytest.mark.skipif(cpu_kernels.native() is None, reason="native CPU kernels unavailable")
+AGREE = 6   # leading greedy tokens that must match exactly
+
+
+def run(ckpt, prompts, monkeypatch, enabled: bool):
+    calls = Counter()
+    for name in ("kda_decode", "mla_decode", "moe_experts", "linear_bf16"):
+        real = getattr(cpu_kernels.NativeKernels, name)
+
+        def counted(self, *a, _real=real, _name=name, **k):
+            calls[_name] += 1
+            return _real(self, *a, **k)
+        monkeypatch.setattr(cpu_kernels.NativeKernels, name, counted)
+    old = cpu_kernels.set_enabled(enabled)
+    try:
+        llm = LLM(ckpt, dtype="bfloat16", max_num_seqs=3, page_size=4, max_num_batched_tokens=64,
+                  kv_cache_memory=32 * 2**20, max_model_len=128, progress=False)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                            use_tqdm=False)
+        llm.check_integrity()
+    finally:
+        cpu_kernels.set_enabled(old)
+    return [o.outputs[0].token_ids for o in outs], calls
+
+
+@pytest.mark.parametrize("mxfp4", [False, True])
+def test_native_decode_matches_torch_paths_and_engages(tmp_path, monkeypatch, mxfp4):
+    ckpt = make_tiny(tmp_path / "k3", "kimi_k3", mxfp4=mxfp4, seed=4)
+    prompts = [list(range(300, 321)), list(range(700, 705)), list(range(1000, 1037))]
+    native, calls = run(ckpt, prompts, monkeypatch, True)
+    torch_path, torch_calls = run(ckpt, prompts, monkeypatch, False)
+    assert all(calls[k] > 0 for k in ("kda_decode", "mla_decode", "moe_experts", "linear_bf16")), calls
+    assert sum(torch_calls.values()) == 0
+    for a, b in zip(native, torch_path):
+        assert a[:AGREE] == b[:AGREE]
