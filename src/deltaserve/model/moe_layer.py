@@ -34,16 +34,18 @@ class GluMlp(nn.Module):
                          cfg.situ_linear_beta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Small bf16 batches on CPU run as one fused call (the MoE kernel with a single expert
-        of weight 1, which rounds exactly as this module's three linears and activation)."""
+        """bf16 on CPU: small batches run as one fused call (the MoE kernel with a single expert
+        of weight 1, which rounds exactly as this module's three linears and activation), larger
+        ones the native GLU between the linears."""
         n = x.shape[0]
-        if x.dtype == torch.bfloat16 and x.dim() == 2 and 0 < n <= FUSED_MAX_TOKENS:
-            kernels = native(x.device)
-            ws = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-            if kernels is not None and all(w.dtype == torch.bfloat16 for w in ws):
-                return kernels.moe_experts(x, x.new_zeros(n, 1, dtype=torch.long), x.new_ones(n, 1, dtype=torch.float32),
-                                           *(w.unsqueeze(0) for w in ws), *self.act_spec)
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        kernels = native(x.device) if x.dtype == torch.bfloat16 and x.dim() == 2 and n > 0 else None
+        ws = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        if kernels is None or not all(w.dtype == torch.bfloat16 for w in ws):
+            return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        if n <= FUSED_MAX_TOKENS:
+            return kernels.moe_experts(x, x.new_zeros(n, 1, dtype=torch.long), x.new_ones(n, 1, dtype=torch.float32),
+                                       *(w.unsqueeze(0) for w in ws), *self.act_spec)
+        return self.down_proj(kernels.glu_rows(self.gate_proj(x), self.up_proj(x), *self.act_spec))
 
 
 class Router(nn.Module):

@@ -74,15 +74,19 @@ class DecodeBindings:
                              out.data_ptr(), self._threads())
         return out
 
-    def mxfp4_to_bf16(self, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """decode(packed [..., N, K/2], scale [..., N, K/32]) -> [..., N, K] bf16, exactly.
-        The caller has validated the scales (no 0xFF)."""
+    def mxfp4_to_bf16(self, packed: torch.Tensor, scale: torch.Tensor,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+        """decode(packed [..., N, K/2], scale [..., N, K/32]) -> [..., N, K] bf16, exactly, into
+        `out` (contiguous, that shape) or a new tensor. The caller has validated the scales (no 0xFF)."""
         k = packed.shape[-1] * 2
+        shape = (*packed.shape[:-1], k)
         if not (packed.dtype == scale.dtype == torch.uint8 and k % GROUP_SIZE == 0
-                and tuple(scale.shape) == (*packed.shape[:-1], k // GROUP_SIZE)):
+                and tuple(scale.shape) == (*packed.shape[:-1], k // GROUP_SIZE)
+                and (out is None or (out.dtype == torch.bfloat16 and tuple(out.shape) == shape
+                                     and out.is_contiguous()))):
             raise ValueError(f"mxfp4_to_bf16: bad operands packed {tuple(packed.shape)} scale {tuple(scale.shape)}")
         packed, scale = packed.contiguous(), scale.contiguous()
-        out = torch.empty(*packed.shape[:-1], k, dtype=torch.bfloat16)
+        out = torch.empty(shape, dtype=torch.bfloat16) if out is None else out
         rows = packed.numel() // packed.shape[-1] if packed.numel() else 0
         if rows:
             self.lib.ds_mxfp4_to_bf16(packed.data_ptr(), scale.data_ptr(), rows, k, out.data_ptr(),

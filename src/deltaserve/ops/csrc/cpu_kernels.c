@@ -264,13 +264,6 @@ static inline uint16_t glu(float g, float u, int act, float beta, float lbeta) {
     return f32_to_bf16(round_bf16(g / (1.f + expf(-g))) * u);
 }
 
-/* out[i] = glu(gate[i], up[i]) over n bf16 elements (ops.activations' rounding points). */
-void ds_glu_bf16(const uint16_t *gate, const uint16_t *up, int64_t n, int act, float beta, float lbeta,
-                 uint16_t *out, int nthreads) {
-    #pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= (1 << 14))
-    for (int64_t i = 0; i < n; ++i) out[i] = glu(bf16_to_f32(gate[i]), bf16_to_f32(up[i]), act, beta, lbeta);
-}
-
 /* acc[r * DS_MAX_M + m] = x[m] . w[row0 + r], r < R (R <= DS_ROWS(M)). */
 static void expert_rows(const void *w, const uint8_t *s, int packed, int64_t row0, int R, int K,
                         const uint16_t *x, int M, float *acc) {
