@@ -1,5 +1,5 @@
 """The native decode paths wired into the engine (bf16, CPU): the in-place KDA slot update, the
-paged MLA decode and the fused experts must address the right slots and rows. Three sequences
+paged MLA decode, the native router and the fused experts must address the right slots and rows. Three sequences
 share the pools with small scattered pages; greedy tokens must match the PyTorch paths until
 bf16 summation-order noise could first flip an argmax (kernels: ulp-level, tests/ops)."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ AGREE = 6   # leading greedy tokens that must match exactly
 
 def run(ckpt, prompts, monkeypatch, enabled: bool):
     calls = Counter()
-    for name in ("kda_decode", "mla_decode", "moe_experts", "linear_bf16"):
+    for name in ("kda_decode", "mla_decode", "moe_experts", "linear_bf16", "route"):
         real = getattr(cpu_kernels.NativeKernels, name)
 
         def counted(self, *a, _real=real, _name=name, **k):
@@ -43,7 +43,7 @@ def test_native_decode_matches_torch_paths_and_engages(tmp_path, monkeypatch, mx
     prompts = [list(range(300, 321)), list(range(700, 705)), list(range(1000, 1037))]
     native, calls = run(ckpt, prompts, monkeypatch, True)
     torch_path, torch_calls = run(ckpt, prompts, monkeypatch, False)
-    assert all(calls[k] > 0 for k in ("kda_decode", "mla_decode", "moe_experts", "linear_bf16")), calls
+    assert all(calls[k] > 0 for k in ("kda_decode", "mla_decode", "moe_experts", "linear_bf16", "route")), calls
     assert sum(torch_calls.values()) == 0
     for a, b in zip(native, torch_path):
         assert a[:AGREE] == b[:AGREE]

@@ -37,6 +37,9 @@ class DecodeBindings:
         for f in (lib.ds_linear_bf16, lib.ds_mxfp4_to_bf16):
             f.restype = None
 
+        lib.ds_route.argtypes = [_P, _L, _I, _P, _I, _I, _I, _I, ctypes.c_float, _I, _P, _P]
+        lib.ds_route.restype = _I
+
     @staticmethod
     def _threads() -> int:
         return torch.get_num_threads()
@@ -223,3 +226,20 @@ class DecodeBindings:
         self.lib.ds_attn_res_mix(ptrs, len(candidates), n, d, q_f32.contiguous().data_ptr(), eps,
                                  out.data_ptr(), self._threads())
         return out
+
+    def route(self, logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, num_expert_group: int,
+              topk_group: int, renormalize: bool, routed_scaling_factor: float,
+              bias_in_weights: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`ops.moe.route` after the logits (fp32 [N, E]; see `ds_route`): (weights fp32 [N, k],
+        ids int64 [N, k]), or None where the kernel's limits do not hold (the caller falls back)."""
+        n, e = logits.shape
+        if not (logits.dtype == torch.float32 and (correction_bias is None or correction_bias.numel() == e)):
+            raise ValueError("route: logits must be fp32 [N, E] and the bias [E]")
+        logits = logits.contiguous()
+        bias = None if correction_bias is None else correction_bias.float().contiguous()
+        weights = torch.empty(n, top_k, dtype=torch.float32)
+        ids = torch.empty(n, top_k, dtype=torch.int64)
+        rc = self.lib.ds_route(logits.data_ptr(), n, e, 0 if bias is None else bias.data_ptr(), top_k,
+                               num_expert_group, topk_group, int(renormalize), routed_scaling_factor,
+                               int(bias_in_weights), weights.data_ptr(), ids.data_ptr())
+        return (weights, ids) if rc == 0 else None

@@ -5,7 +5,7 @@
  * GLU rounding points follow ops.activations: SiTU `beta*tanh(g/beta)*sigmoid(g) *
  * lbeta*tanh(u/lbeta)` (or `* u` when lbeta <= 0) in fp32, rounded once to bf16; SiLU rounds
  * silu(g) to bf16, then the product. Results agree with torch's within 1 bf16 ulp (the
- * transcendental functions differ in the last fp32 bits).
+ * transcendental functions differ in the last fp32 bits; SiTU's three fractions share one division).
  * Combine: out[i] = bf16(sum_j w[i, j] * ys[pos[i*k + j]]), the fp32 sum over slots j = 0..k-1
  * in order, products and sums rounded separately (no FMA under -std=c11), exactly as
  * ops.moe.grouped_experts sums.
@@ -26,9 +26,14 @@ static void glu_span(const uint16_t *g, const uint16_t *u, int64_t n, int act, f
         #pragma omp simd
         for (int64_t i = 0; i < n; ++i) {
             float gv = bf16_to_f32(g[i]), uv = bf16_to_f32(u[i]);
-            float left = beta * ds_tanh(gv * ib) * ds_sigmoid(gv);
-            float right = lbeta > 0.f ? lbeta * ds_tanh(uv * il) : uv;
-            tmp[i] = left * right;
+            float tn, td, sn, sd, un = uv, ud = 1.0f;
+            ds_tanh_frac(gv * ib, &tn, &td);
+            ds_sigmoid_frac(gv, &sn, &sd);
+            if (lbeta > 0.f) {
+                ds_tanh_frac(uv * il, &un, &ud);
+                un *= lbeta;
+            }
+            tmp[i] = (beta * tn) * sn * un / (td * sd * ud);
         }
     } else {
         #pragma omp simd

@@ -33,14 +33,28 @@ static inline float ds_sigmoid(float x) {
     return x >= 0.f ? s : e * s;
 }
 
-static inline float ds_tanh(float x) {
+/* tanh(x) = *num / *den with den in [1, 2] (callers multiply fractions, divide once). */
+static inline void ds_tanh_frac(float x, float *num, float *den) {
     float a = x < 0.f ? -x : x;
     float e = ds_exp(-2.0f * a);
-    float big = (1.0f - e) / (1.0f + e);
     float a2 = a * a;
     float small = a * (1.0f + a2 * (-1.0f / 3 + a2 * (2.0f / 15 + a2 * (-17.0f / 315))));
-    float t = a < 0.0625f ? small : big;
-    return x < 0.f ? -t : t;
+    float n = a < 0.0625f ? small : 1.0f - e;
+    *den = a < 0.0625f ? 1.0f : 1.0f + e;
+    *num = x < 0.f ? -n : n;
+}
+
+/* sigmoid(x) = *num / *den with den in [1, 2]. */
+static inline void ds_sigmoid_frac(float x, float *num, float *den) {
+    float e = ds_exp(-(x < 0.f ? -x : x));
+    *num = x >= 0.f ? 1.0f : e;
+    *den = 1.0f + e;
+}
+
+static inline float ds_tanh(float x) {
+    float n, d;
+    ds_tanh_frac(x, &n, &d);
+    return n / d;
 }
 
 #endif
