@@ -78,6 +78,18 @@ class KdaAttention(nn.Module):
                                self.output_gate(x), f32["o_norm"], self.eps, self.scale)
         return self.o_proj(o)
 
+    def _conv_weight_f32(self) -> torch.Tensor:
+        """The fused conv weight in fp32, memoised (shared with `_native_decode`'s entry)."""
+        convs = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
+        return cached_fp32(self, "conv", self.conv_weight, *convs)
+
+    def _native_prefill(self, x: torch.Tensor, prior):
+        """The kernels for the fused conv (+ q/k L2 norm) and chunked prefill (`ops.native_kda`),
+        or None (non-bf16 activations, no native build, a cached tail that is not bf16)."""
+        if x.dtype != torch.bfloat16 or (prior is not None and prior[0].dtype != torch.bfloat16):
+            return None
+        return native(x.device)
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         n, h, dk = x.shape[0], self.num_heads, self.head_dim
         cache = ctx.cache
@@ -87,25 +99,32 @@ class KdaAttention(nn.Module):
                 return fast
         prior = cache.kda_state(self.layer_id) if cache is not None else None
         pre = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        weight = self.conv_weight()
-        if cache is not None and cache.decode_only and prior is not None:
+        step = cache is not None and cache.decode_only and prior is not None
+        kernels = self._native_prefill(x, prior) if not step else None
+        if step:
             tail, state = prior
-            mixed, tail = kda_ops.causal_conv1d_step(pre, weight, tail)
+            mixed, tail = kda_ops.causal_conv1d_step(pre, self.conv_weight(), tail)
+        elif kernels is not None:
+            mixed, tail = kernels.causal_conv1d(pre, self._conv_weight_f32(), ctx.cu_seqlens,
+                                                prior[0] if prior is not None else None, l2_groups=2 * h, group=dk)
+            state = prior[1] if prior is not None else None
         else:
-            mixed, tail = kda_ops.causal_conv1d(pre, weight, ctx.cu_seqlens,
+            mixed, tail = kda_ops.causal_conv1d(pre, self.conv_weight(), ctx.cu_seqlens,
                                                 prior[0] if prior is not None else None)
             state = prior[1] if prior is not None else None
         q, k, v = mixed.view(n, 3, h, dk).unbind(1)
-        q, k = kda_ops.l2_norm(q), kda_ops.l2_norm(k)
+        if kernels is None:                        # the native conv already normalised q and k
+            q, k = kda_ops.l2_norm(q), kda_ops.l2_norm(k)
         g = self.decay(self.f_b_proj(self.f_a_proj(x)).view(n, h, dk))
         beta = torch.sigmoid(self.b_proj(x).float())
         exported = None
-        if cache is not None and cache.decode_only and prior is not None:
+        if step:
             o = kda_ops.kda_recurrent_step(q, k, v, g, beta, state, self.scale)
         else:
             offsets = cache.kda_export_offsets() if cache is not None else None
-            o, state, states_at = kda_ops.kda_chunked(q, k, v, g, beta, ctx.cu_seqlens, self.scale,
-                                                      initial_state=state, export_offsets=offsets)
+            chunked = kernels.kda_chunked if kernels is not None else kda_ops.kda_chunked
+            o, state, states_at = chunked(q, k, v, g, beta, ctx.cu_seqlens, self.scale,
+                                          initial_state=state, export_offsets=offsets)
             if offsets is not None:
                 tails_at = kda_ops.conv_tails_at(pre, ctx.cu_seqlens, prior[0] if prior is not None else None,
                                                  offsets, self.kernel)

@@ -1,7 +1,28 @@
-"""ctypes bindings of the native chunked-KDA prefill kernels (see `ops.cpu_kernels`)."""
+"""ctypes bindings of the native chunked-KDA prefill kernels (`csrc/kda_chunk.c`): the chunked
+gated delta rule and the causal conv (+ optional per-head L2 norm) with the semantics of
+`ops.kda.kda_chunked` / `causal_conv1d`; each method checks dtypes, shapes and strides, then
+calls `self.lib` (see `ops.cpu_kernels`)."""
 from __future__ import annotations
 
 import ctypes
+
+import torch
+
+from .kda import _chunk_plan
+from .native_abi import F as _F, I as _I, L as _L, P as _P
+
+MAX_CHUNK = 64   # the kernel's KC_MAX_CHUNK
+
+
+def _heads_rows(t: torch.Tensor, d: int) -> torch.Tensor:
+    """`t` [N, H, d] fp32 with heads and channels contiguous (any token stride), copying if not."""
+    if (t.stride(-1) == 1 or d == 1) and (t.stride(1) == d or t.shape[1] == 1):
+        return t
+    return t.contiguous()
+
+
+def _prefix(counts: torch.Tensor) -> torch.Tensor:
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0)]).contiguous()
 
 
 class KdaPrefillBindings:
@@ -11,4 +32,90 @@ class KdaPrefillBindings:
 
     @staticmethod
     def declare(lib: ctypes.CDLL) -> None:
-        pass
+        lib.ds_kda_chunked.argtypes = [_I, _I, _I, _I, _P, _L, _P, _L, _P, _L, _P, _L, _P, _L, _F,
+                                       _P, _P, _P, _P, _P, _P, _P, _P, _P, _I]
+        lib.ds_kda_chunked.restype = _I
+        lib.ds_causal_conv1d.argtypes = [_L, _I, _I, _P, _L, _P, _I, _P, _P, _I, _I, _P, _P, _I]
+        lib.ds_causal_conv1d.restype = _I
+
+    def kda_chunked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                    beta: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
+                    initial_state: torch.Tensor | None = None, chunk_size: int = 64,
+                    export_offsets: list[list[int]] | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`ops.kda.kda_chunked` in one native call (fp32 inputs; q, k, g, v may have any token
+        stride). Same shapes, returns and export semantics."""
+        n, h, dk = k.shape
+        dv = v.shape[-1]
+        if not (all(t.dtype == torch.float32 for t in (q, k, v, g, beta)) and tuple(q.shape) == tuple(g.shape)
+                == (n, h, dk) and tuple(v.shape[:2]) == (n, h) and v.dim() == 3 and tuple(beta.shape) == (n, h)
+                and 1 <= chunk_size <= MAX_CHUNK):
+            raise ValueError("kda_chunked: operand shapes or dtypes disagree")
+        cu = cu_seqlens.detach().to("cpu", torch.long)
+        nseq = cu.numel() - 1
+        if nseq < 0 or int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError("cu_seqlens must rise from 0 to N")
+        start, length, _, _, n_chunks, ex_chunk = _chunk_plan(cu, export_offsets, chunk_size)
+        q, k, g, v = _heads_rows(q, dk), _heads_rows(k, dk), _heads_rows(g, dk), _heads_rows(v, dv)
+        if not (beta.stride(-1) == 1 or h == 1):
+            beta = beta.contiguous()
+        s0 = None
+        if initial_state is not None:
+            if tuple(initial_state.shape) != (nseq, h, dk, dv):
+                raise ValueError("kda_chunked: initial_state must be [B, H, K, V]")
+            s0 = initial_state.to(torch.float32).contiguous()
+        o = torch.empty(n, h, dv)
+        final = torch.empty(nseq, h, dk, dv)
+        exported = ex_first = None
+        if export_offsets is not None:
+            ex_first = _prefix(torch.tensor([len(e) for e in export_offsets], dtype=torch.long))
+            exported = torch.empty(int(ex_first[-1]), h, dk, dv)
+            ex_chunk = ex_chunk.contiguous()
+        first = _prefix(n_chunks)
+        rc = self.lib.ds_kda_chunked(
+            nseq, h, dk, dv, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+            g.data_ptr(), g.stride(0), beta.data_ptr(), beta.stride(0), scale, first.data_ptr(),
+            start.contiguous().data_ptr(), length.contiguous().data_ptr(),
+            None if ex_first is None else ex_first.data_ptr(), None if ex_first is None else ex_chunk.data_ptr(),
+            None if s0 is None else s0.data_ptr(), o.data_ptr(), final.data_ptr(),
+            None if exported is None else exported.data_ptr(), torch.get_num_threads())
+        if rc == -1:
+            raise MemoryError("kda_chunked: scratch allocation failed")
+        if rc != 0:
+            raise ValueError("kda_chunked: bad sizes or chunk plan")
+        return o, final, exported
+
+    def causal_conv1d(self, x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
+                      initial_tail: torch.Tensor | None = None, l2_groups: int = 0,
+                      group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """`ops.kda.causal_conv1d` for bf16 x [N, C] (rows may be strided) and fp32 weight [C, W];
+        initial_tail [B, W-1, C] bf16 or None. With `l2_groups`, channels [0, l2_groups*group)
+        of y are then L2-normalised per group of `group` (`ops.kda.l2_norm`, eps 1e-6).
+        Returns (y fp32 [N, C], final_tail bf16 [B, W-1, C])."""
+        n, c = x.shape
+        w = weight.shape[-1]
+        weight = weight.reshape(-1, w)
+        if not (x.dtype == torch.bfloat16 and weight.dtype == torch.float32 and weight.shape[0] == c and w >= 1
+                and l2_groups >= 0 and group >= 1 and l2_groups * group <= c):
+            raise ValueError("causal_conv1d: operand shapes or dtypes disagree")
+        if not (x.stride(1) == 1 or c == 1):
+            x = x.contiguous()
+        cu = cu_seqlens.detach().to("cpu", torch.long).contiguous()
+        nseq = cu.numel() - 1
+        if nseq < 0 or int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError("cu_seqlens must rise from 0 to N")
+        if initial_tail is not None:
+            if initial_tail.dtype != torch.bfloat16 or tuple(initial_tail.shape) != (nseq, w - 1, c):
+                raise ValueError("causal_conv1d: initial_tail must be bf16 [B, W-1, C]")
+            initial_tail = initial_tail.contiguous()
+        weight = weight.contiguous()
+        y = torch.empty(n, c)
+        tail = torch.empty(nseq, w - 1, c, dtype=torch.bfloat16)
+        rc = self.lib.ds_causal_conv1d(n, c, w, x.data_ptr(), x.stride(0), weight.data_ptr(), nseq, cu.data_ptr(),
+                                       None if initial_tail is None else initial_tail.data_ptr(), l2_groups, group,
+                                       y.data_ptr(), tail.data_ptr(), torch.get_num_threads())
+        if rc == -1:
+            raise MemoryError("causal_conv1d: allocation failed")
+        if rc != 0:
+            raise ValueError("causal_conv1d: bad sizes")
+        return y, tail
