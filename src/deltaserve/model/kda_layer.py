@@ -9,7 +9,7 @@ from ..ops.cpu_kernels import GATE_SIGMOID, GATE_SOFTPLUS, native
 from ..ops.norms import gated_rms_norm
 from .config import ModelConfig
 from .context import ForwardContext
-from .modules import WeightVector, cached_fp32, empty_linear
+from .modules import WeightVector, cached_fp32, empty_linear, project
 
 
 class KdaAttention(nn.Module):
@@ -71,11 +71,13 @@ class KdaAttention(nn.Module):
             ("conv", self.conv_weight, convs), ("A_log", lambda: self.A_log, (self.A_log,)),
             ("dt_bias", lambda: self.dt_bias, (self.dt_bias,)),
             ("o_norm", lambda: self.o_norm.weight, (self.o_norm.weight,)))}
-        o = kernels.kda_decode(self.q_proj(x), self.k_proj(x), self.v_proj(x), f32["conv"],
-                               tails, states, slots, self.f_b_proj(self.f_a_proj(x)), f32["A_log"],
+        full_gate = hasattr(self, "g_proj")
+        q, k, v, f_a, b, g = project(x, self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,
+                                     self.g_proj if full_gate else self.g_a_proj)
+        o = kernels.kda_decode(q, k, v, f32["conv"], tails, states, slots, self.f_b_proj(f_a), f32["A_log"],
                                f32["dt_bias"], GATE_SIGMOID if sigmoid_gate else GATE_SOFTPLUS,
-                               self.lower_bound if sigmoid_gate else 0.0, self.b_proj(x),
-                               self.output_gate(x), f32["o_norm"], self.eps, self.scale)
+                               self.lower_bound if sigmoid_gate else 0.0, b,
+                               g if full_gate else self.g_b_proj(g), f32["o_norm"], self.eps, self.scale)
         return self.o_proj(o)
 
     def _conv_weight_f32(self) -> torch.Tensor:

@@ -12,7 +12,7 @@ from ..ops import mla as mla_ops
 from ..ops.cpu_kernels import MAX_ROWS, MLA_MAX_HEADS, MLA_MAX_RANK, native
 from .config import ModelConfig
 from .context import ForwardContext
-from .modules import RMSNorm, cached_derived, empty_linear
+from .modules import RMSNorm, cached_derived, empty_linear, project
 
 
 class MlaAttention(nn.Module):
@@ -38,16 +38,20 @@ class MlaAttention(nn.Module):
             self.g_proj = empty_linear(d, m.num_heads * m.v_head_dim)
         self.o_proj = empty_linear(m.num_heads * m.v_head_dim, d)
 
-    def queries(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "q_a_proj"):
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        else:
-            q = self.q_proj(x)
-        return q.view(x.shape[0], self.num_heads, self.nope + self.rope)
+    def input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(q_a_proj(x) or q_proj(x), kv_a_proj_with_mqa(x), g_proj(x) or None), in one pass."""
+        first = self.q_a_proj if hasattr(self, "q_a_proj") else self.q_proj
+        gated = hasattr(self, "g_proj")
+        outs = project(x, first, self.kv_a_proj_with_mqa, *((self.g_proj,) if gated else ()))
+        return outs[0], outs[1], outs[2] if gated else None
 
-    def latents(self, x: torch.Tensor) -> torch.Tensor:
-        """The cached row of each token: [kv_a_layernorm(c) | k_rot], [N, R + Dr]."""
-        kv = self.kv_a_proj_with_mqa(x)
+    def queries(self, q_first: torch.Tensor) -> torch.Tensor:
+        """[N, H, nope + rope] from q_a_proj(x) (then norm and q_b_proj) or q_proj(x)."""
+        q = self.q_b_proj(self.q_a_layernorm(q_first)) if hasattr(self, "q_a_proj") else q_first
+        return q.view(q_first.shape[0], self.num_heads, self.nope + self.rope)
+
+    def latents(self, kv: torch.Tensor) -> torch.Tensor:
+        """The cached row of each token from kv = kv_a_proj_with_mqa(x): [kv_a_layernorm(c) | k_rot]."""
         return torch.cat([self.kv_a_layernorm(kv[:, :self.rank]), kv[:, self.rank:]], dim=-1)
 
     def kv_b_split(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,8 +61,9 @@ class MlaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         n, h = x.shape[0], self.num_heads
-        q = self.queries(x)
-        latent = self.latents(x)
+        q_first, kv, gate = self.input_projections(x)
+        q = self.queries(q_first)
+        latent = self.latents(kv)
         cache = ctx.cache
         if cache is None:
             o = self._plain(q, latent, ctx.cu_seqlens)
@@ -70,8 +75,8 @@ class MlaAttention(nn.Module):
                 o = (self._plain(q, latent, ctx.cu_seqlens) if context is None
                      else self._absorbed(q, *context, ctx.cu_seqlens))
         o = o.reshape(n, h * self.v_dim)
-        if hasattr(self, "g_proj"):
-            o = o * torch.sigmoid(self.g_proj(x))
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
         return self.o_proj(o)
 
     def _plain(self, q, latent, cu_seqlens):

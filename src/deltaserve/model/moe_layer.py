@@ -11,7 +11,7 @@ from ..ops.cpu_kernels import ACT_SILU, ACT_SITU, native
 from ..ops.moe import route
 from .config import ModelConfig
 from .experts import FUSED_MAX_TOKENS, StackedExperts
-from .modules import RMSNorm, cached_fp32, empty_linear
+from .modules import RMSNorm, empty_linear, project
 
 
 def glu_activation(cfg: ModelConfig):
@@ -79,25 +79,27 @@ class MoeBlock(nn.Module):
             self.shared_experts = GluMlp(cfg, cfg.hidden_size, m.num_shared_experts * m.intermediate_size)
         self.act = glu_activation(cfg)
 
-    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`ops.moe.route`; small bf16 batches on CPU take the logits from the memoised fp32 gate
-        weight and the selection from the native kernel (one call instead of ~25 torch ops)."""
+    def _route_and_down(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weights, ids) of `ops.moe.route` and the routed experts' input z. Small bf16 batches on
+        CPU compute the fp32 router logits and z in one native pass over both weights and select
+        with the native kernel (one call instead of ~25 torch ops)."""
         m, gate = self.cfg, self.gate
         args = (m.top_k, m.num_expert_group, m.topk_group, m.renormalize, m.routed_scaling_factor,
                 m.bias_in_weights)
-        n = x.shape[0]
-        kernels = native(x.device) if x.dtype == torch.bfloat16 and 0 < n <= FUSED_MAX_TOKENS else None
+        latent = hasattr(self, "routed_expert_down_proj")
+        kernels = native(x.device) if x.dtype == torch.bfloat16 and 0 < x.shape[0] <= FUSED_MAX_TOKENS else None
         if kernels is not None:
-            w32 = cached_fp32(gate, "weight", lambda: gate.weight, gate.weight)
-            picked = kernels.route(x.float() @ w32.T, gate.e_score_correction_bias, *args)
+            layers = (gate, self.routed_expert_down_proj) if latent else (gate,)
+            outs = project(x, *layers, f32=(True, False)[:len(layers)])
+            picked = kernels.route(outs[0], gate.e_score_correction_bias, *args)
             if picked is not None:
-                return picked
-        return route(x, gate.weight, gate.e_score_correction_bias, *args)
+                return *picked, outs[-1] if latent else x
+        weights, ids = route(x, gate.weight, gate.e_score_correction_bias, *args)
+        return weights, ids, self.routed_expert_down_proj(x) if latent else x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self._route(x)
+        weights, ids, z = self._route_and_down(x)
         latent = hasattr(self, "routed_expert_down_proj")
-        z = self.routed_expert_down_proj(x) if latent else x
         r = self.experts(z, ids, weights, self.act)
         if latent:
             if hasattr(self, "routed_expert_norm"):

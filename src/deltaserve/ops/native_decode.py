@@ -37,6 +37,8 @@ class DecodeBindings:
         for f in (lib.ds_linear_bf16, lib.ds_mxfp4_to_bf16):
             f.restype = None
 
+        lib.ds_linear_bf16_multi.argtypes = [_P, _I, _I, _P, _P, _P, _P, _I, _I]
+        lib.ds_linear_bf16_multi.restype = _I
         lib.ds_route.argtypes = [_P, _L, _I, _P, _I, _I, _I, _I, ctypes.c_float, _I, _P, _P]
         lib.ds_route.restype = _I
 
@@ -54,6 +56,27 @@ class DecodeBindings:
         y = torch.empty(m, n, dtype=torch.bfloat16)
         self.lib.ds_linear_bf16(x.data_ptr(), m, k, w.data_ptr(), n, y.data_ptr(), n, self._threads())
         return y
+
+    MAX_MULTI = 16
+
+    def linear_bf16_multi(self, x: torch.Tensor, weights: list[torch.Tensor],
+                          f32: list[bool] | None = None) -> list[torch.Tensor]:
+        """`[x @ w.T for w in weights]` in one native call: x [M <= MAX_ROWS, K] bf16, each w [N_i, K]
+        bf16 contiguous; output i is fp32 where f32[i] (the unrounded fp32 accumulation), else bf16."""
+        m, k = x.shape
+        f32 = f32 or [False] * len(weights)
+        if not (x.dtype == torch.bfloat16 and m <= MAX_ROWS and 0 < len(weights) == len(f32) <= self.MAX_MULTI
+                and all(w.dtype == torch.bfloat16 and w.dim() == 2 and w.shape[1] == k and w.is_contiguous()
+                        for w in weights)):
+            raise ValueError("linear_bf16_multi: bad operands")
+        x = x.contiguous()
+        ys = [torch.empty(m, w.shape[0], dtype=torch.float32 if f else torch.bfloat16) for w, f in zip(weights, f32)]
+        nw = len(weights)
+        self.lib.ds_linear_bf16_multi(x.data_ptr(), m, k, (ctypes.c_void_p * nw)(*[w.data_ptr() for w in weights]),
+                                      (ctypes.c_int * nw)(*[w.shape[0] for w in weights]),
+                                      (ctypes.c_int * nw)(*[int(f) for f in f32]),
+                                      (ctypes.c_void_p * nw)(*[y.data_ptr() for y in ys]), nw, self._threads())
+        return ys
 
     def linear_bf16_heads(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Per-head `x[h] @ w[h].T`: x [H, M <= MAX_ROWS, K], w [H, N, K], both bf16 -> [H, M, N]."""

@@ -15,6 +15,7 @@
 #include <string.h>
 #include <omp.h>
 #include "bf16.h"
+#include "vmath.h"
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define DS_AVX512BF16 1
@@ -129,6 +130,35 @@ void ds_linear_bf16(const uint16_t *x, int M, int K, const uint16_t *w, int N, u
         for (int r = 0; r < rows; ++r)
             for (int m = 0; m < M; ++m) y[(int64_t)m * ldy + n0 + r] = f32_to_bf16(acc[r * DS_MAX_M + m]);
     }
+}
+
+/* Several linears of one input in one parallel region: y_i[M, N_i] = x[M, K] @ w_i[N_i, K]^T for
+ * i < nw (each y_i contiguous; fp32 when f32[i], else bf16). Row blocks of all weights are dealt
+ * out together, so small projections share the threads' memory streams. Returns -1 if nw > 16. */
+int ds_linear_bf16_multi(const uint16_t *x, int M, int K, const uint16_t *const *w, const int *N,
+                         const int *f32, void *const *y, int nw, int nthreads) {
+    enum { MAXW = 16 };
+    if (nw > MAXW) return -1;
+    const int R = DS_ROWS(M);
+    int first[MAXW + 1];
+    first[0] = 0;
+    for (int i = 0; i < nw; ++i) first[i + 1] = first[i] + (N[i] + R - 1) / R;
+    const int blocks = first[nw];
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (blocks * R >= 256)
+    for (int b = 0; b < blocks; ++b) {
+        int i = 0;
+        while (first[i + 1] <= b) ++i;
+        const int n0 = (b - first[i]) * R, rows = N[i] - n0 < R ? N[i] - n0 : R;
+        float acc[8 * DS_MAX_M];
+        rows_bf16(x, M, K, w[i] + (int64_t)n0 * K, rows, acc);
+        for (int r = 0; r < rows; ++r)
+            for (int m = 0; m < M; ++m) {
+                const int64_t at = (int64_t)m * N[i] + n0 + r;
+                if (f32[i]) ((float *)y[i])[at] = acc[r * DS_MAX_M + m];
+                else ((uint16_t *)y[i])[at] = f32_to_bf16(acc[r * DS_MAX_M + m]);
+            }
+    }
+    return 0;
 }
 
 /* Per-head linear: y[h, M, N] = x[h, M, K] @ w[h, N, K]^T, all contiguous; M <= DS_MAX_M. */
@@ -254,14 +284,15 @@ enum { DS_ACT_SILU = 0, DS_ACT_SITU = 1 };
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 /* h = act(gate, up) from bf16-rounded gate/up, rounded to bf16 where torch's ops round:
- * SiTU computes in fp32 and rounds once; SiLU rounds silu(gate), then the product. */
+ * SiTU computes in fp32 and rounds once; SiLU rounds silu(gate), then the product (vmath.h
+ * functions: within 1 bf16 ulp of torch's). */
 static inline uint16_t glu(float g, float u, int act, float beta, float lbeta) {
     if (act == DS_ACT_SITU) {
-        float left = beta * tanhf(g / beta) * (1.f / (1.f + expf(-g)));
-        float right = lbeta > 0.f ? lbeta * tanhf(u / lbeta) : u;
+        float left = beta * ds_tanh(g / beta) * ds_sigmoid(g);
+        float right = lbeta > 0.f ? lbeta * ds_tanh(u / lbeta) : u;
         return f32_to_bf16(left * right);
     }
-    return f32_to_bf16(round_bf16(g / (1.f + expf(-g))) * u);
+    return f32_to_bf16(round_bf16(g * ds_sigmoid(g)) * u);
 }
 
 /* acc[r * DS_MAX_M + m] = x[m] . w[row0 + r], r < R (R <= DS_ROWS(M)). */
