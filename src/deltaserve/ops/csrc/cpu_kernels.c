@@ -238,6 +238,28 @@ row_mxfp4_avx(const uint16_t *x, const int M, int K, const uint8_t *p, const uin
         acc[m] = _mm512_reduce_add_ps(a[0][m]);
     }
 }
+/* Four consecutive rows at once for M <= 2 (decode): each group's activations are loaded once
+ * for the four rows, and the 4 * M accumulator chains are independent. acc as rows_bf16. */
+static inline __attribute__((always_inline)) void
+rows4_mxfp4_avx(const uint16_t *x, const int M, int K, const uint8_t *p, const uint8_t *s, float *acc) {
+    const int groups = K / DS_GROUP;
+    __m512 a[4][2];
+    for (int r = 0; r < 4; ++r)
+        for (int m = 0; m < M; ++m) a[r][m] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; ++g) {
+        __m512bh xv[2];
+        for (int m = 0; m < M; ++m)
+            xv[m] = (__m512bh)_mm512_loadu_si512((const void *)(x + (int64_t)m * K + g * DS_GROUP));
+        for (int r = 0; r < 4; ++r) {
+            const __m512i lut = _mm512_loadu_si512((const void *)scaled_lut[s[(int64_t)r * groups + g]]);
+            const __m512bh wv = (__m512bh)_mm512_permutexvar_epi16(
+                nibbles_in_order(p + (int64_t)r * (K / 2) + g * (DS_GROUP / 2)), lut);
+            for (int m = 0; m < M; ++m) a[r][m] = _mm512_dpbf16_ps(a[r][m], wv, xv[m]);
+        }
+    }
+    for (int r = 0; r < 4; ++r)
+        for (int m = 0; m < M; ++m) acc[r * DS_MAX_M + m] = _mm512_reduce_add_ps(a[r][m]);
+}
 #endif
 
 static void row_mxfp4(const uint16_t *x, int M, int K, const uint8_t *p, const uint8_t *s, float *acc) {
@@ -302,7 +324,16 @@ static void expert_rows(const void *w, const uint8_t *s, int packed, int64_t row
         rows_bf16(x, M, K, (const uint16_t *)w + row0 * K, R, acc);
         return;
     }
-    for (int r = 0; r < R; ++r)
+    int r = 0;
+#ifdef DS_AVX512BF16
+    if (M <= 2)
+        for (; r + 4 <= R; r += 4) {
+            const uint8_t *wp = (const uint8_t *)w + (row0 + r) * (K / 2), *sp = s + (row0 + r) * (K / DS_GROUP);
+            if (M == 1) rows4_mxfp4_avx(x, 1, K, wp, sp, acc + r * DS_MAX_M);
+            else rows4_mxfp4_avx(x, 2, K, wp, sp, acc + r * DS_MAX_M);
+        }
+#endif
+    for (; r < R; ++r)
         row_mxfp4(x, M, K, (const uint8_t *)w + (row0 + r) * (K / 2), s + (row0 + r) * (K / DS_GROUP),
                   acc + r * DS_MAX_M);
 }
