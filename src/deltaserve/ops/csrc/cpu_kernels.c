@@ -109,6 +109,10 @@ static void rows_bf16(const uint16_t *x, int M, int K, const uint16_t *w, int R,
         case 2: rows_bf16_avx(x, 2, K, w, 4, acc); return;
         case 3: rows_bf16_avx(x, 3, K, w, 2, acc); return;
         case 4: rows_bf16_avx(x, 4, K, w, 2, acc); return;
+        case 5: rows_bf16_avx(x, 5, K, w, 1, acc); return;
+        case 6: rows_bf16_avx(x, 6, K, w, 1, acc); return;
+        case 7: rows_bf16_avx(x, 7, K, w, 1, acc); return;
+        case 8: rows_bf16_avx(x, 8, K, w, 1, acc); return;
         default: break;
         }
     }
@@ -269,7 +273,10 @@ static void row_mxfp4(const uint16_t *x, int M, int K, const uint8_t *p, const u
     case 2: row_mxfp4_avx(x, 2, K, p, s, acc); return;
     case 3: row_mxfp4_avx(x, 3, K, p, s, acc); return;
     case 4: row_mxfp4_avx(x, 4, K, p, s, acc); return;
-    default: row_mxfp4_avx(x, M, K, p, s, acc); return;
+    case 5: row_mxfp4_avx(x, 5, K, p, s, acc); return;
+    case 6: row_mxfp4_avx(x, 6, K, p, s, acc); return;
+    case 7: row_mxfp4_avx(x, 7, K, p, s, acc); return;
+    default: row_mxfp4_avx(x, 8, K, p, s, acc); return;   /* M <= DS_MAX_M */
     }
 #else
     row_mxfp4_portable(x, M, K, p, s, acc);
@@ -308,13 +315,33 @@ static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 /* h = act(gate, up) from bf16-rounded gate/up, rounded to bf16 where torch's ops round:
  * SiTU computes in fp32 and rounds once; SiLU rounds silu(gate), then the product (vmath.h
  * functions: within 1 bf16 ulp of torch's). */
-static inline uint16_t glu(float g, float u, int act, float beta, float lbeta) {
+static inline float glu_situ(float g, float u, float beta, float lbeta) {
+    float left = beta * ds_tanh(g / beta) * ds_sigmoid(g);
+    return left * (lbeta > 0.f ? lbeta * ds_tanh(u / lbeta) : u);
+}
+
+static inline float glu_silu(float g, float u) { return round_bf16(g * ds_sigmoid(g)) * u; }
+
+/* h[m * I + i0 + r] = bf16(glu(bf16(g), bf16(u))) for r < rows, m < M (g, u as expert_rows' acc):
+ * valid entries are packed so the activation loop runs vectorised over them. */
+static void glu_block(const float *g, const float *u, int rows, int M, int act, float beta, float lbeta,
+                      uint16_t *h, int64_t I, int i0) {
+    float gg[8 * DS_MAX_M], uu[8 * DS_MAX_M], hv[8 * DS_MAX_M];
+    const int n = rows * M;
+    for (int r = 0; r < rows; ++r)
+        for (int m = 0; m < M; ++m) {
+            gg[r * M + m] = round_bf16(g[r * DS_MAX_M + m]);
+            uu[r * M + m] = round_bf16(u[r * DS_MAX_M + m]);
+        }
     if (act == DS_ACT_SITU) {
-        float left = beta * ds_tanh(g / beta) * ds_sigmoid(g);
-        float right = lbeta > 0.f ? lbeta * ds_tanh(u / lbeta) : u;
-        return f32_to_bf16(left * right);
+        #pragma omp simd
+        for (int t = 0; t < n; ++t) hv[t] = glu_situ(gg[t], uu[t], beta, lbeta);
+    } else {
+        #pragma omp simd
+        for (int t = 0; t < n; ++t) hv[t] = glu_silu(gg[t], uu[t]);
     }
-    return f32_to_bf16(round_bf16(g * ds_sigmoid(g)) * u);
+    for (int r = 0; r < rows; ++r)
+        for (int m = 0; m < M; ++m) h[(int64_t)m * I + i0 + r] = f32_to_bf16(hv[r * M + m]);
 }
 
 /* acc[r * DS_MAX_M + m] = x[m] . w[row0 + r], r < R (R <= DS_ROWS(M)). */
@@ -360,10 +387,7 @@ static void moe_chunk(const uint16_t *x, int D, int I, int k, const int *count, 
         const int rows = I - i0 < R ? I - i0 : R;
         expert_rows(w1, s1, packed, (int64_t)e * I + i0, rows, D, xg, M, g);
         expert_rows(w3, s3, packed, (int64_t)e * I + i0, rows, D, xg, M, u);
-        for (int r = 0; r < rows; ++r)
-            for (int m = 0; m < M; ++m)
-                h[(int64_t)m * I + i0 + r] = glu(round_bf16(g[r * DS_MAX_M + m]),
-                                                 round_bf16(u[r * DS_MAX_M + m]), act, beta, lbeta);
+        glu_block(g, u, rows, M, act, beta, lbeta, h, I, i0);
     }
     if (shared) {
         #pragma omp barrier
