@@ -21,6 +21,12 @@ def glu_activation(cfg: ModelConfig):
     return silu_and_mul
 
 
+@functools.lru_cache(maxsize=MAX_ROWS)
+def _single_expert_routing(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, weights) routing each of n tokens to expert 0 with weight 1 (read-only constants)."""
+    return torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1, dtype=torch.float32)
+
+
 class GluMlp(nn.Module):
     """`down(act(gate(x), up(x)))`; names gate_proj / up_proj / down_proj."""
 
@@ -44,8 +50,7 @@ class GluMlp(nn.Module):
         if kernels is None or not all(w.dtype == torch.bfloat16 for w in ws):
             return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
         if n <= MAX_ROWS:
-            return kernels.moe_experts(x, x.new_zeros(n, 1, dtype=torch.long), x.new_ones(n, 1, dtype=torch.float32),
-                                       *(w.unsqueeze(0) for w in ws), *self.act_spec)
+            return kernels.moe_experts(x, *_single_expert_routing(n), *(w.unsqueeze(0) for w in ws), *self.act_spec)
         return self.down_proj(kernels.glu_rows(self.gate_proj(x), self.up_proj(x), *self.act_spec))
 
 

@@ -122,6 +122,7 @@ def set_enabled(flag: bool) -> bool:
 
 def native(device: torch.device | str = "cpu") -> NativeKernels | None:
     """The kernels for tensors on `device`, or None where only the PyTorch path applies."""
-    if not _enabled or torch.device(device).type != "cpu":
+    if not _enabled:
         return None
-    return _load()
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    return _load() if kind == "cpu" else None
