@@ -154,7 +154,7 @@ def _intra_chunk(q, k, v, g, beta):
     return sol[..., :kd], sol[..., kd:], a[:, 0], q * eg, kdt, _decay(g.sum(1))
 
 
-def _chunk_plan(cu: torch.Tensor, export_offsets, chunk: int):
+def chunk_plan(cu: torch.Tensor, export_offsets, chunk: int):
     """Cut sequences at export offsets into segments and segments into chunks of <= `chunk`.
     Returns chunk starts/lengths/sequence/position (global token order, ends strictly
     increasing) and, for exports, the flat index of the chunk ending at each offset."""
@@ -205,7 +205,7 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     nseq = cu.numel() - 1
     if int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu[1:] < cu[:-1]).any()):
         raise ValueError("cu_seqlens must rise from 0 to N")
-    start, length, seq_of, pos, n_chunks, ex_chunk = _chunk_plan(cu, export_offsets, chunk_size)
+    start, length, seq_of, pos, n_chunks, ex_chunk = chunk_plan(cu, export_offsets, chunk_size)
     nc = start.numel()
     if nc == 0:
         final = (torch.zeros(nseq, h, dk, dv, device=dev) if initial_state is None

@@ -8,7 +8,7 @@ import ctypes
 
 import torch
 
-from .kda import _chunk_plan
+from .kda import chunk_plan
 from .native_abi import F as _F, I as _I, L as _L, P as _P
 
 MAX_CHUNK = 64   # the kernel's KC_MAX_CHUNK
@@ -55,7 +55,7 @@ class KdaPrefillBindings:
         nseq = cu.numel() - 1
         if nseq < 0 or int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu[1:] < cu[:-1]).any()):
             raise ValueError("cu_seqlens must rise from 0 to N")
-        start, length, _, _, n_chunks, ex_chunk = _chunk_plan(cu, export_offsets, chunk_size)
+        start, length, _, _, n_chunks, ex_chunk = chunk_plan(cu, export_offsets, chunk_size)
         q, k, g, v = _heads_rows(q, dk), _heads_rows(k, dk), _heads_rows(g, dk), _heads_rows(v, dv)
         if not (beta.stride(-1) == 1 or h == 1):
             beta = beta.contiguous()
