@@ -66,22 +66,20 @@ class KdaAttention(nn.Module):
         if tails.dtype != torch.bfloat16 or states.dtype != torch.float32:
             return None
         sigmoid_gate = self.lower_bound is not None
-        convs = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
-        f32 = {name: cached_fp32(self, name, build, *src) for name, build, src in (
-            ("conv", self.conv_weight, convs), ("A_log", lambda: self.A_log, (self.A_log,)),
-            ("dt_bias", lambda: self.dt_bias, (self.dt_bias,)),
-            ("o_norm", lambda: self.o_norm.weight, (self.o_norm.weight,)))}
+        f32 = {name: cached_fp32(self, name, build, src) for name, build, src in (
+            ("A_log", lambda: self.A_log, self.A_log), ("dt_bias", lambda: self.dt_bias, self.dt_bias),
+            ("o_norm", lambda: self.o_norm.weight, self.o_norm.weight))}
         full_gate = hasattr(self, "g_proj")
         q, k, v, f_a, b, g = project(x, self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,
                                      self.g_proj if full_gate else self.g_a_proj)
-        o = kernels.kda_decode(q, k, v, f32["conv"], tails, states, slots, self.f_b_proj(f_a), f32["A_log"],
-                               f32["dt_bias"], GATE_SIGMOID if sigmoid_gate else GATE_SOFTPLUS,
+        o = kernels.kda_decode(q, k, v, self._conv_weight_f32(), tails, states, slots, self.f_b_proj(f_a),
+                               f32["A_log"], f32["dt_bias"], GATE_SIGMOID if sigmoid_gate else GATE_SOFTPLUS,
                                self.lower_bound if sigmoid_gate else 0.0, b,
                                g if full_gate else self.g_b_proj(g), f32["o_norm"], self.eps, self.scale)
         return self.o_proj(o)
 
     def _conv_weight_f32(self) -> torch.Tensor:
-        """The fused conv weight in fp32, memoised (shared with `_native_decode`'s entry)."""
+        """The fused conv weight [3P, W] in fp32, memoised (the native decode and prefill kernels)."""
         convs = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
         return cached_fp32(self, "conv", self.conv_weight, *convs)
 

@@ -154,6 +154,14 @@ def _intra_chunk(q, k, v, g, beta):
     return sol[..., :kd], sol[..., kd:], a[:, 0], q * eg, kdt, _decay(g.sum(1))
 
 
+def checked_cu_seqlens(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
+    """`cu_seqlens` as a CPU int64 tensor; ValueError unless it rises from 0 to n."""
+    cu = cu_seqlens.detach().to("cpu", torch.long)
+    if cu.numel() < 1 or int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError("cu_seqlens must rise from 0 to N")
+    return cu
+
+
 def chunk_plan(cu: torch.Tensor, export_offsets, chunk: int):
     """Cut sequences at export offsets into segments and segments into chunks of <= `chunk`.
     Returns chunk starts/lengths/sequence/position (global token order, ends strictly
@@ -201,10 +209,8 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     n, h, dk = k.shape
     dv = v.shape[-1]
     dev = k.device
-    cu = cu_seqlens.detach().to("cpu", torch.long)
+    cu = checked_cu_seqlens(cu_seqlens, n)
     nseq = cu.numel() - 1
-    if int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError("cu_seqlens must rise from 0 to N")
     start, length, seq_of, pos, n_chunks, ex_chunk = chunk_plan(cu, export_offsets, chunk_size)
     nc = start.numel()
     if nc == 0:

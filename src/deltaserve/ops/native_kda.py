@@ -8,7 +8,7 @@ import ctypes
 
 import torch
 
-from .kda import chunk_plan
+from .kda import checked_cu_seqlens, chunk_plan
 from .native_abi import F as _F, I as _I, L as _L, P as _P
 
 MAX_CHUNK = 64   # the kernel's KC_MAX_CHUNK
@@ -51,10 +51,8 @@ class KdaPrefillBindings:
                 == (n, h, dk) and tuple(v.shape[:2]) == (n, h) and v.dim() == 3 and tuple(beta.shape) == (n, h)
                 and 1 <= chunk_size <= MAX_CHUNK):
             raise ValueError("kda_chunked: operand shapes or dtypes disagree")
-        cu = cu_seqlens.detach().to("cpu", torch.long)
+        cu = checked_cu_seqlens(cu_seqlens, n)
         nseq = cu.numel() - 1
-        if nseq < 0 or int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu[1:] < cu[:-1]).any()):
-            raise ValueError("cu_seqlens must rise from 0 to N")
         start, length, _, _, n_chunks, ex_chunk = chunk_plan(cu, export_offsets, chunk_size)
         q, k, g, v = _heads_rows(q, dk), _heads_rows(k, dk), _heads_rows(g, dk), _heads_rows(v, dv)
         if not (beta.stride(-1) == 1 or h == 1):
@@ -100,10 +98,8 @@ class KdaPrefillBindings:
             raise ValueError("causal_conv1d: operand shapes or dtypes disagree")
         if not (x.stride(1) == 1 or c == 1):
             x = x.contiguous()
-        cu = cu_seqlens.detach().to("cpu", torch.long).contiguous()
+        cu = checked_cu_seqlens(cu_seqlens, n).contiguous()
         nseq = cu.numel() - 1
-        if nseq < 0 or int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu[1:] < cu[:-1]).any()):
-            raise ValueError("cu_seqlens must rise from 0 to N")
         if initial_tail is not None:
             if initial_tail.dtype != torch.bfloat16 or tuple(initial_tail.shape) != (nseq, w - 1, c):
                 raise ValueError("causal_conv1d: initial_tail must be bf16 [B, W-1, C]")
