@@ -185,5 +185,5 @@ def test_glu_matches_torch_activations(act_kind):
     gen = torch.Generator().manual_seed(11)
     g, u = (torch.randn(70, 33, generator=gen).mul(6).to(BF) for _ in range(2))
     ref = situ_and_mul(g, u, 4.0, 25.0) if act_kind == cpu_kernels.ACT_SITU else silu_and_mul(g, u)
-    got = NK.glu(g, u, act_kind, 4.0, 25.0 if act_kind == cpu_kernels.ACT_SITU else None)
+    got = NK.glu_rows(g, u, act_kind, 4.0, 25.0 if act_kind == cpu_kernels.ACT_SITU else None)
     assert ulps(got, ref, ref) <= 1.0

@@ -20,8 +20,6 @@ class DecodeBindings:
         lib.ds_linear_bf16.argtypes = [_P, _I, _I, _P, _I, _P, _L, _I]
         lib.ds_linear_bf16_heads.argtypes = [_P, _I, _I, _I, _P, _I, _P, _I]
         lib.ds_linear_bf16_heads.restype = None
-        lib.ds_glu_bf16.argtypes = [_P, _P, _L, _I, ctypes.c_float, ctypes.c_float, _P, _I]
-        lib.ds_glu_bf16.restype = None
         lib.ds_mxfp4_to_bf16.argtypes = [_P, _P, _L, _I, _P, _I]
         lib.ds_moe_experts.argtypes = [_P, _I, _I, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I,
                                        ctypes.c_float, ctypes.c_float, _P, _I]
@@ -36,7 +34,6 @@ class DecodeBindings:
         lib.ds_rms_norm.restype = lib.ds_attn_res_mix.restype = None
         for f in (lib.ds_linear_bf16, lib.ds_mxfp4_to_bf16):
             f.restype = None
-
         lib.ds_linear_bf16_multi.argtypes = [_P, _I, _I, _P, _P, _P, _P, _I, _I]
         lib.ds_linear_bf16_multi.restype = _I
         lib.ds_route.argtypes = [_P, _L, _I, _P, _I, _I, _I, _I, ctypes.c_float, _I, _P, _P]
@@ -89,17 +86,6 @@ class DecodeBindings:
         self.lib.ds_linear_bf16_heads(x.data_ptr(), h, m, k, w.data_ptr(), w.shape[1], y.data_ptr(), self._threads())
         return y
 
-    def glu(self, gate: torch.Tensor, up: torch.Tensor, act: int, beta: float,
-            linear_beta: float | None) -> torch.Tensor:
-        """`situ_and_mul` (act ACT_SITU) or `silu_and_mul` (ACT_SILU) of bf16 tensors, bf16 out."""
-        if not (gate.dtype == up.dtype == torch.bfloat16 and gate.shape == up.shape):
-            raise ValueError("glu: operand shapes or dtypes disagree")
-        gate, up = gate.contiguous(), up.contiguous()
-        out = torch.empty_like(gate)
-        self.lib.ds_glu_bf16(gate.data_ptr(), up.data_ptr(), gate.numel(), act, beta, linear_beta or 0.0,
-                             out.data_ptr(), self._threads())
-        return out
-
     def mxfp4_to_bf16(self, packed: torch.Tensor, scale: torch.Tensor,
                       out: torch.Tensor | None = None) -> torch.Tensor:
         """decode(packed [..., N, K/2], scale [..., N, K/32]) -> [..., N, K] bf16, exactly, into
@@ -118,7 +104,6 @@ class DecodeBindings:
             self.lib.ds_mxfp4_to_bf16(packed.data_ptr(), scale.data_ptr(), rows, k, out.data_ptr(),
                                       self._threads())
         return out
-
 
     def moe_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                     w1, w3, w2, act: int, beta: float, linear_beta: float | None) -> torch.Tensor:
@@ -157,7 +142,6 @@ class DecodeBindings:
             raise MemoryError("moe_experts: scratch allocation failed")
         return out
 
-
     def kda_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, conv_weight: torch.Tensor,
                    tails: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, f: torch.Tensor,
                    a_log: torch.Tensor, dt_bias: torch.Tensor, gate_kind: int, lower_bound: float,
@@ -194,7 +178,6 @@ class DecodeBindings:
             raise MemoryError("kda_decode: scratch allocation failed")
         return out
 
-
     def mla_decode(self, q_latent: torch.Tensor, rows: torch.Tensor, read_rows: torch.Tensor,
                    cu_kv: torch.Tensor, kv_lora_rank: int, scale: float) -> torch.Tensor:
         """Absorbed MLA attention of one query per sequence over its paged context (see
@@ -220,7 +203,6 @@ class DecodeBindings:
         if rc != 0:
             raise MemoryError("mla_decode: scratch allocation failed")
         return out
-
 
     def rms_norm(self, x: torch.Tensor, weight_f32: torch.Tensor, eps: float) -> torch.Tensor:
         """`ops.norms.rms_norm` for bf16 x [N, D] (rows may be strided, columns contiguous) and

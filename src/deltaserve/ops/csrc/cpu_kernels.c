@@ -402,6 +402,9 @@ static void moe_chunk(const uint16_t *x, int D, int I, int k, const int *count, 
     }
 }
 
+int ds_moe_combine(const uint16_t *ys, const int64_t *pos, const float *w, int64_t n, int k, int d,
+                   uint16_t *out, int nthreads);   /* moe_prefill.c */
+
 /* out[N, D] = sum_j wts[n, j] * bf16(w2_e @ act(w1_e x_n, w3_e x_n)), e = ids[n, j], the fp32
  * sum over j in slot order, rounded to bf16 once: the contract of ops.moe.grouped_experts.
  * Weights bf16 [E, I, D] / [E, D, I], or MXFP4 (packed=1: [E, I, D/2] + scales [E, I, D/32]).
@@ -461,15 +464,7 @@ int ds_moe_experts(const uint16_t *x, int N, int D, const int64_t *ids, const fl
         free(xg);
         free(h);
     }
-    if (!bad) {
-        #pragma omp parallel for num_threads(nthreads) schedule(static) if (N * D >= 4096)
-        for (int64_t t = 0; t < (int64_t)N * D; ++t) {
-            const int64_t n = t / D, d = t % D;
-            float s = 0.f;
-            for (int j = 0; j < k; ++j) s += wts[n * k + j] * bf16_to_f32(ys[(n * k + j) * D + d]);
-            out[t] = f32_to_bf16(s);
-        }
-    }
+    if (!bad) ds_moe_combine(ys, NULL, wts, N, k, D, out, nthreads);
     free(count); free(order); free(chunk); free(ys);
     return bad ? -1 : 0;
 }

@@ -60,19 +60,11 @@ void ds_glu_rows_bf16(const uint16_t *gate, int64_t gate_stride, const uint16_t 
     }
 }
 
-/* The contiguous form: n elements. */
-void ds_glu_bf16(const uint16_t *gate, const uint16_t *up, int64_t n, int act, float beta, float lbeta,
-                 uint16_t *out, int nthreads) {
-    const int64_t cols = n < COL_BLOCK ? n : COL_BLOCK, rows = cols ? n / cols : 0, rest = n - rows * cols;
-    ds_glu_rows_bf16(gate, cols, up, cols, rows, cols, act, beta, lbeta, out, cols, nthreads);
-    if (rest) glu_span(gate + rows * cols, up + rows * cols, rest, act, beta, lbeta, out + rows * cols);
-}
-
-/* out[i, :] = bf16(sum_{j<k} w[i*k + j] * f32(ys[pos[i*k + j], :])), i < n, d columns.
- * Returns -2 if a position lies outside [0, n*k). */
+/* out[i, :] = bf16(sum_{j<k} w[i*k + j] * f32(ys[pos[i*k + j], :])), i < n, d columns; pos NULL
+ * means ys is in slot order (pos[t] = t). Returns -2 if a position lies outside [0, n*k). */
 int ds_moe_combine(const uint16_t *ys, const int64_t *pos, const float *w, int64_t n, int k, int d,
                    uint16_t *out, int nthreads) {
-    for (int64_t t = 0; t < n * k; ++t)
+    for (int64_t t = 0; pos && t < n * k; ++t)
         if (pos[t] < 0 || pos[t] >= n * k) return -2;
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (n * d >= (1 << 14))
     for (int64_t i = 0; i < n; ++i) {
@@ -80,7 +72,7 @@ int ds_moe_combine(const uint16_t *ys, const int64_t *pos, const float *w, int64
         for (int c0 = 0; c0 < d; c0 += COL_BLOCK) {
             const int m = d - c0 < COL_BLOCK ? d - c0 : COL_BLOCK;
             for (int j = 0; j < k; ++j) {
-                const uint16_t *y = ys + pos[i * k + j] * (int64_t)d + c0;
+                const uint16_t *y = ys + (pos ? pos[i * k + j] : i * k + j) * (int64_t)d + c0;
                 const float wj = w[i * k + j];
                 if (j == 0) {
                     #pragma omp simd
