@@ -4,8 +4,9 @@ Dense: `w1` (gate), `w3` (up) `[E, I, Din]` and `w2` `[E, Din, I]` parameters. P
 (`--moe-weights packed`, the default for MXFP4 checkpoints in bf16): the checkpoint's `weight_packed`
 `[E, O, I/2]` and `weight_scale` `[E, O, I/32]` uint8 tensors kept as they are, about 4.25 bits
 per weight; each GEMM decodes its expert on the fly (exactly, so both modes compute the same
-products). Small batches on CPU run the fused native kernel (`ops.cpu_kernels`); everything else
-runs `ops.moe.grouped_experts`, the reference.
+products). In bf16 on CPU, batches of up to FUSED_MAX_TOKENS run the fused native kernel
+(`ops.cpu_kernels`) and larger ones `_grouped_native` (per-expert oneDNN GEMMs with native GLU and
+combine); everything else runs `ops.moe.grouped_experts`, the reference.
 """
 from __future__ import annotations
 
