@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(cpu_kernels.native() is None, reason="native CPU
 TIE = 0.1   # logits within this of the max count as the argmax (bf16 noise; wrong tokens: > 1)
 
 
-def run(ckpt, prompts, monkeypatch, enabled: bool):
+def run(ckpt, prompts, monkeypatch, enabled: bool, max_num_seqs: int = 3):
     calls = Counter()
     for name in ("kda_decode", "mla_decode", "moe_experts", "linear_bf16", "route"):
         real = getattr(cpu_kernels.NativeKernels, name)
@@ -31,7 +31,7 @@ def run(ckpt, prompts, monkeypatch, enabled: bool):
         monkeypatch.setattr(cpu_kernels.NativeKernels, name, counted)
     old = cpu_kernels.set_enabled(enabled)
     try:
-        llm = LLM(ckpt, dtype="bfloat16", max_num_seqs=3, page_size=4, max_num_batched_tokens=64,
+        llm = LLM(ckpt, dtype="bfloat16", max_num_seqs=max_num_seqs, page_size=4, max_num_batched_tokens=64,
                   kv_cache_memory=32 * 2**20, max_model_len=128, progress=False)
         outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
                             use_tqdm=False)
@@ -64,3 +64,17 @@ def test_native_decode_matches_torch_paths_and_engages(tmp_path, monkeypatch, mx
         assert max(gaps_to_oracle(llm, prompt, b)) < TIE
     reversed_gaps = gaps_to_oracle(llm, prompts[0], native[0][::-1])   # the check can fail
     assert max(reversed_gaps) > 10 * TIE
+
+
+@pytest.mark.skipif(not getattr(cpu_kernels.native(), "amx", False), reason="AMX tiles unavailable")
+def test_batched_decode_on_amx_tiles_matches_oracle(tmp_path, monkeypatch):
+    """Twelve sequences decode together: the projections, shared experts and expert chunks of two or
+    more pairs run on AMX tiles (more than the GEMV kernels' 8 rows)."""
+    ckpt = make_tiny(tmp_path / "k3", "kimi_k3", mxfp4=True, seed=5)
+    prompts = [list(range(100 + 50 * i, 103 + 50 * i + i % 4)) for i in range(12)]
+    kernels = cpu_kernels.native()
+    before = kernels.amx_uses()
+    llm, native, calls = run(ckpt, prompts, monkeypatch, True, max_num_seqs=12)
+    assert kernels.amx_uses() > before and calls["kda_decode"] > 0
+    for prompt, tokens in zip(prompts, native):
+        assert max(gaps_to_oracle(llm, prompt, tokens)) < TIE

@@ -32,7 +32,7 @@ def test_project_matches_separate_linears(monkeypatch):
             else:
                 assert torch.equal(y, NK.linear_bf16(x, m.weight))
                 torch.testing.assert_close(y.float(), m(x).float(), rtol=1e-2, atol=1e-2)
-        wide = torch.randn(cpu_kernels.MAX_ROWS + 1, 192, generator=gen).to(BF)
+        wide = torch.randn(NK.multi_rows(192) + 1, 192, generator=gen).to(BF)
         fallback = project(wide, *layers[:2], f32=(False, True))
         assert calls == [1]                                   # too many rows: the torch path
         assert torch.equal(fallback[0], layers[0](wide))

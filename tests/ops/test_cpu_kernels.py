@@ -36,6 +36,15 @@ def packed_experts(e, o, i, gen):
     return torch.stack(ps), torch.stack(ss)
 
 
+def routed_case(n, gen, e=8, inter=64, d=96, k=4):
+    """Random MXFP4 experts ((w1, w3, w2) packed and decoded to bf16), x [n, d], ids and weights [n, k]."""
+    packed = packed_experts(e, inter, d, gen), packed_experts(e, inter, d, gen), packed_experts(e, d, inter, gen)
+    dense = [torch.stack([mxfp4_decode(p[j], s[j], BF) for j in range(e)]) for p, s in packed]
+    x = torch.randn(n, d, generator=gen).to(BF)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)])
+    return packed, dense, x, ids, torch.rand(n, k, generator=gen)
+
+
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("k", [64, 1000])
@@ -48,8 +57,8 @@ def test_linear_bf16_matches_f_linear(rows, k):
     assert got.dtype == BF and got.shape == ref.shape
     assert ulps(got, ref, ref) <= 2.0
     assert torch.equal(linear(x, w), got)                 # dispatch takes the native path
-    big = torch.randn(9, k, generator=gen).to(BF)
-    assert torch.equal(linear(big, w), F.linear(big, w))  # above MAX_ROWS: torch
+    big = torch.randn(NK.multi_rows(k) + 1, k, generator=gen).to(BF)
+    assert torch.equal(linear(big, w), F.linear(big, w))  # above the native kernels' rows: torch
 
 
 @needs_kernels
@@ -75,13 +84,7 @@ def test_mxfp4_dequant_is_exact():
 @pytest.mark.parametrize("act_kind", [cpu_kernels.ACT_SITU, cpu_kernels.ACT_SILU])
 @pytest.mark.parametrize("n", [1, 3, 11])
 def test_fused_moe_matches_grouped_experts(act_kind, n):
-    gen = torch.Generator().manual_seed(n)
-    e, inter, d, k = 8, 64, 96, 4
-    w1, w3, w2 = packed_experts(e, inter, d, gen), packed_experts(e, inter, d, gen), packed_experts(e, d, inter, gen)
-    dense = [torch.stack([mxfp4_decode(p[j], s[j], BF) for j in range(e)]) for p, s in (w1, w3, w2)]
-    x = torch.randn(n, d, generator=gen).to(BF)
-    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)])
-    wts = torch.rand(n, k, generator=gen)
+    (w1, w3, w2), dense, x, ids, wts = routed_case(n, torch.Generator().manual_seed(n))
     if act_kind == cpu_kernels.ACT_SITU:
         act, beta, lbeta = functools.partial(situ_and_mul, beta=4.0, linear_beta=25.0), 4.0, 25.0
     else:
@@ -92,7 +95,7 @@ def test_fused_moe_matches_grouped_experts(act_kind, n):
     assert torch.equal(from_packed, from_dense)      # decode-on-the-fly == decode-then-multiply
     assert ulps(from_dense, ref, ref) <= 2.0
     with pytest.raises(ValueError):
-        NK.moe_experts(x, ids + e, wts, *dense, act_kind, beta, lbeta)
+        NK.moe_experts(x, ids + 8, wts, *dense, act_kind, beta, lbeta)
 
 
 def _kda_torch(q, k, v, conv_w, tails, states, f, a_log, dt_bias, b, gate, norm_w, eps, scale, heads):

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from ..ops.attn_res import ATTN_RES_EPS, attn_res_mix
-from ..ops.cpu_kernels import MAX_ROWS, NativeKernels, native
+from ..ops.cpu_kernels import NativeKernels, native
 from ..ops.linear import linear
 from ..ops.norms import rms_norm
 
@@ -30,14 +30,15 @@ def cached_fp32(owner: nn.Module, key: str, build, *sources: torch.Tensor) -> to
 
 def project(x: torch.Tensor, *layers: nn.Linear, f32: tuple[bool, ...] | None = None) -> list[torch.Tensor]:
     """`[layer(x) for layer in layers]` (outputs where `f32[i]` are the fp32 `x.float() @ w.float().T`
-    instead); small bf16 batches on CPU run all of them as one native call, so the projections of
-    one input share a single pass of the threads over their weights."""
+    instead); bf16 batches on CPU of up to `multi_rows` rows (MAX_ROWS, or AMX_ROWS with AMX tiles)
+    run all of them as one native call, so the projections of one input share a single pass of the
+    threads over their weights."""
     f32 = f32 or (False,) * len(layers)
     rows = x.shape[0] if x.dim() == 2 else 0
-    if x.dtype == torch.bfloat16 and 0 < rows <= MAX_ROWS and len(layers) <= NativeKernels.MAX_MULTI and \
+    if x.dtype == torch.bfloat16 and rows > 0 and len(layers) <= NativeKernels.MAX_MULTI and \
             all(m.weight.dtype == torch.bfloat16 and m.weight.is_contiguous() for m in layers):
         kernels = native(x.device)
-        if kernels is not None:
+        if kernels is not None and rows <= kernels.multi_rows(x.shape[1]):
             return kernels.linear_bf16_multi(x, [m.weight for m in layers], list(f32))
     return [x.float() @ m.weight.float().T if f else m(x) for m, f in zip(layers, f32)]
 

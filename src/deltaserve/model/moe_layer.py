@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..ops.activations import silu_and_mul, situ_and_mul
-from ..ops.cpu_kernels import ACT_SILU, ACT_SITU, MAX_ROWS, native
+from ..ops.cpu_kernels import ACT_SILU, ACT_SITU, AMX_ROWS, MAX_ROWS, native
 from ..ops.moe import route
 from .config import ModelConfig
 from .experts import FUSED_MAX_TOKENS, StackedExperts
@@ -21,7 +21,7 @@ def glu_activation(cfg: ModelConfig):
     return silu_and_mul
 
 
-@functools.lru_cache(maxsize=MAX_ROWS)
+@functools.lru_cache(maxsize=AMX_ROWS)
 def _single_expert_routing(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, weights) routing each of n tokens to expert 0 with weight 1 (read-only constants)."""
     return torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1, dtype=torch.float32)
@@ -40,16 +40,16 @@ class GluMlp(nn.Module):
                          cfg.situ_linear_beta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """bf16 on CPU: up to MAX_ROWS tokens run as one fused call (the MoE kernel with a single
-        expert of weight 1, which rounds exactly as this module's three linears and activation);
-        more tokens run the linears as GEMMs (one dense weight is better read by a GEMM than in
-        row chunks of MAX_ROWS) with the native GLU between them."""
+        """bf16 on CPU: up to MAX_ROWS tokens (AMX_ROWS with AMX tiles) run as one fused call (the
+        MoE kernel with a single expert of weight 1, which rounds exactly as this module's three
+        linears and activation); more tokens run the linears as GEMMs (one dense weight is better
+        read by a GEMM than in row chunks) with the native GLU between them."""
         n = x.shape[0]
         kernels = native(x.device) if x.dtype == torch.bfloat16 and x.dim() == 2 and n > 0 else None
         ws = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
         if kernels is None or not all(w.dtype == torch.bfloat16 for w in ws):
             return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
-        if n <= MAX_ROWS:
+        if n <= (AMX_ROWS if kernels.amx else MAX_ROWS):
             return kernels.moe_experts(x, *_single_expert_routing(n), *(w.unsqueeze(0) for w in ws), *self.act_spec)
         return self.down_proj(kernels.glu_rows(self.gate_proj(x), self.up_proj(x), *self.act_spec))
 

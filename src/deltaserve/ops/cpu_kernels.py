@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 
-from .native_abi import ACT_SILU, ACT_SITU, GATE_SIGMOID, GATE_SOFTPLUS, GROUP_SIZE, MAX_ROWS, \
+from .native_abi import ACT_SILU, ACT_SITU, AMX_ROWS, GATE_SIGMOID, GATE_SOFTPLUS, GROUP_SIZE, MAX_ROWS, \
     MLA_MAX_HEADS, MLA_MAX_RANK
 from .native_decode import DecodeBindings
 from .native_kda import KdaPrefillBindings
 from .native_prefill import PrefillBindings
 
-__all__ = ["ACT_SILU", "ACT_SITU", "GATE_SIGMOID", "GATE_SOFTPLUS", "GROUP_SIZE", "MAX_ROWS", "MLA_MAX_HEADS",
+__all__ = ["ACT_SILU", "ACT_SITU", "AMX_ROWS", "GATE_SIGMOID", "GATE_SOFTPLUS", "GROUP_SIZE", "MAX_ROWS", "MLA_MAX_HEADS",
            "MLA_MAX_RANK", "NativeKernels", "native", "set_enabled"]
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,23 @@ class NativeKernels(DecodeBindings, PrefillBindings, KdaPrefillBindings):
         PrefillBindings.declare(lib)
         KdaPrefillBindings.declare(lib)
         self.avx512_bf16 = bool(lib.ds_has_avx512bf16())
+        lib.ds_amx_ready.restype = ctypes.c_int
+        lib.ds_amx_set_enabled.argtypes = [ctypes.c_int]
+        lib.ds_amx_set_enabled.restype = None
+        lib.ds_amx_uses.restype = ctypes.c_int64
+        self.amx = False
+        self.set_amx(os.environ.get("DELTASERVE_AMX", "1") != "0")
+
+    def set_amx(self, flag: bool) -> bool:
+        """Use AMX tiles (where the CPU and kernel allow them) for batched decode; returns the old value."""
+        old = self.amx
+        self.lib.ds_amx_set_enabled(int(flag))
+        self.amx = bool(self.lib.ds_amx_ready())
+        return old
+
+    def amx_uses(self) -> int:
+        """Kernel calls and expert chunks that ran on AMX tiles in this process (tests check engagement)."""
+        return int(self.lib.ds_amx_uses())
 
 
 @functools.lru_cache(maxsize=1)
@@ -106,7 +123,7 @@ def _load() -> NativeKernels | None:
         detail = getattr(err, "stderr", "") or str(err)
         log.warning("native CPU kernels unavailable (%s); using the PyTorch paths", detail.strip()[:500])
         return None
-    log.info("native CPU kernels loaded (AVX512-BF16: %s)", kernels.avx512_bf16)
+    log.info("native CPU kernels loaded (AVX512-BF16: %s, AMX: %s)", kernels.avx512_bf16, kernels.amx)
     return kernels
 
 

@@ -2,9 +2,10 @@
 
 Decode steps multiply a handful of rows by each weight: a GEMV, where torch's bf16 `F.linear`
 streams weights well below memory bandwidth. For bf16 operands with at most
-`cpu_kernels.MAX_ROWS` rows the native kernel runs instead; everything else (and every
-tensor when the kernels are unavailable) goes through `F.linear`, the reference. Both
-accumulate in fp32 and round once to bf16; only the summation order differs.
+`cpu_kernels.MAX_ROWS` rows the native GEMV kernel runs instead, and up to AMX_ROWS rows the AMX
+tile kernel where the CPU has one (batched decode: oneDNN reorders the weight on every such call);
+everything else (and every tensor when the kernels are unavailable) goes through `F.linear`, the
+reference. All accumulate in fp32 and round once to bf16; only the summation order differs.
 """
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ from .cpu_kernels import MAX_ROWS, native
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """`F.linear(x, w)` for x [..., K] and w [N, K]."""
-    if x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.device.type == "cpu":
+    if x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.device.type == "cpu" and w.is_contiguous():
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if 0 < rows <= MAX_ROWS and w.is_contiguous():
-            kernels = native()
-            if kernels is not None:
-                y = kernels.linear_bf16(x.reshape(rows, x.shape[-1]), w)
-                return y.view(*x.shape[:-1], w.shape[0])
+        kernels = native() if rows > 0 else None
+        if kernels is not None and rows <= kernels.multi_rows(x.shape[-1]):
+            flat = x.reshape(rows, x.shape[-1])
+            y = kernels.linear_bf16(flat, w) if rows <= MAX_ROWS else kernels.linear_bf16_multi(flat, [w])[0]
+            return y.view(*x.shape[:-1], w.shape[0])
     return F.linear(x, w)

@@ -2,6 +2,7 @@
 import ctypes
 
 MAX_ROWS = 8          # the kernels' DS_MAX_M: the small-M (decode) regime
+AMX_ROWS = 64         # rows the AMX tile kernels take in one pass (batched decode)
 GROUP_SIZE = 32
 ACT_SILU, ACT_SITU = 0, 1
 GATE_SIGMOID, GATE_SOFTPLUS = 0, 1

@@ -7,7 +7,7 @@ import ctypes
 
 import torch
 
-from .native_abi import GROUP_SIZE, MAX_ROWS, MLA_MAX_HEADS, MLA_MAX_RANK, P as _P, I as _I, L as _L
+from .native_abi import AMX_ROWS, GROUP_SIZE, MAX_ROWS, MLA_MAX_HEADS, MLA_MAX_RANK, P as _P, I as _I, L as _L
 
 
 class DecodeBindings:
@@ -36,6 +36,8 @@ class DecodeBindings:
             f.restype = None
         lib.ds_linear_bf16_multi.argtypes = [_P, _I, _I, _P, _P, _P, _P, _I, _I]
         lib.ds_linear_bf16_multi.restype = _I
+        lib.ds_linear_amx_multi.argtypes = [_P, _I, _I, _P, _P, _P, _P, _I, _I]
+        lib.ds_linear_amx_multi.restype = _I
         lib.ds_route.argtypes = [_P, _L, _I, _P, _I, _I, _I, _I, ctypes.c_float, _I, _P, _P]
         lib.ds_route.restype = _I
 
@@ -58,22 +60,31 @@ class DecodeBindings:
 
     def linear_bf16_multi(self, x: torch.Tensor, weights: list[torch.Tensor],
                           f32: list[bool] | None = None) -> list[torch.Tensor]:
-        """`[x @ w.T for w in weights]` in one native call: x [M <= MAX_ROWS, K] bf16, each w [N_i, K]
-        bf16 contiguous; output i is fp32 where f32[i] (the unrounded fp32 accumulation), else bf16."""
+        """`[x @ w.T for w in weights]` in one native call: x [M, K] bf16 (M <= MAX_ROWS, or any M on
+        AMX tiles, in passes of AMX_ROWS), each w [N_i, K] bf16 contiguous; output i is fp32 where
+        f32[i] (the unrounded fp32 accumulation), else bf16."""
         m, k = x.shape
         f32 = f32 or [False] * len(weights)
-        if not (x.dtype == torch.bfloat16 and m <= MAX_ROWS and 0 < len(weights) == len(f32) <= self.MAX_MULTI
+        if not (x.dtype == torch.bfloat16 and 0 < m and (m <= MAX_ROWS or self.multi_rows(k) > MAX_ROWS)
+                and 0 < len(weights) == len(f32) <= self.MAX_MULTI
                 and all(w.dtype == torch.bfloat16 and w.dim() == 2 and w.shape[1] == k and w.is_contiguous()
                         for w in weights)):
             raise ValueError("linear_bf16_multi: bad operands")
         x = x.contiguous()
         ys = [torch.empty(m, w.shape[0], dtype=torch.float32 if f else torch.bfloat16) for w, f in zip(weights, f32)]
         nw = len(weights)
-        self.lib.ds_linear_bf16_multi(x.data_ptr(), m, k, (ctypes.c_void_p * nw)(*[w.data_ptr() for w in weights]),
-                                      (ctypes.c_int * nw)(*[w.shape[0] for w in weights]),
-                                      (ctypes.c_int * nw)(*[int(f) for f in f32]),
-                                      (ctypes.c_void_p * nw)(*[y.data_ptr() for y in ys]), nw, self._threads())
+        fn = self.lib.ds_linear_bf16_multi if m <= MAX_ROWS else self.lib.ds_linear_amx_multi
+        rc = fn(x.data_ptr(), m, k, (ctypes.c_void_p * nw)(*[w.data_ptr() for w in weights]),
+                (ctypes.c_int * nw)(*[w.shape[0] for w in weights]), (ctypes.c_int * nw)(*[int(f) for f in f32]),
+                (ctypes.c_void_p * nw)(*[y.data_ptr() for y in ys]), nw, self._threads())
+        if rc != 0:
+            raise MemoryError("linear_bf16_multi: scratch allocation failed")
         return ys
+
+    def multi_rows(self, k: int) -> int:
+        """The most rows worth one `linear_bf16_multi` call for inputs of width k (more go to oneDNN
+        GEMMs): AMX_ROWS with AMX tiles (k a multiple of 32), else MAX_ROWS."""
+        return AMX_ROWS if self.amx and k % GROUP_SIZE == 0 else MAX_ROWS
 
     def linear_bf16_heads(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Per-head `x[h] @ w[h].T`: x [H, M <= MAX_ROWS, K], w [H, N, K], both bf16 -> [H, M, N]."""

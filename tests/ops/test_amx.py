@@ -1,0 +1,90 @@
+"""AMX tile kernels (csrc/amx.c, the tile branch of csrc/moe_decode.c) against the PyTorch ops and
+the GEMV kernels they stand in for at 9..64 rows (batched decode). Both accumulate in fp32 and
+round once to bf16, so results agree to about one bf16 ulp. Skipped where the CPU, compiler or
+kernel does not grant AMX tiles; `amx_uses` proves the tile path ran."""
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deltaserve.model.moe_layer import GluMlp
+from deltaserve.ops import cpu_kernels
+from deltaserve.ops.activations import situ_and_mul
+from deltaserve.ops.linear import linear
+from deltaserve.ops.moe import grouped_experts
+
+from .test_cpu_kernels import routed_case, ulps
+
+NK = cpu_kernels.native()
+pytestmark = pytest.mark.skipif(NK is None or not NK.amx, reason="AMX tiles unavailable")
+BF = torch.bfloat16
+
+
+@pytest.mark.parametrize("rows", [9, 16, 17, 40, 64, 100])
+@pytest.mark.parametrize("k", [64, 1024])
+def test_amx_linear_matches_f_linear(rows, k):
+    gen = torch.Generator().manual_seed(rows + k)
+    x = torch.randn(rows, k, generator=gen).to(BF)
+    ws = [torch.randn(n, k, generator=gen).to(BF) for n in (300, 16, 7)]   # tails of 12, 0 and 7 rows
+    before = NK.amx_uses()
+    got = NK.linear_bf16_multi(x, ws, [False, True, False])   # above AMX_ROWS: passes of AMX_ROWS
+    assert NK.amx_uses() > before
+    for w, y, f32 in zip(ws, got, [False, True, False]):
+        ref = x.float() @ w.float().T
+        assert y.dtype == (torch.float32 if f32 else BF) and y.shape == ref.shape
+        if f32:
+            assert torch.allclose(y, ref, rtol=1e-5, atol=1e-3 * k ** 0.5)
+        else:
+            assert ulps(y, F.linear(x, w), ref) <= 2.0
+    if rows <= NK.multi_rows(k):
+        assert torch.equal(linear(x, ws[0]), got[0])   # dispatch takes the tile path
+    else:
+        assert torch.equal(linear(x, ws[0]), F.linear(x, ws[0]))   # larger batches: oneDNN
+
+
+def test_amx_linear_leaves_unaligned_widths_to_torch():
+    x, w = torch.randn(12, 48).to(BF), torch.randn(64, 48).to(BF)
+    assert NK.multi_rows(48) == cpu_kernels.MAX_ROWS
+    assert torch.equal(linear(x, w), F.linear(x, w))
+
+
+@pytest.mark.parametrize("n, hot", [(5, 0), (40, 0), (90, 90)])
+def test_amx_experts_match_gemv_kernel_and_reference(n, hot):
+    (w1, w3, w2), dense, x, ids, wts = routed_case(n, torch.Generator().manual_seed(n))
+    ids[:hot, 0] = 0   # expert 0 gets `hot` more pairs: chunks past one pass of 64
+    act = functools.partial(situ_and_mul, beta=4.0, linear_beta=25.0)
+    ref = grouped_experts(x, ids, wts, *dense, act)
+    before = NK.amx_uses()
+    tiles_packed = NK.moe_experts(x, ids, wts, w1, w3, w2, cpu_kernels.ACT_SITU, 4.0, 25.0)
+    tiles_dense = NK.moe_experts(x, ids, wts, *dense, cpu_kernels.ACT_SITU, 4.0, 25.0)
+    assert NK.amx_uses() > before
+    NK.set_amx(False)
+    try:
+        gemv = NK.moe_experts(x, ids, wts, w1, w3, w2, cpu_kernels.ACT_SITU, 4.0, 25.0)
+    finally:
+        NK.set_amx(True)
+    assert torch.equal(tiles_packed, tiles_dense)   # decode-then-tile == tiles straight from bf16
+    assert ulps(tiles_packed, ref, ref) <= 2.0
+    assert ulps(tiles_packed, gemv, ref) <= 2.0
+
+
+def test_glu_mlp_runs_fused_on_tiles_up_to_amx_rows():
+    cfg = SimpleNamespace(hidden_act="situ", situ_beta=4.0, situ_linear_beta=25.0)   # the fields GluMlp reads
+    mlp = GluMlp(cfg, 128, 256).to(BF)
+    gen = torch.Generator().manual_seed(3)
+    for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        lin.weight.data = (torch.randn(lin.weight.shape, generator=gen) * 0.05).to(BF)
+    x = torch.randn(cpu_kernels.AMX_ROWS, 128, generator=gen).to(BF)
+    before = NK.amx_uses()
+    got = mlp(x)
+    assert NK.amx_uses() > before
+    old = cpu_kernels.set_enabled(False)
+    try:
+        ref = mlp(x)
+    finally:
+        cpu_kernels.set_enabled(old)
+    assert ulps(got, ref, ref) <= 2.0
