@@ -31,8 +31,12 @@ def _experts(packed: bool, gen: torch.Generator) -> tuple[StackedExperts, tuple]
     return mod, tuple(dense)
 
 
+@pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
-def test_prefill_experts_match_grouped_experts(packed, monkeypatch):
+def test_prefill_experts_match_grouped_experts(packed, amx, monkeypatch):
+    """Without AMX tiles prefill batches take `_grouped_native`; with them the fused tile kernel."""
+    if amx and not NK.amx:
+        pytest.skip("AMX tiles unavailable")
     gen = torch.Generator().manual_seed(3)
     mod, dense = _experts(packed, gen)
     n = 3 * FUSED_MAX_TOKENS + 5
@@ -45,9 +49,16 @@ def test_prefill_experts_match_grouped_experts(packed, monkeypatch):
     real = StackedExperts._grouped_native
     monkeypatch.setattr(StackedExperts, "_grouped_native", lambda self, *a: calls.append(1) or real(self, *a))
     act = lambda g, u: situ_and_mul(g, u, 4.0, 25.0)  # noqa: E731
-    got = mod(x, ids, w, act)
+    old, before = NK.set_amx(amx), NK.amx_uses()
+    try:
+        got = mod(x, ids, w, act)
+    finally:
+        NK.set_amx(old)
     ref = grouped_experts(x, ids, w, *dense, act)
-    assert calls, "the native prefill path did not engage"
+    if amx:
+        assert not calls and NK.amx_uses() > before, "the tile path did not engage"
+    else:
+        assert calls, "the native prefill path did not engage"
     assert got.dtype == BF and got.shape == (n, D)
     # same products; the GLU may differ by one bf16 ulp in rare elements, oneDNN's K order too
     torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-3)

@@ -52,7 +52,7 @@ def test_amx_linear_leaves_unaligned_widths_to_torch():
     assert torch.equal(linear(x, w), F.linear(x, w))
 
 
-@pytest.mark.parametrize("n, hot", [(5, 0), (40, 0), (90, 90)])
+@pytest.mark.parametrize("n, hot", [(5, 0), (40, 0), (90, 90), (300, 300)])
 def test_amx_experts_match_gemv_kernel_and_reference(n, hot):
     (w1, w3, w2), dense, x, ids, wts = routed_case(n, torch.Generator().manual_seed(n))
     ids[:hot, 0] = 0   # expert 0 gets `hot` more pairs: chunks past one pass of 64

@@ -5,8 +5,10 @@ Dense: `w1` (gate), `w3` (up) `[E, I, Din]` and `w2` `[E, Din, I]` parameters. P
 `[E, O, I/2]` and `weight_scale` `[E, O, I/32]` uint8 tensors kept as they are, about 4.25 bits
 per weight; each GEMM decodes its expert on the fly (exactly, so both modes compute the same
 products). In bf16 on CPU, batches of up to FUSED_MAX_TOKENS run the fused native kernel
-(`ops.cpu_kernels`) and larger ones `_grouped_native` (per-expert oneDNN GEMMs with native GLU and
-combine); everything else runs `ops.moe.grouped_experts`, the reference.
+(`ops.cpu_kernels`), as do all batches where it has AMX tiles (one pass per expert chunk of up to 256
+pairs, measured 1.6x the GEMM path at 2048 tokens); larger batches without AMX run `_grouped_native`
+(per-expert oneDNN GEMMs with native GLU and combine); everything else runs
+`ops.moe.grouped_experts`, the reference.
 """
 from __future__ import annotations
 
@@ -72,11 +74,11 @@ class StackedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, act) -> torch.Tensor:
         """`grouped_experts` semantics (x [N, Din] -> [N, Din] in x's dtype). bf16 on CPU: small
-        batches run the fused kernel; larger ones the per-expert GEMMs with the native GLU."""
+        batches (any batch with AMX tiles) run the fused kernel; larger ones the per-expert GEMMs."""
         kernels = native(x.device) if x.dtype == torch.bfloat16 else None
         if kernels is None or not (self.packed or self.w1.dtype == torch.bfloat16):
             return grouped_experts(x, ids, weights, *self._views(), act)
-        if 0 < x.shape[0] <= FUSED_MAX_TOKENS:
+        if 0 < x.shape[0] <= FUSED_MAX_TOKENS or kernels.amx:
             return kernels.moe_experts(x, ids, weights, *self._fused_operands(), self.act_kind,
                                        self.beta or 0.0, self.linear_beta)
         return self._grouped_native(x, ids, weights, kernels)

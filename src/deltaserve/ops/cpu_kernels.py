@@ -141,5 +141,7 @@ def native(device: torch.device | str = "cpu") -> NativeKernels | None:
     """The kernels for tensors on `device`, or None where only the PyTorch path applies."""
     if not _enabled:
         return None
+    if device == "cpu" or getattr(device, "type", None) == "cpu":   # the per-call path: no device object
+        return _load()
     kind = device.type if isinstance(device, torch.device) else torch.device(device).type
     return _load() if kind == "cpu" else None

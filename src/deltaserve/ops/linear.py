@@ -17,11 +17,12 @@ from .cpu_kernels import MAX_ROWS, native
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """`F.linear(x, w)` for x [..., K] and w [N, K]."""
-    if x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.device.type == "cpu" and w.is_contiguous():
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.is_cpu and w.is_contiguous():
+        k = x.shape[-1]
+        rows = x.shape[0] if x.dim() == 2 else (x.numel() // k if k else 0)
         kernels = native() if rows > 0 else None
-        if kernels is not None and rows <= kernels.multi_rows(x.shape[-1]):
-            flat = x.reshape(rows, x.shape[-1])
+        if kernels is not None and rows <= kernels.multi_rows(k):
+            flat = x if x.dim() == 2 else x.reshape(rows, k)
             y = kernels.linear_bf16(flat, w) if rows <= MAX_ROWS else kernels.linear_bf16_multi(flat, [w])[0]
-            return y.view(*x.shape[:-1], w.shape[0])
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
     return F.linear(x, w)

@@ -28,7 +28,7 @@
 
 #define TILE_ELEMS (DS_TILE * 32)   /* bf16 elements of one A or B tile */
 #ifndef PREFETCH
-#define PREFETCH 256
+#define PREFETCH 64   /* elements (two lines) ahead per row; longer distances measured slower */
 #endif
 
 void ds_amx_pack(const uint16_t *x, int64_t ldx, int M, int K, uint16_t *xv) {
@@ -79,21 +79,20 @@ void ds_amx_config(void) { _tile_loadconfig(&TILES); }
 
 /* Tile registers are not renamed: a load into a tile waits for the products still reading it. So
  * weight tiles alternate between tmm4 and tmm5 by k-block parity (the next block's weights load while
- * this block's products run); activation tiles use tmm6/tmm7. With one m-block the two parities also
- * accumulate into separate tiles (tmm0, tmm1), summed at the end, so no product waits on the last. */
-#define DOT_KBLOCK(A, b, MB) do {                                                          \
+ * this block's products run); activation tiles alternate between tmm6 and tmm7. */
+#define DOT_KBLOCK(A, b, NB) do {                                                          \
         _tile_loadd(6, (b), 64);                                                           \
         _tile_dpbf16ps(0, A, 6);                                                           \
-        if ((MB) > 1) { _tile_loadd(7, (b) + TILE_ELEMS, 64); _tile_dpbf16ps(1, A, 7); }     \
-        if ((MB) > 2) { _tile_loadd(6, (b) + 2 * TILE_ELEMS, 64); _tile_dpbf16ps(2, A, 6); } \
-        if ((MB) > 3) { _tile_loadd(7, (b) + 3 * TILE_ELEMS, 64); _tile_dpbf16ps(3, A, 7); } \
+        if ((NB) > 1) { _tile_loadd(7, (b) + TILE_ELEMS, 64); _tile_dpbf16ps(1, A, 7); }     \
+        if ((NB) > 2) { _tile_loadd(6, (b) + 2 * TILE_ELEMS, 64); _tile_dpbf16ps(2, A, 6); } \
+        if ((NB) > 3) { _tile_loadd(7, (b) + 3 * TILE_ELEMS, 64); _tile_dpbf16ps(3, A, 7); } \
     } while (0)
 
 /* Weights of k-block kb into tile T: bf16 rows in place (prefetched ahead), or MXFP4 rows from
  * `dec`, where decode_span() has written them. */
 #define LOAD_WEIGHTS(T, kb) do {                                                                      \
         if (packed) {                                                                                 \
-            _tile_loadd(T, dec + ((kb) % SPAN) * TILE_ELEMS, 64);                                     \
+            _tile_loadd(T, dec + ((kb) - kb0) * TILE_ELEMS, 64);                                      \
         } else {                                                                                      \
             for (int r = 0; r < DS_TILE; ++r)                                                         \
                 _mm_prefetch((const char *)(a + (int64_t)r * K + (kb) * 32 + PREFETCH), _MM_HINT_T0);  \
@@ -101,7 +100,7 @@ void ds_amx_config(void) { _tile_loadconfig(&TILES); }
         }                                                                                             \
     } while (0)
 
-#define SPAN 16   /* MXFP4 k-blocks decoded ahead of their tile products (16 KB) */
+#define SPAN 16   /* k-blocks per span: MXFP4 decoded once per span (16 KB), reused by every m pass */
 
 /* dec[(kb - kb0) * TILE_ELEMS + r * 32 + j] = weight (r, 32 kb + j) for kb0 <= kb < kb1: decoding a
  * span before its products keeps the tile loads off freshly stored lines. */
@@ -113,52 +112,50 @@ static inline void decode_span(const uint8_t *p, const uint8_t *sc, int K, int k
                                mxfp4_group(p + (int64_t)r * (K / 2) + kb * 16, sc[(int64_t)r * KB + kb]));
 }
 
+/* Accumulator tiles 0..nb-1 <-> c (m-blocks mb0..mb0+nb-1). */
+static inline void tiles_from(const float *c, int nb, int zero) {
+    if (zero) { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); return; }
+    _tile_loadd(0, c, 64);
+    if (nb > 1) _tile_loadd(1, c + 256, 64);
+    if (nb > 2) _tile_loadd(2, c + 512, 64);
+    if (nb > 3) _tile_loadd(3, c + 768, 64);
+}
+
+static inline void tiles_to(float *c, int nb) {
+    _tile_stored(0, c, 64);
+    if (nb > 1) _tile_stored(1, c + 256, 64);
+    if (nb > 2) _tile_stored(2, c + 512, 64);
+    if (nb > 3) _tile_stored(3, c + 768, 64);
+}
+
 void ds_amx_rows(const void *w, const uint8_t *s, int packed, int64_t row0, int K, const uint16_t *xv, int MB,
                  float *c) {
     const int KB = K / 32;
     __attribute__((aligned(64))) uint16_t dec[SPAN * TILE_ELEMS];   /* decoded MXFP4 weights */
     const uint8_t *p = packed ? (const uint8_t *)w + row0 * (K / 2) : NULL, *sc = packed ? s + row0 * KB : NULL;
     const uint16_t *a = packed ? NULL : (const uint16_t *)w + row0 * K;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
     for (int kb0 = 0; kb0 < KB; kb0 += SPAN) {
         const int kb1 = kb0 + SPAN < KB ? kb0 + SPAN : KB;
         if (packed) decode_span(p, sc, K, kb0, kb1, dec);
-        int kb = kb0;
-        if (MB == 1) {
+        for (int mb0 = 0; mb0 < MB; mb0 += DS_AMX_MB) {   /* passes of up to four m-blocks */
+            const int nb = MB - mb0 < DS_AMX_MB ? MB - mb0 : DS_AMX_MB;
+            const uint16_t *b = xv + (int64_t)mb0 * TILE_ELEMS;
+            const int64_t step = (int64_t)MB * TILE_ELEMS;   /* xv elements per k-block */
+            tiles_from(c + mb0 * 256, nb, kb0 == 0);
+            int kb = kb0;
             for (; kb + 1 < kb1; kb += 2) {
                 LOAD_WEIGHTS(4, kb);
-                _tile_loadd(6, xv + (int64_t)kb * TILE_ELEMS, 64);
-                _tile_dpbf16ps(0, 4, 6);
+                DOT_KBLOCK(4, b + kb * step, nb);
                 LOAD_WEIGHTS(5, kb + 1);
-                _tile_loadd(7, xv + (int64_t)(kb + 1) * TILE_ELEMS, 64);
-                _tile_dpbf16ps(1, 5, 7);
+                DOT_KBLOCK(5, b + (kb + 1) * step, nb);
             }
-        } else {
-            for (; kb + 1 < kb1; kb += 2) {
+            if (kb < kb1) {
                 LOAD_WEIGHTS(4, kb);
-                DOT_KBLOCK(4, xv + (int64_t)kb * MB * TILE_ELEMS, MB);
-                LOAD_WEIGHTS(5, kb + 1);
-                DOT_KBLOCK(5, xv + (int64_t)(kb + 1) * MB * TILE_ELEMS, MB);
+                DOT_KBLOCK(4, b + kb * step, nb);
             }
-        }
-        if (kb < kb1) {
-            LOAD_WEIGHTS(4, kb);
-            DOT_KBLOCK(4, xv + (int64_t)kb * MB * TILE_ELEMS, MB);
+            tiles_to(c + mb0 * 256, nb);
         }
     }
-    _tile_stored(0, c, 64);
-    if (MB == 1) {
-        __attribute__((aligned(64))) float odd[DS_TILE * DS_TILE];
-        _tile_stored(1, odd, 64);
-        for (int t = 0; t < DS_TILE * DS_TILE; ++t) c[t] += odd[t];
-        return;
-    }
-    _tile_stored(1, c + 256, 64);
-    if (MB > 2) _tile_stored(2, c + 512, 64);
-    if (MB > 3) _tile_stored(3, c + 768, 64);
 }
 #else
 int ds_amx_ready(void) { return 0; }

@@ -20,9 +20,10 @@ int ds_moe_combine(const uint16_t *ys, const int64_t *pos, const float *w, int64
                    uint16_t *out, int nthreads);
 
 /* amx.c: bf16 tile kernels. A tile product covers DS_TILE weight rows x DS_TILE activation rows
- * ("an m-block") x 32 along K. Activations are first packed pair-interleaved, m-blocks side by side:
+ * ("an m-block") x 32 along K; DS_AMX_MB m-blocks share one pass over a weight tile. Activations are
+ * first packed pair-interleaved, m-blocks side by side:
  * xv[((kb * MB + mb) * 16 + kp) * 32 + 2 * mm + j] = x[16 mb + mm][32 kb + 2 kp + j], zero rows
- * past M; MB = ceil(M / 16) <= DS_AMX_MB. */
+ * past M; MB = ceil(M / 16). */
 #define DS_TILE 16
 #define DS_AMX_MB 4
 int ds_amx_ready(void);       /* 1 when the CPU, the compiler and the kernel allow tiles, and enabled */
@@ -31,8 +32,9 @@ int64_t ds_amx_uses(void);    /* calls and expert chunks run on tiles so far */
 void ds_amx_count(void);
 void ds_amx_config(void);     /* loads the tile configuration on the calling thread */
 void ds_amx_pack(const uint16_t *x, int64_t ldx, int M, int K, uint16_t *xv);
-/* c[(mb * 16 + r) * 16 + mm] = w[row0 + r] . x[16 mb + mm] for r < 16 (those rows must exist), K % 32 == 0;
- * w as in ds_expert_rows. Needs ds_amx_config() on this thread. */
+/* c[(mb * 16 + r) * 16 + mm] = w[row0 + r] . x[16 mb + mm] for r < 16 (those rows must exist), any MB,
+ * K % 32 == 0; w as in ds_expert_rows (MXFP4 decoded once per 512 columns for all m-blocks).
+ * Needs ds_amx_config() on this thread. */
 void ds_amx_rows(const void *w, const uint8_t *s, int packed, int64_t row0, int K, const uint16_t *xv, int MB,
                  float *c);
 #endif

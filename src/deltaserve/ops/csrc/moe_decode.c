@@ -1,8 +1,9 @@
 /* deltaserve fused routed experts for small batches (decode): the (token, slot) pairs are grouped by
  * expert, and each chunk of one expert's pairs runs gate/up, the GLU and down in one pass over that
  * expert's weights (bf16, or MXFP4 kept packed). Chunks of at least AMX_MIN_PAIRS pairs run on AMX
- * tiles (amx.c) when ds_amx_ready(), up to 64 pairs; others on the GEMV row kernels (cpu_kernels.c),
- * up to DS_MAX_M pairs. Either way fp32 accumulation, bf16 results; only summation order differs.
+ * tiles (amx.c) when ds_amx_ready(), up to AMX_MAX_PAIRS (so prefill batches fit too); others on
+ * the GEMV row kernels (cpu_kernels.c), up to DS_MAX_M pairs. Either way fp32 accumulation, bf16
+ * results; only the summation order differs.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -14,8 +15,9 @@
 
 enum { DS_ACT_SILU = 0, DS_ACT_SITU = 1 };
 #define AMX_MIN_PAIRS 2
-#define AMX_MAX_PAIRS (DS_TILE * DS_AMX_MB)
-#define ACC_MAX (DS_AMX_MB * DS_TILE * DS_TILE)   /* floats of one row block's products */
+#define AMX_MAX_MB 16
+#define AMX_MAX_PAIRS (DS_TILE * AMX_MAX_MB)   /* pairs per tile chunk (prefill: ~one expert's share) */
+#define ACC_MAX (AMX_MAX_MB * DS_TILE * DS_TILE)   /* floats of one row block's products */
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
@@ -29,16 +31,16 @@ static inline float glu_situ(float g, float u, float beta, float lbeta) {
 
 static inline float glu_silu(float g, float u) { return round_bf16(g * ds_sigmoid(g)) * u; }
 
-/* h[m * I + i0 + r] = bf16(glu(bf16(g[r * lda + m]), bf16(u[r * lda + m]))) for r < rows <= 16,
- * m < M <= 16: valid entries are packed so the activation loop runs vectorised over them. */
-static void glu_block(const float *g, const float *u, int lda, int rows, int M, int act, float beta, float lbeta,
+/* h[m * I + i0 + r] = bf16(glu(bf16(g[r * DS_MAX_M + m]), bf16(u[...]))) for r < rows, m < M (the GEMV
+ * kernels' layout): valid entries are packed so the activation loop runs vectorised over them. */
+static void glu_block(const float *g, const float *u, int rows, int M, int act, float beta, float lbeta,
                       uint16_t *h, int64_t I, int i0) {
-    float gg[DS_TILE * DS_TILE], uu[DS_TILE * DS_TILE], hv[DS_TILE * DS_TILE];
+    float gg[8 * DS_MAX_M], uu[8 * DS_MAX_M], hv[8 * DS_MAX_M];
     const int n = rows * M;
     for (int r = 0; r < rows; ++r)
         for (int m = 0; m < M; ++m) {
-            gg[r * M + m] = round_bf16(g[r * lda + m]);
-            uu[r * M + m] = round_bf16(u[r * lda + m]);
+            gg[r * M + m] = round_bf16(g[r * DS_MAX_M + m]);
+            uu[r * M + m] = round_bf16(u[r * DS_MAX_M + m]);
         }
     if (act == DS_ACT_SITU) {
         #pragma omp simd
@@ -64,12 +66,12 @@ typedef struct {
 
 typedef struct { uint16_t *xg, *h, *xv, *hv; } chunk_scratch;   /* gathered rows, GLU out, tile packs */
 
-static int scratch_alloc(chunk_scratch *s, int D, int I) {
-    const size_t rows = AMX_MAX_PAIRS;
-    s->xg = malloc(sizeof(uint16_t) * rows * D);
-    s->h = malloc(sizeof(uint16_t) * rows * I);
-    s->xv = aligned_alloc(64, sizeof(uint16_t) * rows * D);
-    s->hv = aligned_alloc(64, sizeof(uint16_t) * rows * I);
+static int scratch_alloc(chunk_scratch *s, int rows, int D, int I) {
+    const size_t padded = (size_t)(rows + DS_TILE - 1) / DS_TILE * DS_TILE;   /* whole m-blocks */
+    s->xg = malloc(sizeof(uint16_t) * (size_t)rows * D);
+    s->h = malloc(sizeof(uint16_t) * (size_t)rows * I);
+    s->xv = aligned_alloc(64, (sizeof(uint16_t) * padded * D + 63) / 64 * 64);
+    s->hv = aligned_alloc(64, (sizeof(uint16_t) * padded * I + 63) / 64 * 64);
     return s->xg && s->h && s->xv && s->hv;
 }
 
@@ -85,15 +87,70 @@ static int chunk_pairs(int amx, int start, int end) {
 }
 
 /* acc = the products of weight rows row0.. (R of them; 16 on tiles) with the chunk's M activations
- * (x rows, or their tile pack xv); acc_at gives the place of (row r, pair m). */
+ * (x rows, or their tile pack xv), in ds_expert_rows' or ds_amx_rows' layout. */
 static void block_rows(int tiles, const void *w, const uint8_t *s, int packed, int64_t row0, int R, int K,
                        const uint16_t *x, const uint16_t *xv, int M, float *acc) {
     if (tiles) ds_amx_rows(w, s, packed, row0, K, xv, (M + DS_TILE - 1) / DS_TILE, acc);
     else ds_expert_rows(w, s, packed, row0, R, K, x, M, acc);
 }
 
-static inline int acc_at(int tiles, int r, int m) {
-    return tiles ? (m / DS_TILE) * DS_TILE * DS_TILE + r * DS_TILE + m % DS_TILE : r * DS_MAX_M + m;
+/* Tile chunks: hv (the tile pack of h, K = I) gets rows i0..i0+15 of every m-block, h[m][i0 + r] =
+ * glu(bf16(g), bf16(u)) as glu_block, from the products g, u in ds_amx_rows' layout. Pair rows (r, r+1)
+ * interleave into one 64-byte row of the pack, so no separate pack pass over h is needed. */
+static void glu_tiles(const float *g, const float *u, int MB, int act, float beta, float lbeta, uint16_t *hv,
+                      int i0) {
+    float gg[DS_TILE * DS_TILE], uu[DS_TILE * DS_TILE], hh[DS_TILE * DS_TILE];
+    for (int mb = 0; mb < MB; ++mb) {
+        const float *gb = g + mb * DS_TILE * DS_TILE, *ub = u + mb * DS_TILE * DS_TILE;
+#ifdef __AVX512F__
+        for (int t = 0; t < DS_TILE * DS_TILE; t += 16) {
+            _mm512_storeu_ps(gg + t, bf16_to_f32_x16(f32_to_bf16_x16(_mm512_loadu_ps(gb + t))));
+            _mm512_storeu_ps(uu + t, bf16_to_f32_x16(f32_to_bf16_x16(_mm512_loadu_ps(ub + t))));
+        }
+#else
+        for (int t = 0; t < DS_TILE * DS_TILE; ++t) {
+            gg[t] = round_bf16(gb[t]);
+            uu[t] = round_bf16(ub[t]);
+        }
+#endif
+        if (act == DS_ACT_SITU) {
+            #pragma omp simd
+            for (int t = 0; t < DS_TILE * DS_TILE; ++t) hh[t] = glu_situ(gg[t], uu[t], beta, lbeta);
+        } else {
+            #pragma omp simd
+            for (int t = 0; t < DS_TILE * DS_TILE; ++t) hh[t] = glu_silu(gg[t], uu[t]);
+        }
+        uint16_t *dst = hv + (((int64_t)(i0 / 32) * MB + mb) * DS_TILE + (i0 % 32) / 2) * 32;
+        for (int q = 0; q < DS_TILE / 2; ++q) {   /* rows 2q, 2q + 1 -> pack row q: [mm][2] */
+#ifdef __AVX512F__
+            const __m512i even = _mm512_cvtepu16_epi32(f32_to_bf16_x16(_mm512_loadu_ps(hh + 2 * q * DS_TILE)));
+            const __m512i odd = _mm512_cvtepu16_epi32(f32_to_bf16_x16(_mm512_loadu_ps(hh + (2 * q + 1) * DS_TILE)));
+            _mm512_storeu_si512((void *)(dst + q * 32), _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+#else
+            for (int mm = 0; mm < DS_TILE; ++mm) {
+                dst[q * 32 + 2 * mm] = f32_to_bf16(hh[(2 * q) * DS_TILE + mm]);
+                dst[q * 32 + 2 * mm + 1] = f32_to_bf16(hh[(2 * q + 1) * DS_TILE + mm]);
+            }
+#endif
+        }
+    }
+}
+
+/* ys[pair[m]][d0 + r] = bf16(y[m-block m / 16][r][m % 16]) for r < 16, m < M: y converted 16 lanes at a
+ * time, then each pair's 16 outputs gathered from its column. */
+static void store_tiles(const float *y, int M, const int *pair, uint16_t *ys, int64_t D, int d0) {
+    uint16_t yb[ACC_MAX];
+    const int n = (M + DS_TILE - 1) / DS_TILE * DS_TILE * DS_TILE;
+#ifdef __AVX512F__
+    for (int t = 0; t < n; t += 16) _mm256_storeu_si256((__m256i *)(yb + t), f32_to_bf16_x16(_mm512_loadu_ps(y + t)));
+#else
+    for (int t = 0; t < n; ++t) yb[t] = f32_to_bf16(y[t]);
+#endif
+    for (int m = 0; m < M; ++m) {
+        const uint16_t *col = yb + (m / DS_TILE) * DS_TILE * DS_TILE + m % DS_TILE;
+        uint16_t *dst = ys + (int64_t)pair[m] * D + d0;
+        for (int r = 0; r < DS_TILE; ++r) dst[r] = col[r * DS_TILE];
+    }
 }
 
 /* One chunk of one expert's pairs. With `shared` the caller is inside a parallel region and the row
@@ -120,28 +177,23 @@ static void moe_chunk(const experts_job *j, int start, chunk_scratch *s, int sha
         const int rows = I - i0 < R ? I - i0 : R;
         block_rows(tiles, j->w1, j->s1, j->packed, (int64_t)e * I + i0, rows, D, s->xg, s->xv, M, g);
         block_rows(tiles, j->w3, j->s3, j->packed, (int64_t)e * I + i0, rows, D, s->xg, s->xv, M, u);
-        for (int m0 = 0; m0 < M; m0 += DS_TILE) {
-            const int at = acc_at(tiles, 0, m0), lda = tiles ? DS_TILE : DS_MAX_M;
-            glu_block(g + at, u + at, lda, rows, M - m0 < DS_TILE ? M - m0 : DS_TILE, j->act, j->beta, j->lbeta,
-                      s->h + (int64_t)m0 * I, I, i0);
-        }
+        if (tiles) glu_tiles(g, u, (M + DS_TILE - 1) / DS_TILE, j->act, j->beta, j->lbeta, s->hv, i0);
+        else glu_block(g, u, rows, M, j->act, j->beta, j->lbeta, s->h, I, i0);
     }
     if (shared) {
         #pragma omp barrier
-    }
-    if (tiles) {
-        if (me == 0) ds_amx_pack(s->h, I, M, I, s->hv);
-        if (shared) {
-            #pragma omp barrier
-        }
     }
     for (int d0 = R * (dblocks * me / nt); d0 < D && d0 < R * (dblocks * (me + 1) / nt); d0 += R) {
         float y[ACC_MAX];
         const int rows = D - d0 < R ? D - d0 : R;
         block_rows(tiles, j->w2, j->s2, j->packed, (int64_t)e * D + d0, rows, I, s->h, s->hv, M, y);
+        if (tiles) {
+            store_tiles(y, M, j->order + start, j->ys, D, d0);
+            continue;
+        }
         for (int m = 0; m < M; ++m)
             for (int r = 0; r < rows; ++r)
-                j->ys[(int64_t)j->order[start + m] * D + d0 + r] = f32_to_bf16(y[acc_at(tiles, r, m)]);
+                j->ys[(int64_t)j->order[start + m] * D + d0 + r] = f32_to_bf16(y[r * DS_MAX_M + m]);
     }
 }
 
@@ -170,17 +222,20 @@ int ds_moe_experts(const uint16_t *x, int N, int D, const int64_t *ids, const fl
         for (int p = 0; p < P; ++p) order[fill[ids[p]]++] = p;   /* stable: pair order kept */
         const experts_job job = {x, D, I, k, packed, act, ds_amx_ready() && D % 32 == 0 && I % 32 == 0,
                                  count, order, ids, w1, w3, w2, s1, s3, s2, beta, lbeta, ys};
-        int chunks = 0;
+        int chunks = 0, widest = 1;
         for (int e = 0; e < E; ++e)
-            for (int start = count[e]; start < count[e + 1]; start += chunk_pairs(job.amx, start, count[e + 1]))
+            for (int start = count[e], n; start < count[e + 1]; start += n) {
+                n = chunk_pairs(job.amx, start, count[e + 1]);
+                widest = n > widest ? n : widest;
                 chunk[chunks++] = start;
+            }
         int bad = 0;
         if (chunks >= 2 * nthreads) {
             /* Each thread runs whole chunks in private scratch: one fork/join for all experts. */
             #pragma omp parallel num_threads(nthreads) reduction(| : bad)
             {
                 chunk_scratch s;
-                const int ok = scratch_alloc(&s, D, I);
+                const int ok = scratch_alloc(&s, widest, D, I);
                 bad |= !ok;
                 if (job.amx) ds_amx_config();
                 #pragma omp for schedule(dynamic, 1)
@@ -191,7 +246,7 @@ int ds_moe_experts(const uint16_t *x, int N, int D, const int64_t *ids, const fl
         } else {
             /* Few chunks (a lone dense MLP, tiny batches): every thread shares each chunk's rows. */
             chunk_scratch s;
-            bad = !scratch_alloc(&s, D, I);
+            bad = !scratch_alloc(&s, widest, D, I);
             for (int c = 0; c < chunks && !bad; ++c) {
                 #pragma omp parallel num_threads(nthreads)
                 {
