@@ -1,5 +1,6 @@
 """The native decode paths wired into the engine (bf16, CPU): the in-place KDA slot update, the
-paged MLA decode, the native router and the fused experts must address the right slots and rows.
+paged MLA decode, the native router and the fused experts (one call per KDA and MoE block, or
+module by module) must address the right slots and rows.
 Three sequences share the pools with small scattered pages. Oracle: the PyTorch path's cache-free
 `forward_full` (native kernels off) on each prompt plus the engine's own greedy tokens: every
 token must be that oracle's argmax up to bf16 noise (near-ties decide differently under a
@@ -13,6 +14,8 @@ import pytest
 import torch
 
 from deltaserve import LLM, SamplingParams
+from deltaserve.model.kda_layer import KdaAttention
+from deltaserve.model.moe_layer import MoeBlock
 from deltaserve.model.tiny import make_tiny
 from deltaserve.ops import cpu_kernels
 
@@ -22,7 +25,7 @@ TIE = 0.1   # logits within this of the max count as the argmax (bf16 noise; wro
 
 def run(ckpt, prompts, monkeypatch, enabled: bool, max_num_seqs: int = 3):
     calls = Counter()
-    for name in ("kda_decode", "mla_decode", "moe_experts", "linear_bf16", "route"):
+    for name in ("kda_decode", "mla_decode", "moe_experts", "linear_bf16", "route", "kda_block", "moe_block"):
         real = getattr(cpu_kernels.NativeKernels, name)
 
         def counted(self, *a, _real=real, _name=name, **k):
@@ -57,13 +60,18 @@ def test_native_decode_matches_torch_paths_and_engages(tmp_path, monkeypatch, mx
     prompts = [list(range(300, 321)), list(range(700, 705)), list(range(1000, 1037))]
     llm, native, calls = run(ckpt, prompts, monkeypatch, True)
     _, torch_path, torch_calls = run(ckpt, prompts, monkeypatch, False)
-    assert all(calls[k] > 0 for k in ("kda_decode", "mla_decode", "moe_experts", "linear_bf16", "route")), calls
+    assert all(calls[k] > 0 for k in ("kda_block", "moe_block", "mla_decode", "moe_experts", "linear_bf16")), calls
     assert sum(torch_calls.values()) == 0
     for prompt, a, b in zip(prompts, native, torch_path):
         assert max(gaps_to_oracle(llm, prompt, a)) < TIE
         assert max(gaps_to_oracle(llm, prompt, b)) < TIE
     reversed_gaps = gaps_to_oracle(llm, prompts[0], native[0][::-1])   # the check can fail
     assert max(reversed_gaps) > 10 * TIE
+    monkeypatch.setattr(KdaAttention, "_native_plan", lambda self, kernels: None)
+    monkeypatch.setattr(MoeBlock, "_native_plan", lambda self, kernels: None)
+    _, per_module, module_calls = run(ckpt, prompts, monkeypatch, True)
+    assert module_calls["kda_decode"] > 0 and module_calls["route"] > 0 and module_calls["kda_block"] == 0
+    assert per_module == native   # the block kernels compose the same kernels in the same order
 
 
 @pytest.mark.skipif(not getattr(cpu_kernels.native(), "amx", False), reason="AMX tiles unavailable")
@@ -75,6 +83,20 @@ def test_batched_decode_on_amx_tiles_matches_oracle(tmp_path, monkeypatch):
     kernels = cpu_kernels.native()
     before = kernels.amx_uses()
     llm, native, calls = run(ckpt, prompts, monkeypatch, True, max_num_seqs=12)
-    assert kernels.amx_uses() > before and calls["kda_decode"] > 0
+    assert kernels.amx_uses() > before and calls["kda_block"] > 0 and calls["moe_block"] > 0
     for prompt, tokens in zip(prompts, native):
         assert max(gaps_to_oracle(llm, prompt, tokens)) < TIE
+
+
+def test_block_kernels_match_per_module_path_on_kimi_linear(tmp_path, monkeypatch):
+    """Kimi-Linear: no latent MoE, softplus KDA gate, low-rank output gate; the block kernels must
+    still equal the module-by-module native path token for token."""
+    ckpt = make_tiny(tmp_path / "kl", "kimi_linear", seed=6)
+    prompts = [list(range(200, 213)), list(range(400, 431))]
+    _, fused, calls = run(ckpt, prompts, monkeypatch, True)
+    assert calls["kda_block"] > 0 and calls["moe_block"] > 0
+    monkeypatch.setattr(KdaAttention, "_native_plan", lambda self, kernels: None)
+    monkeypatch.setattr(MoeBlock, "_native_plan", lambda self, kernels: None)
+    _, per_module, module_calls = run(ckpt, prompts, monkeypatch, True)
+    assert module_calls["kda_decode"] > 0 and module_calls["kda_block"] == 0
+    assert per_module == fused

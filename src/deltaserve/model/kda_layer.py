@@ -6,10 +6,11 @@ from torch import nn
 
 from ..ops import kda as kda_ops
 from ..ops.cpu_kernels import GATE_SIGMOID, GATE_SOFTPLUS, native
+from ..ops.native_blocks import KdaBlockWeights
 from ..ops.norms import gated_rms_norm
 from .config import ModelConfig
 from .context import ForwardContext
-from .modules import WeightVector, cached_fp32, empty_linear, project
+from .modules import WeightVector, cached_fp32, cached_object, empty_linear, project
 
 
 class KdaAttention(nn.Module):
@@ -66,9 +67,12 @@ class KdaAttention(nn.Module):
         if tails.dtype != torch.bfloat16 or states.dtype != torch.float32:
             return None
         sigmoid_gate = self.lower_bound is not None
-        f32 = {name: cached_fp32(self, name, build, src) for name, build, src in (
-            ("A_log", lambda: self.A_log, self.A_log), ("dt_bias", lambda: self.dt_bias, self.dt_bias),
-            ("o_norm", lambda: self.o_norm.weight, self.o_norm.weight))}
+        p = self.num_heads * self.head_dim
+        if x.shape[0] <= min(kernels.multi_rows(k) for k in (x.shape[1], self.head_dim, p)):
+            plan = self._native_plan(kernels)
+            if plan is not None:
+                return kernels.kda_block(plan, x, tails, states, slots)
+        f32 = self._f32_params()
         full_gate = hasattr(self, "g_proj")
         q, k, v, f_a, b, g = project(x, self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,
                                      self.g_proj if full_gate else self.g_a_proj)
@@ -77,6 +81,34 @@ class KdaAttention(nn.Module):
                                self.lower_bound if sigmoid_gate else 0.0, b,
                                g if full_gate else self.g_b_proj(g), f32["o_norm"], self.eps, self.scale)
         return self.o_proj(o)
+
+    def _f32_params(self) -> dict[str, torch.Tensor]:
+        """A_log, dt_bias and the output norm weight in fp32, memoised (the native decode kernels)."""
+        return {name: cached_fp32(self, name, build, src) for name, build, src in (
+            ("A_log", lambda: self.A_log, self.A_log), ("dt_bias", lambda: self.dt_bias, self.dt_bias),
+            ("o_norm", lambda: self.o_norm.weight, self.o_norm.weight))}
+
+    def _native_plan(self, kernels):
+        """The whole decode step's plan (`ops.native_blocks.kda_block`: one native call instead of
+        five, bit-identical to them), memoised until a weight changes; None where it does not apply."""
+        full = hasattr(self, "g_proj")
+        gate = self.g_proj if full else self.g_a_proj
+        linears = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.f_b_proj, self.b_proj, gate,
+                   None if full else self.g_b_proj, self.o_proj)
+        sources = [m.weight for m in linears if m is not None]
+        sources += [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight, self.A_log, self.dt_bias,
+                    self.o_norm.weight]
+
+        def build():
+            f32 = self._f32_params()
+            w = KdaBlockWeights(*(None if m is None else m.weight for m in linears), conv_w=self._conv_weight_f32(),
+                                a_log=f32["A_log"], dt_bias=f32["dt_bias"], norm_w=f32["o_norm"])
+            sigmoid_gate = self.lower_bound is not None
+            plan = kernels.kda_block_plan(w, self.num_heads, GATE_SIGMOID if sigmoid_gate else GATE_SOFTPLUS,
+                                          self.lower_bound if sigmoid_gate else 0.0, self.eps, self.scale)
+            return None if plan is None else (plan, w)   # w keeps the plan's tensors alive
+        hit = cached_object(self, "native_block", build, *sources)
+        return None if hit is None else hit[0]
 
     def _conv_weight_f32(self) -> torch.Tensor:
         """The fused conv weight [3P, W] in fp32, memoised (the native decode and prefill kernels)."""

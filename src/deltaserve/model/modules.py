@@ -10,17 +10,22 @@ from ..ops.linear import linear
 from ..ops.norms import rms_norm
 
 
-def cached_derived(owner: nn.Module, key: str, build, *sources: torch.Tensor) -> torch.Tensor:
-    """`build()` (a contiguous tensor derived from `sources`: a dtype cast, a transposed copy),
-    memoised on `owner` until a source changes (storage or in-place version), so per-step
-    kernels do not re-derive weights. Plain attributes, not buffers: never saved or counted."""
-    stamp = tuple((t.data_ptr(), t._version) for t in sources)
+def cached_object(owner: nn.Module, key: str, build, *sources: torch.Tensor | None):
+    """`build()` memoised on `owner` until a source changes (storage or in-place version), so
+    per-step kernels do not re-derive what depends only on weights. Plain attributes, not
+    buffers: never saved or counted."""
+    stamp = tuple((t.data_ptr(), t._version) for t in sources if t is not None)
     memo = owner.__dict__.setdefault("_derived_memo", {})
     hit = memo.get(key)
     if hit is None or hit[0] != stamp:
         with torch.no_grad():
-            hit = memo[key] = (stamp, build().contiguous())
+            hit = memo[key] = (stamp, build())
     return hit[1]
+
+
+def cached_derived(owner: nn.Module, key: str, build, *sources: torch.Tensor) -> torch.Tensor:
+    """`cached_object` of a contiguous tensor derived from `sources` (a dtype cast, a transposed copy)."""
+    return cached_object(owner, key, lambda: build().contiguous(), *sources)
 
 
 def cached_fp32(owner: nn.Module, key: str, build, *sources: torch.Tensor) -> torch.Tensor:

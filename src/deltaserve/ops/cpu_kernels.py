@@ -24,6 +24,7 @@ import torch
 
 from .native_abi import ACT_SILU, ACT_SITU, AMX_ROWS, GATE_SIGMOID, GATE_SOFTPLUS, GROUP_SIZE, MAX_ROWS, \
     MLA_MAX_HEADS, MLA_MAX_RANK
+from .native_blocks import BlockBindings
 from .native_decode import DecodeBindings
 from .native_kda import KdaPrefillBindings
 from .native_prefill import PrefillBindings
@@ -79,7 +80,7 @@ def _build(compiler: str) -> Path:
     return lib
 
 
-class NativeKernels(DecodeBindings, PrefillBindings, KdaPrefillBindings):
+class NativeKernels(DecodeBindings, PrefillBindings, KdaPrefillBindings, BlockBindings):
     """The loaded library with every binding; `native()` hands out the process's instance."""
 
     def __init__(self, lib: ctypes.CDLL):
@@ -89,6 +90,7 @@ class NativeKernels(DecodeBindings, PrefillBindings, KdaPrefillBindings):
         DecodeBindings.declare(lib)
         PrefillBindings.declare(lib)
         KdaPrefillBindings.declare(lib)
+        BlockBindings.declare(lib)
         self.avx512_bf16 = bool(lib.ds_has_avx512bf16())
         lib.ds_amx_ready.restype = ctypes.c_int
         lib.ds_amx_set_enabled.argtypes = [ctypes.c_int]

@@ -1,0 +1,182 @@
+"""ctypes bindings of the native whole-block kernels (`csrc/blocks.c`): a block's static part
+(weight pointers, sizes, router and activation constants) is described once in a plan, and each
+call passes only the activations."""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from .native_abi import GROUP_SIZE, P as _P, I as _I, F as _F, L as _L
+
+
+class MoeBlockPlan(ctypes.Structure):
+    """`ds_moe_block_t`, field for field."""
+
+    _fields_ = [("D", _I), ("E", _I), ("L", _I), ("I", _I), ("SI", _I),
+                ("top_k", _I), ("groups", _I), ("topk_group", _I), ("renormalize", _I), ("bias_in_weights", _I),
+                ("scale", _F), ("norm_eps", _F), ("beta", _F), ("lbeta", _F),
+                ("act", _I), ("packed", _I),
+                ("gate", _P), ("bias", _P), ("down", _P), ("up", _P), ("norm_w", _P),
+                ("w1", _P), ("w3", _P), ("w2", _P), ("s1", _P), ("s3", _P), ("s2", _P),
+                ("sh1", _P), ("sh3", _P), ("sh2", _P)]
+
+
+class KdaBlockPlan(ctypes.Structure):
+    """`ds_kda_block_t`, field for field."""
+
+    _fields_ = [("D", _I), ("H", _I), ("K", _I), ("W", _I), ("full_gate", _I), ("gate_kind", _I),
+                ("lower_bound", _F), ("eps", _F), ("scale", _F),
+                ("q", _P), ("k", _P), ("v", _P), ("f_a", _P), ("f_b", _P), ("b", _P), ("g", _P), ("g_b", _P),
+                ("o", _P), ("conv_w", _P), ("a_log", _P), ("dt_bias", _P), ("norm_w", _P)]
+
+
+@dataclass
+class KdaBlockWeights:
+    """The tensors of one KDA layer's decode step as `ds_kda_block` reads them."""
+
+    q: torch.Tensor          # q/k/v [P, D] bf16
+    k: torch.Tensor
+    v: torch.Tensor
+    f_a: torch.Tensor        # [K, D]
+    f_b: torch.Tensor        # [P, K]
+    b: torch.Tensor          # [H, D]
+    g: torch.Tensor          # g_proj [P, D] (full-rank gate) or g_a_proj [K, D]
+    g_b: torch.Tensor | None  # [P, K] (low-rank gate)
+    o: torch.Tensor          # [D, P]
+    conv_w: torch.Tensor     # [3P, W] fp32
+    a_log: torch.Tensor      # [H] fp32
+    dt_bias: torch.Tensor    # [P] fp32
+    norm_w: torch.Tensor     # [K] fp32
+
+
+@dataclass
+class MoeBlockWeights:
+    """The tensors of one MoE block as `ds_moe_block` reads them (see MoeBlock.native_plan)."""
+
+    gate: torch.Tensor                                # [E, D] bf16
+    bias: torch.Tensor | None                         # [E] fp32
+    experts: tuple                                    # (w1, w3, w2): bf16 [E, I, L] / [E, L, I] or (packed, scale) pairs
+    down: torch.Tensor | None = None                  # [L, D] bf16 (K3 latent)
+    up: torch.Tensor | None = None                    # [D, L] bf16
+    norm_w: torch.Tensor | None = None                # [L] fp32
+    shared: tuple[torch.Tensor, ...] | None = None    # gate/up [SI, D], down [D, SI] bf16
+
+
+def _bf16(t: torch.Tensor | None, shape: tuple[int, ...]) -> bool:
+    return t is None or (t.dtype == torch.bfloat16 and t.is_contiguous() and tuple(t.shape) == shape)
+
+
+class BlockBindings:
+    """Mixin of `NativeKernels`; `declare(lib)` sets the ctypes signatures it calls."""
+
+    lib: ctypes.CDLL
+
+    @staticmethod
+    def declare(lib: ctypes.CDLL) -> None:
+        lib.ds_moe_block.argtypes = [ctypes.POINTER(MoeBlockPlan), _P, _I, _P, _I]
+        lib.ds_moe_block.restype = _I
+        lib.ds_kda_block.argtypes = [ctypes.POINTER(KdaBlockPlan), _P, _I, _P, _P, _P, _L, _P, _I]
+        lib.ds_kda_block.restype = _I
+
+    def moe_block_plan(self, w: MoeBlockWeights, route: tuple, act: tuple, norm_eps: float) -> MoeBlockPlan | None:
+        """A plan for `moe_block`, or None where the block's tensors do not fit the kernel (the caller
+        runs the modules). `route` = (top_k, groups, topk_group, renormalize, scale, bias_in_weights),
+        `act` = (kind, beta, linear_beta). The plan holds raw pointers: keep `w` alive with it."""
+        e, d = w.gate.shape
+        latent = w.down is not None
+        width_in = w.down.shape[0] if latent else d
+        ex = w.experts
+        packed = isinstance(ex[0], tuple)
+        if packed:
+            (p1, s1), (p3, s3), (p2, s2) = ex
+            inter = p1.shape[1]
+            ok = (tuple(p1.shape) == tuple(p3.shape) == (e, inter, width_in // 2) and tuple(p2.shape) == (e, width_in, inter // 2)
+                  and tuple(s1.shape) == tuple(s3.shape) == (e, inter, width_in // GROUP_SIZE)
+                  and tuple(s2.shape) == (e, width_in, inter // GROUP_SIZE) and width_in % GROUP_SIZE == 0
+                  and inter % GROUP_SIZE == 0
+                  and all(t.dtype == torch.uint8 and t.is_contiguous() for t in (p1, s1, p3, s3, p2, s2)))
+            ptrs = [p1, p3, p2, s1, s3, s2]
+        else:
+            inter = ex[0].shape[1]
+            ok = _bf16(ex[0], (e, inter, width_in)) and _bf16(ex[1], (e, inter, width_in)) and \
+                _bf16(ex[2], (e, width_in, inter))
+            ptrs = [*ex, None, None, None]
+        si = w.shared[0].shape[0] if w.shared is not None else 0
+        ok = (ok and _bf16(w.gate, (e, d)) and _bf16(w.down, (width_in, d)) and _bf16(w.up, (d, width_in))
+              and (w.bias is None or (w.bias.dtype == torch.float32 and w.bias.is_contiguous() and w.bias.numel() == e))
+              and (w.norm_w is None or (w.norm_w.dtype == torch.float32 and w.norm_w.numel() == width_in))
+              and (w.shared is None or (_bf16(w.shared[0], (si, d)) and _bf16(w.shared[1], (si, d))
+                                        and _bf16(w.shared[2], (d, si)))))
+        if not ok or latent != (w.up is not None):
+            return None
+        top_k, groups, topk_group, renorm, scale, bias_in_weights = route
+        kind, beta, lbeta = act
+
+        def ptr(t):
+            return None if t is None else t.data_ptr()
+        sh = w.shared or (None, None, None)
+        return MoeBlockPlan(d, e, width_in, inter, si, top_k, groups, topk_group, int(renorm), int(bias_in_weights),
+                            scale, norm_eps, beta or 0.0, lbeta or 0.0, kind, int(packed),
+                            ptr(w.gate), ptr(w.bias), ptr(w.down), ptr(w.up), ptr(w.norm_w),
+                            *[ptr(t) for t in ptrs], *[ptr(t) for t in sh])
+
+    def moe_block(self, plan: MoeBlockPlan, x: torch.Tensor) -> torch.Tensor | None:
+        """The MoE block of x [N, D] bf16 (N within `multi_rows(D)`), or None where the router's
+        limits do not hold (nothing computed; the caller runs the modules)."""
+        n, d = x.shape
+        if not (x.dtype == torch.bfloat16 and d == plan.D and 0 < n <= self.multi_rows(d)):
+            raise ValueError("moe_block: bad input")
+        x = x.contiguous()
+        out = torch.empty(n, d, dtype=torch.bfloat16)
+        rc = self.lib.ds_moe_block(ctypes.byref(plan), x.data_ptr(), n, out.data_ptr(), torch.get_num_threads())
+        if rc == -3:
+            return None
+        if rc != 0:
+            raise MemoryError("moe_block: scratch allocation failed")
+        return out
+
+    def kda_block_plan(self, w: KdaBlockWeights, heads: int, gate_kind: int, lower_bound: float, eps: float,
+                       scale: float) -> KdaBlockPlan | None:
+        """A plan for `kda_block`, or None where the tensors do not fit the kernel. Keep `w` alive with it."""
+        p, d = w.q.shape
+        kd = w.f_a.shape[0]
+        full = w.g_b is None
+        f32 = (w.conv_w, w.a_log, w.dt_bias, w.norm_w)
+        ok = (p == heads * kd and all(_bf16(t, (p, d)) for t in (w.q, w.k, w.v)) and _bf16(w.f_a, (kd, d))
+              and _bf16(w.f_b, (p, kd)) and _bf16(w.b, (heads, d)) and _bf16(w.g, (p if full else kd, d))
+              and _bf16(w.g_b, (p, kd)) and _bf16(w.o, (d, p))
+              and all(t.dtype == torch.float32 and t.is_contiguous() for t in f32)
+              and w.conv_w.dim() == 2 and w.conv_w.shape[0] == 3 * p and w.a_log.numel() == heads
+              and w.dt_bias.numel() == p and w.norm_w.numel() == kd)
+        if not ok:
+            return None
+
+        def ptr(t):
+            return None if t is None else t.data_ptr()
+        return KdaBlockPlan(d, heads, kd, w.conv_w.shape[1], int(full), gate_kind, lower_bound, eps, scale,
+                            *[ptr(t) for t in (w.q, w.k, w.v, w.f_a, w.f_b, w.b, w.g, w.g_b, w.o, *f32)])
+
+    def kda_block(self, plan: KdaBlockPlan, x: torch.Tensor, tails: torch.Tensor, states: torch.Tensor,
+                  slots: torch.Tensor) -> torch.Tensor:
+        """One KDA decode step of x [N, D] bf16 (N within `multi_rows` of D, K and P), updating the
+        pool's `tails` [S, W-1, 3P] bf16 and `states` [S, H, K, K] fp32 at `slots` in place."""
+        n, d = x.shape
+        p = plan.H * plan.K
+        ok = (x.dtype == torch.bfloat16 and d == plan.D and 0 < n <= min(self.multi_rows(k) for k in (d, plan.K, p))
+              and tails.dtype == torch.bfloat16 and tails.is_contiguous()
+              and tuple(tails.shape[1:]) == (plan.W - 1, 3 * p) and states.dtype == torch.float32
+              and states.is_contiguous() and tuple(states.shape[1:]) == (plan.H, plan.K, plan.K)
+              and tails.shape[0] == states.shape[0] and slots.dtype == torch.int64 and slots.numel() == n)
+        if not ok:
+            raise ValueError("kda_block: operand shapes or dtypes disagree")
+        x, slots = x.contiguous(), slots.contiguous()
+        out = torch.empty(n, d, dtype=torch.bfloat16)
+        rc = self.lib.ds_kda_block(ctypes.byref(plan), x.data_ptr(), n, tails.data_ptr(), states.data_ptr(),
+                                   slots.data_ptr(), states.shape[0], out.data_ptr(), torch.get_num_threads())
+        if rc == -2:
+            raise ValueError("kda_block: slot out of range")
+        if rc != 0:
+            raise MemoryError("kda_block: scratch allocation failed")
+        return out
