@@ -15,6 +15,7 @@ import torch
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.model.kda_layer import KdaAttention
+from deltaserve.model.mla_layer import MlaAttention
 from deltaserve.model.moe_layer import MoeBlock
 from deltaserve.model.tiny import make_tiny
 from deltaserve.ops import cpu_kernels
@@ -25,7 +26,8 @@ TIE = 0.1   # logits within this of the max count as the argmax (bf16 noise; wro
 
 def run(ckpt, prompts, monkeypatch, enabled: bool, max_num_seqs: int = 3):
     calls = Counter()
-    for name in ("kda_decode", "mla_decode", "moe_experts", "linear_bf16", "route", "kda_block", "moe_block"):
+    for name in ("kda_decode", "mla_decode", "moe_experts", "linear_bf16", "route", "kda_block", "moe_block",
+                 "mla_block"):
         real = getattr(cpu_kernels.NativeKernels, name)
 
         def counted(self, *a, _real=real, _name=name, **k):
@@ -44,6 +46,12 @@ def run(ckpt, prompts, monkeypatch, enabled: bool, max_num_seqs: int = 3):
     return llm, [o.outputs[0].token_ids for o in outs], calls
 
 
+def without_blocks(monkeypatch):
+    """The module-by-module native path: no whole-block plans."""
+    for cls in (KdaAttention, MlaAttention, MoeBlock):
+        monkeypatch.setattr(cls, "_native_plan", lambda self, kernels: None)
+
+
 def gaps_to_oracle(llm, prompt: list[int], tokens: list[int]) -> list[float]:
     """max logit - logit of each generated token under the PyTorch path's full forward."""
     old = cpu_kernels.set_enabled(False)
@@ -60,17 +68,17 @@ def test_native_decode_matches_torch_paths_and_engages(tmp_path, monkeypatch, mx
     prompts = [list(range(300, 321)), list(range(700, 705)), list(range(1000, 1037))]
     llm, native, calls = run(ckpt, prompts, monkeypatch, True)
     _, torch_path, torch_calls = run(ckpt, prompts, monkeypatch, False)
-    assert all(calls[k] > 0 for k in ("kda_block", "moe_block", "mla_decode", "moe_experts", "linear_bf16")), calls
+    assert all(calls[k] > 0 for k in ("kda_block", "moe_block", "mla_block", "linear_bf16")), calls
     assert sum(torch_calls.values()) == 0
     for prompt, a, b in zip(prompts, native, torch_path):
         assert max(gaps_to_oracle(llm, prompt, a)) < TIE
         assert max(gaps_to_oracle(llm, prompt, b)) < TIE
     reversed_gaps = gaps_to_oracle(llm, prompts[0], native[0][::-1])   # the check can fail
     assert max(reversed_gaps) > 10 * TIE
-    monkeypatch.setattr(KdaAttention, "_native_plan", lambda self, kernels: None)
-    monkeypatch.setattr(MoeBlock, "_native_plan", lambda self, kernels: None)
+    without_blocks(monkeypatch)
     _, per_module, module_calls = run(ckpt, prompts, monkeypatch, True)
-    assert module_calls["kda_decode"] > 0 and module_calls["route"] > 0 and module_calls["kda_block"] == 0
+    assert module_calls["kda_decode"] > 0 and module_calls["route"] > 0 and module_calls["mla_decode"] > 0
+    assert module_calls["kda_block"] == module_calls["mla_block"] == 0
     assert per_module == native   # the block kernels compose the same kernels in the same order
 
 
@@ -94,9 +102,8 @@ def test_block_kernels_match_per_module_path_on_kimi_linear(tmp_path, monkeypatc
     ckpt = make_tiny(tmp_path / "kl", "kimi_linear", seed=6)
     prompts = [list(range(200, 213)), list(range(400, 431))]
     _, fused, calls = run(ckpt, prompts, monkeypatch, True)
-    assert calls["kda_block"] > 0 and calls["moe_block"] > 0
-    monkeypatch.setattr(KdaAttention, "_native_plan", lambda self, kernels: None)
-    monkeypatch.setattr(MoeBlock, "_native_plan", lambda self, kernels: None)
+    assert calls["kda_block"] > 0 and calls["moe_block"] > 0 and calls["mla_block"] > 0
+    without_blocks(monkeypatch)
     _, per_module, module_calls = run(ckpt, prompts, monkeypatch, True)
     assert module_calls["kda_decode"] > 0 and module_calls["kda_block"] == 0
     assert per_module == fused

@@ -92,6 +92,13 @@ class ForwardBatch:
             return None
         return self.mla.rows(layer), self.read_rows, self.cu_kv
 
+    def mla_pool_view(self, layer: int):
+        """(the layer's pool rows, write_rows, read_rows, cu_kv) for kernels that write this step's
+        rows and read the context in place; None without earlier context."""
+        if not self.any_context:
+            return None
+        return self.mla.rows(layer), self.write_rows, self.read_rows, self.cu_kv
+
     def mla_context(self, layer):
         if not self.any_context:
             return None

@@ -10,9 +10,10 @@ from torch import nn
 
 from ..ops import mla as mla_ops
 from ..ops.cpu_kernels import MAX_ROWS, MLA_MAX_HEADS, MLA_MAX_RANK, native
+from ..ops.native_blocks import MlaBlockWeights
 from .config import ModelConfig
 from .context import ForwardContext
-from .modules import RMSNorm, cached_derived, empty_linear, project
+from .modules import RMSNorm, cached_derived, cached_object, empty_linear, project
 
 
 class MlaAttention(nn.Module):
@@ -61,6 +62,63 @@ class MlaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         n, h = x.shape[0], self.num_heads
+        cache = ctx.cache
+        fast = self._native_block(x, cache) if cache is not None and cache.decode_only else None
+        if fast is not None:
+            o, gate = fast
+        else:
+            o, gate = self._attend(x, ctx)
+        o = o.reshape(n, h * self.v_dim)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o)
+
+    def _native_block(self, x: torch.Tensor, cache):
+        """(o, gate) of a decode step in one native call (`ops.native_blocks.mla_block`: projections,
+        norms, the pool write, absorbed attention), bit-identical to `_attend` on the native kernels;
+        None where it does not apply."""
+        view = getattr(cache, "mla_pool_view", None)
+        if x.dtype != torch.bfloat16 or x.shape[0] > MAX_ROWS or view is None:
+            return None
+        kernels = native(x.device)
+        pool = view(self.layer_id) if kernels is not None else None
+        if pool is None or pool[0].dtype != torch.bfloat16:
+            return None
+        plan = self._native_plan(kernels)
+        return None if plan is None else kernels.mla_block(plan, x, *pool)
+
+    def _native_plan(self, kernels):
+        """The decode block's plan, memoised until a weight changes (None where it does not apply)."""
+        low_rank = hasattr(self, "q_a_proj")
+        gated = hasattr(self, "g_proj")
+        first = self.q_a_proj if low_rank else self.q_proj
+        sources = [first.weight, self.kv_a_proj_with_mqa.weight, self.kv_a_layernorm.weight, self.kv_b_proj.weight]
+        if low_rank:
+            sources += [self.q_b_proj.weight, self.q_a_layernorm.weight]
+        if gated:
+            sources.append(self.g_proj.weight)
+
+        def build():
+            w_uk_t, w_uv = self._absorbed_weights()
+            w = MlaBlockWeights(first.weight, self.q_b_proj.weight if low_rank else None,
+                                self.q_a_layernorm.weight.float().contiguous() if low_rank else None,
+                                self.kv_a_proj_with_mqa.weight, self.kv_a_layernorm.weight.float().contiguous(),
+                                self.g_proj.weight if gated else None, w_uk_t, w_uv)
+            plan = kernels.mla_block_plan(w, self.num_heads, self.nope, self.rope,
+                                          self.q_a_layernorm.eps if low_rank else 0.0, self.kv_a_layernorm.eps,
+                                          self.scale)
+            return None if plan is None else (plan, w)   # w keeps the plan's tensors alive
+        hit = cached_object(self, "native_block", build, *sources)
+        return None if hit is None else hit[0]
+
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK^T [H, R, nope], W_UV [H, v, R]) contiguous, memoised (the native decode kernels)."""
+        w = self.kv_b_proj.weight
+        return (cached_derived(self, "w_uk_t", lambda: self.kv_b_split()[0].transpose(1, 2), w),
+                cached_derived(self, "w_uv", lambda: self.kv_b_split()[1], w))
+
+    def _attend(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(o [N, H, v], gate or None): projections, the cache write and attention, module by module."""
         q_first, kv, gate = self.input_projections(x)
         q = self.queries(q_first)
         latent = self.latents(kv)
@@ -74,10 +132,7 @@ class MlaAttention(nn.Module):
                 context = cache.mla_context(self.layer_id)
                 o = (self._plain(q, latent, ctx.cu_seqlens) if context is None
                      else self._absorbed(q, *context, ctx.cu_seqlens))
-        o = o.reshape(n, h * self.v_dim)
-        if gate is not None:
-            o = o * torch.sigmoid(gate)
-        return self.o_proj(o)
+        return o, gate
 
     def _plain(self, q, latent, cu_seqlens):
         n, h = q.shape[0], self.num_heads
@@ -114,9 +169,7 @@ class MlaAttention(nn.Module):
         if q.shape[0] > MAX_ROWS:
             return self._values(kernels.mla_decode(self._latent_queries(q), rows, read_rows, cu_kv,
                                                    self.rank, self.scale))
-        w = self.kv_b_proj.weight
-        w_uk_t = cached_derived(self, "w_uk_t", lambda: self.kv_b_split()[0].transpose(1, 2), w)   # [H, R, nope]
-        w_uv = cached_derived(self, "w_uv", lambda: self.kv_b_split()[1], w)                       # [H, v, R]
+        w_uk_t, w_uv = self._absorbed_weights()
         q_hat = kernels.linear_bf16_heads(q[..., :self.nope].transpose(0, 1), w_uk_t).transpose(0, 1)
         q_lat = torch.cat([q_hat, q[..., self.nope:]], dim=-1)
         o_lat = kernels.mla_decode(q_lat, rows, read_rows, cu_kv, self.rank, self.scale)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .native_abi import GROUP_SIZE, P as _P, I as _I, F as _F, L as _L
+from .native_abi import GROUP_SIZE, MAX_ROWS, MLA_MAX_HEADS, MLA_MAX_RANK, P as _P, I as _I, F as _F, L as _L
 
 
 class MoeBlockPlan(ctypes.Structure):
@@ -51,6 +51,29 @@ class KdaBlockWeights:
     norm_w: torch.Tensor     # [K] fp32
 
 
+class MlaBlockPlan(ctypes.Structure):
+    """`ds_mla_block_t`, field for field."""
+
+    _fields_ = [("D", _I), ("H", _I), ("nope", _I), ("rope", _I), ("rank", _I), ("v", _I), ("q_rank", _I),
+                ("gated", _I), ("q_eps", _F), ("kv_eps", _F), ("scale", _F),
+                ("q_first", _P), ("q_b", _P), ("kv_a", _P), ("g", _P), ("q_norm", _P), ("kv_norm", _P),
+                ("w_uk_t", _P), ("w_uv", _P)]
+
+
+@dataclass
+class MlaBlockWeights:
+    """The tensors of one MLA layer's decode step as `ds_mla_block` reads them."""
+
+    q_first: torch.Tensor            # q_a_proj [Rq, D] (or q_proj [H*(nope+rope), D]) bf16
+    q_b: torch.Tensor | None         # [H*(nope+rope), Rq]
+    q_norm: torch.Tensor | None      # [Rq] fp32
+    kv_a: torch.Tensor               # [R + rope, D]
+    kv_norm: torch.Tensor            # [R] fp32
+    g: torch.Tensor | None           # [H*v, D]
+    w_uk_t: torch.Tensor             # [H, R, nope] (contiguous copy)
+    w_uv: torch.Tensor               # [H, v, R]
+
+
 @dataclass
 class MoeBlockWeights:
     """The tensors of one MoE block as `ds_moe_block` reads them (see MoeBlock.native_plan)."""
@@ -79,6 +102,8 @@ class BlockBindings:
         lib.ds_moe_block.restype = _I
         lib.ds_kda_block.argtypes = [ctypes.POINTER(KdaBlockPlan), _P, _I, _P, _P, _P, _L, _P, _I]
         lib.ds_kda_block.restype = _I
+        lib.ds_mla_block.argtypes = [ctypes.POINTER(MlaBlockPlan), _P, _I, _P, _L, _P, _P, _P, _P, _P, _I]
+        lib.ds_mla_block.restype = _I
 
     def moe_block_plan(self, w: MoeBlockWeights, route: tuple, act: tuple, norm_eps: float) -> MoeBlockPlan | None:
         """A plan for `moe_block`, or None where the block's tensors do not fit the kernel (the caller
@@ -180,3 +205,49 @@ class BlockBindings:
         if rc != 0:
             raise MemoryError("kda_block: scratch allocation failed")
         return out
+
+    def mla_block_plan(self, w: MlaBlockWeights, heads: int, nope: int, rope: int, q_eps: float, kv_eps: float,
+                       scale: float) -> MlaBlockPlan | None:
+        """A plan for `mla_block`, or None where the tensors do not fit the kernel. Keep `w` alive with it."""
+        d = w.kv_a.shape[1]
+        rank, v = w.w_uk_t.shape[1], w.w_uv.shape[1]
+        q_rank = w.q_b.shape[1] if w.q_b is not None else 0
+        qd = nope + rope
+        ok = (_bf16(w.q_first, (q_rank or heads * qd, d)) and _bf16(w.q_b, (heads * qd, q_rank))
+              and _bf16(w.kv_a, (rank + rope, d)) and _bf16(w.g, (heads * v, d))
+              and _bf16(w.w_uk_t, (heads, rank, nope)) and _bf16(w.w_uv, (heads, v, rank))
+              and (w.q_b is None) == (w.q_norm is None)
+              and all(t is None or (t.dtype == torch.float32 and t.is_contiguous()) for t in (w.q_norm, w.kv_norm))
+              and w.kv_norm.numel() == rank and (w.q_norm is None or w.q_norm.numel() == q_rank)
+              and heads <= MLA_MAX_HEADS and rank <= MLA_MAX_RANK)
+        if not ok:
+            return None
+
+        def ptr(t):
+            return None if t is None else t.data_ptr()
+        return MlaBlockPlan(d, heads, nope, rope, rank, v, q_rank, int(w.g is not None), q_eps, kv_eps, scale,
+                            *[ptr(t) for t in (w.q_first, w.q_b, w.kv_a, w.g, w.q_norm, w.kv_norm, w.w_uk_t, w.w_uv)])
+
+    def mla_block(self, plan: MlaBlockPlan, x: torch.Tensor, rows: torch.Tensor, write_rows: torch.Tensor,
+                  read_rows: torch.Tensor, cu_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(o [N, H*v], gate [N, H*v] or None) of one MLA decode step of x [N <= MAX_ROWS, D] bf16; the
+        N latent rows are written into `rows` (the layer's pool [num_rows, R + rope] bf16) at write_rows."""
+        n, d = x.shape
+        hv = plan.H * plan.v
+        ok = (x.dtype == torch.bfloat16 and d == plan.D and 0 < n <= MAX_ROWS and rows.dtype == torch.bfloat16
+              and rows.is_contiguous() and rows.dim() == 2 and rows.shape[1] == plan.rank + plan.rope
+              and write_rows.dtype == read_rows.dtype == cu_kv.dtype == torch.int64
+              and write_rows.numel() == n and cu_kv.numel() == n + 1)
+        if not ok:
+            raise ValueError("mla_block: operand shapes or dtypes disagree")
+        x, write_rows, read_rows, cu_kv = x.contiguous(), write_rows.contiguous(), read_rows.contiguous(), cu_kv.contiguous()
+        o = torch.empty(n, hv, dtype=torch.bfloat16)
+        gate = torch.empty(n, hv, dtype=torch.bfloat16) if plan.gated else None
+        rc = self.lib.ds_mla_block(ctypes.byref(plan), x.data_ptr(), n, rows.data_ptr(), rows.shape[0],
+                                   write_rows.data_ptr(), read_rows.data_ptr(), cu_kv.data_ptr(), o.data_ptr(),
+                                   gate.data_ptr() if gate is not None else None, torch.get_num_threads())
+        if rc == -2:
+            raise ValueError("mla_block: row index out of range")
+        if rc != 0:
+            raise MemoryError("mla_block: scratch allocation failed")
+        return o, gate

@@ -11,9 +11,14 @@
  *   out = bf16(f32(r) + f32(shared(x)))                                 single-expert ds_moe_experts
  * ds_kda_block (model/kda_layer.py KdaAttention._native_decode): q, k, v, f_a, b, g (or g_a) in one
  * pass over x; f = f_a @ f_b^T, g = g_a @ g_b^T (low-rank gate); ds_kda_decode; out = o @ o_proj^T.
+ * ds_mla_block (model/mla_layer.py MlaAttention.forward, decode of <= DS_MAX_M rows): q_a (or q), kv_a
+ * and the gate in one pass; q = q_b(norm(q_a)); the latent row [norm(c) | k_rot] written into the pool;
+ * q_hat = W_UK^T q_nope per head; ds_mla_decode over the paged rows; o = W_UV o_lat per head. The
+ * caller applies the output gate and o_proj (torch's sigmoid rounding stays torch's).
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include "bf16.h"
 #include "internal.h"
 
@@ -44,6 +49,10 @@ int ds_moe_experts(const uint16_t *x, int N, int D, const int64_t *ids, const fl
                    int nthreads);
 void ds_rms_norm(const uint16_t *x, int64_t ldx, int N, int D, const float *w, float eps, uint16_t *out,
                  int64_t ldo, int nthreads);
+int ds_mla_decode(int B, int H, int D, int R, const uint16_t *q, const uint16_t *rows, const int64_t *read_rows,
+                  const int64_t *cu_kv, float scale, uint16_t *out, int nthreads);
+void ds_linear_bf16_heads(const uint16_t *x, int H, int M, int K, const uint16_t *w, int N, uint16_t *y,
+                          int nthreads);
 int ds_kda_decode(int B, int H, int K, int W, const uint16_t *xq, const uint16_t *xk, const uint16_t *xv,
                   const float *conv_w, uint16_t *tails, float *states, const int64_t *slots, const uint16_t *f,
                   const float *a_log, const float *dt_bias, int gate_kind, float lower_bound,
@@ -140,6 +149,77 @@ int ds_kda_block(const ds_kda_block_t *b, const uint16_t *x, int N, uint16_t *ta
         rc = ds_kda_decode(N, b->H, K, b->W, q, k, v, b->conv_w, tails, states, slots, f, b->a_log, b->dt_bias,
                            b->gate_kind, b->lower_bound, bl, g, b->norm_w, b->eps, b->scale, o, nthreads) ? -1 : 0;
     if (rc == 0) rc = project(o, N, P, &b->o, &nd, zero, &o_out, 1, nthreads) ? -1 : 0;
+    free(buf);
+    return rc;
+}
+
+typedef struct {
+    int D, H, nope, rope, rank, v, q_rank, gated;   /* q_rank 0: q_proj instead of q_a/q_b */
+    float q_eps, kv_eps, scale;
+    const uint16_t *q_first, *q_b, *kv_a, *g;       /* q_a_proj (or q_proj), q_b_proj, kv_a, g_proj */
+    const float *q_norm, *kv_norm;                  /* fp32 norm weights [q_rank], [rank] */
+    const uint16_t *w_uk_t, *w_uv;                  /* [H, rank, nope], [H, v, rank] */
+} ds_mla_block_t;
+
+/* o [N, H * v] (and gate [N, H * v] when gated) for x [N <= DS_MAX_M, D]; the N latent rows go to
+ * rows[write_rows] first. Returns 0, -1 allocation or kernel, -2 a row index out of range. */
+int ds_mla_block(const ds_mla_block_t *b, const uint16_t *x, int N, uint16_t *rows, int64_t num_rows,
+                 const int64_t *write_rows, const int64_t *read_rows, const int64_t *cu_kv, uint16_t *o,
+                 uint16_t *gate, int nthreads) {
+    const int H = b->H, nope = b->nope, rope = b->rope, R = b->rank, V = b->v, qd = nope + rope, row = R + rope;
+    if (N > DS_MAX_M) return -1;
+    for (int n = 0; n < N; ++n)
+        if (write_rows[n] < 0 || write_rows[n] >= num_rows) return -2;
+    for (int n = 0; n < N; ++n)
+        if (cu_kv[0] != 0 || cu_kv[n + 1] <= cu_kv[n]) return -2;   /* every sequence reads >= 1 row */
+    for (int64_t t = 0; t < cu_kv[N]; ++t)
+        if (read_rows[t] < 0 || read_rows[t] >= num_rows) return -2;
+    const int first = b->q_rank ? b->q_rank : H * qd;
+    uint16_t *buf = malloc(sizeof(uint16_t) * (size_t)N * (2 * first + H * qd + 2 * row + H * nope
+                                                          + 3 * H * R + H * row + 2 * H * V));
+    if (!buf) return -1;
+    uint16_t *qf = buf, *qn = qf + (size_t)N * first, *q = qn + (size_t)N * first, *kv = q + (size_t)N * H * qd;
+    uint16_t *lat = kv + (size_t)N * row, *xh = lat + (size_t)N * row, *qh = xh + (size_t)N * H * nope;
+    uint16_t *olat = qh + (size_t)N * H * R, *oh = olat + (size_t)N * H * R, *ql = oh + (size_t)N * H * R;
+    uint16_t *ov = ql + (size_t)N * H * row;
+    const uint16_t *ws[3] = {b->q_first, b->kv_a, b->g};
+    const int ns[3] = {first, row, H * V}, zero[3] = {0};
+    void *ys[3] = {qf, kv, gate};
+    int rc = project(x, N, b->D, ws, ns, zero, ys, b->gated ? 3 : 2, nthreads) ? -1 : 0;
+    if (rc == 0 && b->q_rank) {
+        const int nq = H * qd;
+        void *qy = q;
+        ds_rms_norm(qf, first, N, first, b->q_norm, b->q_eps, qn, first, nthreads);
+        rc = project(qn, N, first, &b->q_b, &nq, zero, &qy, 1, nthreads) ? -1 : 0;
+    }
+    const uint16_t *qq = b->q_rank ? q : qf;
+    if (rc == 0) {
+        ds_rms_norm(kv, row, N, R, b->kv_norm, b->kv_eps, lat, row, nthreads);
+        for (int n = 0; n < N; ++n) {
+            memcpy(lat + (size_t)n * row + R, kv + (size_t)n * row + R, sizeof(uint16_t) * rope);
+            memcpy(rows + write_rows[n] * row, lat + (size_t)n * row, sizeof(uint16_t) * row);
+        }
+        for (int h = 0; h < H; ++h)
+            for (int n = 0; n < N; ++n)
+                memcpy(xh + ((size_t)h * N + n) * nope, qq + ((size_t)n * H + h) * qd, sizeof(uint16_t) * nope);
+        ds_linear_bf16_heads(xh, H, N, nope, b->w_uk_t, R, qh, nthreads);
+        for (int n = 0; n < N; ++n)
+            for (int h = 0; h < H; ++h) {
+                uint16_t *dst = ql + ((size_t)n * H + h) * row;
+                memcpy(dst, qh + ((size_t)h * N + n) * R, sizeof(uint16_t) * R);
+                memcpy(dst + R, qq + ((size_t)n * H + h) * qd + nope, sizeof(uint16_t) * rope);
+            }
+        rc = ds_mla_decode(N, H, row, R, ql, rows, read_rows, cu_kv, b->scale, olat, nthreads) ? -1 : 0;
+    }
+    if (rc == 0) {
+        for (int h = 0; h < H; ++h)
+            for (int n = 0; n < N; ++n)
+                memcpy(oh + ((size_t)h * N + n) * R, olat + ((size_t)n * H + h) * R, sizeof(uint16_t) * R);
+        ds_linear_bf16_heads(oh, H, N, R, b->w_uv, V, ov, nthreads);
+        for (int n = 0; n < N; ++n)
+            for (int h = 0; h < H; ++h)
+                memcpy(o + ((size_t)n * H + h) * V, ov + ((size_t)h * N + n) * V, sizeof(uint16_t) * V);
+    }
     free(buf);
     return rc;
 }
