@@ -1,10 +1,10 @@
-/* AMX bf16 tile kernels for batched decode (9..64 activation rows per pass over the weights): the
- * dense multi-projection ds_linear_amx_multi and the row kernel of the fused experts (moe_decode.c).
+/* AMX bf16 tile kernels: the dense multi-projection ds_linear_amx_multi (batched decode, 9..64 rows)
+ * and the row kernel of the fused experts (moe_decode.c, chunks of 2..256 pairs).
  *
  * TDPBF16PS computes C[16][16] += A[16][32 bf16] . B[16 pairs][16][2 bf16]. Products here are
  * transposed, C[n][m] = w[n] . x[m]: A is 16 weight rows exactly as stored (row-major, so weights
- * need no repacking) and B the pair-interleaved activations (internal.h). MXFP4 rows are decoded
- * one group (32 weights, a tile's width) per row into a 1 KB buffer before the tile load.
+ * need no repacking) and B the pair-interleaved activations (internal.h). MXFP4 rows are decoded a
+ * span of 512 columns at a time (16 KB, one group of 32 per row and tile) and reused by every m pass.
  * fp32 accumulation; only the summation order differs from the GEMV kernels'.
  * Linux gates tile data behind arch_prctl(ARCH_REQ_XCOMP_PERM); without that permission, or without
  * AMX under the compiler's -march=native, ds_amx_ready() is 0 and callers take the other paths.
@@ -38,10 +38,10 @@ void ds_amx_pack(const uint16_t *x, int64_t ldx, int M, int K, uint16_t *xv) {
             uint16_t *t = xv + ((int64_t)kb * MB + mb) * TILE_ELEMS;
             for (int mm = 0; mm < DS_TILE; ++mm) {
                 const int m = mb * DS_TILE + mm;
-                const uint16_t *src = x + (int64_t)m * ldx + kb * 32;
+                const uint16_t *src = m < M ? x + (int64_t)m * ldx + kb * 32 : NULL;
                 for (int kp = 0; kp < 16; ++kp) {
-                    t[kp * 32 + 2 * mm] = m < M ? src[2 * kp] : 0;
-                    t[kp * 32 + 2 * mm + 1] = m < M ? src[2 * kp + 1] : 0;
+                    t[kp * 32 + 2 * mm] = src ? src[2 * kp] : 0;
+                    t[kp * 32 + 2 * mm + 1] = src ? src[2 * kp + 1] : 0;
                 }
             }
         }
