@@ -141,10 +141,10 @@ class MoeBlock(nn.Module):
         return None if hit is None else hit[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = native(x.device) if x.dtype == torch.bfloat16 and x.dim() == 2 else None
-        if kernels is not None and 0 < x.shape[0] <= kernels.multi_rows(x.shape[1]):
-            plan = self._native_plan(kernels)
-            out = kernels.moe_block(plan, x) if plan is not None else None
+        kernels = native(x.device) if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] > 0 else None
+        plan = self._native_plan(kernels) if kernels is not None else None
+        if plan is not None and x.shape[0] <= kernels.moe_block_rows(plan):
+            out = kernels.moe_block(plan, x)
             if out is not None:
                 return out
         weights, ids, z = self._route_and_down(x)

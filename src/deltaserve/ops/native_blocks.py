@@ -147,11 +147,15 @@ class BlockBindings:
                             ptr(w.gate), ptr(w.bias), ptr(w.down), ptr(w.up), ptr(w.norm_w),
                             *[ptr(t) for t in ptrs], *[ptr(t) for t in sh])
 
+    def moe_block_rows(self, plan: MoeBlockPlan) -> int:
+        """The most rows `moe_block` takes: what the projections of both widths (D, L) take."""
+        return min(self.multi_rows(plan.D), self.multi_rows(plan.L))
+
     def moe_block(self, plan: MoeBlockPlan, x: torch.Tensor) -> torch.Tensor | None:
-        """The MoE block of x [N, D] bf16 (N within `multi_rows(D)`), or None where the router's
+        """The MoE block of x [N <= moe_block_rows(plan), D] bf16, or None where the router's
         limits do not hold (nothing computed; the caller runs the modules)."""
         n, d = x.shape
-        if not (x.dtype == torch.bfloat16 and d == plan.D and 0 < n <= self.multi_rows(d)):
+        if not (x.dtype == torch.bfloat16 and d == plan.D and 0 < n <= self.moe_block_rows(plan)):
             raise ValueError("moe_block: bad input")
         x = x.contiguous()
         out = torch.empty(n, d, dtype=torch.bfloat16)
