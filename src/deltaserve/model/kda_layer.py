@@ -67,11 +67,9 @@ class KdaAttention(nn.Module):
         if tails.dtype != torch.bfloat16 or states.dtype != torch.float32:
             return None
         sigmoid_gate = self.lower_bound is not None
-        p = self.num_heads * self.head_dim
-        if x.shape[0] <= min(kernels.multi_rows(k) for k in (x.shape[1], self.head_dim, p)):
-            plan = self._native_plan(kernels)
-            if plan is not None:
-                return kernels.kda_block(plan, x, tails, states, slots)
+        plan = self._native_plan(kernels)
+        if plan is not None and x.shape[0] <= kernels.kda_block_rows(plan):
+            return kernels.kda_block(plan, x, tails, states, slots)
         f32 = self._f32_params()
         full_gate = hasattr(self, "g_proj")
         q, k, v, f_a, b, g = project(x, self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .native_abi import GROUP_SIZE, MAX_ROWS, MLA_MAX_HEADS, MLA_MAX_RANK, P as _P, I as _I, F as _F, L as _L
+from .native_abi import MAX_ROWS, MLA_MAX_HEADS, MLA_MAX_RANK, P as _P, I as _I, F as _F, L as _L
+from .native_decode import expert_operands
 
 
 class MoeBlockPlan(ctypes.Structure):
@@ -87,6 +88,10 @@ class MoeBlockWeights:
     shared: tuple[torch.Tensor, ...] | None = None    # gate/up [SI, D], down [D, SI] bf16
 
 
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
 def _bf16(t: torch.Tensor | None, shape: tuple[int, ...]) -> bool:
     return t is None or (t.dtype == torch.bfloat16 and t.is_contiguous() and tuple(t.shape) == shape)
 
@@ -112,24 +117,12 @@ class BlockBindings:
         e, d = w.gate.shape
         latent = w.down is not None
         width_in = w.down.shape[0] if latent else d
-        ex = w.experts
-        packed = isinstance(ex[0], tuple)
-        if packed:
-            (p1, s1), (p3, s3), (p2, s2) = ex
-            inter = p1.shape[1]
-            ok = (tuple(p1.shape) == tuple(p3.shape) == (e, inter, width_in // 2) and tuple(p2.shape) == (e, width_in, inter // 2)
-                  and tuple(s1.shape) == tuple(s3.shape) == (e, inter, width_in // GROUP_SIZE)
-                  and tuple(s2.shape) == (e, width_in, inter // GROUP_SIZE) and width_in % GROUP_SIZE == 0
-                  and inter % GROUP_SIZE == 0
-                  and all(t.dtype == torch.uint8 and t.is_contiguous() for t in (p1, s1, p3, s3, p2, s2)))
-            ptrs = [p1, p3, p2, s1, s3, s2]
-        else:
-            inter = ex[0].shape[1]
-            ok = _bf16(ex[0], (e, inter, width_in)) and _bf16(ex[1], (e, inter, width_in)) and \
-                _bf16(ex[2], (e, width_in, inter))
-            ptrs = [*ex, None, None, None]
+        experts = expert_operands(*w.experts, width_in)
+        if experts is None or experts[0] != e:
+            return None
+        _, inter, packed, (p1, s1, p3, s3, p2, s2) = experts
         si = w.shared[0].shape[0] if w.shared is not None else 0
-        ok = (ok and _bf16(w.gate, (e, d)) and _bf16(w.down, (width_in, d)) and _bf16(w.up, (d, width_in))
+        ok = (_bf16(w.gate, (e, d)) and _bf16(w.down, (width_in, d)) and _bf16(w.up, (d, width_in))
               and (w.bias is None or (w.bias.dtype == torch.float32 and w.bias.is_contiguous() and w.bias.numel() == e))
               and (w.norm_w is None or (w.norm_w.dtype == torch.float32 and w.norm_w.numel() == width_in))
               and (w.shared is None or (_bf16(w.shared[0], (si, d)) and _bf16(w.shared[1], (si, d))
@@ -138,14 +131,11 @@ class BlockBindings:
             return None
         top_k, groups, topk_group, renorm, scale, bias_in_weights = route
         kind, beta, lbeta = act
-
-        def ptr(t):
-            return None if t is None else t.data_ptr()
         sh = w.shared or (None, None, None)
         return MoeBlockPlan(d, e, width_in, inter, si, top_k, groups, topk_group, int(renorm), int(bias_in_weights),
                             scale, norm_eps, beta or 0.0, lbeta or 0.0, kind, int(packed),
-                            ptr(w.gate), ptr(w.bias), ptr(w.down), ptr(w.up), ptr(w.norm_w),
-                            *[ptr(t) for t in ptrs], *[ptr(t) for t in sh])
+                            *[_ptr(t) for t in (w.gate, w.bias, w.down, w.up, w.norm_w)],
+                            p1, p3, p2, s1 or None, s3 or None, s2 or None, *[_ptr(t) for t in sh])
 
     def moe_block_rows(self, plan: MoeBlockPlan) -> int:
         """The most rows `moe_block` takes: what the projections of both widths (D, L) take."""
@@ -181,11 +171,12 @@ class BlockBindings:
               and w.dt_bias.numel() == p and w.norm_w.numel() == kd)
         if not ok:
             return None
-
-        def ptr(t):
-            return None if t is None else t.data_ptr()
         return KdaBlockPlan(d, heads, kd, w.conv_w.shape[1], int(full), gate_kind, lower_bound, eps, scale,
-                            *[ptr(t) for t in (w.q, w.k, w.v, w.f_a, w.f_b, w.b, w.g, w.g_b, w.o, *f32)])
+                            *[_ptr(t) for t in (w.q, w.k, w.v, w.f_a, w.f_b, w.b, w.g, w.g_b, w.o, *f32)])
+
+    def kda_block_rows(self, plan: KdaBlockPlan) -> int:
+        """The most rows `kda_block` takes: what its projections of widths D, K and P take."""
+        return min(self.multi_rows(k) for k in (plan.D, plan.K, plan.H * plan.K))
 
     def kda_block(self, plan: KdaBlockPlan, x: torch.Tensor, tails: torch.Tensor, states: torch.Tensor,
                   slots: torch.Tensor) -> torch.Tensor:
@@ -193,7 +184,7 @@ class BlockBindings:
         pool's `tails` [S, W-1, 3P] bf16 and `states` [S, H, K, K] fp32 at `slots` in place."""
         n, d = x.shape
         p = plan.H * plan.K
-        ok = (x.dtype == torch.bfloat16 and d == plan.D and 0 < n <= min(self.multi_rows(k) for k in (d, plan.K, p))
+        ok = (x.dtype == torch.bfloat16 and d == plan.D and 0 < n <= self.kda_block_rows(plan)
               and tails.dtype == torch.bfloat16 and tails.is_contiguous()
               and tuple(tails.shape[1:]) == (plan.W - 1, 3 * p) and states.dtype == torch.float32
               and states.is_contiguous() and tuple(states.shape[1:]) == (plan.H, plan.K, plan.K)
@@ -226,11 +217,8 @@ class BlockBindings:
               and heads <= MLA_MAX_HEADS and rank <= MLA_MAX_RANK)
         if not ok:
             return None
-
-        def ptr(t):
-            return None if t is None else t.data_ptr()
         return MlaBlockPlan(d, heads, nope, rope, rank, v, q_rank, int(w.g is not None), q_eps, kv_eps, scale,
-                            *[ptr(t) for t in (w.q_first, w.q_b, w.kv_a, w.g, w.q_norm, w.kv_norm, w.w_uk_t, w.w_uv)])
+                            *[_ptr(t) for t in (w.q_first, w.q_b, w.kv_a, w.g, w.q_norm, w.kv_norm, w.w_uk_t, w.w_uv)])
 
     def mla_block(self, plan: MlaBlockPlan, x: torch.Tensor, rows: torch.Tensor, write_rows: torch.Tensor,
                   read_rows: torch.Tensor, cu_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -10,6 +10,25 @@ import torch
 from .native_abi import AMX_ROWS, GROUP_SIZE, MAX_ROWS, MLA_MAX_HEADS, MLA_MAX_RANK, P as _P, I as _I, L as _L
 
 
+def expert_operands(w1, w3, w2, d: int) -> tuple[int, int, bool, list[int]] | None:
+    """(E, I, packed, pointers w1, s1, w3, s3, w2, s2 (0 for no scales)) of routed experts over inputs
+    of width d, as `ds_moe_experts` reads them: bf16 [E, I, d] / [E, d, I], or (packed, scale) uint8
+    pairs [E, I, d/2] + [E, I, d/32] / [E, d, I/2] + [E, d, I/32]; None where they do not fit."""
+    if isinstance(w1, tuple):
+        (p1, s1), (p3, s3), (p2, s2) = w1, w3, w2
+        num, width = p1.shape[0], p1.shape[1]
+        ok = (tuple(p1.shape) == tuple(p3.shape) == (num, width, d // 2) and tuple(p2.shape) == (num, d, width // 2)
+              and tuple(s1.shape) == tuple(s3.shape) == (num, width, d // GROUP_SIZE)
+              and tuple(s2.shape) == (num, d, width // GROUP_SIZE) and d % GROUP_SIZE == 0
+              and width % GROUP_SIZE == 0
+              and all(t.dtype == torch.uint8 and t.is_contiguous() for t in (p1, s1, p3, s3, p2, s2)))
+        return (num, width, True, [t.data_ptr() for t in (p1, s1, p3, s3, p2, s2)]) if ok else None
+    num, width = w1.shape[0], w1.shape[1]
+    ok = (tuple(w1.shape) == tuple(w3.shape) == (num, width, d) and tuple(w2.shape) == (num, d, width)
+          and all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in (w1, w3, w2)))
+    return (num, width, False, [w1.data_ptr(), 0, w3.data_ptr(), 0, w2.data_ptr(), 0]) if ok else None
+
+
 class DecodeBindings:
     """Mixin of `NativeKernels`; `declare(lib)` sets the ctypes signatures it calls."""
 
@@ -123,23 +142,10 @@ class DecodeBindings:
         (packed, scale) pairs of uint8 tensors. Returns [N, D] bf16."""
         n, d = x.shape
         k = ids.shape[1]
-        packed = isinstance(w1, tuple)
-        if packed:
-            (p1, s1), (p3, s3), (p2, s2) = w1, w3, w2
-            num, width = p1.shape[0], p1.shape[1]
-            ok = (tuple(p1.shape) == tuple(p3.shape) == (num, width, d // 2) and tuple(p2.shape) == (num, d, width // 2)
-                  and tuple(s1.shape) == tuple(s3.shape) == (num, width, d // GROUP_SIZE)
-                  and tuple(s2.shape) == (num, d, width // GROUP_SIZE) and d % GROUP_SIZE == 0
-                  and width % GROUP_SIZE == 0
-                  and all(t.dtype == torch.uint8 and t.is_contiguous() for t in (p1, s1, p3, s3, p2, s2)))
-            ptrs = [t.data_ptr() for t in (p1, s1, p3, s3, p2, s2)]
-        else:
-            num, width = w1.shape[0], w1.shape[1]
-            ok = (tuple(w1.shape) == tuple(w3.shape) == (num, width, d) and tuple(w2.shape) == (num, d, width)
-                  and all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in (w1, w3, w2)))
-            ptrs = [w1.data_ptr(), 0, w3.data_ptr(), 0, w2.data_ptr(), 0]
-        if not (ok and x.dtype == torch.bfloat16 and tuple(weights.shape) == tuple(ids.shape) == (n, k)):
+        checked = expert_operands(w1, w3, w2, d)
+        if not (checked and x.dtype == torch.bfloat16 and tuple(weights.shape) == tuple(ids.shape) == (n, k)):
             raise ValueError("moe_experts: operand shapes or dtypes disagree")
+        num, width, packed, ptrs = checked
         x = x.contiguous()
         ids = ids.to(torch.int64).contiguous()
         weights = weights.to(torch.float32).contiguous()
