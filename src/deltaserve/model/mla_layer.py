@@ -101,8 +101,8 @@ class MlaAttention(nn.Module):
         def build():
             w_uk_t, w_uv = self._absorbed_weights()
             w = MlaBlockWeights(first.weight, self.q_b_proj.weight if low_rank else None,
-                                self.q_a_layernorm.weight.float().contiguous() if low_rank else None,
-                                self.kv_a_proj_with_mqa.weight, self.kv_a_layernorm.weight.float().contiguous(),
+                                self.q_a_layernorm.weight_f32() if low_rank else None,
+                                self.kv_a_proj_with_mqa.weight, self.kv_a_layernorm.weight_f32(),
                                 self.g_proj.weight if gated else None, w_uk_t, w_uv)
             plan = kernels.mla_block_plan(w, self.num_heads, self.nope, self.rope,
                                           self.q_a_layernorm.eps if low_rank else 0.0, self.kv_a_layernorm.eps,

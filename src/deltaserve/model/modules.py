@@ -68,11 +68,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    def weight_f32(self) -> torch.Tensor:
+        """The weight in fp32, memoised (what the native kernels take)."""
+        return cached_fp32(self, "w", lambda: self.weight, self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(-1) == 1:
             kernels = native(x.device)
             if kernels is not None:
-                return kernels.rms_norm(x, cached_fp32(self, "w", lambda: self.weight, self.weight), self.eps)
+                return kernels.rms_norm(x, self.weight_f32(), self.eps)
         return rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:

@@ -130,7 +130,7 @@ class MoeBlock(nn.Module):
                 gate=self.gate.weight, bias=self.gate.e_score_correction_bias.float().contiguous(), experts=operands,
                 down=self.routed_expert_down_proj.weight if latent else None,
                 up=self.routed_expert_up_proj.weight if latent else None,
-                norm_w=norm.weight.float().contiguous() if norm is not None else None,
+                norm_w=norm.weight_f32() if norm is not None else None,
                 shared=None if shared is None else (shared.gate_proj.weight, shared.up_proj.weight,
                                                     shared.down_proj.weight))
             route_args = (m.top_k, m.num_expert_group, m.topk_group, m.renormalize, m.routed_scaling_factor,
