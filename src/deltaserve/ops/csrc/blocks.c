@@ -37,28 +37,6 @@ typedef struct {
     const uint16_t *sh1, *sh3, *sh2; /* shared experts [SI, D], [SI, D], [D, SI] or NULL */
 } ds_moe_block_t;
 
-int ds_linear_bf16_multi(const uint16_t *x, int M, int K, const uint16_t *const *w, const int *N, const int *f32,
-                         void *const *y, int nw, int nthreads);
-int ds_linear_amx_multi(const uint16_t *x, int M, int K, const uint16_t *const *w, const int *N, const int *f32,
-                        void *const *y, int nw, int nthreads);
-int ds_route(const float *logits, int64_t n, int e, const float *bias, int top_k, int groups, int topk_group,
-             int renormalize, float scale, int bias_in_weights, float *w_out, int64_t *ids_out);
-int ds_moe_experts(const uint16_t *x, int N, int D, const int64_t *ids, const float *wts, int k, int E, int I,
-                   int packed, const void *w1, const uint8_t *s1, const void *w3, const uint8_t *s3,
-                   const void *w2, const uint8_t *s2, int act, float beta, float lbeta, uint16_t *out,
-                   int nthreads);
-void ds_rms_norm(const uint16_t *x, int64_t ldx, int N, int D, const float *w, float eps, uint16_t *out,
-                 int64_t ldo, int nthreads);
-int ds_mla_decode(int B, int H, int D, int R, const uint16_t *q, const uint16_t *rows, const int64_t *read_rows,
-                  const int64_t *cu_kv, float scale, uint16_t *out, int nthreads);
-void ds_linear_bf16_heads(const uint16_t *x, int H, int M, int K, const uint16_t *w, int N, uint16_t *y,
-                          int nthreads);
-int ds_kda_decode(int B, int H, int K, int W, const uint16_t *xq, const uint16_t *xk, const uint16_t *xv,
-                  const float *conv_w, uint16_t *tails, float *states, const int64_t *slots, const uint16_t *f,
-                  const float *a_log, const float *dt_bias, int gate_kind, float lower_bound,
-                  const uint16_t *b_logit, const uint16_t *gate, const float *norm_w, float eps, float scale,
-                  uint16_t *out, int nthreads);
-
 /* The projections of x, on the kernel linear_bf16_multi's binding picks for M rows. */
 static int project(const uint16_t *x, int M, int K, const uint16_t *const *w, const int *N, const int *f32,
                    void *const *y, int nw, int nthreads) {
