@@ -145,7 +145,12 @@ class KdaAttention(nn.Module):
         q, k, v = mixed.view(n, 3, h, dk).unbind(1)
         if kernels is None:                        # the native conv already normalised q and k
             q, k = kda_ops.l2_norm(q), kda_ops.l2_norm(k)
-        g = self.decay(self.f_b_proj(self.f_a_proj(x)).view(n, h, dk))
+        f = self.f_b_proj(self.f_a_proj(x)).view(n, h, dk)
+        if kernels is not None and self.lower_bound is not None:
+            f32 = self._f32_params()
+            g = kernels.kda_gate_sigmoid(f, f32["A_log"], f32["dt_bias"], self.lower_bound)
+        else:
+            g = self.decay(f)
         beta = torch.sigmoid(self.b_proj(x).float())
         exported = None
         if step:
@@ -162,7 +167,10 @@ class KdaAttention(nn.Module):
         if cache is not None:
             cache.store_kda(self.layer_id, tail, state, exported)
         gate = self.output_gate(x).view(n, h, dk)
-        o = gated_rms_norm(o, self.o_norm.weight, gate, self.eps, x.dtype)
+        if kernels is not None and gate.dtype == torch.bfloat16:
+            o = kernels.gated_rms_norm(o, self._f32_params()["o_norm"], gate, self.eps)
+        else:
+            o = gated_rms_norm(o, self.o_norm.weight, gate, self.eps, x.dtype)
         return self.o_proj(o.reshape(n, h * dk))
 
 

@@ -1,6 +1,7 @@
-"""ctypes bindings of the native chunked-KDA prefill kernels (`csrc/kda_chunk.c`): the chunked
-gated delta rule and the causal conv (+ optional per-head L2 norm) with the semantics of
-`ops.kda.kda_chunked` / `causal_conv1d`; each method checks dtypes, shapes and strides, then
+"""ctypes bindings of the native KDA prefill kernels: the chunked gated delta rule and the causal
+conv (+ optional per-head L2 norm) of `csrc/kda_chunk.c` with the semantics of `ops.kda.kda_chunked` /
+`causal_conv1d`, and the decay and output norm of `csrc/small_ops.c` (`ops.kda.kda_gate_sigmoid`,
+`ops.norms.gated_rms_norm`); each method checks dtypes, shapes and strides, then
 calls `self.lib` (see `ops.cpu_kernels`)."""
 from __future__ import annotations
 
@@ -37,6 +38,41 @@ class KdaPrefillBindings:
         lib.ds_kda_chunked.restype = _I
         lib.ds_causal_conv1d.argtypes = [_L, _I, _I, _P, _L, _P, _I, _P, _P, _I, _I, _P, _P, _I]
         lib.ds_causal_conv1d.restype = _I
+        lib.ds_kda_gate_sigmoid.argtypes = [_P, _L, _I, _I, _I, _P, _P, _F, _P, _I]
+        lib.ds_gated_rms_norm.argtypes = [_P, _I, _I, _I, _P, _P, _L, _F, _P, _I]
+        lib.ds_kda_gate_sigmoid.restype = lib.ds_gated_rms_norm.restype = None
+
+    def kda_gate_sigmoid(self, f: torch.Tensor, a_log_f32: torch.Tensor, dt_bias_f32: torch.Tensor,
+                         lower_bound: float) -> torch.Tensor:
+        """`ops.kda.kda_gate_sigmoid` for bf16 f [N, H, K] (token rows may be strided) with fp32
+        A_log [H] and dt_bias [H*K]. Returns fp32 [N, H, K]."""
+        n, h, dk = f.shape
+        if not (f.dtype == torch.bfloat16 and a_log_f32.dtype == dt_bias_f32.dtype == torch.float32
+                and a_log_f32.numel() == h and dt_bias_f32.numel() == h * dk):
+            raise ValueError("kda_gate_sigmoid: operand shapes or dtypes disagree")
+        if not (f.stride(2) == 1 and f.stride(1) == dk):
+            f = f.contiguous()
+        g = torch.empty(n, h, dk)
+        self.lib.ds_kda_gate_sigmoid(f.data_ptr(), f.stride(0), n, h, dk, a_log_f32.contiguous().data_ptr(),
+                                     dt_bias_f32.contiguous().data_ptr(), lower_bound, g.data_ptr(),
+                                     torch.get_num_threads())
+        return g
+
+    def gated_rms_norm(self, o: torch.Tensor, weight_f32: torch.Tensor, gate: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+        """`ops.norms.gated_rms_norm(o, weight, gate, eps, bf16)` for fp32 o [N, H, K] and bf16 gate
+        [N, H, K] (token rows may be strided). Returns bf16 [N, H, K]."""
+        n, h, dk = o.shape
+        if not (o.dtype == weight_f32.dtype == torch.float32 and gate.dtype == torch.bfloat16
+                and tuple(gate.shape) == (n, h, dk) and weight_f32.numel() == dk):
+            raise ValueError("gated_rms_norm: operand shapes or dtypes disagree")
+        o = o.contiguous()
+        if not (gate.stride(2) == 1 and gate.stride(1) == dk):
+            gate = gate.contiguous()
+        out = torch.empty(n, h, dk, dtype=torch.bfloat16)
+        self.lib.ds_gated_rms_norm(o.data_ptr(), n, h, dk, weight_f32.contiguous().data_ptr(), gate.data_ptr(),
+                                   gate.stride(0), eps, out.data_ptr(), torch.get_num_threads())
+        return out
 
     def kda_chunked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                     beta: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,

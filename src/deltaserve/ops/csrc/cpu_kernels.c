@@ -65,7 +65,9 @@ static __attribute__((unused)) void row_bf16_portable(const uint16_t *x, int M, 
 /* R weight rows are streamed together (R * M independent accumulators hide the dot-product
  * latency and keep R memory streams in flight); rows are prefetched DS_PREFETCH elements ahead. */
 #define DS_UNROLL(M) ((M) >= 4 ? 1 : 4 / (M))   /* MXFP4: accumulators per row along K */
+#ifndef DS_PREFETCH
 #define DS_PREFETCH 256
+#endif
 
 static inline __attribute__((always_inline)) void
 rows_bf16_avx(const uint16_t *x, const int M, int K, const uint16_t *w, const int R, float *acc) {

@@ -24,17 +24,7 @@ static void glu_span(const uint16_t *g, const uint16_t *u, int64_t n, int act, f
     const float ib = 1.0f / beta, il = lbeta > 0.f ? 1.0f / lbeta : 0.f;
     if (act == ACT_SITU) {
         #pragma omp simd
-        for (int64_t i = 0; i < n; ++i) {
-            float gv = bf16_to_f32(g[i]), uv = bf16_to_f32(u[i]);
-            float tn, td, sn, sd, un = uv, ud = 1.0f;
-            ds_tanh_frac(gv * ib, &tn, &td);
-            ds_sigmoid_frac(gv, &sn, &sd);
-            if (lbeta > 0.f) {
-                ds_tanh_frac(uv * il, &un, &ud);
-                un *= lbeta;
-            }
-            tmp[i] = (beta * tn) * sn * un / (td * sd * ud);
-        }
+        for (int64_t i = 0; i < n; ++i) tmp[i] = ds_situ(bf16_to_f32(g[i]), bf16_to_f32(u[i]), beta, ib, lbeta, il);
     } else {
         #pragma omp simd
         for (int64_t i = 0; i < n; ++i) {
