@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from deltaserve.model.moe_layer import GluMlp
 from deltaserve.ops import cpu_kernels
-from deltaserve.ops.activations import situ_and_mul
+from deltaserve.ops.activations import silu_and_mul, situ_and_mul
 from deltaserve.ops.linear import linear
 from deltaserve.ops.moe import grouped_experts
 
@@ -70,6 +70,31 @@ def test_amx_experts_match_gemv_kernel_and_reference(n, hot):
     assert torch.equal(tiles_packed, tiles_dense)   # decode-then-tile == tiles straight from bf16
     assert ulps(tiles_packed, ref, ref) <= 2.0
     assert ulps(tiles_packed, gemv, ref) <= 2.0
+
+
+@pytest.mark.parametrize("act, beta, lbeta", [(cpu_kernels.ACT_SILU, 0.0, 0.0), (cpu_kernels.ACT_SITU, 4.0, 0.0),
+                                               (cpu_kernels.ACT_SITU, 2.0, 8.0), (cpu_kernels.ACT_SITU, 4.0, 25.0)])
+def test_amx_experts_glu_per_activation_and_chunking(act, beta, lbeta):
+    """Each (act, beta, lbeta) gets its own GLU table; 530 pairs on one expert split into three tile
+    chunks (an odd last m-block), the rest into 2..15-pair chunks; tiles agree with the GEMV kernels."""
+    (w1, w3, w2), dense, x, ids, wts = routed_case(530, torch.Generator().manual_seed(int(beta * 10 + lbeta)))
+    ids[:, 0] = 0
+    if act == cpu_kernels.ACT_SILU:
+        fn = silu_and_mul
+    else:
+        fn = functools.partial(situ_and_mul, beta=beta, linear_beta=lbeta or None)
+    ref = grouped_experts(x, ids, wts, *dense, fn)
+    before = NK.amx_uses()
+    tiles = NK.moe_experts(x, ids, wts, w1, w3, w2, act, beta, lbeta)
+    assert NK.amx_uses() > before
+    NK.set_amx(False)
+    try:
+        gemv = NK.moe_experts(x, ids, wts, w1, w3, w2, act, beta, lbeta)
+    finally:
+        NK.set_amx(True)
+    assert ulps(tiles, ref, ref) <= 2.0
+    assert ulps(tiles, gemv, ref) <= 2.0
+    assert torch.equal(tiles, NK.moe_experts(x, ids, wts, w1, w3, w2, act, beta, lbeta))   # the cached table
 
 
 def test_glu_mlp_runs_fused_on_tiles_up_to_amx_rows():

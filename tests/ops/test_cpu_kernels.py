@@ -98,6 +98,26 @@ def test_fused_moe_matches_grouped_experts(act_kind, n):
         NK.moe_experts(x, ids + 8, wts, *dense, act_kind, beta, lbeta)
 
 
+@needs_kernels
+@pytest.mark.parametrize("act_kind", [cpu_kernels.ACT_SITU, cpu_kernels.ACT_SILU])
+def test_batch1_experts_equal_the_batched_kernels_rows(act_kind):
+    """One token takes its own kernel (moe_row.c: one parallel region); with the GEMV path for the
+    batch (AMX off), each token's result must be the batched call's row, bit for bit."""
+    (w1, w3, w2), dense, x, ids, wts = routed_case(5, torch.Generator().manual_seed(7), e=16, inter=96, k=6)
+    beta, lbeta = (4.0, 25.0) if act_kind == cpu_kernels.ACT_SITU else (0.0, None)
+    old = NK.set_amx(False)
+    try:
+        for weights in ((w1, w3, w2), dense):
+            batched = NK.moe_experts(x, ids, wts, *weights, act_kind, beta, lbeta)
+            for t in range(x.shape[0]):
+                one = NK.moe_experts(x[t:t + 1], ids[t:t + 1], wts[t:t + 1], *weights, act_kind, beta, lbeta)
+                assert torch.equal(one, batched[t:t + 1])
+    finally:
+        NK.set_amx(old)
+    with pytest.raises(ValueError):
+        NK.moe_experts(x[:1], ids[:1] + 16, wts[:1], *dense, act_kind, beta, lbeta)
+
+
 def _kda_torch(q, k, v, conv_w, tails, states, f, a_log, dt_bias, b, gate, norm_w, eps, scale, heads):
     """The PyTorch decode path of KdaAttention on copies of the slot state."""
     n, p = q.shape

@@ -40,9 +40,12 @@ def test_attn_res_mix(n, d, s):
     xs = [(torch.rand(()) * 4 + 0.1) * torch.randn(n, d, generator=gen) for _ in range(s)]
     xs = [x.bfloat16() for x in xs]
     proj, norm = 0.2 * torch.randn(d, generator=gen), torch.rand(d, generator=gen) + 0.5
-    got = NK.attn_res_mix(xs, (norm * proj).float(), 1e-5)
+    q = (norm * proj).float()
+    got = NK.attn_res_mix(xs, q, 1e-5)
     want = attn_res_mix(xs[-1], xs[:-1], proj, norm)
     _bf16_close(got, want)
+    w = torch.randn(d, generator=gen)   # the fused norm after the mix: the same bits as the two calls
+    assert torch.equal(NK.attn_res_mix(xs, q, 1e-5, w, 1e-6), NK.rms_norm(got, w, 1e-6))
     if s > 1:   # the mix engaged: the result is not just the current block
         assert not torch.equal(got, xs[-1])
 

@@ -46,17 +46,17 @@ class DecoderLayer(nn.Module):
     def forward_attn_res(self, cur: torch.Tensor, bank: list[torch.Tensor], block_size: int,
                          ctx: ForwardContext) -> torch.Tensor:
         """K3 Block AttnRes step. `cur` is the running sum of the current block; `bank` (mutated)
-        holds the finished blocks' sums. Banking happens after the attention-input mix."""
-        x_attn = cur if not bank else attn_res(cur, bank, self.self_attention_res_proj,
-                                               self.self_attention_res_norm)
-        a = self.attention(x_attn, ctx)
+        holds the finished blocks' sums. Banking happens after the attention-input mix; each mix
+        and the norm after it are one op (`modules.attn_res(..., then=norm)`)."""
+        a = self.self_attn(attn_res(cur, bank, self.self_attention_res_proj, self.self_attention_res_norm,
+                                    self.input_layernorm), ctx)
         if self.layer_id % block_size == 0:
             bank.append(cur)
             cur = a
         else:
             cur = cur + a
-        x_ffn = attn_res(cur, bank, self.mlp_res_proj, self.mlp_res_norm)
-        return cur + self.ffn(self.post_attention_layernorm(x_ffn))
+        return cur + self.ffn(attn_res(cur, bank, self.mlp_res_proj, self.mlp_res_norm,
+                                       self.post_attention_layernorm))
 
 
 class DecoderStack(nn.Module):

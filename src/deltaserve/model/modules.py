@@ -94,10 +94,17 @@ class WeightVector(nn.Module):
         return self.weight.reshape(-1)
 
 
-def attn_res(cur: torch.Tensor, bank: list[torch.Tensor], proj: WeightVector, norm: WeightVector) -> torch.Tensor:
-    """`ops.attn_res.attn_res_mix(cur, bank, proj, norm)`, on the native kernel for bf16 on CPU."""
+def attn_res(cur: torch.Tensor, bank: list[torch.Tensor], proj: WeightVector, norm: WeightVector,
+             then: RMSNorm | None = None) -> torch.Tensor:
+    """`ops.attn_res.attn_res_mix(cur, bank, proj, norm)`, then `then` (the layer's next RMSNorm)
+    if given; one native call for bf16 on CPU (the same values as the two ops in turn)."""
+    if not bank:
+        return cur if then is None else then(cur)
     kernels = native(cur.device) if cur.dtype == torch.bfloat16 and cur.dim() == 2 else None
     if kernels is not None and len(bank) < kernels.MAX_MIX:
         q = cached_fp32(proj, "mix_q", lambda: norm.flat().float() * proj.flat().float(), proj.weight, norm.weight)
-        return kernels.attn_res_mix([*bank, cur], q, ATTN_RES_EPS)
-    return attn_res_mix(cur, bank, proj.flat(), norm.flat())
+        if then is None:
+            return kernels.attn_res_mix([*bank, cur], q, ATTN_RES_EPS)
+        return kernels.attn_res_mix([*bank, cur], q, ATTN_RES_EPS, then.weight_f32(), then.eps)
+    mixed = attn_res_mix(cur, bank, proj.flat(), norm.flat())
+    return mixed if then is None else then(mixed)

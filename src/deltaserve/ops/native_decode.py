@@ -49,7 +49,8 @@ class DecodeBindings:
         lib.ds_mla_decode.argtypes = [_I, _I, _I, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I]
         lib.ds_mla_decode.restype = _I
         lib.ds_rms_norm.argtypes = [_P, _L, _I, _I, _P, ctypes.c_float, _P, _L, _I]
-        lib.ds_attn_res_mix.argtypes = [ctypes.POINTER(ctypes.c_void_p), _I, _I, _I, _P, ctypes.c_float, _P, _I]
+        lib.ds_attn_res_mix.argtypes = [ctypes.POINTER(ctypes.c_void_p), _I, _I, _I, _P, ctypes.c_float, _P, _P,
+                                        ctypes.c_float, _P, _I]
         lib.ds_rms_norm.restype = lib.ds_attn_res_mix.restype = None
         for f in (lib.ds_linear_bf16, lib.ds_mxfp4_to_bf16):
             f.restype = None
@@ -235,19 +236,24 @@ class DecodeBindings:
 
     MAX_MIX = 64
 
-    def attn_res_mix(self, candidates: list[torch.Tensor], q_f32: torch.Tensor, eps: float) -> torch.Tensor:
+    def attn_res_mix(self, candidates: list[torch.Tensor], q_f32: torch.Tensor, eps: float,
+                     norm_f32: torch.Tensor | None = None, norm_eps: float = 0.0) -> torch.Tensor:
         """`ops.attn_res.attn_res_mix` over `candidates` (the bank, then cur; each [N, D] bf16)
-        with the fp32 query q = norm * proj [D]. Returns [N, D] bf16."""
+        with the fp32 query q = norm * proj [D]. Returns the mix [N, D] bf16, or with `norm_f32`
+        (an RMSNorm's fp32 weight [D]) that norm of the mix, bit-identical to `rms_norm` after it."""
         n, d = candidates[-1].shape
         if not (0 < len(candidates) <= self.MAX_MIX and q_f32.dtype == torch.float32 and q_f32.numel() == d
-                and all(c.dtype == torch.bfloat16 and tuple(c.shape) == (n, d) for c in candidates)):
+                and all(c.dtype == torch.bfloat16 and c.shape == candidates[-1].shape for c in candidates)
+                and (norm_f32 is None or (norm_f32.dtype == torch.float32 and norm_f32.numel() == d))):
             raise ValueError("attn_res_mix: operand shapes or dtypes disagree")
-        candidates = [c.contiguous() for c in candidates]
+        candidates = [c if c.is_contiguous() else c.contiguous() for c in candidates]
         ptrs = (ctypes.c_void_p * len(candidates))(*[c.data_ptr() for c in candidates])
         out = torch.empty(n, d, dtype=torch.bfloat16)
-        self.lib.ds_attn_res_mix(ptrs, len(candidates), n, d, q_f32.contiguous().data_ptr(), eps,
-                                 out.data_ptr(), self._threads())
-        return out
+        normed = None if norm_f32 is None else torch.empty(n, d, dtype=torch.bfloat16)
+        self.lib.ds_attn_res_mix(ptrs, len(candidates), n, d, q_f32.contiguous().data_ptr(), eps, out.data_ptr(),
+                                 None if normed is None else norm_f32.contiguous().data_ptr(), norm_eps,
+                                 None if normed is None else normed.data_ptr(), self._threads())
+        return out if normed is None else normed
 
     def route(self, logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, num_expert_group: int,
               topk_group: int, renormalize: bool, routed_scaling_factor: float,

@@ -36,6 +36,15 @@ void ds_amx_pack(const uint16_t *x, int64_t ldx, int M, int K, uint16_t *xv) {
     for (int kb = 0; kb < KB; ++kb)
         for (int mb = 0; mb < MB; ++mb) {
             uint16_t *t = xv + ((int64_t)kb * MB + mb) * TILE_ELEMS;
+#ifdef __AVX512F__
+            __m512i z[16];   /* row mm: the 16 dword pairs of x[16 mb + mm] in k-block kb */
+            for (int mm = 0; mm < DS_TILE; ++mm) {
+                const int m = mb * DS_TILE + mm;
+                z[mm] = m < M ? _mm512_loadu_si512((const void *)(x + (int64_t)m * ldx + kb * 32)) : _mm512_setzero_si512();
+            }
+            ds_transpose16(z);
+            for (int kp = 0; kp < 16; ++kp) _mm512_store_si512((void *)(t + kp * 32), z[kp]);
+#else
             for (int mm = 0; mm < DS_TILE; ++mm) {
                 const int m = mb * DS_TILE + mm;
                 const uint16_t *src = m < M ? x + (int64_t)m * ldx + kb * 32 : NULL;
@@ -44,6 +53,7 @@ void ds_amx_pack(const uint16_t *x, int64_t ldx, int M, int K, uint16_t *xv) {
                     t[kp * 32 + 2 * mm + 1] = src ? src[2 * kp + 1] : 0;
                 }
             }
+#endif
         }
 }
 
@@ -70,37 +80,27 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* Eight 16 x 64-byte tiles: 0..3 accumulators (one per m-block), 4 weights, 5..7 activations.
+/* Eight 16 x 64-byte tiles: 0..3 accumulators, 4 and 5 weights, 6 and 7 activations.
  * Static storage: GCC does not treat _tile_loadconfig as reading its argument, so a stack copy's
  * stores can be optimised away. */
 static const tile_config TILES = {1, 0, {0}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
 
 void ds_amx_config(void) { _tile_loadconfig(&TILES); }
 
-/* Tile registers are not renamed: a load into a tile waits for the products still reading it. So
- * weight tiles alternate between tmm4 and tmm5 by k-block parity (the next block's weights load while
- * this block's products run); activation tiles alternate between tmm6 and tmm7. */
-#define DOT_KBLOCK(A, b, NB) do {                                                          \
-        _tile_loadd(6, (b), 64);                                                           \
-        _tile_dpbf16ps(0, A, 6);                                                           \
-        if ((NB) > 1) { _tile_loadd(7, (b) + TILE_ELEMS, 64); _tile_dpbf16ps(1, A, 7); }     \
-        if ((NB) > 2) { _tile_loadd(6, (b) + 2 * TILE_ELEMS, 64); _tile_dpbf16ps(2, A, 6); } \
-        if ((NB) > 3) { _tile_loadd(7, (b) + 3 * TILE_ELEMS, 64); _tile_dpbf16ps(3, A, 7); } \
-    } while (0)
-
-/* Weights of k-block kb into tile T: bf16 rows in place (prefetched ahead), or MXFP4 rows from
- * `dec`, where decode_span() has written them. */
-#define LOAD_WEIGHTS(T, kb) do {                                                                      \
+/* Weights of block b, k-block kb into tile T: bf16 rows in place (prefetched ahead while `pf`, the
+ * first m pass over them), or MXFP4 rows from dec, where decode_span() has written them. */
+#define LOAD_WEIGHTS(T, b, kb) do {                                                                   \
         if (packed) {                                                                                 \
-            _tile_loadd(T, dec + ((kb) - kb0) * TILE_ELEMS, 64);                                      \
+            _tile_loadd(T, dec + ((b) * SPAN + (kb) - kb0) * TILE_ELEMS, 64);                         \
         } else {                                                                                      \
-            for (int r = 0; r < DS_TILE; ++r)                                                         \
-                _mm_prefetch((const char *)(a + (int64_t)r * K + (kb) * 32 + PREFETCH), _MM_HINT_T0);  \
-            _tile_loadd(T, a + (kb) * 32, (int64_t)K * 2);                                            \
+            if (pf)                                                                                   \
+                for (int r = 0; r < DS_TILE; ++r)                                                     \
+                    _mm_prefetch((const char *)(a[b] + (int64_t)r * K + (kb) * 32 + PREFETCH), _MM_HINT_T0); \
+            _tile_loadd(T, a[b] + (kb) * 32, (int64_t)K * 2);                                         \
         }                                                                                             \
     } while (0)
 
-#define SPAN 16   /* k-blocks per span: MXFP4 decoded once per span (16 KB), reused by every m pass */
+#define SPAN 16   /* k-blocks per span: MXFP4 decoded once per span (16 KB a block), reused by every m pass */
 
 /* dec[(kb - kb0) * TILE_ELEMS + r * 32 + j] = weight (r, 32 kb + j) for kb0 <= kb < kb1: decoding a
  * span before its products keeps the tile loads off freshly stored lines. */
@@ -112,48 +112,86 @@ static inline void decode_span(const uint8_t *p, const uint8_t *sc, int K, int k
                                mxfp4_group(p + (int64_t)r * (K / 2) + kb * 16, sc[(int64_t)r * KB + kb]));
 }
 
-/* Accumulator tiles 0..nb-1 <-> c (m-blocks mb0..mb0+nb-1). */
-static inline void tiles_from(const float *c, int nb, int zero) {
-    if (zero) { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); return; }
-    _tile_loadd(0, c, 64);
-    if (nb > 1) _tile_loadd(1, c + 256, 64);
-    if (nb > 2) _tile_loadd(2, c + 512, 64);
-    if (nb > 3) _tile_loadd(3, c + 768, 64);
-}
+/* Products of weight tile A with the activation tiles of up to four m-blocks at b into accumulators
+ * 0..NB-1, the activations alternating between tmm6 and tmm7. */
+#define DOT_KBLOCK(A, b, NB) do {                                                          \
+        _tile_loadd(6, (b), 64);                                                           \
+        _tile_dpbf16ps(0, A, 6);                                                           \
+        if ((NB) > 1) { _tile_loadd(7, (b) + TILE_ELEMS, 64); _tile_dpbf16ps(1, A, 7); }     \
+        if ((NB) > 2) { _tile_loadd(6, (b) + 2 * TILE_ELEMS, 64); _tile_dpbf16ps(2, A, 6); } \
+        if ((NB) > 3) { _tile_loadd(7, (b) + 3 * TILE_ELEMS, 64); _tile_dpbf16ps(3, A, 7); } \
+    } while (0)
 
-static inline void tiles_to(float *c, int nb) {
-    _tile_stored(0, c, 64);
-    if (nb > 1) _tile_stored(1, c + 256, 64);
-    if (nb > 2) _tile_stored(2, c + 512, 64);
-    if (nb > 3) _tile_stored(3, c + 768, 64);
-}
+/* Accumulator tile T <-> c (or zero on a span's first k-block). */
+#define ACC_IN(T, at) do { if (kb0 == 0) _tile_zero(T); else _tile_loadd(T, (at), 64); } while (0)
 
-void ds_amx_rows(const void *w, const uint8_t *s, int packed, int64_t row0, int K, const uint16_t *xv, int MB,
-                 float *c) {
+void ds_amx_rows(const void *const *w, const uint8_t *const *s, int packed, const int64_t *row0, int nw, int K,
+                 const uint16_t *xv, int MB, float *c) {
     const int KB = K / 32;
-    __attribute__((aligned(64))) uint16_t dec[SPAN * TILE_ELEMS];   /* decoded MXFP4 weights */
-    const uint8_t *p = packed ? (const uint8_t *)w + row0 * (K / 2) : NULL, *sc = packed ? s + row0 * KB : NULL;
-    const uint16_t *a = packed ? NULL : (const uint16_t *)w + row0 * K;
+    const int64_t step = (int64_t)MB * TILE_ELEMS;   /* xv elements per k-block */
+    __attribute__((aligned(64))) uint16_t dec[2 * SPAN * TILE_ELEMS];   /* decoded MXFP4 weights */
+    const uint16_t *a[2] = {NULL, NULL};
+    for (int b = 0; b < nw && !packed; ++b) a[b] = (const uint16_t *)w[b] + row0[b] * K;
+    float *c1 = c + (int64_t)MB * DS_TILE * DS_TILE;   /* block 1's products */
     for (int kb0 = 0; kb0 < KB; kb0 += SPAN) {
         const int kb1 = kb0 + SPAN < KB ? kb0 + SPAN : KB;
-        if (packed) decode_span(p, sc, K, kb0, kb1, dec);
-        for (int mb0 = 0; mb0 < MB; mb0 += DS_AMX_MB) {   /* passes of up to four m-blocks */
-            const int nb = MB - mb0 < DS_AMX_MB ? MB - mb0 : DS_AMX_MB;
-            const uint16_t *b = xv + (int64_t)mb0 * TILE_ELEMS;
-            const int64_t step = (int64_t)MB * TILE_ELEMS;   /* xv elements per k-block */
-            tiles_from(c + mb0 * 256, nb, kb0 == 0);
+        for (int b = 0; b < nw && packed; ++b)
+            decode_span((const uint8_t *)w[b] + row0[b] * (K / 2), s[b] + row0[b] * KB, K, kb0, kb1,
+                        dec + b * SPAN * TILE_ELEMS);
+        if (nw == 2) {
+            /* 2 x 2 blocking: accumulators 0, 1 block 0 and 2, 3 block 1 at m-blocks mb, mb + 1; each
+             * loaded tile feeds two products. A last odd m-block uses accumulators 0 and 2. */
+            for (int mb = 0; mb < MB; mb += 2) {
+                const int pf = mb == 0, two = mb + 1 < MB;
+                const uint16_t *x = xv + (int64_t)mb * TILE_ELEMS;
+                float *at0 = c + mb * 256, *at1 = c1 + mb * 256;
+                ACC_IN(0, at0);
+                ACC_IN(2, at1);
+                if (two) { ACC_IN(1, at0 + 256); ACC_IN(3, at1 + 256); }
+                for (int kb = kb0; kb < kb1; ++kb) {
+                    LOAD_WEIGHTS(4, 0, kb);
+                    _tile_loadd(6, x + kb * step, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (two) {
+                        _tile_loadd(7, x + kb * step + TILE_ELEMS, 64);
+                        _tile_dpbf16ps(1, 4, 7);
+                    }
+                    LOAD_WEIGHTS(5, 1, kb);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (two) _tile_dpbf16ps(3, 5, 7);
+                }
+                _tile_stored(0, at0, 64);
+                _tile_stored(2, at1, 64);
+                if (two) { _tile_stored(1, at0 + 256, 64); _tile_stored(3, at1 + 256, 64); }
+            }
+            continue;
+        }
+        /* One block: passes of up to four m-blocks over one weight tile per k-block; weight tiles
+         * alternate between tmm4 and tmm5 by k-block parity (tiles are not renamed: a load into a tile
+         * waits for the products still reading it). */
+        for (int mb0 = 0; mb0 < MB; mb0 += DS_AMX_MB) {
+            const int nb = MB - mb0 < DS_AMX_MB ? MB - mb0 : DS_AMX_MB, pf = mb0 == 0;
+            const uint16_t *x = xv + (int64_t)mb0 * TILE_ELEMS;
+            float *at = c + mb0 * 256;
+            ACC_IN(0, at);
+            if (nb > 1) ACC_IN(1, at + 256);
+            if (nb > 2) ACC_IN(2, at + 512);
+            if (nb > 3) ACC_IN(3, at + 768);
             int kb = kb0;
             for (; kb + 1 < kb1; kb += 2) {
-                LOAD_WEIGHTS(4, kb);
-                DOT_KBLOCK(4, b + kb * step, nb);
-                LOAD_WEIGHTS(5, kb + 1);
-                DOT_KBLOCK(5, b + (kb + 1) * step, nb);
+                LOAD_WEIGHTS(4, 0, kb);
+                DOT_KBLOCK(4, x + kb * step, nb);
+                LOAD_WEIGHTS(5, 0, kb + 1);
+                DOT_KBLOCK(5, x + (kb + 1) * step, nb);
             }
             if (kb < kb1) {
-                LOAD_WEIGHTS(4, kb);
-                DOT_KBLOCK(4, b + kb * step, nb);
+                LOAD_WEIGHTS(4, 0, kb);
+                DOT_KBLOCK(4, x + kb * step, nb);
             }
-            tiles_to(c + mb0 * 256, nb);
+            _tile_stored(0, at, 64);
+            if (nb > 1) _tile_stored(1, at + 256, 64);
+            if (nb > 2) _tile_stored(2, at + 512, 64);
+            if (nb > 3) _tile_stored(3, at + 768, 64);
         }
     }
 }
@@ -163,9 +201,9 @@ void ds_amx_set_enabled(int on) { (void)on; }
 int64_t ds_amx_uses(void) { return 0; }
 void ds_amx_count(void) {}
 void ds_amx_config(void) {}
-void ds_amx_rows(const void *w, const uint8_t *s, int packed, int64_t row0, int K, const uint16_t *xv, int MB,
-                 float *c) {
-    (void)w; (void)s; (void)packed; (void)row0; (void)K; (void)xv; (void)MB; (void)c;
+void ds_amx_rows(const void *const *w, const uint8_t *const *s, int packed, const int64_t *row0, int nw, int K,
+                 const uint16_t *xv, int MB, float *c) {
+    (void)w; (void)s; (void)packed; (void)row0; (void)nw; (void)K; (void)xv; (void)MB; (void)c;
 }
 #endif
 
@@ -186,31 +224,49 @@ int ds_linear_amx_multi(const uint16_t *x, int M, int K, const uint16_t *const *
     int bad = 0;
     for (int m0 = 0; m0 < M && !bad; m0 += PASS) {
         const int Mc = M - m0 < PASS ? M - m0 : PASS, MB = (Mc + DS_TILE - 1) / DS_TILE;
+        const int pair = MB >= DS_AMX_MB;   /* two blocks a call; fewer m-blocks stream weights better one at a time */
         ds_amx_pack(x + (int64_t)m0 * K, K, Mc, K, xv);
         #pragma omp parallel num_threads(nthreads) reduction(| : bad)
         {
-            __attribute__((aligned(64))) float c[DS_AMX_MB * DS_TILE * DS_TILE];
-            uint16_t *tail = NULL;   /* a last block of fewer than 16 rows, zero-padded */
+            __attribute__((aligned(64))) float c[2 * DS_AMX_MB * DS_TILE * DS_TILE];
+            uint16_t *tail = NULL;   /* blocks of fewer than 16 rows, zero-padded (two: one per block of a call) */
             ds_amx_config();
             #pragma omp for schedule(static)
-            for (int b = 0; b < blocks; ++b) {
-                int i = 0;
-                while (first[i + 1] <= b) ++i;
-                const int n0 = (b - first[i]) * DS_TILE, rows = N[i] - n0 < DS_TILE ? N[i] - n0 : DS_TILE;
-                if (rows == DS_TILE) {
-                    ds_amx_rows(w[i], NULL, 0, n0, K, xv, MB, c);
-                } else {
-                    if (!tail) tail = calloc((size_t)DS_TILE * K, sizeof(uint16_t));
-                    if (!tail) { bad |= 1; continue; }
-                    memcpy(tail, w[i] + (int64_t)n0 * K, sizeof(uint16_t) * (size_t)rows * K);
-                    memset(tail + (int64_t)rows * K, 0, sizeof(uint16_t) * (size_t)(DS_TILE - rows) * K);
-                    ds_amx_rows(tail, NULL, 0, 0, K, xv, MB, c);
+            for (int u = 0; u < (blocks + 1) / 2; ++u) {   /* pairs of row blocks, one ds_amx_rows call */
+                const void *wb[2];
+                int64_t r0[2];
+                int mat[2], n0[2], rows[2];
+                const int nb = 2 * u + 1 < blocks ? 2 : 1;
+                for (int h = 0; h < nb; ++h) {
+                    const int b = 2 * u + h;
+                    int i = 0;
+                    while (first[i + 1] <= b) ++i;
+                    mat[h] = i;
+                    n0[h] = (b - first[i]) * DS_TILE;
+                    rows[h] = N[i] - n0[h] < DS_TILE ? N[i] - n0[h] : DS_TILE;
+                    wb[h] = w[i];
+                    r0[h] = n0[h];
+                    if (rows[h] < DS_TILE) {
+                        if (!tail) tail = malloc(sizeof(uint16_t) * 2 * DS_TILE * (size_t)K);
+                        if (!tail) { bad |= 1; break; }
+                        uint16_t *t = tail + (int64_t)h * DS_TILE * K;
+                        memcpy(t, w[i] + (int64_t)n0[h] * K, sizeof(uint16_t) * (size_t)rows[h] * K);
+                        memset(t + (int64_t)rows[h] * K, 0, sizeof(uint16_t) * (size_t)(DS_TILE - rows[h]) * K);
+                        wb[h] = t;
+                        r0[h] = 0;
+                    }
                 }
-                for (int m = 0; m < Mc; ++m) {
-                    const float *cm = c + (m / DS_TILE) * DS_TILE * DS_TILE + m % DS_TILE;
-                    const int64_t at = (int64_t)(m0 + m) * N[i] + n0;
-                    if (f32[i]) for (int r = 0; r < rows; ++r) ((float *)y[i])[at + r] = cm[r * DS_TILE];
-                    else for (int r = 0; r < rows; ++r) ((uint16_t *)y[i])[at + r] = f32_to_bf16(cm[r * DS_TILE]);
+                if (bad) continue;
+                for (int h = 0; h < nb; h += pair ? nb : 1)
+                    ds_amx_rows(wb + h, NULL, 0, r0 + h, pair ? nb : 1, K, xv, MB, c + h * MB * DS_TILE * DS_TILE);
+                for (int h = 0; h < nb; ++h) {
+                    const int i = mat[h];
+                    for (int m = 0; m < Mc; ++m) {
+                        const float *cm = c + (h * MB + m / DS_TILE) * DS_TILE * DS_TILE + m % DS_TILE;
+                        const int64_t at = (int64_t)(m0 + m) * N[i] + n0[h];
+                        if (f32[i]) for (int r = 0; r < rows[h]; ++r) ((float *)y[i])[at + r] = cm[r * DS_TILE];
+                        else for (int r = 0; r < rows[h]; ++r) ((uint16_t *)y[i])[at + r] = f32_to_bf16(cm[r * DS_TILE]);
+                    }
                 }
             }
             free(tail);

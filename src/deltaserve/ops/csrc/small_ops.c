@@ -44,56 +44,63 @@ static inline void dot_and_square(const uint16_t *v, const float *q, int n, floa
     *sq = ss;
 }
 
-/* KimiRMSNorm: y = bf16(x * rsqrt(mean(x^2) + eps)); out = bf16(w * y). x, out [N, D] with row
- * strides ldx / ldo; w [D] fp32. */
+/* KimiRMSNorm of one row: y = bf16(x * rsqrt(mean(x^2) + eps)); o = bf16(w * y), w fp32 [D]. */
+static inline void norm_row(const uint16_t *xr, int D, const float *w, float eps, uint16_t *o) {
+    float unused, ss;
+    dot_and_square(xr, 0, D, &unused, &ss);
+    const float r = 1.f / sqrtf(ss / (float)D + eps);
+    for (int d = 0; d < D; ++d)
+        o[d] = f32_to_bf16(w[d] * bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[d]) * r)));
+}
+
+/* x, out [N, D] with row strides ldx / ldo. */
 void ds_rms_norm(const uint16_t *x, int64_t ldx, int N, int D, const float *w, float eps,
                  uint16_t *out, int64_t ldo, int nthreads) {
     #pragma omp parallel for num_threads(nthreads) schedule(static) if ((int64_t)N * D >= (1 << 15))
-    for (int n = 0; n < N; ++n) {
-        const uint16_t *xr = x + (int64_t)n * ldx;
-        float unused, ss;
-        dot_and_square(xr, 0, D, &unused, &ss);
-        const float r = 1.f / sqrtf(ss / (float)D + eps);
-        uint16_t *o = out + (int64_t)n * ldo;
-        for (int d = 0; d < D; ++d)
-            o[d] = f32_to_bf16(w[d] * bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[d]) * r)));
+    for (int n = 0; n < N; ++n) norm_row(x + (int64_t)n * ldx, D, w, eps, out + (int64_t)n * ldo);
+}
+
+/* Row n of the Block AttnRes mix over S <= 64 candidates xs[s] [N, D] bf16 (the current block sum
+ * LAST): score_s = (x_s . q) * rsqrt(mean(x_s^2) + eps) with q = norm * proj (fp32), a = softmax_s,
+ * o = bf16(sum_s a_s x_s), every column summed over s ascending. */
+static inline void mix_row(const uint16_t *const *xs, int S, int64_t n, int D, const float *q, float eps,
+                           uint16_t *o) {
+    float score[64], m = -INFINITY, sum = 0.f;
+    for (int s = 0; s < S; ++s) {
+        float dot, ss;
+        dot_and_square(xs[s] + n * D, q, D, &dot, &ss);
+        score[s] = dot * (1.f / sqrtf(ss / (float)D + eps));
+        if (score[s] > m) m = score[s];
+    }
+    for (int s = 0; s < S; ++s) { score[s] = expf(score[s] - m); sum += score[s]; }
+    for (int s = 0; s < S; ++s) score[s] /= sum;
+    int d = 0;
+#ifdef __AVX512F__
+    for (; d + 16 <= D; d += 16) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int s = 0; s < S; ++s)
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(score[s]),
+                                  bf16_to_f32_x16(_mm256_loadu_si256((const __m256i *)(xs[s] + n * D + d))), acc);
+        _mm256_storeu_si256((__m256i *)(o + d), f32_to_bf16_x16(acc));
+    }
+#endif
+    for (; d < D; ++d) {
+        float acc = 0.f;
+        for (int s = 0; s < S; ++s) acc = fmaf(score[s], bf16_to_f32(xs[s][n * D + d]), acc);
+        o[d] = f32_to_bf16(acc);
     }
 }
 
-/* Block AttnRes mix over S candidates xs[0..S-1] (the current block sum LAST), each [N, D] bf16:
- * score_s = (x_s . q) * rsqrt(mean(x_s^2) + eps) with q = norm * proj (fp32), a = softmax_s,
- * out = bf16(sum_s a_s x_s). */
+/* out [N, D] = the mix (mix_row; S <= 64); with norm_w, also normed [N, D] = KimiRMSNorm(out) with
+ * norm_w fp32 [D] and norm_eps, exactly as ds_rms_norm computes it (the layer's next op, fused). */
 void ds_attn_res_mix(const uint16_t *const *xs, int S, int N, int D, const float *q, float eps,
-                     uint16_t *out, int nthreads) {
+                     uint16_t *out, const float *norm_w, float norm_eps, uint16_t *normed, int nthreads) {
+    const int s_cap = S < 64 ? S : 64;
     #pragma omp parallel for num_threads(nthreads) schedule(static) if ((int64_t)N * D * S >= (1 << 15))
     for (int n = 0; n < N; ++n) {
-        float score[64], m = -INFINITY, sum = 0.f;
-        const int s_cap = S < 64 ? S : 64;
-        for (int s = 0; s < s_cap; ++s) {
-            const uint16_t *xr = xs[s] + (int64_t)n * D;
-            float dot, ss;
-            dot_and_square(xr, q, D, &dot, &ss);
-            score[s] = dot * (1.f / sqrtf(ss / (float)D + eps));
-            if (score[s] > m) m = score[s];
-        }
-        for (int s = 0; s < s_cap; ++s) { score[s] = expf(score[s] - m); sum += score[s]; }
-        for (int s = 0; s < s_cap; ++s) score[s] /= sum;
         uint16_t *o = out + (int64_t)n * D;
-        int d = 0;                                   /* every column sums s ascending */
-#ifdef __AVX512F__
-        for (; d + 16 <= D; d += 16) {
-            __m512 acc = _mm512_setzero_ps();
-            for (int s = 0; s < s_cap; ++s)
-                acc = _mm512_fmadd_ps(_mm512_set1_ps(score[s]),
-                                      bf16_to_f32_x16(_mm256_loadu_si256((const __m256i *)(xs[s] + (int64_t)n * D + d))), acc);
-            _mm256_storeu_si256((__m256i *)(o + d), f32_to_bf16_x16(acc));
-        }
-#endif
-        for (; d < D; ++d) {
-            float acc = 0.f;
-            for (int s = 0; s < s_cap; ++s) acc = fmaf(score[s], bf16_to_f32(xs[s][(int64_t)n * D + d]), acc);
-            o[d] = f32_to_bf16(acc);
-        }
+        mix_row(xs, s_cap, n, D, q, eps, o);
+        if (norm_w) norm_row(o, D, norm_w, norm_eps, normed + (int64_t)n * D);
     }
 }
 
