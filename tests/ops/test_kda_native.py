@@ -99,6 +99,20 @@ def test_kda_chunked_extreme_gates(g_lo, g_hi):
     _close(s, s_r)
 
 
+def test_kda_chunked_subnormal_regime_restores_fp_mode():
+    """Gates of -5*sigmoid (K3) over long chunks make products of decays and W entries subnormal;
+    the kernel flushes them for the call only: results match the oracle and the caller's thread
+    still produces subnormals afterwards."""
+    lens = [200, 64]
+    q, k, v, _, beta, s0 = _inputs(lens, 2, 64, 64, seed=13)
+    g = -5 * torch.sigmoid(torch.randn(sum(lens), 2, 64, generator=torch.Generator().manual_seed(14)))
+    o, s, _ = NK.kda_chunked(q, k, v, g, beta, _cu(lens), 0.125, initial_state=s0)
+    o_r, s_r = _oracle(lens, q, k, v, g, beta, s0, 0.125)
+    _close(o, o_r)
+    _close(s, s_r)
+    assert (torch.tensor([1e-38]) / 10).item() > 0
+
+
 @pytest.mark.parametrize("softplus", [False, True])
 def test_kda_chunked_gate_regimes_mixed_decay(softplus):
     """Real gate functions over logits spanning +-30: per-channel decays from ~0 to -70 within

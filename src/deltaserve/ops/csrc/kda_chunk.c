@@ -24,10 +24,13 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+#ifdef __SSE__
+#include <xmmintrin.h>
+#endif
 #include "bf16.h"
 #include "vmath.h"
+#include "kda_chunk.h"
 
-#define KC_MAX_CHUNK 64
 #define KC_FLUSH 30.f
 #define KC_FLUSH_MIN 9.35762297e-14f   /* exp(-30) */
 
@@ -49,7 +52,6 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-static inline __mmask16 tail_mask(int rem) { return rem >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << rem) - 1); }
 #endif
 
 /* out[0..n) = decay(g[0..n)): the per-token decay factors exp(g), flushed below exp(-30). */
@@ -96,147 +98,41 @@ static void decay_rows(int K, float *run, const float *E, int mul_first, const f
 #endif
 }
 
-/* y = silu(y) = y / (1 + exp(-y)) over n values. */
-static void silu_inplace(float *y, int64_t n) {
+/* y[0..n) = silu(sum_w wt[w*ldw + c] * src[w][off + c]) (src[w] NULL: a zero row); returns sum y^2. */
+static float conv_span(int n, int W, const uint16_t *const *src, int64_t off, const float *wt, int64_t ldw,
+                       float *y) {
 #ifdef __AVX512F__
-    for (int64_t d = 0; d < n; d += 16) {
-        const __mmask16 m = tail_mask((int)(n - d < 16 ? n - d : 16));
-        const __m512 v = _mm512_maskz_loadu_ps(m, y + d);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), v));
-        _mm512_mask_storeu_ps(y + d, m, _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+    __m512 ss = _mm512_setzero_ps();
+    for (int c = 0; c < n; c += 16) {
+        const __mmask16 m = tail_mask(n - c);
+        __m512 acc = _mm512_setzero_ps();
+        for (int w = 0; w < W; ++w)
+            if (src[w])
+                acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, wt + w * ldw + c),
+                                      bf16_to_f32_x16(_mm256_maskz_loadu_epi16(m, src[w] + off + c)), acc);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), acc));
+        const __m512 v = _mm512_div_ps(acc, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+        ss = _mm512_fmadd_ps(v, v, ss);
+        _mm512_mask_storeu_ps(y + c, m, v);
     }
+    return _mm512_reduce_add_ps(ss);
 #else
-    for (int64_t d = 0; d < n; ++d) y[d] = y[d] / (1.f + ds_exp(-y[d]));
-#endif
-}
-
-/* (a . c, b . c) over n channels. */
-static inline void dot2(const float *a, const float *b, const float *c, int n, float *ra, float *rb) {
-#ifdef __AVX512F__
-    __m512 sa = _mm512_setzero_ps(), sb = _mm512_setzero_ps();
-    for (int d = 0; d < n; d += 16) {
-        const __mmask16 m = tail_mask(n - d);
-        const __m512 cv = _mm512_maskz_loadu_ps(m, c + d);
-        sa = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + d), cv, sa);
-        sb = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, b + d), cv, sb);
+    float ss = 0.f;
+    for (int c = 0; c < n; ++c) {
+        float acc = 0.f;
+        for (int w = 0; w < W; ++w)
+            if (src[w]) acc += wt[w * ldw + c] * bf16_to_f32(src[w][off + c]);
+        y[c] = acc / (1.f + ds_exp(-acc));
+        ss += y[c] * y[c];
     }
-    *ra = _mm512_reduce_add_ps(sa);
-    *rb = _mm512_reduce_add_ps(sb);
-#else
-    *ra = *rb = 0.f;
-    for (int d = 0; d < n; ++d) { *ra = fmaf(a[d], c[d], *ra); *rb = fmaf(b[d], c[d], *rb); }
-#endif
-}
-
-/* Rows a, b against columns c[0..3] (row stride ldc): ra[j] = a . c_j, rb[j] = b . c_j. */
-static inline void dot2x4(const float *a, const float *b, const float *c, int64_t ldc, int n, float *ra,
-                          float *rb) {
-#ifdef __AVX512F__
-    __m512 sa[4], sb[4];
-    for (int j = 0; j < 4; ++j) sa[j] = sb[j] = _mm512_setzero_ps();
-    for (int d = 0; d < n; d += 16) {
-        const __mmask16 m = tail_mask(n - d);
-        const __m512 av = _mm512_maskz_loadu_ps(m, a + d), bv = _mm512_maskz_loadu_ps(m, b + d);
-        for (int j = 0; j < 4; ++j) {
-            const __m512 cv = _mm512_maskz_loadu_ps(m, c + j * ldc + d);
-            sa[j] = _mm512_fmadd_ps(av, cv, sa[j]);
-            sb[j] = _mm512_fmadd_ps(bv, cv, sb[j]);
-        }
-    }
-    for (int j = 0; j < 4; ++j) {
-        ra[j] = _mm512_reduce_add_ps(sa[j]);
-        rb[j] = _mm512_reduce_add_ps(sb[j]);
-    }
-#else
-    for (int j = 0; j < 4; ++j) dot2(a, b, c + j * ldc, n, ra + j, rb + j);
-#endif
-}
-
-/* c[0..n) += sum_{d < D} coef[d] * B[d*ldb + 0..n). */
-static void row_acc(int n, int D, const float *coef, const float *B, int64_t ldb, float *c) {
-#ifdef __AVX512F__
-    for (int j0 = 0; j0 < n; j0 += 128) {
-        __mmask16 mk[8];
-        __m512 acc[8];
-        for (int u = 0; u < 8; ++u) {
-            mk[u] = n - j0 - 16 * u <= 0 ? (__mmask16)0 : tail_mask(n - j0 - 16 * u);
-            acc[u] = _mm512_maskz_loadu_ps(mk[u], c + j0 + 16 * u);
-        }
-        for (int d = 0; d < D; ++d) {
-            const __m512 cf = _mm512_set1_ps(coef[d]);
-            const float *b = B + (int64_t)d * ldb + j0;
-            for (int u = 0; u < 8; ++u) acc[u] = _mm512_fmadd_ps(cf, _mm512_maskz_loadu_ps(mk[u], b + 16 * u), acc[u]);
-        }
-        for (int u = 0; u < 8; ++u) _mm512_mask_storeu_ps(c + j0 + 16 * u, mk[u], acc[u]);
-    }
-#else
-    for (int d = 0; d < D; ++d)
-        for (int j = 0; j < n; ++j) c[j] = fmaf(coef[d], B[(int64_t)d * ldb + j], c[j]);
+    return ss;
 #endif
 }
 
 static inline float dot(const float *a, const float *b, int n) {
     float r, unused;
-    dot2(a, a, b, n, &r, &unused);
+    ds_kc_dot2(a, a, b, n, &r, &unused);
     return r;
-}
-
-/* C[M, N] = init (rows scaled by rs, or 0 when init is NULL) + A @ B, where A(i, d) is at
- * A[i*ars + d*acs], B row d at B + d*ldb, C and init rows at stride ldc / ldi (init may be C).
- * tri: A is lower-triangular incl. the diagonal (entries above it are zeros in memory). */
-static void mm(int M, int N, int D, const float *A, int64_t ars, int64_t acs, const float *B,
-               int64_t ldb, float *C, int64_t ldc, const float *init, int64_t ldi, const float *rs,
-               int tri) {
-#ifdef __AVX512F__
-    enum { MR = 6 };                 /* 6 x 64 register tile: 24 accumulators */
-    for (int j0 = 0; j0 < N; j0 += 64) {
-        const int nc = N - j0 < 64 ? N - j0 : 64;
-        __mmask16 mk[4];
-        for (int u = 0; u < 4; ++u) mk[u] = nc - 16 * u <= 0 ? (__mmask16)0 : tail_mask(nc - 16 * u);
-        for (int i0 = 0; i0 < M; i0 += MR) {
-            const int mr = M - i0 < MR ? M - i0 : MR;
-            const float *ar[MR];
-            __m512 acc[MR][4];
-            for (int r = 0; r < MR; ++r) {
-                const int i = i0 + (r < mr ? r : mr - 1);
-                ar[r] = A + (int64_t)i * ars;
-                const __m512 s = _mm512_set1_ps(rs ? rs[i] : 1.f);
-                for (int u = 0; u < 4; ++u)
-                    acc[r][u] = init ? _mm512_mul_ps(s, _mm512_maskz_loadu_ps(mk[u], init + i * ldi + j0 + 16 * u))
-                                     : _mm512_setzero_ps();
-            }
-            const int dend = tri && i0 + MR < D ? i0 + MR : D;
-            for (int d = 0; d < dend; ++d) {
-                const float *b = B + (int64_t)d * ldb + j0;
-                const __m512 b0 = _mm512_maskz_loadu_ps(mk[0], b), b1 = _mm512_maskz_loadu_ps(mk[1], b + 16);
-                const __m512 b2 = _mm512_maskz_loadu_ps(mk[2], b + 32), b3 = _mm512_maskz_loadu_ps(mk[3], b + 48);
-                for (int r = 0; r < MR; ++r) {
-                    const __m512 av = _mm512_set1_ps(ar[r][(int64_t)d * acs]);
-                    acc[r][0] = _mm512_fmadd_ps(av, b0, acc[r][0]);
-                    acc[r][1] = _mm512_fmadd_ps(av, b1, acc[r][1]);
-                    acc[r][2] = _mm512_fmadd_ps(av, b2, acc[r][2]);
-                    acc[r][3] = _mm512_fmadd_ps(av, b3, acc[r][3]);
-                }
-            }
-            for (int r = 0; r < MR; ++r)      /* constant trip count keeps acc in registers */
-                if (r < mr)
-                    for (int u = 0; u < 4; ++u)
-                        _mm512_mask_storeu_ps(C + (i0 + r) * ldc + j0 + 16 * u, mk[u], acc[r][u]);
-        }
-    }
-#else
-    for (int i = 0; i < M; ++i) {
-        float *c = C + i * ldc;
-        const float s = rs ? rs[i] : 1.f;
-        for (int j = 0; j < N; ++j) c[j] = init ? s * init[i * ldi + j] : 0.f;
-        const int dend = tri && i + 1 < D ? i + 1 : D;
-        for (int d = 0; d < dend; ++d) {
-            const float a = A[(int64_t)i * ars + (int64_t)d * acs];
-            const float *b = B + (int64_t)d * ldb;
-            for (int j = 0; j < N; ++j) c[j] = fmaf(a, b[j], c[j]);
-        }
-    }
-#endif
 }
 
 typedef struct {
@@ -252,8 +148,10 @@ static size_t scratch_floats(int K, int V) {
     return 2 * C * C + 7 * C * (size_t)K + 2 * C * (size_t)V + 2 * (size_t)K + 64;
 }
 
-/* One chunk of one (sequence, head): intra-chunk quantities, then o and the state update. */
-static void kda_chunk(const kda_args *a, int h, int64_t t0, int Lc, float *S, float *o, float *ws) {
+/* One chunk of one (sequence, head): intra-chunk quantities, then o and the state update. The
+ * next chunk of the same (sequence, head), tokens [n0, n0 + nLc) (nLc = 0: none), is prefetched. */
+static void kda_chunk(const kda_args *a, int h, int64_t t0, int Lc, int64_t n0, int nLc, float *S, float *o,
+                      float *ws) {
     const int K = a->K, V = a->V, C = KC_MAX_CHUNK;
     float *Aqk = ws, *Akk = Aqk + C * C, *Wn = Akk + C * C, *Qg = Wn + C * K, *Kd = Qg + C * K;
     float *rq = Kd + C * K, *rk = rq + C * K, *col = rk + C * K, *U = col + C * K, *dl = U + C * V;
@@ -273,11 +171,14 @@ static void kda_chunk(const kda_args *a, int h, int64_t t0, int Lc, float *S, fl
                 decay_rows(K, run, E + i * K, 1, ROW(q, sq, i), 1.f, rq + (i - r) * K, ROW(k, sk, i), 1.f,
                            rk + (i - r) * K);
             for (int i = r; i < iend; ++i) {
+                const float *qi = rq + (i - r) * K, *ki = rk + (i - r) * K;
+                float *aq = Aqk + i * C, *ak = Akk + i * C;
                 int j = b0;
-                for (; j + 4 <= r; j += 4)
-                    dot2x4(rq + (i - r) * K, rk + (i - r) * K, col + (j - b0) * K, K, K, Aqk + i * C + j, Akk + i * C + j);
-                for (; j < r; ++j)
-                    dot2(rq + (i - r) * K, rk + (i - r) * K, col + (j - b0) * K, K, Aqk + i * C + j, Akk + i * C + j);
+#ifdef __AVX512F__
+                for (; j + 8 <= r; j += 8) ds_kc_dot2x8(qi, ki, col + (j - b0) * K, K, K, aq + j, ak + j);
+#endif
+                for (; j + 4 <= r; j += 4) ds_kc_dot2x4(qi, ki, col + (j - b0) * K, K, K, aq + j, ak + j);
+                for (; j < r; ++j) ds_kc_dot2(qi, ki, col + (j - b0) * K, K, aq + j, ak + j);
             }
         }
     }
@@ -285,13 +186,22 @@ static void kda_chunk(const kda_args *a, int h, int64_t t0, int Lc, float *S, fl
     for (int i = 0; i < Lc; ++i) {
         const float bi = a->beta[(t0 + i) * a->sb + h], sc = a->scale;
         const float *vi = a->v + (t0 + i) * a->sv + (int64_t)h * V;
-        float *wn = Wn + i * K, *u = U + i * V;
+        float *u = U + i * V;
         for (int j = 0; j <= i; ++j) Aqk[i * C + j] *= sc;
-        decay_rows(K, run, E + i * K, 1, ROW(q, sq, i), sc, Qg + i * K, ROW(k, sk, i), -bi, wn);
+        decay_rows(K, run, E + i * K, 1, ROW(q, sq, i), sc, Qg + i * K, ROW(k, sk, i), -bi, Wn + i * K);
         for (int e = 0; e < V; ++e) u[e] = bi * vi[e];
         for (int j = 0; j < i; ++j) Akk[i * C + j] *= -bi;     /* row i of -L */
-        row_acc(K, i, Akk + i * C, Wn, K, wn);           /* (I + L)^-1 by forward substitution */
-        row_acc(V, i, Akk + i * C, U, V, u);
+    }
+    for (int b = 0; b < Lc; b += 16) {       /* (I + L)^-1 by forward substitution, in row blocks */
+        const int nb = Lc - b < 16 ? Lc - b : 16;
+        if (b) {                              /* the block's rows get all rows before it at once */
+            ds_kc_mm(nb, K, b, Akk + b * C, C, 1, Wn, K, Wn + b * K, K, Wn + b * K, K, NULL, 0, NULL);
+            ds_kc_mm(nb, V, b, Akk + b * C, C, 1, U, V, U + b * V, V, U + b * V, V, NULL, 0, NULL);
+        }
+        for (int i = b + 1; i < b + nb; ++i) {
+            ds_kc_row_acc(K, i - b, Akk + i * C + b, Wn + b * K, K, Wn + i * K);
+            ds_kc_row_acc(V, i - b, Akk + i * C + b, U + b * V, V, U + i * V);
+        }
     }
     memcpy(egc, run, sizeof(float) * K);
     for (int d = 0; d < K; ++d) run[d] = 1.f;
@@ -299,10 +209,20 @@ static void kda_chunk(const kda_args *a, int h, int64_t t0, int Lc, float *S, fl
         decay_rows(K, run, E + i * K, 0, ROW(k, sk, i), 1.f, Kd + i * K, NULL, 0.f, NULL);
 #undef ROW
     const int64_t ldo = (int64_t)a->H * V;
-    mm(Lc, V, K, Wn, K, 1, S, V, dl, V, U, V, NULL, 0);                  /* delta = U - W S */
-    mm(Lc, V, K, Qg, K, 1, S, V, o, ldo, NULL, 0, NULL, 0);              /* o = Qg S */
-    mm(Lc, V, Lc, Aqk, C, 1, dl, V, o, ldo, o, ldo, NULL, 1);            /* o += A_qk delta */
-    mm(K, V, Lc, Kd, 1, K, dl, V, S, V, S, V, egc, 0);                   /* S = eGC S + Kd^T delta */
+    prefetch_queue pq = {{a->q + n0 * a->sq + (int64_t)h * K, a->k + n0 * a->sk + (int64_t)h * K,
+                          a->g + n0 * a->sg + (int64_t)h * K, a->v + n0 * a->sv + (int64_t)h * V},
+                         {a->sq, a->sk, a->sg, a->sv}, {K, K, K, V}, 4 * nLc, 0, 0};
+    const int steps = (V + 63) / 64 * (3 * ((Lc + 5) / 6) + (K + 5) / 6);   /* mm tiles (6 x 64) below */
+    pq.quota = (pq.n + steps - 1) / steps;
+    for (int j0 = 0; j0 < V; j0 += 64) {      /* by value-column blocks: S[:, j0 + 0..64) stays in L1 */
+        const int nc = V - j0 < 64 ? V - j0 : 64;
+        float *Sb = S + j0, *db = dl + j0, *ob = o + j0;
+        ds_kc_mm(Lc, nc, K, Wn, K, 1, Sb, V, db, V, U + j0, V, NULL, 0, &pq);         /* delta = U - W S */
+        ds_kc_mm(Lc, nc, K, Qg, K, 1, Sb, V, ob, ldo, NULL, 0, NULL, 0, &pq);         /* o = Qg S */
+        ds_kc_mm(Lc, nc, Lc, Aqk, C, 1, db, V, ob, ldo, ob, ldo, NULL, 1, &pq);       /* o += A_qk delta */
+        ds_kc_mm(K, nc, Lc, Kd, 1, K, db, V, Sb, V, Sb, V, egc, 0, &pq);              /* S = eGC S + Kd^T delta */
+    }
+    prefetch_step(&pq, pq.n);
 }
 
 int ds_kda_chunked(int B, int H, int K, int V, const float *q, int64_t sq, const float *k,
@@ -317,6 +237,13 @@ int ds_kda_chunked(int B, int H, int K, int V, const float *q, int64_t sq, const
     int bad = 0;
     #pragma omp parallel num_threads(nthreads) reduction(| : bad)
     {
+#ifdef __SSE__
+        /* Subnormals flushed (FTZ | DAZ) for the call: products of several decays and small W
+         * entries fall below 1e-38 where whole chunks decay fast, and subnormal operands slow
+         * every FMA 10-100x; a flushed value is < 1e-38 of the O(1) terms it is summed with. */
+        const unsigned csr = _mm_getcsr();
+        _mm_setcsr(csr | 0x8040);
+#endif
         float *ws = aligned_alloc(64, bytes);
         if (!ws) bad |= 1;
         #pragma omp for schedule(dynamic, 1)
@@ -332,12 +259,17 @@ int ds_kda_chunked(int B, int H, int K, int V, const float *q, int64_t sq, const
             for (int64_t c = chunk_first[b]; c < chunk_first[b + 1]; ++c) {
                 const int Lc = (int)chunk_len[c];
                 if (Lc < 1 || Lc > KC_MAX_CHUNK) { bad |= 2; break; }
-                kda_chunk(&args, h, chunk_start[c], Lc, S, o + chunk_start[c] * H * V + (int64_t)h * V, ws);
+                const int nLc = c + 1 < chunk_first[b + 1] ? (int)chunk_len[c + 1] : 0;
+                kda_chunk(&args, h, chunk_start[c], Lc, nLc ? chunk_start[c + 1] : 0, nLc, S,
+                          o + chunk_start[c] * H * V + (int64_t)h * V, ws);
                 for (; e < e_end && ex_chunk[e] == c; ++e)
                     memcpy(exported + ((size_t)e * H + h) * KV, S, sizeof(float) * KV);
             }
         }
         free(ws);
+#ifdef __SSE__
+        _mm_setcsr(csr);
+#endif
     }
     return bad & 1 ? -1 : bad ? -2 : 0;
 }
@@ -356,29 +288,35 @@ int ds_causal_conv1d(int64_t N, int C, int W, const uint16_t *x, int64_t ldx, co
     if (!wt) return -1;
     for (int c = 0; c < C; ++c)
         for (int w = 0; w < W; ++w) wt[(size_t)w * C + c] = weight[(size_t)c * W + w];
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t t = 0; t < N; ++t) {
-        int lo = 0, hi = B;                                /* sequence b: cu[b] <= t < cu[b+1] */
-        while (hi - lo > 1) { const int mid = (lo + hi) / 2; if (cu[mid] <= t) lo = mid; else hi = mid; }
-        const int b = lo;
-        float *yr = y + t * C;
-        for (int c = 0; c < C; ++c) yr[c] = 0.f;
-        for (int w = 0; w < W; ++w) {
-            const int64_t pos = t - P + w;
-            const uint16_t *src = pos >= cu[b] ? x + pos * ldx
-                : initial_tail ? initial_tail + ((int64_t)b * P + P - (cu[b] - pos)) * C : NULL;
+    int bad = 0;
+    #pragma omp parallel num_threads(nthreads) reduction(| : bad)
+    {
+        const uint16_t **src = malloc(sizeof(*src) * (size_t)W);   /* the W input rows of token t */
+        bad |= !src;
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < N; ++t) {
             if (!src) continue;
-            const float *wr = wt + (size_t)w * C;
-            for (int c = 0; c < C; ++c) yr[c] += wr[c] * bf16_to_f32(src[c]);
+            int lo = 0, hi = B;                            /* sequence b: cu[b] <= t < cu[b+1] */
+            while (hi - lo > 1) { const int mid = (lo + hi) / 2; if (cu[mid] <= t) lo = mid; else hi = mid; }
+            const int b = lo;
+            for (int w = 0; w < W; ++w) {
+                const int64_t pos = t - P + w;
+                src[w] = pos >= cu[b] ? x + pos * ldx
+                    : initial_tail ? initial_tail + ((int64_t)b * P + P - (cu[b] - pos)) * C : NULL;
+            }
+            float *yr = y + t * C;
+            for (int gi = 0; gi < norm_groups; ++gi) {
+                const int64_t c0 = (int64_t)gi * group;
+                const float r = 1.f / sqrtf(conv_span(group, W, src, c0, wt + c0, C, yr + c0) + 1e-6f);
+                for (int c = 0; c < group; ++c) yr[c0 + c] *= r;
+            }
+            const int64_t c0 = (int64_t)norm_groups * group;
+            conv_span((int)(C - c0), W, src, c0, wt + c0, C, yr + c0);
         }
-        silu_inplace(yr, C);
-        for (int gi = 0; gi < norm_groups; ++gi) {
-            float *vg = yr + (int64_t)gi * group;
-            const float r = 1.f / sqrtf(dot(vg, vg, group) + 1e-6f);
-            for (int c = 0; c < group; ++c) vg[c] *= r;
-        }
+        free(src);
     }
     free(wt);
+    if (bad) return -1;
     for (int b = 0; b < B; ++b)
         for (int r = 0; r < P; ++r) {
             const int64_t pos = cu[b + 1] - P + r;
