@@ -9,7 +9,7 @@ from .config import ModelConfig
 from .context import ForwardContext
 from .kda_layer import KdaAttention
 from .mla_layer import MlaAttention
-from .modules import RMSNorm, WeightVector, attn_res
+from .modules import RMSNorm, WeightVector, attn_res, weights_pinned
 from .moe_layer import GluMlp, MoeBlock
 
 
@@ -75,6 +75,10 @@ class DecoderStack(nn.Module):
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Final-normed hidden states [N, D] of the packed tokens."""
+        with weights_pinned(self):
+            return self._forward(input_ids, ctx, inputs_embeds)
+
+    def _forward(self, input_ids: torch.Tensor, ctx: ForwardContext, inputs_embeds: torch.Tensor | None):
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         block = self.cfg.attn_res_block_size
         if block is None:

@@ -89,23 +89,25 @@ class KdaAttention(nn.Module):
     def _native_plan(self, kernels):
         """The whole decode step's plan (`ops.native_blocks.kda_block`: one native call instead of
         five, bit-identical to them), memoised until a weight changes; None where it does not apply."""
-        full = hasattr(self, "g_proj")
-        gate = self.g_proj if full else self.g_a_proj
-        linears = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.f_b_proj, self.b_proj, gate,
-                   None if full else self.g_b_proj, self.o_proj)
-        sources = [m.weight for m in linears if m is not None]
-        sources += [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight, self.A_log, self.dt_bias,
-                    self.o_norm.weight]
+
+        def linears():
+            full = hasattr(self, "g_proj")
+            return (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.f_b_proj, self.b_proj,
+                    self.g_proj if full else self.g_a_proj, None if full else self.g_b_proj, self.o_proj)
+
+        def sources():
+            return [*(m.weight for m in linears() if m is not None), self.q_conv1d.weight, self.k_conv1d.weight,
+                    self.v_conv1d.weight, self.A_log, self.dt_bias, self.o_norm.weight]
 
         def build():
             f32 = self._f32_params()
-            w = KdaBlockWeights(*(None if m is None else m.weight for m in linears), conv_w=self._conv_weight_f32(),
+            w = KdaBlockWeights(*(None if m is None else m.weight for m in linears()), conv_w=self._conv_weight_f32(),
                                 a_log=f32["A_log"], dt_bias=f32["dt_bias"], norm_w=f32["o_norm"])
             sigmoid_gate = self.lower_bound is not None
             plan = kernels.kda_block_plan(w, self.num_heads, GATE_SIGMOID if sigmoid_gate else GATE_SOFTPLUS,
                                           self.lower_bound if sigmoid_gate else 0.0, self.eps, self.scale)
             return None if plan is None else (plan, w)   # w keeps the plan's tensors alive
-        hit = cached_object(self, "native_block", build, *sources)
+        hit = cached_object(self, "native_block", build, sources)
         return None if hit is None else hit[0]
 
     def _conv_weight_f32(self) -> torch.Tensor:

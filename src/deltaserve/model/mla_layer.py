@@ -91,14 +91,18 @@ class MlaAttention(nn.Module):
         """The decode block's plan, memoised until a weight changes (None where it does not apply)."""
         low_rank = hasattr(self, "q_a_proj")
         gated = hasattr(self, "g_proj")
-        first = self.q_a_proj if low_rank else self.q_proj
-        sources = [first.weight, self.kv_a_proj_with_mqa.weight, self.kv_a_layernorm.weight, self.kv_b_proj.weight]
-        if low_rank:
-            sources += [self.q_b_proj.weight, self.q_a_layernorm.weight]
-        if gated:
-            sources.append(self.g_proj.weight)
+
+        def sources():
+            out = [self.q_a_proj.weight if low_rank else self.q_proj.weight, self.kv_a_proj_with_mqa.weight,
+                   self.kv_a_layernorm.weight, self.kv_b_proj.weight]
+            if low_rank:
+                out += [self.q_b_proj.weight, self.q_a_layernorm.weight]
+            if gated:
+                out.append(self.g_proj.weight)
+            return out
 
         def build():
+            first = self.q_a_proj if low_rank else self.q_proj
             w_uk_t, w_uv = self._absorbed_weights()
             w = MlaBlockWeights(first.weight, self.q_b_proj.weight if low_rank else None,
                                 self.q_a_layernorm.weight_f32() if low_rank else None,
@@ -108,7 +112,7 @@ class MlaAttention(nn.Module):
                                           self.q_a_layernorm.eps if low_rank else 0.0, self.kv_a_layernorm.eps,
                                           self.scale)
             return None if plan is None else (plan, w)   # w keeps the plan's tensors alive
-        hit = cached_object(self, "native_block", build, *sources)
+        hit = cached_object(self, "native_block", build, sources)
         return None if hit is None else hit[0]
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,10 @@
 """Small building blocks whose parameter names match the checkpoint (`<name>.weight`)."""
 from __future__ import annotations
 
+import itertools
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 from torch import nn
 
@@ -10,16 +14,60 @@ from ..ops.linear import linear
 from ..ops.norms import rms_norm
 
 
-def cached_object(owner: nn.Module, key: str, build, *sources: torch.Tensor | None):
+_PINNED: ContextVar[int | None] = ContextVar("deltaserve_pinned_weights", default=None)
+_EPOCHS = itertools.count(1)
+_registrations = [0]   # parameters registered on any module so far (the hook below counts them)
+
+
+def _count_registration(module, name, param):
+    _registrations[0] += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+
+
+@contextmanager
+def weights_pinned(model: nn.Module):
+    """For one forward pass of `model`: one stamp of all its parameters (storage and in-place
+    version) is taken here, and while it equals the previous pass's, `cached_object` returns what it
+    validated under that stamp without re-stamping the sources (the per-call stamps of the decode
+    plans cost more than their native calls save otherwise). The parameter list is re-walked only
+    after a parameter was (re)assigned somewhere. Weights must not change inside the block."""
+    params = model.__dict__.get("_pinned_params")
+    if params is None or params[0] != _registrations[0]:
+        params = model.__dict__["_pinned_params"] = (_registrations[0], list(model.parameters()))
+    try:
+        stamp = tuple((p.data_ptr(), p._version) for p in params[1])
+    except RuntimeError:   # inference tensors carry no version counter: nothing is pinned
+        yield
+        return
+    state = model.__dict__.get("_pinned_stamp")
+    if state is None or state[0] != stamp:
+        state = model.__dict__["_pinned_stamp"] = (stamp, next(_EPOCHS))
+    token = _PINNED.set(state[1])
+    try:
+        yield
+    finally:
+        _PINNED.reset(token)
+
+
+def cached_object(owner: nn.Module, key: str, build, *sources):
     """`build()` memoised on `owner` until a source changes (storage or in-place version), so
-    per-step kernels do not re-derive what depends only on weights. Plain attributes, not
-    buffers: never saved or counted."""
-    stamp = tuple((t.data_ptr(), t._version) for t in sources if t is not None)
+    per-step kernels do not re-derive what depends only on weights. `sources` are tensors (None
+    skipped), or one callable returning them (not called under `weights_pinned` once validated).
+    Plain attributes, not buffers: never saved or counted."""
     memo = owner.__dict__.setdefault("_derived_memo", {})
     hit = memo.get(key)
+    epoch = _PINNED.get()
+    if hit is not None and epoch is not None and hit[2] == epoch:
+        return hit[1]
+    if len(sources) == 1 and callable(sources[0]):
+        sources = sources[0]()
+    stamp = tuple((t.data_ptr(), t._version) for t in sources if t is not None)
     if hit is None or hit[0] != stamp:
         with torch.no_grad():
-            hit = memo[key] = (stamp, build())
+            hit = (stamp, build(), epoch)
+    memo[key] = (stamp, hit[1], epoch)
     return hit[1]
 
 

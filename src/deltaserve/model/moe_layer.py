@@ -112,17 +112,20 @@ class MoeBlock(nn.Module):
         latent = hasattr(self, "routed_expert_down_proj")
         norm = getattr(self, "routed_expert_norm", None)
         shared = getattr(self, "shared_experts", None)
-        operands = ex._fused_operands()
-        flat = [t for o in operands for t in (o if isinstance(o, tuple) else (o,))]
-        sources = [self.gate.weight, self.gate.e_score_correction_bias, *flat]
-        if latent:
-            sources += [self.routed_expert_down_proj.weight, self.routed_expert_up_proj.weight]
-        if norm is not None:
-            sources.append(norm.weight)
-        if shared is not None:
-            sources += [shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight]
+
+        def sources():
+            flat = [t for o in ex._fused_operands() for t in (o if isinstance(o, tuple) else (o,))]
+            out = [self.gate.weight, self.gate.e_score_correction_bias, *flat]
+            if latent:
+                out += [self.routed_expert_down_proj.weight, self.routed_expert_up_proj.weight]
+            if norm is not None:
+                out.append(norm.weight)
+            if shared is not None:
+                out += [shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight]
+            return out
 
         def build():
+            operands = ex._fused_operands()
             act = (ex.act_kind, ex.beta or 0.0, ex.linear_beta)
             if shared is not None and shared.act_spec != act:
                 return None
@@ -137,7 +140,7 @@ class MoeBlock(nn.Module):
                           m.bias_in_weights)
             plan = kernels.moe_block_plan(w, route_args, act, norm.eps if norm is not None else 0.0)
             return None if plan is None else (plan, w)   # w keeps the plan's tensors alive
-        hit = cached_object(self, "native_block", build, *sources)
+        hit = cached_object(self, "native_block", build, sources)
         return None if hit is None else hit[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
