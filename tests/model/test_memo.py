@@ -62,6 +62,23 @@ def test_pinned_pass_skips_validated_sources_and_sees_changes_next_pass():
         assert float(m.derived()) == 48.0 and m.builds == 3
 
 
+def test_pinned_pass_sees_buffer_changes():
+    """Packed MXFP4 experts are buffers: the per-pass stamp covers them too."""
+    m = Holder()
+    m.register_buffer("packed", torch.ones(3))
+
+    def derived():
+        return cached_object(m, "buf", lambda: m.packed.sum(), lambda: [m.packed])
+    with weights_pinned(m):
+        assert float(derived()) == 3.0
+    m.packed.mul_(2.0)
+    with weights_pinned(m):
+        assert float(derived()) == 6.0
+    m.packed = torch.zeros(3)                        # a re-registered buffer
+    with weights_pinned(m):
+        assert float(derived()) == 0.0
+
+
 def test_engine_decode_plans_follow_a_weight_changed_between_requests(tmp_path):
     """The native block plans (memoised on the layers, with fp32 and transposed copies of some
     weights) must see an in-place weight change: the engine's tokens afterwards equal those of a

@@ -16,26 +16,28 @@ from ..ops.norms import rms_norm
 
 _PINNED: ContextVar[int | None] = ContextVar("deltaserve_pinned_weights", default=None)
 _EPOCHS = itertools.count(1)
-_registrations = [0]   # parameters registered on any module so far (the hook below counts them)
+_registrations = [0]   # parameters and buffers registered on any module so far (the hooks count them)
 
 
-def _count_registration(module, name, param):
+def _count_registration(module, name, tensor):
     _registrations[0] += 1
 
 
 torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+torch.nn.modules.module.register_module_buffer_registration_hook(_count_registration)
 
 
 @contextmanager
 def weights_pinned(model: nn.Module):
-    """For one forward pass of `model`: one stamp of all its parameters (storage and in-place
-    version) is taken here, and while it equals the previous pass's, `cached_object` returns what it
-    validated under that stamp without re-stamping the sources (the per-call stamps of the decode
-    plans cost more than their native calls save otherwise). The parameter list is re-walked only
-    after a parameter was (re)assigned somewhere. Weights must not change inside the block."""
+    """For one forward pass of `model`: one stamp of all its parameters and buffers (storage and
+    in-place version; MXFP4 experts are buffers) is taken here, and while it equals the previous
+    pass's, `cached_object` returns what it validated under that stamp without re-stamping the
+    sources (the per-call stamps of the decode plans cost more than their native calls save
+    otherwise). The tensor list is re-walked only after a parameter or buffer was (re)registered
+    somewhere. Weights must not change inside the block."""
     params = model.__dict__.get("_pinned_params")
     if params is None or params[0] != _registrations[0]:
-        params = model.__dict__["_pinned_params"] = (_registrations[0], list(model.parameters()))
+        params = model.__dict__["_pinned_params"] = (_registrations[0], [*model.parameters(), *model.buffers()])
     try:
         stamp = tuple((p.data_ptr(), p._version) for p in params[1])
     except RuntimeError:   # inference tensors carry no version counter: nothing is pinned
