@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
     add_common(p)
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--reps", type=int, default=2, help="best-of repetitions of each timed run")
+    p.add_argument("--reps", type=int, default=3, help="best-of repetitions of each timed run (the roofline: 5)")
     add_roofline_args(p)
     p.set_defaults(func=main)
 
