@@ -206,7 +206,7 @@ def tiny_dir(request, tmp_path_factory):
 
 def _count_native(monkeypatch):
     calls = Counter()
-    for name in ("kda_chunked", "causal_conv1d"):
+    for name in ("kda_chunked", "causal_conv1d", "kda_gate_sigmoid", "gated_rms_norm"):
         real = getattr(cpu_kernels.NativeKernels, name)
 
         def counted(self, *a, _real=real, _name=name, **kw):
@@ -255,7 +255,9 @@ def test_layer_bf16_prefill_native_matches_torch_and_engages(tiny_dir, monkeypat
         assert tail.dtype == torch.bfloat16 and torch.equal(tail, tail_t) and torch.equal(ex[0], ex_t[0])
         _close(state, state_t)
         _close(ex[1], ex_t[1])
-    assert calls["kda_chunked"] == calls["causal_conv1d"] == 2 * len(layers) > 0, calls
+    assert calls["kda_chunked"] == calls["causal_conv1d"] == calls["gated_rms_norm"] == 2 * len(layers) > 0, calls
+    sigmoid_gates = sum(layer.lower_bound is not None for layer in layers)   # K3's gate; Kimi-Linear's is softplus
+    assert calls["kda_gate_sigmoid"] == 2 * sigmoid_gates, calls
 
 
 def test_model_bf16_forward_native_within_bf16_noise(tiny_dir, monkeypatch):

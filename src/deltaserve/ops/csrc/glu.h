@@ -18,6 +18,19 @@ static inline float silu_left(float g) { return round_bf16(g * ds_sigmoid(g)); }
 static inline float glu_situ(float g, float u, float beta, float lbeta) { return situ_left(g, beta) * situ_right(u, lbeta); }
 static inline float glu_silu(float g, float u) { return silu_left(g) * u; }
 
+/* The prefill GLU's SiTU (moe_prefill.c): the same formula with its three fractions sharing one
+ * division (ib = 1 / beta, il = 1 / lbeta); not bit-identical to glu_situ, within 1 bf16 ulp of it. */
+static inline float glu_situ_one_division(float g, float u, float beta, float ib, float lbeta, float il) {
+    float tn, td, sn, sd, un = u, ud = 1.0f;
+    ds_tanh_frac(g * ib, &tn, &td);
+    ds_sigmoid_frac(g, &sn, &sd);
+    if (lbeta > 0.f) {
+        ds_tanh_frac(u * il, &un, &ud);
+        un *= lbeta;
+    }
+    return (beta * tn) * sn * un / (td * sd * ud);
+}
+
 /* hv[t] = act(gg[t], uu[t]) for t < n: contiguous operands, so the loop runs vectorised. */
 static inline void glu_values(const float *gg, const float *uu, int n, int act, float beta, float lbeta, float *hv) {
     if (act == DS_ACT_SITU) {

@@ -1,5 +1,5 @@
 /* deltaserve CPU kernels for large-M (prefill) MoE work: the GLU activations over rows of
- * bf16 GEMM outputs (vectorised exp/tanh, vmath.h) and the weighted combination of the routed
+ * bf16 GEMM outputs (glu.h) and the weighted combination of the routed
  * experts' outputs.
  *
  * GLU rounding points follow ops.activations: SiTU `beta*tanh(g/beta)*sigmoid(g) *
@@ -13,24 +13,21 @@
 #include <stdint.h>
 #include <omp.h>
 #include "bf16.h"
-#include "vmath.h"
+#include "glu.h"
 
-enum { ACT_SILU = 0, ACT_SITU = 1 };
 #define COL_BLOCK 2048
 
 static void glu_span(const uint16_t *g, const uint16_t *u, int64_t n, int act, float beta, float lbeta,
                      uint16_t *out) {
     float tmp[COL_BLOCK];
     const float ib = 1.0f / beta, il = lbeta > 0.f ? 1.0f / lbeta : 0.f;
-    if (act == ACT_SITU) {
+    if (act == DS_ACT_SITU) {
         #pragma omp simd
-        for (int64_t i = 0; i < n; ++i) tmp[i] = ds_situ(bf16_to_f32(g[i]), bf16_to_f32(u[i]), beta, ib, lbeta, il);
+        for (int64_t i = 0; i < n; ++i)
+            tmp[i] = glu_situ_one_division(bf16_to_f32(g[i]), bf16_to_f32(u[i]), beta, ib, lbeta, il);
     } else {
         #pragma omp simd
-        for (int64_t i = 0; i < n; ++i) {
-            float gv = bf16_to_f32(g[i]);
-            tmp[i] = bf16_to_f32(f32_to_bf16(gv * ds_sigmoid(gv))) * bf16_to_f32(u[i]);
-        }
+        for (int64_t i = 0; i < n; ++i) tmp[i] = glu_silu(bf16_to_f32(g[i]), bf16_to_f32(u[i]));
     }
     for (int64_t i = 0; i < n; ++i) out[i] = f32_to_bf16(tmp[i]);
 }

@@ -51,19 +51,6 @@ static inline void ds_sigmoid_frac(float x, float *num, float *den) {
     *den = 1.0f + e;
 }
 
-/* SiTU GLU (spec/model.md §10): beta tanh(g / beta) sigmoid(g) * (lbeta tanh(u / lbeta), or u where
- * lbeta <= 0), its three fractions sharing one division; ib = 1 / beta, il = 1 / lbeta. */
-static inline float ds_situ(float g, float u, float beta, float ib, float lbeta, float il) {
-    float tn, td, sn, sd, un = u, ud = 1.0f;
-    ds_tanh_frac(g * ib, &tn, &td);
-    ds_sigmoid_frac(g, &sn, &sd);
-    if (lbeta > 0.f) {
-        ds_tanh_frac(u * il, &un, &ud);
-        un *= lbeta;
-    }
-    return (beta * tn) * sn * un / (td * sd * ud);
-}
-
 static inline float ds_tanh(float x) {
     float n, d;
     ds_tanh_frac(x, &n, &d);
