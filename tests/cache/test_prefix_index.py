@@ -49,3 +49,28 @@ def test_shared_pages_are_never_evicted():
     idx.add_unit(h[0], None, pages)         # still held by its running sequence
     idx.evict_pages(4)
     assert h[0] in idx.units and mla.refcount[pages[0]] == 2
+
+
+def test_pinned_checkpoints_survive_eviction():
+    """An admission pins the checkpoint its hit copies: eviction takes the next LRU one instead,
+    and once every checkpoint is pinned, none is taken."""
+    mla = MlaPagePool([0], num_pages=4, page_size=2, row_dim=3, dtype=torch.float32)
+    ck = KdaStatePool([1], num_slots=2, tail_shape=(1, 2), state_shape=(1, 2, 2), tail_dtype=torch.float32)
+    idx = PrefixIndex(mla, ck)
+    hs = extend_hashes([], root_hash("m"), list(range(4)), 2)
+    pages = mla.allocate(2)
+    idx.add_unit(hs[0], None, pages[:1])
+    idx.add_unit(hs[1], hs[0], pages[1:])
+    mla.release(pages)
+    idx.add_checkpoint(hs[0], ck.allocate())
+    idx.add_checkpoint(hs[1], ck.allocate())
+    idx.pin_checkpoint(hs[0])                 # the LRU one
+    assert idx.evict_checkpoint() and list(idx.ckpts) == [hs[0]]
+    assert not idx.evict_checkpoint(), "the only checkpoint left is pinned"
+    idx.evict_pages(4)
+    assert list(idx.units) == [hs[0]] and mla.num_free == 3, "its unit stays pinned too"
+    idx.check_integrity()
+    idx.unpin_checkpoint(hs[0])
+    assert not idx.pinned and idx.evict_checkpoint() and not idx.ckpts
+    idx.evict_pages(4)
+    assert not idx.units and mla.num_free == 4 and ck.num_free == 2

@@ -75,7 +75,7 @@ def test_counters_move_exactly(server):
 def test_prefix_cache_hits(server):
     before = scrape(server)
     for name in ("queries", "hits", "hit_tokens", "retention_misses", "checkpoints_stored",
-                 "checkpoints_evicted"):
+                 "checkpoints_evicted", "restore_refused"):
         assert ("deltaserve:prefix_cache_" + name + "_total", frozenset({("model_name", MODEL)})) in before
     assert val(before, "deltaserve:prefix_cache_checkpoint_slots_total") > 0
     shared = [(7 * i) % 500 + 3 for i in range(100)]
@@ -87,6 +87,26 @@ def test_prefix_cache_hits(server):
     assert val(after, "deltaserve:prefix_cache_hits_total") - val(before, "deltaserve:prefix_cache_hits_total") > 0
     assert val(after, "deltaserve:prefix_cache_hit_tokens_total") > val(before, "deltaserve:prefix_cache_hit_tokens_total")
     assert val(after, "deltaserve:prefix_cache_checkpoints_stored_total") > 0
+
+
+def test_refused_restores_are_counted(server):
+    """States stored under another producer fingerprint are refused, counted and never used."""
+    shared = [(5 * i) % 400 + 7 for i in range(64)]
+    body = {"model": MODEL, "prompt": shared + [1, 2], "max_tokens": 2, "ignore_eos": True}
+    assert post(server, body).status_code == 200
+    before = scrape(server)
+    engine = server["engine"]
+    old = engine.call_sync(lambda c: c.cache.fingerprint)
+    engine.call_sync(lambda c: setattr(c.cache, "fingerprint", b"another producer"))
+    try:
+        r = post(server, {**body, "prompt": shared + [3, 4]})
+    finally:
+        engine.call_sync(lambda c: setattr(c.cache, "fingerprint", old))
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    after = scrape(server)
+    name = "deltaserve:prefix_cache_restore_refused_total"
+    assert val(after, name) - val(before, name) >= 1
+    assert val(after, "deltaserve:prefix_cache_hits_total") == val(before, "deltaserve:prefix_cache_hits_total")
 
 
 def test_queue_full_gets_429(server):

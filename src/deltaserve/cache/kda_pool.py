@@ -2,13 +2,17 @@
 inputs `[W-1, 3P]` and the recurrent state `[H, K, V]` at one token boundary.
 
 Invariant: a slot is on the free list iff it is unowned; `allocate` hands out zeroed slots, so a
-sequence that starts from an empty context reads zeros (the same as no cache).
+sequence that starts from an empty context reads zeros (the same as no cache). `tags[slot]` names
+what a checkpoint slot holds (`checkpoint_tag.CheckpointTag`); it is None from `allocate` until
+its owner tags it, and cleared on `release`.
 """
 from __future__ import annotations
 
 from collections import deque
 
 import torch
+
+from .checkpoint_tag import CheckpointTag
 
 
 class OutOfSlots(RuntimeError):
@@ -28,6 +32,7 @@ class KdaStatePool:
         self.tails = torch.zeros(n, num_slots, *tail_shape, dtype=tail_dtype, device=device)
         self.states = torch.zeros(n, num_slots, *state_shape, dtype=state_dtype, device=device)
         self.owned = [False] * num_slots
+        self.tags: list[CheckpointTag | None] = [None] * num_slots
         self._free: deque[int] = deque(range(num_slots))
 
     @staticmethod
@@ -50,6 +55,7 @@ class KdaStatePool:
             raise OutOfSlots("no free KDA state slot")
         slot = self._free.popleft()
         self.owned[slot] = True
+        self.tags[slot] = None
         self.tails[:, slot].zero_()
         self.states[:, slot].zero_()
         return slot
@@ -58,6 +64,7 @@ class KdaStatePool:
         if not self.owned[slot]:
             raise RuntimeError(f"release of free KDA slot {slot}")
         self.owned[slot] = False
+        self.tags[slot] = None
         self._free.append(slot)
 
     def layer_view(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:

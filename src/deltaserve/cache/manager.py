@@ -6,6 +6,13 @@ multiple of the page size, so no partial page is ever shared) and copies the che
 sequence's own live slot (copy-on-write): live slots are never shared, checkpoint slots are only
 written before they are registered.
 
+Admission pins everything its hit uses (the shared pages by reference, the checkpoint by
+`PrefixIndex.pin_checkpoint`) before it takes fresh pages, so the eviction that frees those pages
+never removes what the hit is about to copy; if the pool cannot hold both, nothing is taken and
+the request waits. Restores are fail-closed: every checkpoint carries a `CheckpointTag` (written
+when its state is), and a lookup refuses (counts, drops) one whose tag does not match the
+request's own hash chain, token count and this manager's producer fingerprint.
+
 Invariants (`check_integrity`): every page's refcount equals the number of sequence block
 tables plus index units listing it; every live slot has one owner; every checkpoint slot is
 owned by exactly one index entry or one sequence's pending/turn-end snapshot.
@@ -16,6 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from .checkpoint_policy import CheckpointPolicy
+from .checkpoint_tag import CheckpointTag, state_fingerprint
 from .hashing import extend_hashes, root_hash
 from .kda_pool import KdaStatePool
 from .mla_pool import MlaPagePool
@@ -46,7 +54,9 @@ class PrefixHit:
 
 class CacheManager:
     def __init__(self, mla: MlaPagePool, kda: KdaStatePool, checkpoints: KdaStatePool | None = None,
-                 policy: CheckpointPolicy | None = None, model_id: str = ""):
+                 policy: CheckpointPolicy | None = None, model_id: str = "", kernel: str = "torch"):
+        """`model_id` and `kernel` (the KDA kernel path computing states) enter the fingerprint
+        that tags every checkpoint."""
         self.mla, self.kda, self.ckpt_pool = mla, kda, checkpoints
         self.page_size = mla.page_size
         self.seqs: dict[int, SeqCache] = {}
@@ -55,6 +65,7 @@ class CacheManager:
             raise ValueError(f"prefix_match_unit={self.policy.unit} must be a multiple of page_size={self.page_size}")
         self.index = PrefixIndex(mla, checkpoints) if checkpoints is not None else None
         self.model_id = model_id
+        self.fingerprint = state_fingerprint(model_id, kda.tails, kda.states, kernel)
         self.counters: Counter[str] = Counter()
 
     @property
@@ -63,10 +74,11 @@ class CacheManager:
 
     def lookup(self, tokens: list[int], cache_salt: str | None = None,
                memo: list[bytes] | None = None) -> PrefixHit:
-        """Longest usable hit (L < len(tokens)); no side effects on the cache. `memo`, kept by
-        the caller for one sequence (fixed salt, tokens only ever appended), holds the unit
-        hashes computed so far and is extended in place, so a waiting request is not re-hashed
-        every step."""
+        """Longest usable hit (L < len(tokens)). Its only effect on the cache: a checkpoint on the
+        path whose tag does not match is refused (counted, dropped) and a shorter one is tried.
+        `memo`, kept by the caller for one sequence (fixed salt, tokens only ever appended),
+        holds the unit hashes computed so far and is extended in place, so a waiting request is
+        not re-hashed every step."""
         if self.index is None:
             return PrefixHit()
         u = self.policy.unit
@@ -74,7 +86,29 @@ class CacheManager:
         limit = (len(tokens) - 1) // u
         hashes = extend_hashes(memo if memo is not None else [], root, tokens[:limit * u], u)[:limit]
         k_mla, k_hit = self.index.match(hashes)
+        while k_hit and not self._restorable(hashes, k_hit):
+            k_mla, k_hit = self.index.match(hashes)
         return PrefixHit(k_hit * u, k_mla, k_hit, tuple(hashes), root)
+
+    def tag(self, prefix_hash: bytes, num_tokens: int) -> CheckpointTag:
+        """The tag a state at `num_tokens` ending the prefix `prefix_hash` gets from this manager."""
+        return CheckpointTag(prefix_hash, num_tokens, self.fingerprint)
+
+    def _restorable(self, hashes: list[bytes] | tuple[bytes, ...], k: int) -> bool:
+        """Whether the checkpoint at unit boundary k (cached) may be restored for this hash chain;
+        if not, it is refused: counted and dropped from the index, never used."""
+        h = hashes[k - 1]
+        if self.ckpt_pool.tags[self.index.ckpts[h]] == self.tag(h, k * self.policy.unit):
+            return True
+        self.index.drop_checkpoint(h)
+        self.counters["restore_refused"] += 1
+        return False
+
+    def _hit_present(self, hit: PrefixHit) -> bool:
+        """The hit's units and checkpoint are still cached (a hit is only valid until the next
+        cache change; the scheduler looks up right before it admits)."""
+        h = hit.hashes[hit.k_hit - 1]
+        return h in self.index.ckpts and all(x in self.index.units for x in hit.hashes[:hit.k_hit])
 
     def _take_pages(self, n: int) -> list[int] | None:
         if n > self.mla.num_free and self.index is not None:
@@ -89,20 +123,29 @@ class CacheManager:
         hit = hit or PrefixHit()
         if self.kda.num_free == 0:
             return False
-        shared = self.index.pages_of(list(hit.hashes), hit.k_hit) if hit.k_hit else []
-        self.mla.incref(shared)
-        fresh = self._take_pages(self.mla.pages_for(num_tokens) - len(shared))
-        if fresh is None:
-            self.mla.release(shared)
+        if hit.k_hit and not (self._hit_present(hit) and self._restorable(hit.hashes, hit.k_hit)):
             return False
-        slot = self.kda.allocate()
+        ckpt = hit.hashes[hit.k_hit - 1] if hit.k_hit else None
+        shared = self.index.pages_of(list(hit.hashes), hit.k_hit) if ckpt else []
+        self.mla.incref(shared)
+        if ckpt:
+            self.index.pin_checkpoint(ckpt)
+            self.index.touch(list(hit.hashes), hit.k_mla)
+        try:
+            fresh = self._take_pages(self.mla.pages_for(num_tokens) - len(shared))
+            if fresh is None:
+                self.mla.release(shared)
+                return False
+            slot = self.kda.allocate()
+            if ckpt:
+                self._copy(self.ckpt_pool, self.index.ckpts[ckpt], self.kda, slot)
+        finally:
+            if ckpt:
+                self.index.unpin_checkpoint(ckpt)
         sc = SeqCache(slot, shared + fresh, hit.root, prompt_len, list(hit.hashes[:hit.k_hit]), hit.k_hit)
         self.seqs[seq_id] = sc
         if self.index is not None:
             self._count_lookup(hit)
-            if hit.k_hit:
-                self._copy(self.ckpt_pool, self.index.ckpts[hit.hashes[hit.k_hit - 1]], self.kda, slot)
-                self.index.touch(list(hit.hashes), hit.k_mla)
             sc.wanted = self.policy.boundaries(prompt_len, hit)
         return True
 
@@ -157,14 +200,15 @@ class CacheManager:
         if self.index is None:
             return
         sc, u = self.seqs[seq_id], self.policy.unit
+        extend_hashes(sc.hashes, sc.root, tokens[:num_computed], u)
         if num_computed in sc.pending:
             self._copy(self.kda, sc.slot, self.ckpt_pool, sc.pending[num_computed])
         elif num_computed % u == 0 and num_computed > sc.prompt_len and self.policy.turn_end:
             self._snapshot_turn(sc, num_computed)
-        extend_hashes(sc.hashes, sc.root, tokens[:num_computed], u)
         self._ensure_units(sc, num_computed // u)
         for b, slot in sc.pending.items():
             sc.wanted.discard(b)
+            self.ckpt_pool.tags[slot] = self.tag(sc.hashes[b // u - 1], b)
             self._register(sc.hashes[b // u - 1], slot)
         sc.pending.clear()
 
@@ -186,6 +230,7 @@ class CacheManager:
         if slot is None:
             return
         self._copy(self.kda, sc.slot, self.ckpt_pool, slot)
+        self.ckpt_pool.tags[slot] = self.tag(sc.hashes[boundary // self.policy.unit - 1], boundary)
         sc.turn = (boundary, slot)
 
     def _register(self, h: bytes, slot: int) -> None:
@@ -217,6 +262,16 @@ class CacheManager:
         self.mla.release(sc.pages)
         self.kda.release(sc.slot)
 
+    def reset_prefix_cache(self) -> bool:
+        """Evict every cached unit and checkpoint that no running sequence shares; True if the
+        index is empty afterwards (as vLLM's `reset_prefix_cache`)."""
+        if self.index is None:
+            return True
+        while self.index.evict_checkpoint():
+            pass
+        self.index.evict_pages(self.mla.num_pages)
+        return not self.index.units and not self.index.ckpts
+
     def check_integrity(self) -> None:
         refs: dict[int, int] = self.index.page_refs() if self.index is not None else {}
         slots: dict[int, int] = {}
@@ -245,7 +300,8 @@ class CacheManager:
         if self.index is None:
             return {}
         out = {k: self.counters[k] for k in ("queries", "hits", "hit_tokens", "retention_misses",
-                                             "retention_miss_tokens", "checkpoints_stored")}
+                                             "retention_miss_tokens", "checkpoints_stored",
+                                             "restore_refused")}
         out["checkpoints_evicted"] = self.index.evicted_checkpoints
         out["units_evicted"] = self.index.evicted_units
         out["cached_units"] = len(self.index.units)

@@ -3,12 +3,13 @@ and KDA checkpoints (a checkpoint-pool slot holding the state at exactly one uni
 
 Invariants: the units form a forest (a unit's parent is the previous unit of its chain); only
 leaf units that no checkpoint pins and no sequence shares (every page's refcount is the index's
-own 1) are evicted, so a checkpoint's MLA pages live at least as long as the checkpoint. LRU
-order: `OrderedDict`s, most recently used last.
+own 1) are evicted, so a checkpoint's MLA pages live at least as long as the checkpoint. A
+checkpoint that an admission is about to copy is pinned (`pin_checkpoint`) and never evicted
+until unpinned. LRU order: `OrderedDict`s, most recently used last.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from .kda_pool import KdaStatePool
@@ -30,6 +31,7 @@ class PrefixIndex:
         self.ckpts: OrderedDict[bytes, int] = OrderedDict()
         self.evicted_units = 0
         self.evicted_checkpoints = 0
+        self.pinned: Counter[bytes] = Counter()
 
     def match(self, hashes: list[bytes]) -> tuple[int, int]:
         """(k_mla, k_hit): the number of leading units cached, and the largest k <= k_mla with a
@@ -43,10 +45,22 @@ class PrefixIndex:
         return k_mla, 0
 
     def touch(self, hashes: list[bytes], k: int) -> None:
+        """Mark the cached ones of the first `k` units (and a checkpoint at k) most recently used."""
         for h in hashes[:k]:
-            self.units.move_to_end(h)
+            if h in self.units:
+                self.units.move_to_end(h)
         if k and hashes[k - 1] in self.ckpts:
             self.ckpts.move_to_end(hashes[k - 1])
+
+    def pin_checkpoint(self, h: bytes) -> None:
+        if h not in self.ckpts:
+            raise KeyError("pin of a checkpoint that is not cached")
+        self.pinned[h] += 1
+
+    def unpin_checkpoint(self, h: bytes) -> None:
+        self.pinned[h] -= 1
+        if self.pinned[h] <= 0:
+            del self.pinned[h]
 
     def pages_of(self, hashes: list[bytes], k: int) -> list[int]:
         return [p for h in hashes[:k] for p in self.units[h].pages]
@@ -103,14 +117,21 @@ class PrefixIndex:
         self.evicted_units += 1
 
     def evict_checkpoint(self) -> bool:
-        """Free the least recently used checkpoint's slot; False if there is none."""
-        if not self.ckpts:
+        """Free the least recently used unpinned checkpoint's slot; False if there is none."""
+        h = next((h for h in self.ckpts if h not in self.pinned), None)
+        if h is None:
             return False
-        h, slot = self.ckpts.popitem(last=False)
-        self.units[h].pins -= 1
-        self.ckpt_pool.release(slot)
+        self.drop_checkpoint(h)
         self.evicted_checkpoints += 1
         return True
+
+    def drop_checkpoint(self, h: bytes) -> None:
+        """Forget the checkpoint at `h` and free its slot (eviction, or a refused restore)."""
+        if h in self.pinned:
+            raise RuntimeError("drop of a pinned checkpoint")
+        slot = self.ckpts.pop(h)
+        self.units[h].pins -= 1
+        self.ckpt_pool.release(slot)
 
     def page_refs(self) -> dict[int, int]:
         refs: dict[int, int] = {}
@@ -134,3 +155,5 @@ class PrefixIndex:
         for h, e in self.units.items():
             if e.children != children.get(h, 0) or e.pins != pins.get(h, 0):
                 raise AssertionError("prefix index child/pin counts disagree")
+        if any(h not in self.ckpts for h in self.pinned):
+            raise AssertionError("a pinned checkpoint is not cached")

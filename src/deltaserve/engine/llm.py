@@ -12,6 +12,7 @@ from ..cache import CacheManager, build_pools, plan_layout, resolve_budget
 from ..cache.checkpoint_policy import CheckpointPolicy
 from ..model import load_model, resolve_dtype
 from ..model.tokenizer import Tokenizer
+from ..ops.cpu_kernels import native
 from .core import EngineCore
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -58,7 +59,9 @@ class LLM:
                              page_size, dtype, resolve_dtype(kv_state_dtype),
                              checkpoint_fraction if enable_prefix_caching else 0.0)
         model_id = f"{Path(model).resolve()}:{dtype}"
-        self.cache = CacheManager(*build_pools(cfg, layout, device), policy=policy, model_id=model_id)
+        kernel = "cpu-native" if dtype == torch.bfloat16 and native(device) is not None else "torch"
+        self.cache = CacheManager(*build_pools(cfg, layout, device), policy=policy, model_id=model_id,
+                                  kernel=kernel)
         self.engine = EngineCore(self.model, self.tokenizer, self.cache, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens,
                                  max_model_len=self.max_model_len, seed=seed)
@@ -124,6 +127,10 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix no running request shares; True if none is left."""
+        return self.cache.reset_prefix_cache()
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()

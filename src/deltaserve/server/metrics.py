@@ -32,6 +32,8 @@ PREFIX_COUNTERS = {
                          "Prefix matches lost because the KDA checkpoint was evicted"),
     "checkpoints_stored": ("prefix_cache_checkpoints_stored", "KDA state checkpoints stored"),
     "checkpoints_evicted": ("prefix_cache_checkpoints_evicted", "KDA state checkpoints evicted"),
+    "restore_refused": ("prefix_cache_restore_refused",
+                        "KDA checkpoints refused at restore: their tag did not match (treated as misses)"),
 }
 # stats() key -> (gauge name without prefix, help)
 ENGINE_GAUGES = {
