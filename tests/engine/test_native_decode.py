@@ -18,7 +18,7 @@ from deltaserve.model.kda_layer import KdaAttention
 from deltaserve.model.mla_layer import MlaAttention
 from deltaserve.model.moe_layer import MoeBlock
 from deltaserve.model.tiny import make_tiny
-from deltaserve.ops import cpu_kernels
+from deltaserve.kernels.cpu import library as cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.native() is None, reason="native CPU kernels unavailable")
 TIE = 0.1   # logits within this of the max count as the argmax (bf16 noise; wrong tokens: > 1)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from deltaserve.model.experts import FUSED_MAX_TOKENS, StackedExperts
-from deltaserve.ops import cpu_kernels
+from deltaserve.kernels.cpu import library as cpu_kernels
 from deltaserve.ops.activations import situ_and_mul
 from deltaserve.ops.moe import grouped_experts
 from deltaserve.ops.mxfp4 import mxfp4_decode, mxfp4_encode

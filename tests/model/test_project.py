@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from deltaserve.model.modules import empty_linear, project
-from deltaserve.ops import cpu_kernels
+from deltaserve.kernels.cpu import library as cpu_kernels
 
 NK = cpu_kernels.native()
 pytestmark = pytest.mark.skipif(NK is None, reason="native CPU kernels unavailable")

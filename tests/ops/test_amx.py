@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve.model.moe_layer import GluMlp
-from deltaserve.ops import cpu_kernels
+from deltaserve.kernels.cpu import library as cpu_kernels
 from deltaserve.ops.activations import silu_and_mul, situ_and_mul
 from deltaserve.ops.linear import linear
 from deltaserve.ops.moe import grouped_experts

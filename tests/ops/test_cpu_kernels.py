@@ -1,4 +1,4 @@
-"""Native CPU kernels (ops/cpu_kernels.py, csrc/*.c) against the PyTorch paths they replace.
+"""Native CPU kernels (kernels/cpu, csrc/*.c) against the PyTorch paths they replace.
 
 Tolerances: both sides accumulate in fp32 and round once to bf16, so outputs agree to about one
 bf16 ulp of the result (summation order differs); where the orders coincide they are equal.
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deltaserve.ops import cpu_kernels
+from deltaserve.kernels.cpu import library as cpu_kernels
 from deltaserve.ops import kda as kda_ops
 from deltaserve.ops.activations import silu_and_mul, situ_and_mul
 from deltaserve.ops.linear import linear

@@ -1,4 +1,4 @@
-"""Native chunked-KDA prefill and causal conv (csrc/kda_chunk.c via ops.native_kda) against the
+"""Native chunked-KDA prefill and causal conv (csrc/kda_chunk.c via kernels.cpu.kda) against the
 PyTorch ops in ops.kda and the float64 recurrent oracle in ops.reference.kda.
 
 Tolerances: both fast paths run in fp32 with different summation orders (and the kernel's own
@@ -15,7 +15,7 @@ import torch
 from deltaserve.model import load_model
 from deltaserve.model.context import DenseCache
 from deltaserve.model.tiny import make_tiny
-from deltaserve.ops import cpu_kernels
+from deltaserve.kernels.cpu import library as cpu_kernels
 from deltaserve.ops import kda as K
 from deltaserve.ops.reference import kda as R
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from deltaserve.ops import cpu_kernels
+from deltaserve.kernels.cpu import library as cpu_kernels
 from deltaserve.ops.moe import route
 
 NK = cpu_kernels.native()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltaserve.ops import cpu_kernels
+from deltaserve.kernels.cpu import library as cpu_kernels
 from deltaserve.ops import kda as K
 from deltaserve.ops.attn_res import attn_res_mix
 from deltaserve.ops.norms import gated_rms_norm, rms_norm

@@ -61,3 +61,33 @@ def idle_and_clean(engine, timeout=20.0):
     engine.call_sync(lambda c: c.cache.check_integrity())
     assert not busy and stats["mla_pages_used"] == 0 and stats["kda_slots_used"] == 0, stats
     return stats
+
+
+def script_outputs(engine, script: list[int]):
+    """Patch the engine's runner so each completed sequence samples `script[len(output)]` (the
+    last id once past the end); the model still runs every step. Returns the undo callable."""
+    runner = engine.core.runner
+    orig = runner.execute
+
+    def execute(scheduled, rows):
+        out = orig(scheduled, rows)
+        done = [s for s, r in zip(scheduled, rows) if r is not None]
+        for j, s in enumerate(done):
+            out.token_ids[j] = script[min(len(s.seq.output_ids), len(script) - 1)]
+        return out
+    runner.execute = execute
+    return lambda: setattr(runner, "execute", orig)
+
+
+def wait_healthy(proc, port: int, timeout: float, poll: float = 0.2) -> None:
+    """Wait until the server subprocess `proc` answers /health on `port`."""
+    deadline = time.time() + timeout
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.time() < deadline, "server did not come up"
+        time.sleep(poll)

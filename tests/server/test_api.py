@@ -7,7 +7,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from tests.server.live_server import KEY, MAX_LEN, MODEL, http, idle_and_clean  # noqa: E402
+from tests.server.live_server import KEY, MAX_LEN, MODEL, http, idle_and_clean, script_outputs  # noqa: E402
 
 
 IGN = {"ignore_eos": True}
@@ -263,21 +263,13 @@ SCRIPT = ("need the weather<|close|>think<|sep|><|open|>response<|sep|>checking<
 
 
 @pytest.fixture
-def scripted(server, monkeypatch):
+def scripted(server):
     """Force the sampled tokens to SCRIPT then EOS (the model still runs every step)."""
     engine, tok = server["engine"], server["tok"]
     script = tok.encode(SCRIPT, allow_special=True) + [min(engine.core.eos_ids)]
-    runner = engine.core.runner
-    orig = runner.execute
-
-    def execute(scheduled, rows):
-        out = orig(scheduled, rows)
-        done = [s for s, r in zip(scheduled, rows) if r is not None]
-        for j, s in enumerate(done):
-            out.token_ids[j] = script[min(len(s.seq.output_ids), len(script) - 1)]
-        return out
-    monkeypatch.setattr(runner, "execute", execute)
+    undo = script_outputs(engine, script)
     yield
+    undo()
     idle_and_clean(engine)
 
 

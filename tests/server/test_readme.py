@@ -11,10 +11,11 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
+
+from tests.server.live_server import wait_healthy
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -40,16 +41,7 @@ def test_readme_main_command_serves_and_its_curl_example_works(tmp_path):
     exe = [sys.executable, "-m", "deltaserve.cli", *serve.split()[1:], "--port", str(port)]
     proc = subprocess.Popen(exe, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.time() + 180
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "server did not come up"
-            time.sleep(0.5)
+        wait_healthy(proc, port, 180, poll=0.5)
         url = next(a for a in curl if "localhost:8000" in a).replace("localhost:8000", f"127.0.0.1:{port}")
         body = curl[curl.index("-d") + 1]
         if shutil.which("curl"):

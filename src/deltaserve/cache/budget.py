@@ -4,12 +4,18 @@ A running sequence owns exactly one live KDA slot, so the live pool gets `max_nu
 with prefix caching, `checkpoint_fraction` of the budget becomes checkpoint slots (at least one);
 every remaining byte goes to MLA pages. The budget must hold at least `max_model_len` tokens of MLA
 pages, otherwise a lone long request could never run (it would re-prefill forever).
+
+`size_layout` picks the budget: an explicit `kv_cache_memory` as given; by default the smaller of
+`DEFAULT_RAM_FRACTION` of RAM and `workload_layout`, what `max_num_seqs` sequences of
+`max_model_len` tokens can use (a tiny model never reserves gigabytes it cannot fill).
 """
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 
@@ -18,6 +24,9 @@ from .kda_pool import KdaStatePool
 from .mla_pool import MlaPagePool
 
 log = logging.getLogger(__name__)
+
+DEFAULT_RAM_FRACTION = 0.1
+PREFIX_HEADROOM = 2  # default sizing with prefix caching: MLA pages for the live sequences, twice
 
 
 def total_ram_bytes() -> int:
@@ -62,14 +71,21 @@ def kda_shapes(cfg: ModelConfig) -> tuple[tuple[int, int], tuple[int, int, int]]
     return (k.conv_kernel - 1, 3 * k.proj_dim), (k.num_heads, k.head_dim, k.head_dim)
 
 
+def unit_bytes(cfg: ModelConfig, page_size: int, kv_dtype: torch.dtype,
+               state_dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes of one KDA state slot, bytes of one MLA page) across all layers."""
+    tail, state = kda_shapes(cfg)
+    return (KdaStatePool.bytes_per_slot(len(cfg.kda_layer_ids), tail, state, kv_dtype, state_dtype),
+            MlaPagePool.bytes_per_page(len(cfg.mla_layer_ids), page_size, cfg.mla.latent_dim, kv_dtype))
+
+
 def plan_layout(cfg: ModelConfig, budget_bytes: int, max_num_seqs: int, max_model_len: int,
                 page_size: int, kv_dtype: torch.dtype, state_dtype: torch.dtype = torch.float32,
                 checkpoint_fraction: float = 0.0) -> CacheLayout:
+    """Split `budget_bytes` as the module docstring says; `total_bytes <= budget_bytes`."""
     if page_size < 1 or max_num_seqs < 1:
         raise ValueError("page_size and max_num_seqs must be positive")
-    tail, state = kda_shapes(cfg)
-    slot_bytes = KdaStatePool.bytes_per_slot(len(cfg.kda_layer_ids), tail, state, kv_dtype, state_dtype)
-    page_bytes = MlaPagePool.bytes_per_page(len(cfg.mla_layer_ids), page_size, cfg.mla.latent_dim, kv_dtype)
+    slot_bytes, page_bytes = unit_bytes(cfg, page_size, kv_dtype, state_dtype)
     if not 0.0 <= checkpoint_fraction < 1.0:
         raise ValueError(f"checkpoint_fraction must lie in [0, 1), got {checkpoint_fraction}")
     n_ckpt = max(1, int(checkpoint_fraction * budget_bytes) // slot_bytes) if checkpoint_fraction else 0
@@ -81,12 +97,56 @@ def plan_layout(cfg: ModelConfig, budget_bytes: int, max_num_seqs: int, max_mode
             f"kv_cache_memory={budget_bytes} B cannot hold {max_num_seqs} + {n_ckpt} KDA slots "
             f"({slot_bytes} B each) plus MLA pages for max_model_len={max_model_len} tokens "
             f"({need} pages of {page_bytes} B); raise kv_cache_memory or lower max_num_seqs/max_model_len")
-    layout = CacheLayout(page_size, int(num_pages), max_num_seqs, page_bytes, slot_bytes, kv_dtype,
-                         state_dtype, n_ckpt)
-    log.info("KV cache: %d MLA pages x %d tokens = %d tokens (%.1f MiB), %d live KDA slots + %d "
-             "checkpoint slots (%.1f MiB)", layout.num_pages, page_size, layout.token_capacity,
-             layout.num_pages * page_bytes / 2**20, max_num_seqs, n_ckpt,
-             (max_num_seqs + n_ckpt) * slot_bytes / 2**20)
+    return CacheLayout(page_size, int(num_pages), max_num_seqs, page_bytes, slot_bytes, kv_dtype,
+                       state_dtype, n_ckpt)
+
+
+def workload_layout(cfg: ModelConfig, max_num_seqs: int, max_model_len: int, page_size: int,
+                    kv_dtype: torch.dtype, state_dtype: torch.dtype = torch.float32,
+                    checkpoint_fraction: float = 0.0) -> CacheLayout:
+    """The pools `max_num_seqs` sequences of `max_model_len` tokens can use at once: their MLA
+    pages and live slots. With prefix caching (`checkpoint_fraction > 0`) the MLA pages are
+    doubled (`PREFIX_HEADROOM`: cached prefixes may hold as much again) and checkpoint slots are
+    added until they are `checkpoint_fraction` of the total, as `plan_layout` would split it
+    (rounded up, at least one)."""
+    if page_size < 1 or max_num_seqs < 1 or max_model_len < 1:
+        raise ValueError("page_size, max_num_seqs and max_model_len must be positive")
+    if not 0.0 <= checkpoint_fraction < 1.0:
+        raise ValueError(f"checkpoint_fraction must lie in [0, 1), got {checkpoint_fraction}")
+    slot_bytes, page_bytes = unit_bytes(cfg, page_size, kv_dtype, state_dtype)
+    headroom = PREFIX_HEADROOM if checkpoint_fraction else 1
+    num_pages = max_num_seqs * -(-max_model_len // page_size) * headroom
+    live = num_pages * page_bytes + max_num_seqs * slot_bytes
+    f = Fraction(checkpoint_fraction)
+    n_ckpt = max(1, math.ceil(f * live / ((1 - f) * slot_bytes))) if f else 0
+    return CacheLayout(page_size, num_pages, max_num_seqs, page_bytes, slot_bytes, kv_dtype,
+                       state_dtype, n_ckpt)
+
+
+def size_layout(cfg: ModelConfig, kv_cache_memory: int | float | None, max_num_seqs: int,
+                max_model_len: int, page_size: int, kv_dtype: torch.dtype,
+                state_dtype: torch.dtype = torch.float32, checkpoint_fraction: float = 0.0) -> CacheLayout:
+    """The layout for `kv_cache_memory` (bytes, a RAM fraction, or None for the default: the
+    smaller of `DEFAULT_RAM_FRACTION` of RAM and `workload_layout`); logs the sizes and why."""
+    args = (max_num_seqs, max_model_len, page_size, kv_dtype, state_dtype, checkpoint_fraction)
+    if kv_cache_memory is not None:
+        layout = plan_layout(cfg, resolve_budget(kv_cache_memory), *args)
+        why = f"kv_cache_memory={kv_cache_memory!r} as given"
+    else:
+        fit, ram = workload_layout(cfg, *args), resolve_budget(DEFAULT_RAM_FRACTION)
+        use = (f"max_num_seqs={max_num_seqs} x max_model_len={max_model_len} tokens can use"
+               + (f" (MLA pages x{PREFIX_HEADROOM} for cached prefixes)" if checkpoint_fraction else ""))
+        pct = f"{DEFAULT_RAM_FRACTION:.0%} of RAM"
+        if fit.total_bytes <= ram:
+            layout, why = fit, f"default: what {use}, less than {pct} ({ram / 2**20:.1f} MiB)"
+        else:
+            layout = plan_layout(cfg, ram, *args)
+            why = f"default: {pct}, less than the {fit.total_bytes / 2**20:.1f} MiB {use}"
+    slots = max_num_seqs + layout.num_checkpoint_slots
+    log.info("KV cache %.1f MiB (%s): %d MLA pages x %d tokens = %d tokens (%.1f MiB), %d live KDA slots "
+             "+ %d checkpoint slots (%.1f MiB)", layout.total_bytes / 2**20, why, layout.num_pages,
+             page_size, layout.token_capacity, layout.num_pages * layout.page_bytes / 2**20, max_num_seqs,
+             layout.num_checkpoint_slots, slots * layout.slot_bytes / 2**20)
     return layout
 
 

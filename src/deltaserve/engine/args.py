@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+# reasoning budget of a structured request that starts after reasoning and sets none (engine/reasoning.py)
+DEFAULT_STRUCTURED_THINKING_BUDGET = 1024
+
 
 def memory_budget(v: str) -> int | float:
     """`--kv-cache-memory`: bytes as an integer, or a fraction of RAM written with a dot."""
@@ -16,8 +19,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=8192)
-    p.add_argument("--kv-cache-memory", type=memory_budget, default=0.1,
-                   help="bytes (integer) or a fraction of RAM (with a dot, e.g. 0.1)")
+    p.add_argument("--kv-cache-memory", type=memory_budget, default=None,
+                   help="bytes (integer) or a fraction of RAM (with a dot, e.g. 0.1); default: what "
+                        "--max-num-seqs x --max-model-len tokens can use, at most 10%% of RAM")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--moe-weights", default="auto", choices=["auto", "packed", "dequantized"],
                    help="keep MXFP4 routed experts packed (~4.25 bits/weight) or decode them at load"
@@ -30,6 +34,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="'default' or a comma list of prompt-end, junction, turn-end")
     p.add_argument("--kda-checkpoint-interval", type=int, default=None,
                    help="also checkpoint every N prompt tokens (a multiple of the match unit)")
+    p.add_argument("--structured-thinking-budget", type=int, default=DEFAULT_STRUCTURED_THINKING_BUDGET,
+                   help="reasoning tokens a structured request (response_format json, forced "
+                        "tool_choice) with thinking on may use before the engine closes the think "
+                        "element, unless it sets thinking_token_budget; -1: unlimited")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -39,4 +47,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
                 num_threads=args.threads, enable_prefix_caching=args.enable_prefix_caching,
                 prefix_match_unit=args.prefix_match_unit, kda_checkpoint_policy=args.kda_checkpoint_policy,
-                kda_checkpoint_interval=args.kda_checkpoint_interval, moe_weights=args.moe_weights)
+                kda_checkpoint_interval=args.kda_checkpoint_interval, moe_weights=args.moe_weights,
+                structured_thinking_budget=None if args.structured_thinking_budget < 0
+                else args.structured_thinking_budget)

@@ -4,10 +4,15 @@ All validation happens in `add_request` before anything is queued, so a rejected
 no trace; finished and aborted sequences free their cache in the same call. A request with
 `params.structured` gets one grammar state per sequence (compiled at add time), advanced by each
 accepted token; a sequence finishes with "stop" as soon as its grammar is complete (no step is
-spent on the EOS that is all a complete grammar allows) or rejects a token.
+spent on the EOS that is all a complete grammar allows), and with "error" (`stop_reason` = the
+message) if its grammar rejects a token or fails. A request whose output starts inside a
+reasoning section gets a `ReasoningBudget` per sequence (engine/reasoning.py): its
+`thinking_token_budget`, or `structured_thinking_budget` when a structured output starts after
+the reasoning and the request sets none (None: unlimited).
 """
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from dataclasses import dataclass
 
@@ -19,6 +24,7 @@ from .detokenizer import IncrementalDetokenizer
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .runner import ModelRunner
 from .sampler import SamplingRow
+from .reasoning import DEFAULT_STRUCTURED_THINKING_BUDGET, ReasoningBudget, piece_ids
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import InvalidRequestError, Sequence, SeqStatus
@@ -51,7 +57,8 @@ class SeqDelta:
 
 class EngineCore:
     def __init__(self, model: KimiForCausalLM, tokenizer, cache: CacheManager, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, seed: int = 0):
+                 max_num_batched_tokens: int, max_model_len: int, seed: int = 0,
+                 structured_thinking_budget: int | None = DEFAULT_STRUCTURED_THINKING_BUDGET):
         self.model, self.tokenizer, self.cache = model, tokenizer, cache
         self.max_model_len = max_model_len
         self.scheduler = Scheduler(cache, max_num_seqs, max_num_batched_tokens)
@@ -66,6 +73,9 @@ class EngineCore:
         self.eos_ids = frozenset(eos)
         self.grammars: dict[int, GrammarState] = {}  # seq_id -> structured-output state
         self._grammar_compiler: GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
+        self.structured_thinking_budget = structured_thinking_budget
+        self.budgets: dict[int, ReasoningBudget] = {}  # seq_id -> reasoning budget state
 
     def validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
@@ -88,21 +98,42 @@ class EngineCore:
         if params.structured is not None and self.tokenizer is None:
             raise InvalidRequestError("structured outputs need a tokenizer (skip_tokenizer_init=True)")
 
+    def precompile(self, params: SamplingParams) -> None:
+        """Compile (and cache) `params.structured`, raising `InvalidRequestError` if it is refused.
+        Thread-safe: it touches only the grammar compiler, so a server runs it off its event
+        loop and the engine thread's `add_request` then finds the grammar cached."""
+        if params.structured is not None and self.tokenizer is not None:
+            self._compile(params)
+
     def _compile(self, params: SamplingParams) -> GrammarState | None:
         if params.structured is None:
             return None
         try:
-            if self._grammar_compiler is None:
-                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.config.vocab_size,
-                                                         sorted(self.eos_ids))
+            with self._compiler_lock:
+                if self._grammar_compiler is None:
+                    self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.config.vocab_size,
+                                                             sorted(self.eos_ids))
             return self._grammar_compiler.compile(params.structured)
         except StructuredOutputError as e:
             raise InvalidRequestError(str(e)) from None
+
+    def _budget(self, params: SamplingParams) -> ReasoningBudget | None:
+        budget = params.thinking_token_budget
+        if budget is None and params.structured is not None and params.structured.prefix:
+            budget = self.structured_thinking_budget
+        if budget is None or self.tokenizer is None:
+            return None
+        try:
+            end = piece_ids(self.tokenizer, params.reasoning_close)
+        except StructuredOutputError as e:
+            raise InvalidRequestError(str(e)) from None
+        return ReasoningBudget(budget, end, self.tokenizer.special_ids)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, cache_salt: str | None = None) -> None:
         self.validate(request_id, prompt_ids, params)
         grammar = self._compile(params)
+        budget = self._budget(params)
         seqs = []
         for i in range(params.n):
             gen = torch.Generator().manual_seed((params.seed + i) % 2**64) if params.seed is not None else self._rng
@@ -112,6 +143,9 @@ class EngineCore:
                                  cache_salt=cache_salt))
             if grammar is not None:
                 self.grammars[seqs[-1].seq_id] = grammar.copy()
+            if budget is not None:
+                self.budgets[seqs[-1].seq_id] = ReasoningBudget(budget.budget, budget.end_ids,
+                                                                 budget.special_ids)
             self._next_seq += 1
         self.requests[request_id] = _Request(request_id, prompt, list(prompt_ids), seqs)
         for s in seqs:
@@ -128,6 +162,7 @@ class EngineCore:
                 self.scheduler.remove(s)
                 self._finish(s, "abort")
             self.grammars.pop(s.seq_id, None)
+            self.budgets.pop(s.seq_id, None)
         self.counters["requests_aborted"] += 1
         return self._output(req)
 
@@ -145,7 +180,8 @@ class EngineCore:
         if not scheduled:
             return []
         rows = [SamplingRow(s.seq.params, s.seq.generator, s.seq.prompt_ids, s.seq.output_ids,
-                            banned_ids=self._banned(s.seq), grammar=self.grammars.get(s.seq.seq_id))
+                            banned_ids=self._banned(s.seq), grammar=self.grammars.get(s.seq.seq_id),
+                            forced=self._forced(s.seq.seq_id))
                 if s.completes else None for s in scheduled]
         sampled = self.runner.execute(scheduled, rows)
         self.counters["steps"] += 1
@@ -163,12 +199,17 @@ class EngineCore:
             if s.seq.finished:
                 self.scheduler.remove(s.seq)
                 self.grammars.pop(s.seq.seq_id, None)
+                self.budgets.pop(s.seq.seq_id, None)
                 req = self.requests[s.seq.request_id]
                 if req.finished:
                     del self.requests[req.request_id]
                     self.counters["requests_finished"] += 1
                     done.append(self._output(req))
         return done
+
+    def _forced(self, seq_id: int) -> int | None:
+        budget = self.budgets.get(seq_id)
+        return budget.forced() if budget is not None else None
 
     def step_deltas(self) -> list[SeqDelta]:
         """`step()`, reported per sequence for streaming: one `SeqDelta` for each sequence that
@@ -201,7 +242,13 @@ class EngineCore:
         p = seq.params
         grammar = self.grammars.get(seq.seq_id)
         grammar_done = grammar is not None and grammar.advance(token)
-        if len(seq.output_ids) >= p.min_tokens and token in p.stop_ids(self.eos_ids):
+        budget = self.budgets.get(seq.seq_id)
+        if budget is not None:
+            budget.advance(token)
+        failure = grammar.failure if grammar_done else None
+        if failure is not None:
+            self._finish(seq, "error", failure)
+        elif len(seq.output_ids) >= p.min_tokens and token in p.stop_ids(self.eos_ids):
             self._finish(seq, "stop", token if token in p.stop_token_ids else None)
         elif seq.detokenizer is not None and seq.detokenizer.append(token):
             self._finish(seq, "stop", seq.detokenizer.stop_reason)

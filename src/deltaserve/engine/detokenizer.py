@@ -1,10 +1,12 @@
 """Incremental detokenization with stop strings, working on bytes.
 
 Invariants (ids = the tokens appended so far, L = the longest stop string):
-- Before a stop, `text + <decoder's held-back bytes decoded>` == `tokenizer.decode(ids,
-  skip_special_tokens)`: `text` holds complete UTF-8 only; a trailing incomplete multi-byte
-  sequence is held (an incremental UTF-8 decoder, errors="replace") until completed, replaced by
-  U+FFFD once it cannot be, and flushed by `delta(final=True)`.
+- Before a stop, `text + <decoder's held-back bytes decoded>` == `tokenizer.decode(shown)`,
+  `shown` = ids less the special ones if `skip_special_tokens`, but for those in
+  `keep_special_token_ids` (a chat parser's control markers): `text` holds complete UTF-8 only;
+  a trailing incomplete multi-byte sequence is held (an incremental UTF-8 decoder,
+  errors="replace") until completed, replaced by U+FFFD once it cannot be, and flushed by
+  `delta(final=True)`.
 - Stop strings are searched only in the window `last L-1 chars + new text`, from the append at
   which `min_tokens` tokens exist (vLLM's StopChecker order); the match that ends first (then
   starts first) wins. `text` is then cut before it, or after it with
@@ -65,7 +67,8 @@ class IncrementalDetokenizer:
             return self.stopped
         self.num_tokens += 1
         tok = self.tokenizer
-        if self.params.skip_special_tokens and tok.is_special(token_id):
+        if self.params.skip_special_tokens and tok.is_special(token_id) and \
+                token_id not in self.params.keep_special_token_ids:
             return False
         self._add(self._decoder.decode(tok.token_bytes(token_id)))
         return self.stopped

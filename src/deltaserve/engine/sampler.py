@@ -7,7 +7,8 @@ One step, for logits `[B, V]` and one `SamplingRow` per row, in this order (vLLM
 2. `banned_ids` set to -inf while `len(output_ids) < params.min_tokens`; then, for rows with a
    `grammar` (structured outputs), every token the grammar disallows set to -inf (if that
    leaves nothing, the grammar mask alone is applied to the step-1 logits: see
-   `structured.apply_bitmask`);
+   `structured.apply_bitmask`); rows with a `forced` token (a reasoning budget closing the
+   think element, engine/reasoning.py) keep that token alone, at logit 0;
 3. greedy rows (`params.greedy`): argmax, first index on ties;
 4. other rows: divide by temperature; min_p (keep `prob >= min_p * max_prob`); top-k (keep
    logits >= the k-th largest); top-p on the renormalised top-k distribution (keep the
@@ -41,7 +42,8 @@ _Q_MIN = 1e-10  # floor for exponential noise, so probs / q is always finite
 class SamplingRow:
     """One sequence in the step. `banned_ids` are masked only while the row has fewer than
     `params.min_tokens` outputs; the engine fills it with `params.stop_ids(tokenizer eos ids)`.
-    `grammar` is the row's structured-output state (None: unconstrained)."""
+    `grammar` is the row's structured-output state (None: unconstrained); `forced`, if set, is
+    the only token the row may sample."""
 
     params: SamplingParams
     generator: torch.Generator | None
@@ -49,6 +51,7 @@ class SamplingRow:
     output_ids: Sequence[int]
     banned_ids: Sequence[int] = ()
     grammar: GrammarState | None = None
+    forced: int | None = None
 
 
 @dataclass
@@ -118,6 +121,12 @@ class Sampler:
         unbanned = x[constrained] if constrained else None
         cls._ban(x, rows)
         apply_bitmask(x, constrained, [rows[i].grammar.bitmask() for i in constrained], unbanned)
+        forced = [(i, r.forced) for i, r in enumerate(rows) if r.forced is not None]
+        if forced:
+            idx = torch.tensor([i for i, _ in forced], dtype=torch.long, device=x.device)
+            tok = torch.tensor([t for _, t in forced], dtype=torch.long, device=x.device)
+            x[idx] = float("-inf")
+            x[idx, tok] = 0.0
         return x
 
     @staticmethod

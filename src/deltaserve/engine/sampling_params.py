@@ -4,14 +4,19 @@ Invariants after `__post_init__` (any violation raises `SamplingParamsError` nam
 and its allowed range): numeric fields have the right type (a bool is not a number), are
 finite and in range; `stop` is a list of non-empty strings; `stop_token_ids` is a list of
 non-negative ints; `top_k` is 0 (disabled, `-1` is normalised to 0) or >= 1; float fields
-are Python floats; `structured` is None or a `StructuredOutput` (engine/structured.py).
+are Python floats; `structured` is None or a `StructuredOutput` (engine/structured.py);
+`keep_special_token_ids` is a frozenset of non-negative ints: the special tokens that stay in the
+text although `skip_special_tokens` is set (the control markers a chat parser reads);
+`thinking_token_budget` is None or an int >= 0 and needs a reasoning end: `reasoning_end` (a tuple
+of `str` / `Special` pieces starting with a `Special`) or a `structured` output with a prefix
+(the same pieces when both are given); see engine/reasoning.py.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from .structured import StructuredOutput
+from .structured import Special, StructuredOutput
 
 MAX_LOGPROBS = 20
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
@@ -70,6 +75,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     structured: StructuredOutput | None = None
+    keep_special_token_ids: frozenset[int] | list[int] | None = None
+    thinking_token_budget: int | None = None
+    reasoning_end: tuple = ()
 
     def __post_init__(self):
         self.n = _int("n", self.n, 1, rng=">= 1")
@@ -89,6 +97,9 @@ class SamplingParams:
                              f"{_SEED_RANGE[1]}] (or None)")
         self.stop = self._stop_list(self.stop)
         self.stop_token_ids = self._id_list(self.stop_token_ids)
+        keep = self.keep_special_token_ids
+        self.keep_special_token_ids = frozenset(self._id_list(
+            list(keep) if isinstance(keep, (set, frozenset)) else keep, "keep_special_token_ids"))
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             setattr(self, name, _bool(name, getattr(self, name)))
         if self.logprobs is not None:
@@ -101,6 +112,29 @@ class SamplingParams:
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise SamplingParamsError(f"structured must be a StructuredOutput (or None), got "
                                       f"{type(self.structured).__name__}")
+        self._check_reasoning()
+
+    def _check_reasoning(self) -> None:
+        end = self.reasoning_end
+        if not isinstance(end, (list, tuple)) or not all(isinstance(p, (str, Special)) for p in end) \
+                or (end and not isinstance(end[0], Special)):
+            raise SamplingParamsError(f"reasoning_end must be a tuple of str / Special pieces starting "
+                                      f"with a Special, got {end!r}")
+        self.reasoning_end = tuple(end)
+        prefix = self.structured.prefix if self.structured is not None else ()
+        if end and prefix and self.reasoning_end != prefix:
+            raise SamplingParamsError("reasoning_end must equal the structured output's prefix")
+        if self.thinking_token_budget is not None:
+            self.thinking_token_budget = _int("thinking_token_budget", self.thinking_token_budget, 0,
+                                              rng=">= 0 (or None)")
+            if not end and not prefix:
+                raise SamplingParamsError("thinking_token_budget needs reasoning_end (or a structured "
+                                          "output with a prefix): the pieces that close the reasoning")
+
+    @property
+    def reasoning_close(self) -> tuple:
+        """The pieces that close the reasoning the output starts in (empty: it starts in none)."""
+        return self.reasoning_end or (self.structured.prefix if self.structured is not None else ())
 
     @staticmethod
     def _stop_list(stop) -> list[str]:
@@ -113,11 +147,11 @@ class SamplingParams:
         return list(items)
 
     @staticmethod
-    def _id_list(ids) -> list[int]:
+    def _id_list(ids, name: str = "stop_token_ids") -> list[int]:
         if ids is None:
             return []
         if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
-            raise SamplingParamsError(f"stop_token_ids must be a list of ints >= 0 (or None), got {ids!r}")
+            raise SamplingParamsError(f"{name} must be a list of ints >= 0 (or None), got {ids!r}")
         return list(ids)
 
     @property

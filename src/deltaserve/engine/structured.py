@@ -19,19 +19,38 @@ Invariants:
 - JSON is generated compactly (no free whitespace between tokens), so a grammar cannot be kept
   alive by whitespace alone.
 - Ids at or past the tokenizer's vocabulary (model padding rows) are never allowed.
-- A schema llguidance cannot compile raises `StructuredOutputError` before anything is queued.
+- The free text before a `prefix` is any run of non-control tokens (a token-level rule, so a
+  character split across byte tokens never blocks the first marker: a reasoning budget can
+  always close the think element).
+- Decided at request time, before anything is queued (`StructuredOutputError`): a schema over
+  `MAX_SCHEMA_BYTES`, one llguidance cannot compile within `GRAMMAR_LIMITS`, one that admits no
+  finite JSON value (engine/schema_check.py), one whose grammar allows no first token.
+  `GrammarCompiler.compile` is thread-safe and caches compiled grammars (LRU), so a server
+  compiles off its event loop and the engine thread then only copies the cached matcher.
+- A grammar that rejects a token or errors while decoding reports `GrammarState.failure`; the
+  engine then finishes the sequence with "error", never "stop".
 """
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from .schema_check import no_finite_instance
+
 ANY_JSON_OBJECT: dict = {"type": "object"}
+MAX_SCHEMA_BYTES = 128 * 1024  # compact JSON text; bounds compile time (~0.5 s at the cap)
+# llguidance's resource limits (LLParserLimits): grammar symbols, lexer fuel at build time and
+# per mask step (~14k fuel/ms), lexer states (~1-2 kB each)
+GRAMMAR_LIMITS = {"max_grammar_size": 100_000, "initial_lexer_fuel": 1_000_000,
+                  "step_lexer_fuel": 200_000, "max_lexer_states": 100_000}
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+_CACHE_SIZE = 64
 
 
 class StructuredOutputError(ValueError):
@@ -75,8 +94,9 @@ class StructuredOutput:
         if not all(isinstance(p, (str, Special)) for p in self.prefix):
             raise StructuredOutputError("prefix pieces must be str or Special")
 
-    def lark(self) -> str:
-        """The llguidance Lark grammar (JSON options forced compact, see module invariants)."""
+    def lark(self, free: str = "/(.|\\n)*/") -> str:
+        """The llguidance Lark grammar (JSON options forced compact, see module invariants);
+        `free` is the body of the free-text rule (`GrammarCompiler` passes non-control tokens)."""
         schema = json.loads(self.json_schema)
         schema.pop("x-guidance", None)
         schema["x-guidance"] = _JSON_OPTIONS
@@ -84,7 +104,7 @@ class StructuredOutput:
         if not self.prefix:
             return "start: value\n" + body + "\n"
         marks = " ".join(p.name if isinstance(p, Special) else json.dumps(p) for p in self.prefix)
-        return f"start: FREE {marks} value\nFREE: /(.|\\n)*/\n{body}\n"
+        return f"start: free {marks} value\nfree: {free}\n{body}\n"
 
 
 def tool_call_schema(tools: list[dict], name: str | None = None) -> dict:
@@ -113,9 +133,19 @@ class GrammarState:
         return torch.frombuffer(bytearray(self._m.compute_bitmask()), dtype=torch.int32)
 
     def advance(self, token: int) -> bool:
-        """Consume `token`; True when the grammar takes no more tokens (it ended or rejected)."""
+        """Consume `token`; True when the grammar takes no more tokens (it ended or failed)."""
         ok = self._m.consume_token(int(token))
         return not ok or self._m.is_stopped() or self._m.is_error()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the grammar cannot end well (it rejected a token, hit a limit, or stopped short of
+        an accepting state); None while it is fine or complete."""
+        if self._m.is_error():
+            return "structured output failed: " + _short(self._m.get_error().splitlines()[0], 200)
+        if self._m.is_stopped() and not self._m.is_accepting():
+            return "structured output failed: the grammar reached a dead end"
+        return None
 
     @property
     def accepting(self) -> bool:
@@ -133,7 +163,7 @@ class GrammarCompiler:
     """Compiles `StructuredOutput`s against one tokenizer. Building the llguidance tokenizer is
     the expensive part (about a second for a 160k vocabulary); do it once per engine."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids: Sequence[int]):
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: Sequence[int], limits: dict | None = None):
         import llguidance
         from llguidance.tiktoken import lltokenizer_from_encoding
 
@@ -144,21 +174,64 @@ class GrammarCompiler:
             raise StructuredOutputError("structured outputs need an end-of-sequence token id")
         self._tok = lltokenizer_from_encoding(tokenizer.encoding, n_vocab=vocab_size, eos_token=eos)
         self._specials = set(tokenizer.special_tokens)
+        self._free = _token_ranges(len(tokenizer), set(tokenizer.special_ids))
+        self._limits = llguidance.LLParserLimits(**{**GRAMMAR_LIMITS, **(limits or {})})
+        self._cache: OrderedDict[StructuredOutput, object] = OrderedDict()
+        self._lock = threading.Lock()
 
     def compile(self, so: StructuredOutput) -> GrammarState:
+        """A fresh state for `so` (thread-safe; see the module invariants for what is refused)."""
         if not isinstance(so, StructuredOutput):
             raise StructuredOutputError(f"structured must be a StructuredOutput, got {type(so).__name__}")
+        with self._lock:
+            matcher = self._cache.get(so)
+            if matcher is not None:
+                self._cache.move_to_end(so)
+        if matcher is None:
+            matcher = self._build(so)
+            with self._lock:
+                self._cache[so] = matcher
+                while len(self._cache) > _CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        return GrammarState(matcher.deep_copy())
+
+    def _build(self, so: StructuredOutput):
         unknown = [p.name for p in so.prefix if isinstance(p, Special) and p.name not in self._specials]
         if unknown:
             raise StructuredOutputError(f"the tokenizer has no control tokens {unknown}")
+        size = len(so.json_schema.encode())
+        if size > MAX_SCHEMA_BYTES:
+            raise StructuredOutputError(f"the JSON schema is too large ({size} bytes as compact JSON; "
+                                        f"at most {MAX_SCHEMA_BYTES})")
+        if no_finite_instance(json.loads(so.json_schema)):
+            raise StructuredOutputError("the JSON schema admits no finite JSON value (a required "
+                                        "property or array item recurses into itself without end)")
         try:
-            grammar = self._llg.LLMatcher.grammar_from_lark(so.lark())
-            matcher = self._llg.LLMatcher(self._tok, grammar, log_level=0)
+            grammar = self._llg.LLMatcher.grammar_from_lark(so.lark(self._free))
+            matcher = self._llg.LLMatcher(self._tok, grammar, log_level=0, limits=self._limits)
         except (ValueError, RuntimeError) as e:
             raise StructuredOutputError(f"invalid JSON schema: {_short(str(e))}") from None
+        if not matcher.is_error():
+            first = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
+            if not matcher.is_error() and not bool(first.any()):
+                raise StructuredOutputError("the JSON schema admits no JSON value (the grammar "
+                                            "allows no first token)")
         if matcher.is_error():
             raise StructuredOutputError(f"invalid JSON schema: {_short(matcher.get_error())}")
-        return GrammarState(matcher)
+        return matcher
+
+
+def _token_ranges(n: int, excluded: set[int]) -> str:
+    """Any run of the ids in [0, n) not in `excluded`, in llguidance syntax (`<[0-9,12-20]>*`)."""
+    spans, start = [], None
+    for i in range(n + 1):
+        inside = i < n and i not in excluded
+        if inside and start is None:
+            start = i
+        elif not inside and start is not None:
+            spans.append(f"{start}-{i - 1}" if i - 1 > start else str(start))
+            start = None
+    return "<[" + ",".join(spans) + "]>*"
 
 
 def _short(msg: str, limit: int = 300) -> str:

@@ -5,7 +5,7 @@ Dense: `w1` (gate), `w3` (up) `[E, I, Din]` and `w2` `[E, Din, I]` parameters. P
 `[E, O, I/2]` and `weight_scale` `[E, O, I/32]` uint8 tensors kept as they are, about 4.25 bits
 per weight; each GEMM decodes its expert on the fly (exactly, so both modes compute the same
 products). In bf16 on CPU, batches of up to FUSED_MAX_TOKENS run the fused native kernel
-(`ops.cpu_kernels`), as do all batches where it has AMX tiles (one pass per expert chunk of up to 256
+(`kernels.cpu`), as do all batches where it has AMX tiles (one pass per expert chunk of up to 256
 pairs, measured 1.6x the GEMM path at 2048 tokens); larger batches without AMX run `_grouped_native`
 (per-expert oneDNN GEMMs with native GLU and combine); everything else runs
 `ops.moe.grouped_experts`, the reference.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.cpu_kernels import ACT_SILU, ACT_SITU, native
+from ..kernels.cpu import ACT_SILU, ACT_SITU, native
 from ..ops.moe import grouped_experts
 from ..ops.mxfp4 import mxfp4_decode
 

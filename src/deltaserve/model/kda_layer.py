@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernels.cpu import GATE_SIGMOID, GATE_SOFTPLUS, native
+from ..kernels.cpu.blocks import KdaBlockWeights
 from ..ops import kda as kda_ops
-from ..ops.cpu_kernels import GATE_SIGMOID, GATE_SOFTPLUS, native
-from ..ops.native_blocks import KdaBlockWeights
 from ..ops.norms import gated_rms_norm
 from .config import ModelConfig
 from .context import ForwardContext
@@ -57,7 +57,7 @@ class KdaAttention(nn.Module):
         return self.g_b_proj(self.g_a_proj(x))
 
     def _native_decode(self, x: torch.Tensor, cache) -> torch.Tensor | None:
-        """The fused decode step over the pool's own slots (`ops.cpu_kernels.kda_decode`), or None
+        """The fused decode step over the pool's own slots (`kernels.cpu` kda_decode), or None
         where it does not apply (no pool view, non-bf16 activations, another state dtype)."""
         view = getattr(cache, "kda_slot_view", None)
         kernels = native(x.device) if view is not None and x.dtype == torch.bfloat16 else None
@@ -87,7 +87,7 @@ class KdaAttention(nn.Module):
             ("o_norm", lambda: self.o_norm.weight, self.o_norm.weight))}
 
     def _native_plan(self, kernels):
-        """The whole decode step's plan (`ops.native_blocks.kda_block`: one native call instead of
+        """The whole decode step's plan (`kernels.cpu.blocks` kda_block: one native call instead of
         five, bit-identical to them), memoised until a weight changes; None where it does not apply."""
 
         def linears():
@@ -116,7 +116,7 @@ class KdaAttention(nn.Module):
         return cached_fp32(self, "conv", self.conv_weight, *convs)
 
     def _native_prefill(self, x: torch.Tensor, prior):
-        """The kernels for the fused conv (+ q/k L2 norm) and chunked prefill (`ops.native_kda`),
+        """The kernels for the fused conv (+ q/k L2 norm) and chunked prefill (`kernels.cpu.kda`),
         or None (non-bf16 activations, no native build, a cached tail that is not bf16)."""
         if x.dtype != torch.bfloat16 or (prior is not None and prior[0].dtype != torch.bfloat16):
             return None

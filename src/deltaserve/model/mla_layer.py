@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernels.cpu import MAX_ROWS, MLA_MAX_HEADS, MLA_MAX_RANK, native
+from ..kernels.cpu.blocks import MlaBlockWeights
 from ..ops import mla as mla_ops
-from ..ops.cpu_kernels import MAX_ROWS, MLA_MAX_HEADS, MLA_MAX_RANK, native
-from ..ops.native_blocks import MlaBlockWeights
 from .config import ModelConfig
 from .context import ForwardContext
 from .modules import RMSNorm, cached_derived, cached_object, empty_linear, project
@@ -74,7 +74,7 @@ class MlaAttention(nn.Module):
         return self.o_proj(o)
 
     def _native_block(self, x: torch.Tensor, cache):
-        """(o, gate) of a decode step in one native call (`ops.native_blocks.mla_block`: projections,
+        """(o, gate) of a decode step in one native call (`kernels.cpu.blocks` mla_block: projections,
         norms, the pool write, absorbed attention), bit-identical to `_attend` on the native kernels;
         None where it does not apply."""
         view = getattr(cache, "mla_pool_view", None)
@@ -160,7 +160,7 @@ class MlaAttention(nn.Module):
 
     def _native_decode(self, q, cache):
         """Decode steps on CPU in bf16: the fused kernel reads the pool's pages in place
-        (`ops.cpu_kernels.mla_decode`); None where it does not apply."""
+        (`kernels.cpu` mla_decode); None where it does not apply."""
         view = getattr(cache, "mla_rows_view", None)
         if (not cache.decode_only or view is None or q.dtype != torch.bfloat16
                 or self.num_heads > MLA_MAX_HEADS or self.rank > MLA_MAX_RANK):

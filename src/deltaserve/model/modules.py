@@ -8,8 +8,8 @@ from contextvars import ContextVar
 import torch
 from torch import nn
 
+from ..kernels.cpu import NativeKernels, native
 from ..ops.attn_res import ATTN_RES_EPS, attn_res_mix
-from ..ops.cpu_kernels import NativeKernels, native
 from ..ops.linear import linear
 from ..ops.norms import rms_norm
 

@@ -6,10 +6,10 @@ import functools
 import torch
 from torch import nn
 
+from ..kernels.cpu import ACT_SILU, ACT_SITU, AMX_ROWS, MAX_ROWS, native
+from ..kernels.cpu.blocks import MoeBlockWeights
 from ..ops.activations import silu_and_mul, situ_and_mul
-from ..ops.cpu_kernels import ACT_SILU, ACT_SITU, AMX_ROWS, MAX_ROWS, native
 from ..ops.moe import route
-from ..ops.native_blocks import MoeBlockWeights
 from .config import ModelConfig
 from .experts import FUSED_MAX_TOKENS, StackedExperts
 from .modules import RMSNorm, cached_object, empty_linear, project
@@ -105,7 +105,7 @@ class MoeBlock(nn.Module):
         return weights, ids, self.routed_expert_down_proj(x) if latent else x
 
     def _native_plan(self, kernels):
-        """The `ops.native_blocks` plan of this block (None where it does not apply), memoised
+        """The `kernels.cpu.blocks` plan of this block (None where it does not apply), memoised
         until a weight changes. Bit-identical to the per-module path below, which it replaces for
         decode-sized bf16 batches (~8 native calls and their Python in one call)."""
         m, ex = self.cfg, self.experts

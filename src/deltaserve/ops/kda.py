@@ -15,6 +15,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..kernels.chunking import checked_cu_seqlens, chunk_plan, excl_cumsum as _excl_cumsum
+
 _SLICE_ELEMS = 1 << 22   # cap on X*C*K elements of one batched intra-chunk call (memory bound)
 _FLUSH = 30.0            # decay factors below exp(-30) ~ 1e-13 are flushed to exactly 0
 
@@ -105,16 +107,6 @@ def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor,
     return y, window[:, 1:].clone()
 
 
-def _excl_cumsum(x: torch.Tensor, dim: int, reverse: bool = False) -> torch.Tensor:
-    """Exclusive (reverse) cumulative sum by shifting, never by subtracting."""
-    if reverse:
-        return _excl_cumsum(x.flip(dim), dim).flip(dim)
-    out = torch.zeros_like(x)
-    n = x.shape[dim]
-    out.narrow(dim, 1, n - 1).copy_(x.narrow(dim, 0, n - 1).cumsum(dim))
-    return out
-
-
 def _decay(x: torch.Tensor) -> torch.Tensor:
     """exp(x) for log-decays x <= 0, flushing factors below exp(-_FLUSH) to zero: a flushed
     term is < 1e-13 of the undecayed terms it is summed with, and it keeps most fp32 denormals
@@ -152,46 +144,6 @@ def _intra_chunk(q, k, v, g, beta):
     sol = torch.linalg.solve_triangular(lmat, rhs, upper=False, unitriangular=True)  # (I+L)^-1
     kdt = (k * _decay(_excl_cumsum(g, 1, reverse=True))).transpose(-1, -2).contiguous()
     return sol[..., :kd], sol[..., kd:], a[:, 0], q * eg, kdt, _decay(g.sum(1))
-
-
-def checked_cu_seqlens(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
-    """`cu_seqlens` as a CPU int64 tensor; ValueError unless it rises from 0 to n."""
-    cu = cu_seqlens.detach().to("cpu", torch.long)
-    if cu.numel() < 1 or int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError("cu_seqlens must rise from 0 to N")
-    return cu
-
-
-def chunk_plan(cu: torch.Tensor, export_offsets, chunk: int):
-    """Cut sequences at export offsets into segments and segments into chunks of <= `chunk`.
-    Returns chunk starts/lengths/sequence/position (global token order, ends strictly
-    increasing) and, for exports, the flat index of the chunk ending at each offset."""
-    lens = cu[1:] - cu[:-1]
-    cuts = [cu]
-    ex_end = None
-    if export_offsets is not None:
-        if len(export_offsets) != lens.numel():
-            raise ValueError("export_offsets needs one list per sequence")
-        seq = [b for b, offs in enumerate(export_offsets) for _ in offs]
-        offs = torch.tensor([o for e in export_offsets for o in e], dtype=torch.long)
-        seq = torch.tensor(seq, dtype=torch.long)
-        if offs.numel() and bool(((offs <= 0) | (offs > lens[seq])).any()):
-            raise ValueError("export offsets must satisfy 0 < o <= len_b")
-        ex_end = cu[seq] + offs
-        cuts.append(ex_end)
-    bnd = torch.unique(torch.cat(cuts))                       # sorted segment boundaries
-    seg_len = bnd[1:] - bnd[:-1]
-    per_seg = (seg_len + chunk - 1) // chunk
-    nc = int(per_seg.sum())
-    seg_of = torch.repeat_interleave(torch.arange(seg_len.numel()), per_seg, output_size=nc)
-    first = _excl_cumsum(per_seg, 0)
-    start = bnd[seg_of] + chunk * (torch.arange(nc) - first[seg_of])
-    length = torch.minimum(bnd[seg_of + 1] - start, torch.tensor(chunk))
-    seq_of = torch.searchsorted(cu[1:], start, right=True)
-    n_chunks = torch.bincount(seq_of, minlength=lens.numel())
-    pos = torch.arange(nc) - _excl_cumsum(n_chunks, 0)[seq_of]
-    ex_chunk = None if ex_end is None else torch.searchsorted(start + length, ex_end)
-    return start, length, seq_of, pos, n_chunks, ex_chunk
 
 
 def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -2,7 +2,7 @@
 
 Decode steps multiply a handful of rows by each weight: a GEMV, where torch's bf16 `F.linear`
 streams weights well below memory bandwidth. For bf16 operands with at most
-`cpu_kernels.MAX_ROWS` rows the native GEMV kernel runs instead, and up to AMX_ROWS rows the AMX
+`kernels.cpu.MAX_ROWS` rows the native GEMV kernel runs instead, and up to AMX_ROWS rows the AMX
 tile kernel where the CPU has one (batched decode: oneDNN reorders the weight on every such call);
 everything else (and every tensor when the kernels are unavailable) goes through `F.linear`, the
 reference. All accumulate in fp32 and round once to bf16; only the summation order differs.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .cpu_kernels import MAX_ROWS, native
+from ..kernels.cpu import MAX_ROWS, native
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

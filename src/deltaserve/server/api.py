@@ -5,7 +5,10 @@ Routes: `/v1/completions`, `/v1/chat/completions` (JSON or SSE with `data: [DONE
 `/ready` (the engine thread answered a round trip), `/metrics` (Prometheus, see `metrics.py`).
 With `max_waiting_requests` set, a generation request arriving while that many are queued gets
 429 with `Retry-After`, before any work. Every error is an OpenAI-style body
-`{"error": {"message", "type", "param", "code"}}`; messages never carry internals.
+`{"error": {"message", "type", "param", "code"}}`; messages never carry internals (an unexpected
+exception is logged and answered 500 `server_error`, see `middleware.py`, which also checks the
+API key before the body is read). A non-streaming generation whose client disconnects is
+aborted (`disconnect.py`); a stream that fails ends with an error event, then `[DONE]`.
 Non-streaming responses are assembled from the same delta stream as streaming ones, so the
 two agree for the same seed. Text prompts are encoded with special tokens disallowed.
 The completion route is in `completions.py`; `response_format` / `tool_choice` are mapped to
@@ -13,14 +16,13 @@ engine constraints (and K3 control messages) in `constraints.py`.
 """
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -28,13 +30,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine.sampling_params import SamplingParams, SamplingParamsError
 from ..engine.sequence import InvalidRequestError
 from ..model.tokenizer import TokenizerError
-from .async_engine import AsyncEngine, EngineDeadError, RequestStream
+from .async_engine import AsyncEngine, EngineDeadError, GenerationError, RequestStream
 from .chat import ChatFormatError, render_chat
 from .completions import RouteContext, add_completion_routes
-from .constraints import chat_constraint, forced_tool_calls
-from .errors import APIError, BodyLimit, validation_message
+from .constraints import chat_constraint, forced_tool_calls, missing_forced_call
+from .disconnect import ClientDisconnected, until_disconnect
+from .errors import APIError, BodyLimit, public_message, validation_message
 from .metrics import Metrics
-from .parsers import StreamingParser, parse_output
+from .middleware import ApiKeyAuth, ErrorGuard
+from .parsers import StreamingParser, control_token_ids, parse_output
 from .protocol import MAX_BODY_BYTES, ChatRequest, DetokenizeRequest, TokenizeRequest, error_body
 
 log = logging.getLogger(__name__)
@@ -58,8 +62,10 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     app = FastAPI(title="deltaserve", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyAuth, key=api_key)
+    app.add_middleware(ErrorGuard)
     tok = engine.tokenizer
-    key = api_key.encode() if api_key else None
     metrics = app.state.metrics = Metrics(served_model_name)
 
     def admit() -> None:
@@ -68,16 +74,6 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             raise APIError(429, "the server is overloaded: too many waiting requests; retry later",
                            "rate_limit_error", code="too_many_waiting_requests",
                            headers={"Retry-After": str(retry_after_s)})
-
-    def auth(request: Request) -> None:
-        if key is None:
-            return
-        header = request.headers.get("authorization", "")
-        given = header[7:].strip() if header[:7].lower() == "bearer " else ""
-        if not hmac.compare_digest(given.encode(), key):
-            raise APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
-
-    guard = [Depends(auth)]
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -123,7 +119,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         try:
             return render_chat(require_tokenizer(), engine.family, messages, tools=tools,
                                thinking=thinking, chat_template=engine.chat_template,
-                               controls=controls)
+                               controls=controls, accept_images=False)
         except ChatFormatError as e:
             raise APIError(400, str(e), param="messages") from None
 
@@ -142,25 +138,29 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     async def sse_stream(body, stream: RequestStream, head: dict, prompt_len: int, counts: list[int],
                          include_usage: bool):
         """SSE framing shared by both endpoints: the body's chunks, then the usage chunk, an
-        error event if the engine failed, `[DONE]`; the request is aborted however it ends."""
+        error event if anything failed (`public_message`), `[DONE]`; chunks are encoded here, so
+        an encoding failure is such a failure too; the request is aborted however it ends."""
         try:
             async for item in body:
-                yield item
+                yield item.encode()
             if include_usage:
-                yield _sse({**head, "choices": [], "usage": usage(prompt_len, sum(counts))})
-        except RuntimeError as e:
-            yield _sse(error_body(str(e), "server_error"))
+                yield _sse({**head, "choices": [], "usage": usage(prompt_len, sum(counts))}).encode()
+        except Exception as e:
+            yield _sse(error_body(public_message(e), "server_error")).encode()
         finally:
             stream.abort()
-        yield "data: [DONE]\n\n"
+        yield b"data: [DONE]\n\n"
 
-    async def run_collect(stream, on) -> None:
+    async def run_collect(stream, on, request: Request) -> None:
+        """`drain`, aborted if the client disconnects first (answered 499, which nobody reads)."""
         try:
-            await drain(stream, on)
-        except RuntimeError as e:
-            raise APIError(500, str(e), "server_error") from None
+            await until_disconnect(request, drain(stream, on))
+        except ClientDisconnected:
+            raise APIError(499, "the client closed the connection", code="client_closed_request") from None
+        except Exception as e:
+            raise APIError(500, public_message(e), "server_error") from None
 
-    add_completion_routes(app, guard, RouteContext(
+    add_completion_routes(app, RouteContext(
         tok, served_model_name, admit, check_model, make_params, submit, require_tokenizer, usage,
         _sse, sse_stream, run_collect))
 
@@ -188,8 +188,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             return "stop"
         return "tool_calls" if finish == "stop" and called else finish
 
-    @app.post("/v1/chat/completions", dependencies=guard)
-    async def chat_completions(req: ChatRequest):
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest, request: Request):
         admit()
         check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
@@ -207,8 +207,9 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         ids = chat_prompt(req.messages, shown, thinking, cons.controls)
         top_k = req.top_logprobs or 0
         params = make_params(kw, max_tokens=req.max_completion_tokens or req.max_tokens,
-                             logprobs=top_k if req.logprobs else None, skip_special_tokens=False,
-                             structured=cons.structured)
+                             logprobs=top_k if req.logprobs else None, structured=cons.structured,
+                             keep_special_token_ids=control_token_ids(tok, family),
+                             reasoning_end=cons.reasoning_end, thinking_token_budget=cons.thinking_budget)
         stream = await submit(ids, params)
         think = thinking and family == "kimi_k3"
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -225,7 +226,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             c["finish"] = d.finish_reason
             if req.logprobs:
                 c["lp"] += chat_logprobs(d, top_k)
-        await run_collect(stream, on)
+        await run_collect(stream, on, request)
         choices = []
         for i, c in enumerate(acc):
             p = parse_output(c["text"], family, declared, think)
@@ -234,6 +235,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                 forced = forced_tool_calls(content, cons.tool, family)
                 if forced:
                     calls, content = forced, ""
+                elif c["finish"] == "stop":
+                    raise APIError(500, missing_forced_call(i), "server_error")
             msg = {"role": "assistant", "content": content or None,
                    "reasoning_content": p.reasoning_content or None}
             if calls:
@@ -246,7 +249,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     def chat_events(req, stream, ids, head, declared, think, top_k, cons):
         """SSE chunks. With a forced tool choice the response content (the forced JSON) is held
-        back and sent at the end as whole tool calls (or as content if it is incomplete)."""
+        back and sent at the end as whole tool calls (as content if cut by max_tokens; an error
+        event if it ended without the call)."""
         head = {**head, "object": "chat.completion.chunk"}
         parsers = [StreamingParser(engine.family, declared, think) for _ in range(req.n)]
         ncalls, counts, held = [0] * req.n, [0] * req.n, [""] * req.n
@@ -272,13 +276,15 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                     elif p.text:
                         name = "content" if p.kind == "content" else "reasoning_content"
                         delta[name] = delta.get(name, "") + p.text
-                if d.finish_reason and cons.tool is not None and held[i]:
+                if d.finish_reason and cons.tool is not None:
                     forced = forced_tool_calls(held[i], cons.tool, engine.family)
                     if forced:
                         for t in forced:
                             delta.setdefault("tool_calls", []).append(tool_call_json(t, ncalls[i]))
                             ncalls[i] += 1
-                    else:
+                    elif d.finish_reason == "stop":
+                        raise GenerationError(missing_forced_call(i))
+                    elif held[i]:
                         delta["content"] = delta.get("content", "") + held[i]
                 lp = {"content": chat_logprobs(d, top_k)} if req.logprobs and d.token_ids else None
                 finish = forced_finish(cons, d.finish_reason, bool(ncalls[i]))
@@ -288,12 +294,20 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     # ------------------------------------------------------------ misc routes
 
-    @app.get("/v1/models", dependencies=guard)
-    async def models():
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": 0,
-                                            "owned_by": "deltaserve", "max_model_len": engine.max_model_len}]}
+    def model_card() -> dict:
+        return {"id": served_model_name, "object": "model", "created": 0, "owned_by": "deltaserve",
+                "max_model_len": engine.max_model_len}
 
-    @app.post("/tokenize", dependencies=guard)
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        check_model(model_id)
+        return model_card()
+
+    @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
@@ -302,7 +316,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             chat_prompt(req.messages, None, True)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
-    @app.post("/detokenize", dependencies=guard)
+    @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         check_model(req.model)
         try:
@@ -314,12 +328,12 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     async def health():
         return {"status": "ok"}
 
-    @app.get("/metrics", dependencies=guard)
+    @app.get("/metrics")
     async def prometheus():
         body, ctype = await metrics.render(engine)
         return Response(body, media_type=ctype)
 
-    @app.get("/ready", dependencies=guard)
+    @app.get("/ready")
     async def ready():
         try:
             stats = await engine.call(lambda core: core.stats(), timeout=5.0)

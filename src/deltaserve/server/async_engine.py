@@ -5,6 +5,9 @@ through typed messages on a thread-safe queue (`AddRequest`, `AbortRequest`, `Ca
 replies come back on `concurrent.futures.Future`s, and each request's `SeqDelta`s are pushed
 into its own `asyncio.Queue` with `loop.call_soon_threadsafe`. A request that is dropped before
 it finishes (client disconnect, cancelled task) sends `AbortRequest`, which frees its cache.
+A structured request's grammar is compiled on a worker thread before it is queued (`add`), so
+neither the event loop nor the engine thread waits on a slow schema; a sequence the engine
+finishes with "error" (its grammar failed) makes its stream raise `GenerationError`.
 """
 from __future__ import annotations
 
@@ -25,6 +28,11 @@ log = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine thread is not running (shut down or crashed)."""
+
+
+class GenerationError(RuntimeError):
+    """A sequence finished with "error" (e.g. its structured-output grammar failed); the message
+    is the engine's `stop_reason`, safe to show to the client."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,8 @@ class RequestStream:
             self.remaining -= 1
         if self.observer is not None:
             self.observer.on_delta(item)
+        if item.finish_reason == "error":
+            raise GenerationError(str(item.stop_reason or "generation failed"))
         return item
 
     def abort(self) -> None:
@@ -157,6 +167,8 @@ class AsyncEngine:
         anything is queued, else returns its stream."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
+        if params.structured is not None:
+            await asyncio.to_thread(self.core.precompile, params)
         loop = asyncio.get_running_loop()
         stream = RequestStream(self, request_id or uuid.uuid4().hex, params.n)
 

@@ -1,7 +1,9 @@
 """Chat rendering: OpenAI-style messages -> prompt token ids (spec/model.md §13-14).
 
 Public API: `render_chat(tokenizer, family, messages, tools=None, add_generation_prompt=True,
-thinking=True, chat_template=None) -> list[int]`, `ChatFormatError`, `load_chat_template(dir)`.
+thinking=True, chat_template=None, controls=(), accept_images=True) -> list[int]`,
+`ChatFormatError`, `load_chat_template(dir)`. With `accept_images=False` (the server, until
+vision is served) any image part (`IMAGE_PART_TYPES`) is refused rather than rendered as a pad.
 
 Invariant: control (special) tokens come only from the renderer. Every renderer produces a
 sequence of `Special(name)` and plain-text pieces; adjacent plain-text pieces are joined and
@@ -19,6 +21,7 @@ from pathlib import Path
 
 FAMILIES = ("kimi_k3", "kimi_linear")
 ROLES = ("system", "user", "assistant", "tool")
+IMAGE_PART_TYPES = ("image_url", "image", "input_image", "image_file")
 
 
 class ChatFormatError(ValueError):
@@ -147,6 +150,17 @@ def validate_messages(messages) -> None:
             raise ChatFormatError(f"{where}: only assistant messages may carry tool_calls")
 
 
+def reject_images(messages) -> None:
+    """`ChatFormatError` for the first image part of any message (the input is not validated
+    otherwise here)."""
+    for i, m in enumerate(messages if isinstance(messages, list) else ()):
+        parts = m.get("content") if isinstance(m, dict) else None
+        for j, part in enumerate(parts if isinstance(parts, list) else ()):
+            if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+                raise ChatFormatError(f"messages[{i}].content[{j}]: this server does not accept image "
+                                      f"input yet ({part['type']!r} part); send text only")
+
+
 def validate_tools(tools) -> list[dict]:
     if tools is None:
         return []
@@ -171,17 +185,19 @@ def load_chat_template(model_dir) -> str | None:
 
 def render_chat(tokenizer, family: str, messages: list[dict], tools: list[dict] | None = None,
                 add_generation_prompt: bool = True, thinking: bool = True,
-                chat_template: str | None = None, controls=()) -> list[int]:
+                chat_template: str | None = None, controls=(), accept_images: bool = True) -> list[int]:
     """Prompt token ids for `messages` (+ `tools`) in `family`'s chat format.
 
     `thinking` selects K3's thinking (`<|open|>think<|sep|>`) or non-thinking
     (`<|open|>response<|sep|>`) generation prompt; Kimi-Linear (an instruct model) ignores it.
     `chat_template` (Kimi-Linear only) is a jinja template, e.g. from `load_chat_template`.
     `controls` (K3 only; Kimi-Linear has no such messages) are `(type, body)` control messages.
-    Raises `ChatFormatError` for malformed input.
+    `accept_images=False` refuses image parts. Raises `ChatFormatError` for malformed input.
     """
     if family not in FAMILIES:
         raise ChatFormatError(f"unknown model family {family!r}; expected one of {FAMILIES}")
+    if not accept_images:
+        reject_images(messages)
     validate_messages(messages)
     tools = validate_tools(tools)
     if not isinstance(thinking, bool) or not isinstance(add_generation_prompt, bool):

@@ -10,6 +10,8 @@ Invariants:
   `suffix` are refused with 400, as vLLM refuses `suffix`.
 - Usage sums the prompt tokens of every prompt (each counted once, whatever `n`).
 - `response_format` (json_object / json_schema) is enforced as in chat, from the first token.
+- A client that disconnects before a non-streaming response is ready aborts every prompt's
+  engine request (`run_collect`), as a dropped stream does.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from ..engine.structured import StructuredOutput, StructuredOutputError
@@ -106,7 +108,7 @@ def _structured(rf) -> StructuredOutput | None:
         raise APIError(400, str(e), param="response_format") from None
 
 
-def add_completion_routes(app: FastAPI, guard: list, ctx: RouteContext) -> None:
+def add_completion_routes(app: FastAPI, ctx: RouteContext) -> None:
     tok = ctx.tok
 
     def completion_logprobs(d, offset: int) -> dict:
@@ -137,8 +139,8 @@ def add_completion_routes(app: FastAPI, guard: list, ctx: RouteContext) -> None:
             raise
         return group
 
-    @app.post("/v1/completions", dependencies=guard)
-    async def completions(req: CompletionRequest):
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
         ctx.admit()
         ctx.check_model(req.model)
         if req.suffix is not None:
@@ -192,6 +194,6 @@ def add_completion_routes(app: FastAPI, guard: list, ctx: RouteContext) -> None:
             c["text"] += d.text
             c["n"] += len(d.token_ids)
             c["finish_reason"] = d.finish_reason
-        await ctx.run_collect(group, on)
+        await ctx.run_collect(group, on, request)
         used = sum(c.pop("n") for c in acc)
         return {**head, "choices": acc, "usage": ctx.usage(n_prompt, used)}

@@ -11,6 +11,12 @@ Kimi-Linear, and `parsers.py` keeps reading only free-running output.
 On K3 with thinking on, reasoning is free and the constraint starts after the think element:
 the grammar is "text without control tokens, `<|close|>think<|sep|><|open|>response<|sep|>`,
 then JSON", so the reasoning parser splits it as usual and the JSON is the response content.
+The request's `thinking_token_budget` (alias `max_reasoning_tokens`) bounds that reasoning (the
+engine then forces the think-close, engine/reasoning.py); it applies whenever the output starts
+in a think element (K3, thinking on), constrained or not, and is ignored otherwise.
+
+A forced tool choice whose output ended ("stop") without the complete JSON call is an error
+(`missing_forced_call`), never content with finish "stop"; cut by max_tokens it stays "length".
 """
 from __future__ import annotations
 
@@ -35,6 +41,8 @@ class ChatConstraint:
     structured: StructuredOutput | None
     tool: str | None
     controls: tuple = ()
+    reasoning_end: tuple = ()
+    thinking_budget: int | None = None
 
 
 def _tool_names(tools) -> list[str]:
@@ -64,6 +72,7 @@ def chat_constraint(req, family: str, thinking: bool) -> ChatConstraint:
         raise APIError(400, "response_format cannot be combined with a forced tool_choice",
                        param="response_format")
     prefix = K3_THINK_END if family == "kimi_k3" and thinking else ()
+    budget = _budget(req) if prefix else None
     try:
         if forced is not None:
             schema = tool_call_schema(req.tools, forced or None)
@@ -81,7 +90,21 @@ def chat_constraint(req, family: str, thinking: bool) -> ChatConstraint:
             structured = None
     except StructuredOutputError as e:
         raise APIError(400, str(e), param="tool_choice" if forced is not None else "response_format") from None
-    return ChatConstraint(structured, forced, _controls(req, thinking))
+    return ChatConstraint(structured, forced, _controls(req, thinking), prefix, budget)
+
+
+def _budget(req) -> int | None:
+    a, b = req.thinking_token_budget, req.max_reasoning_tokens
+    if a is not None and b is not None and a != b:
+        raise APIError(400, "thinking_token_budget and max_reasoning_tokens are aliases; give one "
+                       "(or the same value)", param="thinking_token_budget")
+    return a if a is not None else b
+
+
+def missing_forced_call(index: int) -> str:
+    """The error message for choice `index` of a forced tool choice that made no call."""
+    return (f"tool_choice forces a tool call, but choice {index} ended without the complete call "
+            f"(e.g. a stop string cut it)")
 
 
 def _controls(req, thinking: bool) -> tuple:

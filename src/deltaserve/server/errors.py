@@ -1,11 +1,19 @@
 """HTTP-level errors: `APIError` (an OpenAI-style error response), the validation-message
-formatter and the body-size middleware (413 for a body over the limit, declared or chunked)."""
+formatter, `public_message` (what a client may see of a failure) and the body-size middleware
+(413 for a body over the limit, declared or chunked)."""
 from __future__ import annotations
+
+import logging
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from .async_engine import EngineDeadError, GenerationError
 from .protocol import error_body
+
+log = logging.getLogger(__name__)
+
+INTERNAL_ERROR = "internal server error"
 
 
 class APIError(Exception):
@@ -27,7 +35,20 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     e = errs[0]
     loc = [str(x) for x in e.get("loc", ()) if x != "body"]
     param = ".".join(loc) or None
-    return (f"{param}: {e.get('msg', 'invalid value')}" if param else e.get("msg", "invalid request")), param
+    msg = e.get("msg") or "invalid value"
+    msg = msg.removeprefix("Value error, ")
+    return (f"{param}: {msg}" if param else msg), param
+
+
+def public_message(exc: Exception) -> str:
+    """The message a client may see for a failed generation: the text of the engine side's own
+    failures (`GenerationError`, `EngineDeadError`, the engine thread's plain `RuntimeError`s,
+    all written for clients); anything else is a bug, logged here with its traceback and
+    reported as "internal server error"."""
+    if isinstance(exc, (GenerationError, EngineDeadError)) or type(exc) is RuntimeError:
+        return str(exc)
+    log.error("request failed", exc_info=exc)
+    return INTERNAL_ERROR
 
 
 class BodyLimit:

@@ -11,9 +11,10 @@ API:
 non-streaming result for every split of the text (the parser is split-invariant: it holds back any
 suffix that might still grow into a marker).
 
-`text` is the decoded output with special tokens kept (their names). `thinking` says whether the
-prompt ended inside a think element (K3's thinking generation prompt); with thinking off it ended
-inside a response element. Rules:
+`text` is the decoded output with the control tokens kept as their names (`control_token_ids`:
+the detokenizer keeps these and drops every other special, e.g. reserved ids). `thinking` says
+whether the prompt ended inside a think element (K3's thinking generation prompt); with thinking
+off it ended inside a response element. Rules:
 - K3: `<|close|>think<|sep|>` ends reasoning; an opening `response` or `tools` marker (or
   `<|close|>message<|sep|>`) is an implicit think-close (serving §7 rows 7-8). With no close
   at all, everything is reasoning. `<|end_of_msg|>` is dropped.
@@ -32,7 +33,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from deltaserve.server.parsers_lex import lex_k3, lex_kl
+from deltaserve.server.parsers_lex import CONTROL_MARKERS, lex_k3, lex_kl
 
 FAMILIES = ("kimi_k3", "kimi_linear")
 
@@ -56,6 +57,15 @@ class Delta:
     kind: str  # "content" | "reasoning" | "tool_call"
     text: str = ""
     tool_call: ToolCall | None = None
+
+
+def control_token_ids(tokenizer, family: str) -> frozenset[int]:
+    """Ids of the special tokens the family's parser reads (think / response / tool markers):
+    the `keep_special_token_ids` of a chat request, whose other specials are skipped."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; expected one of {FAMILIES}")
+    return frozenset(tokenizer.special_tokens[m] for m in CONTROL_MARKERS[family]
+                     if m in tokenizer.special_tokens)
 
 
 # ---------------------------------------------------------------- argument decoding

@@ -15,6 +15,7 @@ MAX_TAG = 512  # an open/close tag whose <|sep|> is not found within this many c
 K3_STARTS = ("<|open|>", "<|close|>", "<|end_of_msg|>")
 KL_MARKS = ("<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
             "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|im_end|>")
+CONTROL_MARKERS = {"kimi_k3": (*K3_STARTS, "<|sep|>"), "kimi_linear": KL_MARKS}  # what the lexers read
 _ATTR = re.compile(r'\s+([A-Za-z_][\w-]*)="([^"]*)"')
 _HEAD = re.compile(r"([A-Za-z_][\w-]*)((?:\s+[A-Za-z_][\w-]*=\"[^\"]*\")*)\s*")
 

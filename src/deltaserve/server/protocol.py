@@ -1,13 +1,17 @@
 """Pydantic v2 request schemas shaped like OpenAI's, plus the error body and caps.
 
 Fields are strict (no str -> int coercion, no NaN/inf); caps on `n`, `logprobs` and `stop`
-are checked here, before any work. Responses are built as plain dicts in `api.py`.
+are checked here, before any work. Every string in a request (keys too, at any depth: prompts,
+messages, stop strings, tools, schemas) is valid Unicode: JSON's `\\ud800` escapes decode to
+lone surrogates, which the tokenizer would silently replace and a UTF-8 response cannot carry
+(echo), so such a field is a 400 here. Responses are built as plain dicts in `api.py`.
 """
 from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
+                      ValidationInfo, field_validator)
 
 from ..engine.sampling_params import MAX_LOGPROBS
 
@@ -26,8 +30,60 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+def _bad_text(v: str) -> int | None:
+    """Index of the first lone surrogate in `v`, else None."""
+    if v.isascii():
+        return None
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+def lone_surrogate(value: Any, path: str = "") -> str | None:
+    """`"<path>: lone surrogate U+XXXX ..."` for the first string in `value` (nested dicts and
+    lists, keys included) that is not valid Unicode, else None. Iterative (any depth); paths
+    are only built once a bad string is known to be there."""
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str):
+            if _bad_text(v) is not None:
+                break
+        elif isinstance(v, dict):
+            todo += v
+            todo += v.values()
+        elif isinstance(v, list):
+            todo += v
+    else:
+        return None
+    todo = [(path, value)]
+    while todo:
+        where, v = todo.pop()
+        if isinstance(v, str):
+            at = _bad_text(v)
+            if at is not None:
+                where = f"{where}: " if where else ""
+                return f"{where}lone surrogate U+{ord(v[at]):04X} is not valid Unicode text"
+        elif isinstance(v, dict):
+            for k, x in reversed(v.items()):
+                todo += [(f"{where}.{k}" if isinstance(k, str) else where, x), (where, k)]
+        elif isinstance(v, list):
+            todo += [(f"{where}[{i}]", x) for i, x in reversed(list(enumerate(v)))]
+    return None
+
+
 class _Base(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, v: Any, info: ValidationInfo) -> Any:
+        bad = lone_surrogate(v, info.field_name if isinstance(v, (dict, list)) else "")
+        if bad is not None:
+            raise ValueError(bad)
+        return v
 
 
 class StreamOptions(_Base):
@@ -128,6 +184,8 @@ class ChatRequest(_Sampling):
     reasoning_effort: Optional[Literal["low", "medium", "high"]] = None
     thinking_effort: Optional[Literal["low", "medium", "high", "max"]] = None
     chat_template_kwargs: Optional[ChatTemplateKwargs] = None
+    thinking_token_budget: Optional[StrictInt] = Field(None, ge=0)
+    max_reasoning_tokens: Optional[StrictInt] = Field(None, ge=0)  # alias of thinking_token_budget
 
 
 class TokenizeRequest(_Base):

@@ -2,7 +2,8 @@
 
 With no MODEL_DIR it serves the embedded default: a random-weight tiny Kimi K3 checkpoint
 (`make_tiny(..., family="kimi_k3", preset="tiny", seed=0)`) generated once, reproducibly, under
-the user cache directory.
+the user cache directory. On SIGTERM (or Ctrl-C) in-flight requests are drained for at most
+`--shutdown-timeout` seconds, then what is left is cancelled; SIGTERM then exits 0.
 """
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import argparse
 import logging
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from pathlib import Path
 
 log = logging.getLogger("deltaserve.serve")
@@ -43,6 +46,19 @@ def default_model_dir() -> Path:
     return out
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return value
+
+
+def _terminated(signum, frame) -> None:
+    """SIGTERM outside uvicorn's own handler (before it starts, or re-raised by it once its
+    graceful shutdown is done): a requested, clean exit."""
+    raise SystemExit(0)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..engine.args import add_engine_args
 
@@ -57,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting-requests", type=int, default=256,
                    help="queue cap: a completion/chat request arriving while this many requests "
                         "wait for the engine gets 429 with Retry-After (negative: no cap)")
+    p.add_argument("--shutdown-timeout", type=_seconds, default=5.0,
+                   help="on SIGTERM, drain in-flight requests for at most this many seconds, then "
+                        "cancel the rest and exit 0")
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -82,8 +101,11 @@ def serve(args: argparse.Namespace) -> int:
     app = build_app(engine, name, api_key=args.api_key, max_waiting_requests=cap if cap >= 0 else None)
     log.info("serving %r on http://%s:%d (api key %s)", name, args.host, args.port,
              "required" if args.api_key else "off")
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminated)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info",
+                    timeout_graceful_shutdown=args.shutdown_timeout)
     finally:
         engine.shutdown()
     return 0

@@ -1,0 +1,69 @@
+/* Declarations shared between the deltaserve kernel files, not part of the ctypes ABI (that is
+ * ds_abi.h, whose kernels the whole-block kernels of blocks.c also compose). */
+#ifndef DELTASERVE_INTERNAL_H
+#define DELTASERVE_INTERNAL_H
+#include <stdint.h>
+#include "ds_abi.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define DS_ROWS(M) ((M) >= 8 ? 1 : 8 / (M))   /* weight rows per pass of the DS_MAX_M kernels */
+#else
+#define DS_ROWS(M) 1
+#endif
+
+/* acc[r * DS_MAX_M + m] = x[m] . w[row0 + r] for r < R <= DS_ROWS(M), m < M <= DS_MAX_M; w bf16
+ * [rows, K] or MXFP4 (packed = 1: bytes [rows, K/2] and scales s [rows, K/32]). cpu_kernels.c */
+void ds_expert_rows(const void *w, const uint8_t *s, int packed, int64_t row0, int R, int K,
+                    const uint16_t *x, int M, float *acc);
+
+/* moe_row.c: ds_moe_experts for one token of k <= DS_ROW_MAX_K pairs (-3 outside that). */
+#define DS_ROW_MAX_K 64
+int ds_moe_experts_row(const uint16_t *x, int D, const int64_t *ids, const float *wts, int k, int E, int I,
+                       int packed, const void *w1, const uint8_t *s1, const void *w3, const uint8_t *s3,
+                       const void *w2, const uint8_t *s2, int act, float beta, float lbeta, uint16_t *out,
+                       int nthreads);
+
+/* amx.c: bf16 tile kernels. A tile product covers DS_TILE weight rows x DS_TILE activation rows
+ * ("an m-block") x 32 along K; DS_AMX_MB m-blocks share one pass over a weight tile. Activations are
+ * first packed pair-interleaved, m-blocks side by side:
+ * xv[((kb * MB + mb) * 16 + kp) * 32 + 2 * mm + j] = x[16 mb + mm][32 kb + 2 kp + j], zero rows
+ * past M; MB = ceil(M / 16). */
+#define DS_TILE 16
+#define DS_AMX_MB 4
+_Static_assert(DS_TILE * DS_AMX_MB == DS_AMX_ROWS, "an AMX pass is DS_AMX_ROWS rows");
+#ifdef __AVX512F__
+#include <immintrin.h>
+/* z[i] lane j <- z[j] lane i (16 x 16 dwords): how pair rows move between the tile layout and rows. */
+static inline void ds_transpose16(__m512i z[16]) {
+    __m512i t[16];
+    for (int q = 0; q < 16; q += 2) {
+        t[q] = _mm512_unpacklo_epi32(z[q], z[q + 1]);
+        t[q + 1] = _mm512_unpackhi_epi32(z[q], z[q + 1]);
+    }
+    for (int q = 0; q < 16; q += 4)
+        for (int h = 0; h < 2; ++h) {
+            z[q + h] = _mm512_unpacklo_epi64(t[q + h], t[q + 2 + h]);
+            z[q + 2 + h] = _mm512_unpackhi_epi64(t[q + h], t[q + 2 + h]);
+        }
+    for (int q = 0; q < 16; q += 8)
+        for (int h = 0; h < 4; ++h) {
+            t[q + h] = _mm512_shuffle_i32x4(z[q + h], z[q + 4 + h], 0x88);
+            t[q + 4 + h] = _mm512_shuffle_i32x4(z[q + h], z[q + 4 + h], 0xdd);
+        }
+    /* The unpacks leave columns 0, 2, 1, 3 in each group of four rows; undo that here. */
+    static const int col[16] = {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15};
+    for (int h = 0; h < 8; ++h) {
+        z[col[h]] = _mm512_shuffle_i32x4(t[h], t[h + 8], 0x88);
+        z[col[h + 8]] = _mm512_shuffle_i32x4(t[h], t[h + 8], 0xdd);
+    }
+}
+#endif
+void ds_amx_count(void);
+void ds_amx_config(void);     /* loads the tile configuration on the calling thread */
+void ds_amx_pack(const uint16_t *x, int64_t ldx, int M, int K, uint16_t *xv);
+/* c[((b * MB + mb) * 16 + r) * 16 + mm] = w_b[row0_b + r] . x[16 mb + mm] for b < nw (1 or 2 weight
+ * blocks, w_b and s_b as in ds_expert_rows; those rows must exist), r < 16, any MB, K % 32 == 0. MXFP4
+ * is decoded once per 512 columns for all m-blocks. Needs ds_amx_config() on this thread. */
+void ds_amx_rows(const void *const *w, const uint8_t *const *s, int packed, const int64_t *row0, int nw, int K,
+                 const uint16_t *xv, int MB, float *c);
+#endif

@@ -1,0 +1,60 @@
+"""Choosing the KV budget (`size_layout`): the default is capped by what the workload can use,
+an explicit `kv_cache_memory` is honoured as given; exact expectations from the unit costs."""
+import logging
+
+import pytest
+import torch
+
+from deltaserve.cache import budget
+from deltaserve.cache.budget import CacheLayout, plan_layout, size_layout, unit_bytes
+from deltaserve.model.config import ModelConfig
+from deltaserve.model.tiny import make_tiny
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory):
+    return ModelConfig.from_pretrained(make_tiny(tmp_path_factory.mktemp("k3"), family="kimi_k3", seed=0))
+
+
+def test_default_is_the_workload_cap_exactly(cfg, caplog):
+    slot, page = unit_bytes(cfg, 16, BF16, F32)
+    assert (slot, page) == (28032, 2560)   # 3 KDA layers, 2 MLA layers of latent 40: the tiny K3
+    with caplog.at_level(logging.INFO, logger="deltaserve.cache.budget"):
+        layout = size_layout(cfg, None, 16, 8192, 16, BF16)
+    assert layout == CacheLayout(16, 16 * 512, 16, page, slot, BF16, F32, 0)
+    assert layout.total_bytes == 16 * 512 * 2560 + 16 * 28032 == 21_420_032
+    assert "KV cache 20.4 MiB (default: what max_num_seqs=16 x max_model_len=8192 tokens can use, less " \
+        "than 10% of RAM" in caplog.text
+
+
+def test_default_with_prefix_caching_doubles_pages_and_adds_checkpoints(cfg):
+    slot, page = unit_bytes(cfg, 16, BF16, F32)
+    layout = size_layout(cfg, None, 4, 1000, 16, BF16, checkpoint_fraction=0.25)
+    pages = 2 * 4 * 63
+    live = pages * page + 4 * slot
+    n_ckpt = -(-live // (3 * slot))   # checkpoints are 1/4 of the total: 1/3 of the rest
+    assert layout == CacheLayout(16, pages, 4, page, slot, BF16, F32, n_ckpt) and n_ckpt == 17
+    assert n_ckpt * slot >= layout.total_bytes / 4 > (n_ckpt - 1) * slot
+
+
+def test_explicit_budget_is_unchanged(cfg):
+    for given in (10**7, 5 * 2**30):
+        assert size_layout(cfg, given, 16, 8192, 16, BF16) == plan_layout(cfg, given, 16, 8192, 16, BF16)
+    big = size_layout(cfg, 5 * 2**30, 16, 8192, 16, BF16, checkpoint_fraction=0.25)
+    assert big.total_bytes <= 5 * 2**30 < big.total_bytes + big.page_bytes
+
+
+def test_explicit_fraction_is_of_ram(cfg, monkeypatch):
+    monkeypatch.setattr(budget, "total_ram_bytes", lambda: 10**9)
+    assert size_layout(cfg, 0.5, 2, 64, 16, BF16) == plan_layout(cfg, 5 * 10**8, 2, 64, 16, BF16)
+
+
+def test_default_falls_back_to_the_ram_share_when_smaller(cfg, monkeypatch, caplog):
+    monkeypatch.setattr(budget, "total_ram_bytes", lambda: 10**8)   # 10 % = 10 MB < 20.4 MiB
+    with caplog.at_level(logging.INFO, logger="deltaserve.cache.budget"):
+        layout = size_layout(cfg, None, 16, 8192, 16, BF16)
+    assert layout == plan_layout(cfg, 10**7, 16, 8192, 16, BF16) and layout.num_pages < 16 * 512
+    assert "KV cache 9.5 MiB (default: 10% of RAM, less than the 20.4 MiB max_num_seqs=16 x " \
+        "max_model_len=8192 tokens can use)" in caplog.text
