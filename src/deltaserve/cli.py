@@ -40,12 +40,12 @@ def _add_make_tiny(sub) -> None:
 def _generate(args: argparse.Namespace) -> int:
     import logging
 
-    from .engine.args import engine_kwargs
+    from .engine.config import EngineConfig
     from .engine.llm import LLM
     from .engine.sampling_params import SamplingParams
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM.from_config(EngineConfig.from_args(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     for out in llm.generate(args.prompt, params):
         print(f"{out.prompt!r} -> {out.outputs[0].text!r} ({out.outputs[0].finish_reason})")
@@ -54,7 +54,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _add_generate(sub) -> None:
-    from .engine.args import add_engine_args
+    from .engine.config import add_engine_args
 
     p = sub.add_parser("generate", help="run prompts through the offline engine and print the outputs")
     p.add_argument("--model", required=True, type=Path, help="checkpoint directory")

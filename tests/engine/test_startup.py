@@ -7,7 +7,7 @@ import pytest
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.cache.budget import plan_layout, workload_layout
-from deltaserve.engine.args import add_engine_args, engine_kwargs
+from deltaserve.engine.config import EngineConfig, add_engine_args
 from deltaserve.model.tiny import make_tiny
 from deltaserve.kernels.cpu import library as cpu_kernels
 
@@ -39,9 +39,9 @@ def test_explicit_budget_is_honoured(ckpt):
 def test_cli_default_leaves_the_budget_to_the_engine():
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    assert engine_kwargs(p.parse_args([]))["kv_cache_memory"] is None
-    assert engine_kwargs(p.parse_args(["--kv-cache-memory", "0.2"]))["kv_cache_memory"] == 0.2
-    assert engine_kwargs(p.parse_args(["--kv-cache-memory", "1000"]))["kv_cache_memory"] == 1000
+    assert EngineConfig.from_args(p.parse_args([]), model="m").kv_cache_memory is None
+    assert EngineConfig.from_args(p.parse_args(["--kv-cache-memory", "0.2"]), model="m").kv_cache_memory == 0.2
+    assert EngineConfig.from_args(p.parse_args(["--kv-cache-memory", "1000"]), model="m").kv_cache_memory == 1000
 
 
 def test_native_kernels_load_at_start_up_not_on_the_first_request(ckpt, monkeypatch):

@@ -2,7 +2,7 @@
 
 Every speed benchmark takes `--model DIR` (default: the embedded random-weight tiny K3 that
 `deltaserve serve` uses, generated once under the user cache directory), the engine flags of
-`engine.args.add_engine_args` (so `--dtype`, `--threads` and any engine flag reach `LLM`) and
+`engine.config.add_engine_args` (so `--dtype`, `--threads` and any engine flag reach `LLM`) and
 `--json`. Output is a table, or with `--json` exactly one JSON object on the last stdout line;
 every JSON object carries `meta` (date, machine, torch, threads, dtype, model).
 """
@@ -31,7 +31,7 @@ def int_list(v: str) -> list[int]:
 
 
 def add_common(p: argparse.ArgumentParser, dtype: str | None = None) -> None:
-    from ..engine.args import add_engine_args
+    from ..engine.config import add_engine_args
 
     p.add_argument("--model", type=Path, default=None,
                    help="checkpoint directory (default: the embedded random-weight tiny K3)")
@@ -60,13 +60,11 @@ def apply_threads(args: argparse.Namespace) -> int:
 
 
 def make_llm(args: argparse.Namespace, **overrides):
-    """`LLM(model_dir(args), **engine_kwargs(args) | overrides)`, quiet."""
-    from ..engine.args import engine_kwargs
+    """`LLM` of the engine flags with `overrides` (EngineConfig fields) applied, quiet."""
+    from ..engine.config import EngineConfig
     from ..engine.llm import LLM
 
-    kwargs = engine_kwargs(args)
-    kwargs.update(overrides)
-    return LLM(str(model_dir(args)), progress=False, **kwargs)
+    return LLM.from_config(EngineConfig.from_args(args, model=str(model_dir(args)), progress=False, **overrides))
 
 
 def avoid_ids(llm) -> set[int]:

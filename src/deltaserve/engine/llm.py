@@ -8,14 +8,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..cache import CacheManager, build_pools, size_layout
-from ..cache.checkpoint_policy import CheckpointPolicy
-from ..model import load_model, resolve_dtype
 from ..model.tokenizer import Tokenizer
-from ..kernels.cpu import native
-from .core import EngineCore
+from .builder import build_engine
+from .config import EngineConfig
 from .outputs import RequestOutput
-from .reasoning import DEFAULT_STRUCTURED_THINKING_BUDGET
 from .sampling_params import SamplingParams
 from .sequence import InvalidRequestError
 
@@ -25,55 +21,28 @@ log = logging.getLogger(__name__)
 class LLM:
     """Loads a checkpoint, sizes the caches and runs requests to completion.
 
-    `kv_cache_memory` is bytes (int) or a fraction of physical RAM (float), honoured as given;
-    by default (None) the pools get what `max_num_seqs` sequences of `max_model_len` tokens can
-    use, at most 10 % of RAM (`cache.budget.size_layout`). `max_model_len` defaults to the
-    config's `max_position_embeddings`. In bfloat16 the native CPU kernels are built and loaded
-    here, so no request pays for the compile. With `skip_tokenizer_init=True` no
-    tokenizer is loaded: prompts must be token ids and outputs carry no text.
-    `enable_prefix_caching` turns on the hybrid prefix cache (`cache.manager`): hits at multiples
-    of `prefix_match_unit` tokens (a multiple of `page_size`), KDA checkpoints kept per
-    `kda_checkpoint_policy` ("default" or a comma list of prompt-end, junction, turn-end; plus
-    every `kda_checkpoint_interval` tokens) in `checkpoint_fraction` of the budget.
-    `moe_weights` ("auto" | "packed" | "dequantized") says whether MXFP4 routed experts stay
-    packed ("auto": packed in bf16, dequantized otherwise). `structured_thinking_budget` is the
-    reasoning budget of structured requests that start after reasoning and set none (None:
-    unlimited; engine/reasoning.py).
+    `LLM(model, dtype, **kwargs)` takes the fields of `EngineConfig` (engine/config.py documents
+    them and their defaults) as keyword arguments; `LLM.from_config(config)` takes the config.
+    Both start the engine with `build_engine` (engine/builder.py): in bfloat16 the native CPU
+    kernels are built and loaded there, so no request pays for the compile. With
+    `skip_tokenizer_init=True` no tokenizer is loaded: prompts must be token ids and outputs
+    carry no text.
     """
 
-    def __init__(self, model: str | Path, dtype: torch.dtype | str = "bfloat16", *, max_num_seqs: int = 16,
-                 max_num_batched_tokens: int = 2048, page_size: int = 16,
-                 kv_cache_memory: int | float | None = None, max_model_len: int | None = None,
-                 kv_state_dtype: torch.dtype | str = "float32", skip_tokenizer_init: bool = False,
-                 seed: int = 0, device: str = "cpu", num_threads: int | None = None, progress: bool = True,
-                 enable_prefix_caching: bool = False, prefix_match_unit: int = 64,
-                 kda_checkpoint_policy: str = "default", kda_checkpoint_interval: int | None = None,
-                 checkpoint_fraction: float = 0.25, moe_weights: str = "auto",
-                 structured_thinking_budget: int | None = DEFAULT_STRUCTURED_THINKING_BUDGET):
-        if num_threads is not None:
-            torch.set_num_threads(num_threads)
-        dtype = resolve_dtype(dtype)
-        self.model = load_model(model, dtype=dtype, device=device, progress=progress, moe_weights=moe_weights)
-        # the native paths run on bf16 activations only; built/loaded here, never on a request
-        kernels = native(device) if dtype == torch.bfloat16 else None
-        self.tokenizer = None if skip_tokenizer_init else Tokenizer.from_pretrained(model)
-        cfg = self.model.config
-        self.max_model_len = max_model_len or cfg.max_position_embeddings
-        if self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
-        policy = CheckpointPolicy.parse(kda_checkpoint_policy, prefix_match_unit, kda_checkpoint_interval)
-        layout = size_layout(cfg, kv_cache_memory, max_num_seqs, self.max_model_len, page_size, dtype,
-                             resolve_dtype(kv_state_dtype),
-                             checkpoint_fraction if enable_prefix_caching else 0.0)
-        self.layout = layout
-        model_id = f"{Path(model).resolve()}:{dtype}"
-        kernel = "cpu-native" if kernels is not None else "torch"
-        self.cache = CacheManager(*build_pools(cfg, layout, device), policy=policy, model_id=model_id,
-                                  kernel=kernel)
-        self.engine = EngineCore(self.model, self.tokenizer, self.cache, max_num_seqs=max_num_seqs,
-                                 max_num_batched_tokens=max_num_batched_tokens,
-                                 max_model_len=self.max_model_len, seed=seed,
-                                 structured_thinking_budget=structured_thinking_budget)
+    def __init__(self, model: str | Path, dtype: torch.dtype | str = "bfloat16", **kwargs):
+        self._start(EngineConfig(model=model, dtype=dtype, **kwargs))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        parts = build_engine(config)
+        self.config = config
+        self.model, self.tokenizer, self.layout = parts.model, parts.tokenizer, parts.layout
+        self.cache, self.engine, self.max_model_len = parts.cache, parts.core, parts.max_model_len
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer | None:

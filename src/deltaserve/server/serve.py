@@ -60,7 +60,7 @@ def _terminated(signum, frame) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..engine.args import add_engine_args
+    from ..engine.config import add_engine_args
 
     p.add_argument("model", nargs="?", type=Path, default=None,
                    help="checkpoint directory (default: the embedded random-weight tiny K3)")
@@ -81,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from ..engine.args import engine_kwargs
+    from ..engine.config import EngineConfig
     from ..engine.llm import LLM
     from .api import build_app
     from .async_engine import AsyncEngine
@@ -95,7 +95,7 @@ def serve(args: argparse.Namespace) -> int:
         log.warning("no MODEL_DIR given: serving the embedded default, a RANDOM-WEIGHT tiny Kimi K3 "
                     "(make_tiny seed 0) at %s; its text is gibberish, the machinery is real", model_dir)
     name = name or Path(model_dir).resolve().name
-    llm = LLM(model_dir, progress=False, **engine_kwargs(args))
+    llm = LLM.from_config(EngineConfig.from_args(args, model=model_dir, progress=False))
     engine = AsyncEngine(llm.engine, llm.model.config.family, load_chat_template(model_dir))
     cap = args.max_waiting_requests
     app = build_app(engine, name, api_key=args.api_key, max_waiting_requests=cap if cap >= 0 else None)

@@ -1,0 +1,127 @@
+"""`EngineConfig`: every engine setting in one frozen dataclass, and the CLI flags generated from
+it (vLLM's names). No heavy imports: the command line builds its parsers from this module.
+
+Invariants:
+- every field but `model` and `progress` (each command owns those) has exactly one flag,
+  `--<field-name-with-dashes>` unless its metadata names another (`--threads`, `--engine-seed`);
+- a flag's default is the field's default unless the metadata gives a `cli_default` (the CLI's
+  own choice, e.g. `--max-model-len 8192`), and `from_args` maps a parsed value back through
+  the metadata's `from_cli` (e.g. `--structured-thinking-budget -1` -> None, unlimited).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# reasoning budget of a structured request that starts after reasoning and sets none (engine/reasoning.py)
+DEFAULT_STRUCTURED_THINKING_BUDGET = 1024
+MOE_WEIGHTS = ("auto", "packed", "dequantized")
+NO_FLAG = ("model", "progress")
+
+
+def memory_budget(v: str) -> int | float:
+    """`--kv-cache-memory`: bytes as an integer, or a fraction of RAM written with a dot."""
+    return float(v) if "." in v else int(v)
+
+
+def _budget_from_cli(v: int) -> int | None:
+    return None if v < 0 else v
+
+
+def _opt(default: Any, help: str, **cli: Any) -> Any:
+    """A field whose metadata describes its flag: `type`, `choices`, `action`, `flag`,
+    `cli_default`, `from_cli` (parsed value -> field value)."""
+    return field(default=default, metadata=dict(help=help, **cli))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What `build_engine` needs to start an engine; defaults are `LLM`'s.
+
+    `kv_cache_memory` is bytes (int) or a fraction of physical RAM (float), honoured as given;
+    None: what `max_num_seqs` sequences of `max_model_len` tokens can use, at most 10 % of RAM.
+    `max_model_len` None (or 0) means the checkpoint's `max_position_embeddings`.
+    `structured_thinking_budget` None is unlimited. Values are checked here where that needs no
+    model (the same errors the builder would raise later)."""
+
+    model: str | Path
+    dtype: Any = _opt("bfloat16", "activation and weight dtype", choices=["bfloat16", "float32"])
+    max_num_seqs: int = _opt(16, "most sequences in one step", type=int)
+    max_num_batched_tokens: int = _opt(2048, "most tokens in one step (chunked prefill)", type=int)
+    page_size: int = _opt(16, "MLA page size in tokens", type=int)
+    kv_cache_memory: int | float | None = _opt(
+        None, "bytes (integer) or a fraction of RAM (with a dot, e.g. 0.1); default: what "
+              "--max-num-seqs x --max-model-len tokens can use, at most 10%% of RAM", type=memory_budget)
+    max_model_len: int | None = _opt(None, "longest sequence (prompt + output) in tokens", type=int,
+                                     cli_default=8192)
+    kv_state_dtype: Any = _opt("float32", "dtype of the KDA recurrent state", choices=["float32", "bfloat16"])
+    skip_tokenizer_init: bool = _opt(False, "load no tokenizer: prompts are token ids, outputs carry no text",
+                                     action="store_true")
+    seed: int = _opt(0, "engine seed of requests that set none", type=int, flag="--engine-seed")
+    device: str = _opt("cpu", "torch device of the model and the caches")
+    num_threads: int | None = _opt(None, "torch intra-op threads", type=int, flag="--threads")
+    progress: bool = True
+    enable_prefix_caching: bool = _opt(False, "hybrid prefix cache: MLA pages + KDA checkpoints, both halves "
+                                              "or nothing", action="store_true")
+    prefix_match_unit: int = _opt(64, "hit granularity in tokens (a multiple of --page-size)", type=int)
+    kda_checkpoint_policy: str = _opt("default", "'default' or a comma list of prompt-end, junction, turn-end")
+    kda_checkpoint_interval: int | None = _opt(
+        None, "also checkpoint every N prompt tokens (a multiple of the match unit)", type=int)
+    checkpoint_fraction: float = _opt(0.25, "share of the cache budget kept for KDA checkpoints "
+                                            "(with --enable-prefix-caching)", type=float)
+    moe_weights: str = _opt("auto", "keep MXFP4 routed experts packed (~4.25 bits/weight) or decode them at "
+                                    "load (auto: packed for bfloat16, decoded otherwise)", choices=list(MOE_WEIGHTS))
+    structured_thinking_budget: int | None = _opt(
+        DEFAULT_STRUCTURED_THINKING_BUDGET,
+        "reasoning tokens a structured request (response_format json, forced tool_choice) with thinking "
+        "on may use before the engine closes the think element, unless it sets thinking_token_budget; "
+        "-1: unlimited", type=int, from_cli=_budget_from_cli)
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1 or self.page_size < 1:
+            raise ValueError("page_size and max_num_seqs must be positive")
+        if self.max_model_len is not None and self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.prefix_match_unit < 1:
+            raise ValueError("prefix_match_unit must be positive")
+        if self.enable_prefix_caching and not 0.0 <= self.checkpoint_fraction < 1.0:
+            raise ValueError(f"checkpoint_fraction must lie in [0, 1), got {self.checkpoint_fraction}")
+        if self.moe_weights not in MOE_WEIGHTS:
+            raise ValueError(f"moe_weights must be one of {MOE_WEIGHTS}, got {self.moe_weights!r}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **overrides: Any) -> "EngineConfig":
+        """The config of flags added by `add_engine_args`; `model` comes from `overrides` or
+        `args.model`, `progress` from `overrides` (default True); `overrides` win."""
+        values = {}
+        for f in cli_fields():
+            v = getattr(args, flag_dest(f))
+            values[f.name] = f.metadata["from_cli"](v) if "from_cli" in f.metadata else v
+        if "model" not in overrides:
+            values["model"] = args.model
+        return cls(**(values | overrides))
+
+
+def cli_fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(EngineConfig) if f.name not in NO_FLAG]
+
+
+def flag_name(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+
+
+def flag_dest(f: dataclasses.Field) -> str:
+    return flag_name(f)[2:].replace("-", "_")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """One flag per `cli_fields()` entry, generated from the field's metadata."""
+    for f in cli_fields():
+        m = f.metadata
+        kw = {k: m[k] for k in ("type", "choices", "action") if k in m}
+        if m.get("action") != "store_true":
+            kw["default"] = m.get("cli_default", f.default)
+        p.add_argument(flag_name(f), help=m["help"], **kw)
