@@ -79,15 +79,19 @@ def unit_bytes(cfg: ModelConfig, page_size: int, kv_dtype: torch.dtype,
             MlaPagePool.bytes_per_page(len(cfg.mla_layer_ids), page_size, cfg.mla.latent_dim, kv_dtype))
 
 
+def _check_sizes(page_size: int, max_num_seqs: int, checkpoint_fraction: float) -> None:
+    if page_size < 1 or max_num_seqs < 1:
+        raise ValueError("page_size and max_num_seqs must be positive")
+    if not 0.0 <= checkpoint_fraction < 1.0:
+        raise ValueError(f"checkpoint_fraction must lie in [0, 1), got {checkpoint_fraction}")
+
+
 def plan_layout(cfg: ModelConfig, budget_bytes: int, max_num_seqs: int, max_model_len: int,
                 page_size: int, kv_dtype: torch.dtype, state_dtype: torch.dtype = torch.float32,
                 checkpoint_fraction: float = 0.0) -> CacheLayout:
     """Split `budget_bytes` as the module docstring says; `total_bytes <= budget_bytes`."""
-    if page_size < 1 or max_num_seqs < 1:
-        raise ValueError("page_size and max_num_seqs must be positive")
+    _check_sizes(page_size, max_num_seqs, checkpoint_fraction)
     slot_bytes, page_bytes = unit_bytes(cfg, page_size, kv_dtype, state_dtype)
-    if not 0.0 <= checkpoint_fraction < 1.0:
-        raise ValueError(f"checkpoint_fraction must lie in [0, 1), got {checkpoint_fraction}")
     n_ckpt = max(1, int(checkpoint_fraction * budget_bytes) // slot_bytes) if checkpoint_fraction else 0
     left = budget_bytes - (max_num_seqs + n_ckpt) * slot_bytes
     num_pages = left // page_bytes if page_bytes and left > 0 else 0
@@ -109,10 +113,9 @@ def workload_layout(cfg: ModelConfig, max_num_seqs: int, max_model_len: int, pag
     doubled (`PREFIX_HEADROOM`: cached prefixes may hold as much again) and checkpoint slots are
     added until they are `checkpoint_fraction` of the total, as `plan_layout` would split it
     (rounded up, at least one)."""
-    if page_size < 1 or max_num_seqs < 1 or max_model_len < 1:
-        raise ValueError("page_size, max_num_seqs and max_model_len must be positive")
-    if not 0.0 <= checkpoint_fraction < 1.0:
-        raise ValueError(f"checkpoint_fraction must lie in [0, 1), got {checkpoint_fraction}")
+    _check_sizes(page_size, max_num_seqs, checkpoint_fraction)
+    if max_model_len < 1:
+        raise ValueError("max_model_len must be positive")
     slot_bytes, page_bytes = unit_bytes(cfg, page_size, kv_dtype, state_dtype)
     headroom = PREFIX_HEADROOM if checkpoint_fraction else 1
     num_pages = max_num_seqs * -(-max_model_len // page_size) * headroom

@@ -20,6 +20,7 @@ owned by exactly one index entry or one sequence's pending/turn-end snapshot.
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 from .checkpoint_policy import CheckpointPolicy
@@ -129,9 +130,8 @@ class CacheManager:
         shared = self.index.pages_of(list(hit.hashes), hit.k_hit) if ckpt else []
         self.mla.incref(shared)
         if ckpt:
-            self.index.pin_checkpoint(ckpt)
             self.index.touch(list(hit.hashes), hit.k_mla)
-        try:
+        with self.index.pinned_checkpoint(ckpt) if ckpt else nullcontext():
             fresh = self._take_pages(self.mla.pages_for(num_tokens) - len(shared))
             if fresh is None:
                 self.mla.release(shared)
@@ -139,9 +139,6 @@ class CacheManager:
             slot = self.kda.allocate()
             if ckpt:
                 self._copy(self.ckpt_pool, self.index.ckpts[ckpt], self.kda, slot)
-        finally:
-            if ckpt:
-                self.index.unpin_checkpoint(ckpt)
         sc = SeqCache(slot, shared + fresh, hit.root, prompt_len, list(hit.hashes[:hit.k_hit]), hit.k_hit)
         self.seqs[seq_id] = sc
         if self.index is not None:

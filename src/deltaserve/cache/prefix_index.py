@@ -10,6 +10,7 @@ until unpinned. LRU order: `OrderedDict`s, most recently used last.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from .kda_pool import KdaStatePool
@@ -61,6 +62,15 @@ class PrefixIndex:
         self.pinned[h] -= 1
         if self.pinned[h] <= 0:
             del self.pinned[h]
+
+    @contextmanager
+    def pinned_checkpoint(self, h: bytes):
+        """The checkpoint at `h` pinned for the block."""
+        self.pin_checkpoint(h)
+        try:
+            yield
+        finally:
+            self.unpin_checkpoint(h)
 
     def pages_of(self, hashes: list[bytes], k: int) -> list[int]:
         return [p for h in hashes[:k] for p in self.units[h].pages]

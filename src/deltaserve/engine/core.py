@@ -12,6 +12,7 @@ the reasoning and the request sets none (None: unlimited).
 """
 from __future__ import annotations
 
+import copy
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -20,11 +21,12 @@ import torch
 
 from ..cache.manager import CacheManager
 from ..model.kimi import KimiForCausalLM
+from .config import DEFAULT_STRUCTURED_THINKING_BUDGET
 from .detokenizer import IncrementalDetokenizer
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .runner import ModelRunner
 from .sampler import SamplingRow
-from .reasoning import DEFAULT_STRUCTURED_THINKING_BUDGET, ReasoningBudget, piece_ids
+from .reasoning import ReasoningBudget, piece_ids
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import InvalidRequestError, Sequence, SeqStatus
@@ -144,8 +146,7 @@ class EngineCore:
             if grammar is not None:
                 self.grammars[seqs[-1].seq_id] = grammar.copy()
             if budget is not None:
-                self.budgets[seqs[-1].seq_id] = ReasoningBudget(budget.budget, budget.end_ids,
-                                                                 budget.special_ids)
+                self.budgets[seqs[-1].seq_id] = copy.copy(budget)
             self._next_seq += 1
         self.requests[request_id] = _Request(request_id, prompt, list(prompt_ids), seqs)
         for s in seqs:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .config import DEFAULT_STRUCTURED_THINKING_BUDGET  # noqa: F401 (re-exported)
 from .structured import Special, StructuredOutputError
 
 
