@@ -1,5 +1,6 @@
 """Hybrid prefix cache end to end: cache on == cache off token for token, restored KDA states
 equal cold-computed ones, hits at the last shared unit boundary and at junctions, eviction."""
+
 import random
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 from deltaserve import LLM, SamplingParams
 from deltaserve.model.config import ModelConfig
 from deltaserve.model.context import DenseCache
-from deltaserve.model.tiny import make_tiny
+from deltaserve.tiny import make_tiny
 
 from .test_engine import budget_for, random_prompts
 
@@ -20,17 +21,36 @@ def ckpt(request, tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp(request.param), family=request.param, preset="tiny", seed=21)
 
 
-def make(ckpt, prefix: bool, num_pages=80, num_ckpt_slots=12, unit=8, page_size=4, max_num_seqs=4,
-         max_num_batched_tokens=29, **kw) -> LLM:
+def make(
+    ckpt,
+    prefix: bool,
+    num_pages=80,
+    num_ckpt_slots=12,
+    unit=8,
+    page_size=4,
+    max_num_seqs=4,
+    max_num_batched_tokens=29,
+    **kw,
+) -> LLM:
     cfg = ModelConfig.from_pretrained(ckpt)
     live = budget_for(cfg, max_num_seqs, num_pages, page_size)
     slot = budget_for(cfg, 1, 0, page_size)
     budget = live + (num_ckpt_slots * slot if prefix else 0)
     frac = num_ckpt_slots * slot / budget + 1e-9
-    return LLM(ckpt, dtype="float32", max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-               page_size=page_size, kv_cache_memory=budget, max_model_len=120, progress=False,
-               enable_prefix_caching=prefix, prefix_match_unit=unit, checkpoint_fraction=frac if prefix else 0.25,
-               **kw)
+    return LLM(
+        ckpt,
+        dtype="float32",
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        page_size=page_size,
+        kv_cache_memory=budget,
+        max_model_len=120,
+        progress=False,
+        enable_prefix_caching=prefix,
+        prefix_match_unit=unit,
+        checkpoint_fraction=frac if prefix else 0.25,
+        **kw,
+    )
 
 
 def shared_prefix_workload(vocab, seed, prefix_lens, tails):
@@ -54,6 +74,10 @@ def tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
+def same_tokens(on: LLM, off: LLM, prompts) -> bool:
+    return tokens(on.generate(prompts, GREEDY, use_tqdm=False)) == tokens(off.generate(prompts, GREEDY, use_tqdm=False))
+
+
 @pytest.mark.parametrize("wave", [1, 3])
 def test_cache_on_equals_off(ckpt, wave):
     """Prefix lengths just below, at and above the page (4), unit (8), chunk (29) and KDA chunk (64)
@@ -63,22 +87,24 @@ def test_cache_on_equals_off(ckpt, wave):
     prompts = shared_prefix_workload(vocab, wave, [3, 4, 7, 8, 9, 28, 29, 30, 63, 64, 65], [1, 5])
     batches = [prompts[i::wave] for i in range(wave)]
     for batch in batches:
-        assert tokens(on.generate(batch, GREEDY, use_tqdm=False)) == tokens(off.generate(batch, GREEDY, use_tqdm=False))
+        assert same_tokens(on, off, batch)
         on.check_integrity()
     again = prompts[:6]
-    assert tokens(on.generate(again, GREEDY, use_tqdm=False)) == tokens(off.generate(again, GREEDY, use_tqdm=False))
+    assert same_tokens(on, off, again)
     pc = on.stats()["prefix_cache"]
     assert pc["hits"] > 0 and pc["hit_tokens"] > 0 and pc["checkpoints_stored"] > 0, pc
     on.check_integrity()
 
 
 def test_cache_on_equals_off_under_preemption_and_eviction(ckpt):
-    on = make(ckpt, True, num_pages=34, num_ckpt_slots=3, max_num_seqs=4, max_num_batched_tokens=13)
-    off = make(ckpt, False, num_pages=34, max_num_seqs=4, max_num_batched_tokens=13)
+    """30 pages: the least max_model_len allows (prefix sharing within a step saves enough pages
+    that 34 no longer preempt)."""
+    on = make(ckpt, True, num_pages=30, num_ckpt_slots=3, max_num_seqs=4, max_num_batched_tokens=13)
+    off = make(ckpt, False, num_pages=30, max_num_seqs=4, max_num_batched_tokens=13)
     vocab = on.model.config.vocab_size
     for seed in range(3):
         prompts = shared_prefix_workload(vocab, 10 + seed, [17, 33, 40], [2, 9, 3])
-        assert tokens(on.generate(prompts, GREEDY, use_tqdm=False)) == tokens(off.generate(prompts, GREEDY, use_tqdm=False))
+        assert same_tokens(on, off, prompts)
         on.check_integrity()
     stats = on.stats()
     pc = stats["prefix_cache"]
@@ -95,7 +121,7 @@ def test_restored_states_equal_cold_states(ckpt):
     llm.generate([prompt], GREEDY, use_tqdm=False)
     cache = llm.cache
     by_hash = {h: i for i, h in enumerate(cache.lookup(prompt + [0]).hashes)}
-    memo: list[bytes] = []                 # the scheduler's per-sequence memo gives the same hit
+    memo: list[bytes] = []  # the scheduler's per-sequence memo gives the same hit
     for grown in (prompt[:40], prompt + [0], prompt + [0]):
         assert cache.lookup(grown, None, memo) == cache.lookup(grown)
     assert memo == list(cache.lookup(prompt + [0]).hashes)
@@ -141,8 +167,26 @@ def test_hit_at_last_shared_unit_and_at_junction(ckpt):
     pc3 = dict(llm.stats()["prefix_cache"])
     assert pc3["hit_tokens"] - pc2["hit_tokens"] == 24
     off = make(ckpt, False)
-    assert tokens(llm.generate([a, b, c, d], GREEDY, use_tqdm=False)) == tokens(off.generate([a, b, c, d], GREEDY, use_tqdm=False))
+    assert same_tokens(llm, off, [a, b, c, d])
     llm.check_integrity()
+
+
+def test_simultaneous_requests_compute_the_shared_prefix_once(ckpt):
+    """A (45 tokens) and B (47) share 40 tokens and arrive together. Chunks of 29: A prefills
+    [0, 29) then [29, 45) while B is held; B is admitted at 40 and prefills 7 tokens. Engine
+    counters: exactly the 40 shared tokens fewer computed than with the cache off, same tokens."""
+    on, off = make(ckpt, True), make(ckpt, False)
+    rng = random.Random(17)
+    vocab = on.model.config.vocab_size
+    shared = [rng.randrange(vocab) for _ in range(40)]
+    a, b = shared + [rng.randrange(vocab) for _ in range(5)], shared + [rng.randrange(vocab) for _ in range(7)]
+    assert same_tokens(on, off, [a, b])
+    decodes = 2 * (GREEDY.max_tokens - 1)
+    assert off.stats()["computed_tokens"] == 45 + 47 + decodes
+    assert on.stats()["computed_tokens"] == 45 + 7 + decodes
+    pc = on.stats()["prefix_cache"]
+    assert (pc["hits"], pc["hit_tokens"], pc["inflight_waits"]) == (1, 40, 1), pc
+    on.check_integrity()
 
 
 def test_turn_end_checkpoint_serves_the_follow_up(ckpt):
@@ -157,7 +201,6 @@ def test_turn_end_checkpoint_serves_the_follow_up(ckpt):
     after = llm.stats()["prefix_cache"]
     assert after["hit_tokens"] - before["hit_tokens"] == 32, "13 + 20 tokens: the turn ended past 32"
     llm.check_integrity()
-
 
 
 def test_logits_after_a_hit_match_the_cold_run(ckpt):

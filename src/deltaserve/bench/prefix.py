@@ -3,9 +3,11 @@ a simulated vLLM-style policy on the same engine, and compare prefill work again
 
 The vLLM-style baseline (spec/serving.md §3.3-3.7) keeps KDA states only at 1536-token block ends
 and at the prompt's last 128-token hash boundary, with 128-token partial hits and no junction or
-turn-end checkpoints. Both runs use identical weights, prompts, memory budget and greedy decoding,
-so the difference is the retention/matching policy alone.
+turn-end checkpoints. Both runs use identical weights, prompts, memory budget, greedy decoding and
+scheduler (which holds a request while an older one prefills their shared prefix: `held` counts
+request-steps held), so the difference is the retention/matching policy alone.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,15 +29,27 @@ OURS = PolicyRun("deltaserve", 16, "default", 1024)
 VLLM_LIKE = PolicyRun("vllm-style", 128, "prompt-end", 1536)
 
 
-def replay(model: str, run: PolicyRun, spec: WorkloadSpec, answer_tokens: int, kv_cache_memory: int,
-           dtype: str) -> dict:
+def replay(
+    model: str, run: PolicyRun, spec: WorkloadSpec, answer_tokens: int, kv_cache_memory: int, dtype: str
+) -> dict:
     from ..engine.llm import LLM
     from ..engine.sampling_params import SamplingParams
 
-    llm = LLM(model, dtype=dtype, max_num_seqs=spec.sessions, max_num_batched_tokens=4096,
-              page_size=16, kv_cache_memory=kv_cache_memory, max_model_len=32768, progress=False,
-              enable_prefix_caching=True, prefix_match_unit=run.unit, kda_checkpoint_policy=run.policy,
-              kda_checkpoint_interval=run.interval, checkpoint_fraction=0.3)
+    llm = LLM(
+        model,
+        dtype=dtype,
+        max_num_seqs=spec.sessions,
+        max_num_batched_tokens=4096,
+        page_size=16,
+        kv_cache_memory=kv_cache_memory,
+        max_model_len=32768,
+        progress=False,
+        enable_prefix_caching=True,
+        prefix_match_unit=run.unit,
+        kda_checkpoint_policy=run.policy,
+        kda_checkpoint_interval=run.interval,
+        checkpoint_fraction=0.3,
+    )
     avoid = set(llm.engine.eos_ids) | set(llm.tokenizer.special_ids if llm.tokenizer else ())
     sessions = build_sessions(spec, llm.model.config.vocab_size, avoid)
     params = SamplingParams(temperature=0.0, max_tokens=answer_tokens, ignore_eos=True)
@@ -56,12 +70,21 @@ def replay(model: str, run: PolicyRun, spec: WorkloadSpec, answer_tokens: int, k
     pc = stats["prefix_cache"]
     computed = prompt_tokens - pc["hit_tokens"]
     slot_bytes = llm.cache.kda.states[:, 0].nbytes + llm.cache.kda.tails[:, 0].nbytes
-    return {"policy": run.name, "prompt_tokens": prompt_tokens, "computed": computed, "ideal": ideal,
-            "computed_over_ideal": computed / ideal, "hit_rate": pc["hit_tokens"] / prompt_tokens,
-            "hits": pc["hits"], "queries": pc["queries"], "retention_misses": pc["retention_misses"],
-            "checkpoints": pc["checkpoints"],
-            "state_pool_share": pc["checkpoint_slots_used"] * slot_bytes / kv_cache_memory,
-            "wall_s": wall}
+    return {
+        "policy": run.name,
+        "prompt_tokens": prompt_tokens,
+        "computed": computed,
+        "ideal": ideal,
+        "computed_over_ideal": computed / ideal,
+        "hit_rate": pc["hit_tokens"] / prompt_tokens,
+        "hits": pc["hits"],
+        "queries": pc["queries"],
+        "retention_misses": pc["retention_misses"],
+        "checkpoints": pc["checkpoints"],
+        "held": pc["inflight_waits"],
+        "state_pool_share": pc["checkpoint_slots_used"] * slot_bytes / kv_cache_memory,
+        "wall_s": wall,
+    }
 
 
 def add_parser(sub) -> None:
@@ -78,14 +101,30 @@ def add_parser(sub) -> None:
 
 def main(args: argparse.Namespace) -> int:
     spec = WorkloadSpec(sessions=args.sessions, rounds=args.rounds, seed=args.seed)
-    rows = [replay(args.model, run, spec, args.answer_tokens, args.kv_cache_memory, args.dtype)
-            for run in (OURS, VLLM_LIKE)]
-    cols = ["policy", "prompt_tokens", "computed", "ideal", "computed_over_ideal", "hit_rate", "hits",
-            "queries", "retention_misses", "checkpoints", "state_pool_share", "wall_s"]
+    rows = [
+        replay(args.model, run, spec, args.answer_tokens, args.kv_cache_memory, args.dtype) for run in (OURS, VLLM_LIKE)
+    ]
+    cols = [
+        "policy",
+        "prompt_tokens",
+        "computed",
+        "ideal",
+        "computed_over_ideal",
+        "hit_rate",
+        "hits",
+        "queries",
+        "retention_misses",
+        "checkpoints",
+        "held",
+        "state_pool_share",
+        "wall_s",
+    ]
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols))
     ours, base = rows
-    print(f"prefill tokens computed: deltaserve {ours['computed']} vs vllm-style {base['computed']} "
-          f"({base['computed'] / ours['computed']:.2f}x); ideal {ours['ideal']}")
+    print(
+        f"prefill tokens computed: deltaserve {ours['computed']} vs vllm-style {base['computed']} "
+        f"({base['computed'] / ours['computed']:.2f}x); ideal {ours['ideal']}"
+    )
     return 0

@@ -4,6 +4,7 @@
 `h_0 = sha256(namespace || model id || cache salt || extra keys)`. Two prefixes share `h_k` iff
 they share the first k·u tokens (and the root keys), so a hash names an exact token boundary.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,6 +27,19 @@ def extend_hashes(hashes: list[bytes], root: bytes, tokens: list[int], unit: int
     that `tokens` completes; returns `hashes`."""
     for k in range(len(hashes), len(tokens) // unit):
         parent = hashes[-1] if hashes else root
-        chunk = tokens[k * unit:(k + 1) * unit]
+        chunk = tokens[k * unit : (k + 1) * unit]
         hashes.append(hashlib.sha256(parent + struct.pack(f"<{unit}q", *chunk)).digest())
     return hashes
+
+
+def common_units(a: list[bytes] | tuple[bytes, ...], b: list[bytes] | tuple[bytes, ...]) -> int:
+    """Number of leading units two chains share. A chained hash equal at unit k implies equal at
+    every earlier unit, so this bisects: O(log n) comparisons."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

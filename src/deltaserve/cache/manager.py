@@ -13,10 +13,15 @@ the request waits. Restores are fail-closed: every checkpoint carries a `Checkpo
 when its state is), and a lookup refuses (counts, drops) one whose tag does not match the
 request's own hash chain, token count and this manager's producer fingerprint.
 
+A request whose longer prefix a running, older sequence is still prefilling can wait for it
+(`inflight_hit`): the scheduler holds it while that sequence's computed frontier is short of the
+boundary, which the sequence is made to checkpoint, so the prefix is computed once.
+
 Invariants (`check_integrity`): every page's refcount equals the number of sequence block
 tables plus index units listing it; every live slot has one owner; every checkpoint slot is
 owned by exactly one index entry or one sequence's pending/turn-end snapshot.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -25,7 +30,7 @@ from dataclasses import dataclass, field
 
 from .checkpoint_policy import CheckpointPolicy
 from .checkpoint_tag import CheckpointTag, state_fingerprint
-from .hashing import extend_hashes, root_hash
+from .hashing import common_units, extend_hashes, root_hash
 from .kda_pool import KdaStatePool
 from .mla_pool import MlaPagePool
 from .prefix_index import PrefixIndex
@@ -38,10 +43,11 @@ class SeqCache:
     root: bytes = b""
     prompt_len: int = 0
     hashes: list[bytes] = field(default_factory=list)
-    registered: int = 0                                    # leading units in the index
-    wanted: set[int] = field(default_factory=set)          # boundaries to checkpoint
+    registered: int = 0  # leading units in the index
+    wanted: set[int] = field(default_factory=set)  # boundaries to checkpoint
     pending: dict[int, int] = field(default_factory=dict)  # boundary -> slot, written this step
-    turn: tuple[int, int] | None = None                    # (boundary, slot) of the latest decode-side state
+    turn: tuple[int, int] | None = None  # (boundary, slot) of the latest decode-side state
+    chain: tuple[bytes, ...] = ()  # unit hashes of its tokens at admission
 
 
 @dataclass(frozen=True)
@@ -54,8 +60,15 @@ class PrefixHit:
 
 
 class CacheManager:
-    def __init__(self, mla: MlaPagePool, kda: KdaStatePool, checkpoints: KdaStatePool | None = None,
-                 policy: CheckpointPolicy | None = None, model_id: str = "", kernel: str = "torch"):
+    def __init__(
+        self,
+        mla: MlaPagePool,
+        kda: KdaStatePool,
+        checkpoints: KdaStatePool | None = None,
+        policy: CheckpointPolicy | None = None,
+        model_id: str = "",
+        kernel: str = "torch",
+    ):
         """`model_id` and `kernel` (the KDA kernel path computing states) enter the fingerprint
         that tags every checkpoint."""
         self.mla, self.kda, self.ckpt_pool = mla, kda, checkpoints
@@ -73,8 +86,7 @@ class CacheManager:
     def prefix_enabled(self) -> bool:
         return self.index is not None
 
-    def lookup(self, tokens: list[int], cache_salt: str | None = None,
-               memo: list[bytes] | None = None) -> PrefixHit:
+    def lookup(self, tokens: list[int], cache_salt: str | None = None, memo: list[bytes] | None = None) -> PrefixHit:
         """Longest usable hit (L < len(tokens)). Its only effect on the cache: a checkpoint on the
         path whose tag does not match is refused (counted, dropped) and a shorter one is tried.
         `memo`, kept by the caller for one sequence (fixed salt, tokens only ever appended),
@@ -85,7 +97,7 @@ class CacheManager:
         u = self.policy.unit
         root = root_hash(self.model_id, cache_salt)
         limit = (len(tokens) - 1) // u
-        hashes = extend_hashes(memo if memo is not None else [], root, tokens[:limit * u], u)[:limit]
+        hashes = extend_hashes(memo if memo is not None else [], root, tokens[: limit * u], u)[:limit]
         k_mla, k_hit = self.index.match(hashes)
         while k_hit and not self._restorable(hashes, k_hit):
             k_mla, k_hit = self.index.match(hashes)
@@ -109,7 +121,7 @@ class CacheManager:
         """The hit's units and checkpoint are still cached (a hit is only valid until the next
         cache change; the scheduler looks up right before it admits)."""
         h = hit.hashes[hit.k_hit - 1]
-        return h in self.index.ckpts and all(x in self.index.units for x in hit.hashes[:hit.k_hit])
+        return h in self.index.ckpts and all(x in self.index.units for x in hit.hashes[: hit.k_hit])
 
     def _take_pages(self, n: int) -> list[int] | None:
         if n > self.mla.num_free and self.index is not None:
@@ -139,12 +151,39 @@ class CacheManager:
             slot = self.kda.allocate()
             if ckpt:
                 self._copy(self.ckpt_pool, self.index.ckpts[ckpt], self.kda, slot)
-        sc = SeqCache(slot, shared + fresh, hit.root, prompt_len, list(hit.hashes[:hit.k_hit]), hit.k_hit)
+        sc = SeqCache(
+            slot, shared + fresh, hit.root, prompt_len, list(hit.hashes[: hit.k_hit]), hit.k_hit, chain=hit.hashes
+        )
         self.seqs[seq_id] = sc
         if self.index is not None:
             self._count_lookup(hit)
             sc.wanted = self.policy.boundaries(prompt_len, hit)
         return True
+
+    def inflight_hit(self, hit: PrefixHit, older_than: int) -> int:
+        """The hit length (tokens) a request whose lookup gave `hit` gets by waiting for a running
+        sequence with id below `older_than` to prefill past it, or 0 if no such sequence adds at
+        least one match unit. The boundary lies within the span the two hash chains share and past
+        what that sequence has computed: under the junction policy the end of the span, which the
+        sequence is made to checkpoint, else the last boundary it checkpoints anyway. Each
+        positive answer (one request held one step) counts as an `inflight_wait`."""
+        if self.index is None or not hit.hashes:
+            return 0
+        u, best, owner = self.policy.unit, 0, None
+        for seq_id, sc in self.seqs.items():
+            if seq_id >= older_than:
+                continue
+            shared = common_units(sc.chain, hit.hashes) * u
+            floor = max(len(sc.hashes) * u, hit.length)
+            if shared <= floor:
+                continue
+            b = shared if self.policy.junction else max((x for x in sc.wanted if floor < x <= shared), default=0)
+            if b > best:
+                best, owner = b, sc
+        if owner is not None:
+            owner.wanted.add(best)
+            self.counters["inflight_waits"] += 1
+        return best
 
     def _count_lookup(self, hit: PrefixHit) -> None:
         c = self.counters
@@ -218,8 +257,9 @@ class CacheManager:
         while k > 0 and sc.hashes[k - 1] not in self.index.units:
             k -= 1
         for j in range(k, upto):
-            self.index.add_unit(sc.hashes[j], sc.hashes[j - 1] if j else None,
-                                sc.pages[j * per_unit:(j + 1) * per_unit])
+            self.index.add_unit(
+                sc.hashes[j], sc.hashes[j - 1] if j else None, sc.pages[j * per_unit : (j + 1) * per_unit]
+            )
         sc.registered = max(sc.registered, upto)
 
     def _snapshot_turn(self, sc: SeqCache, boundary: int) -> None:
@@ -289,16 +329,30 @@ class CacheManager:
             self.ckpt_pool.check_integrity(ckpt_owners)
 
     def usage(self) -> dict[str, int]:
-        return {"mla_pages_total": self.mla.num_pages, "mla_pages_used": self.mla.num_used,
-                "kda_slots_total": self.kda.num_slots, "kda_slots_used": self.kda.num_used,
-                "page_size": self.page_size}
+        return {
+            "mla_pages_total": self.mla.num_pages,
+            "mla_pages_used": self.mla.num_used,
+            "kda_slots_total": self.kda.num_slots,
+            "kda_slots_used": self.kda.num_used,
+            "page_size": self.page_size,
+        }
 
     def prefix_stats(self) -> dict[str, int]:
         if self.index is None:
             return {}
-        out = {k: self.counters[k] for k in ("queries", "hits", "hit_tokens", "retention_misses",
-                                             "retention_miss_tokens", "checkpoints_stored",
-                                             "restore_refused")}
+        out = {
+            k: self.counters[k]
+            for k in (
+                "queries",
+                "hits",
+                "hit_tokens",
+                "retention_misses",
+                "retention_miss_tokens",
+                "checkpoints_stored",
+                "restore_refused",
+                "inflight_waits",
+            )
+        }
         out["checkpoints_evicted"] = self.index.evicted_checkpoints
         out["units_evicted"] = self.index.evicted_units
         out["cached_units"] = len(self.index.units)

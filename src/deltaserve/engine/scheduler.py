@@ -3,18 +3,30 @@
 Each step: running sequences first, oldest first, each taking up to its pending token count
 from the `max_num_batched_tokens` budget (decodes take 1, unfinished prefills take a chunk);
 when pages run out the newest running sequence is preempted (cache freed, `num_computed = 0`,
-put back at the head of the queue). Waiting sequences are then admitted strictly in arrival
-order while budget, `max_num_seqs` and cache allow, and never in a step that preempted; with
-prefix caching an admitted sequence starts at its hit length (pages shared, state copied). The
+put back at the head of the queue). Waiting sequences are then admitted in arrival order while
+budget, `max_num_seqs` and cache allow, and never in a step that preempted; with prefix caching
+an admitted sequence starts at its hit length (pages shared, state copied). A sequence that
+cannot be admitted for lack of cache stops admission (a short request never overtakes it). The
 oldest running sequence always makes progress, so no request starves.
+
+Prefix sharing within a step (holding, like SGLang's in-batch prefix caching): a waiting sequence
+whose prompt an older running sequence is still prefilling, at least one match unit past its own
+hit, is held (skipped, keeping its place) until that sequence has cached the shared span
+(`CacheManager.inflight_hit`), then admitted with the hit; the shared part is computed once.
+Admission continues past a held sequence, so unrelated requests use the budget it leaves.
+A hold is re-decided every step and lasts only while the older sequence is running and short of
+the boundary (its abort or preemption ends it), and a sequence only waits for older ones, so
+holds never form a cycle. In practice a hold lasts one step: admission only runs with budget
+left, so every running sequence is scheduled through its whole prefill in the step that holds.
 """
+
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
 
 from ..cache.manager import CacheManager
-from .sequence import Sequence, SeqStatus
+from .sequence import SeqStatus, Sequence
 
 
 @dataclass
@@ -63,8 +75,16 @@ class Scheduler:
         self.num_preemptions += 1
 
     def schedule(self) -> list[ScheduledSeq]:
-        budget = self.max_num_batched_tokens
         out: list[ScheduledSeq] = []
+        budget, preempted = self._schedule_running(out)
+        if not preempted:
+            self._admit(out, budget)
+        return out
+
+    def _schedule_running(self, out: list[ScheduledSeq]) -> tuple[int, bool]:
+        """Chunks for running sequences, oldest first, preempting the newest when pages run out;
+        returns the budget left and whether anything was preempted."""
+        budget = self.max_num_batched_tokens
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -81,18 +101,27 @@ class Scheduler:
             out.append(ScheduledSeq(seq, n))
             budget -= n
             i += 1
-        while (self.waiting and budget > 0 and not preempted
-               and len(self.running) < self.max_num_seqs):
-            seq = self.waiting[0]
-            hit = self.cache.lookup(seq.all_ids(), seq.cache_salt, seq.prefix_hashes) if self.cache.prefix_enabled else None
+        return budget, preempted
+
+    def _admit(self, out: list[ScheduledSeq], budget: int) -> None:
+        """Admit waiting sequences in order into `budget`, skipping held ones, until one does not
+        fit (it keeps its place and stops admission)."""
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
+            hit = None
+            if self.cache.prefix_enabled:
+                hit = self.cache.lookup(seq.all_ids(), seq.cache_salt, seq.prefix_hashes)
+                if self.cache.inflight_hit(hit, seq.seq_id):
+                    i += 1
+                    continue
             start = hit.length if hit is not None else 0
             n = min(seq.num_tokens - start, budget)
             if not self.cache.admit(seq.seq_id, start + n, hit, len(seq.prompt_ids)):
                 break
             seq.num_computed = start
-            self.waiting.popleft()
+            del self.waiting[i]
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.append(ScheduledSeq(seq, n))
             budget -= n
-        return out
