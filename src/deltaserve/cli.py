@@ -1,5 +1,6 @@
 """`deltaserve` command line: one argparse subcommand per `_add_<name>` builder, each setting
 `func(args) -> int` (the exit status). Heavy imports happen inside the handlers."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,14 +11,15 @@ from pathlib import Path
 def _make_tiny(args: argparse.Namespace) -> int:
     import torch
 
-    from .model.tiny import PRESETS, make_tiny, param_count
+    from .tiny import PRESETS, make_tiny, param_count
 
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
-    out = make_tiny(args.out, family=args.family, preset=args.preset, mxfp4=args.mxfp4,
-                    seed=args.seed, dtype=dtype)
+    out = make_tiny(args.out, family=args.family, preset=args.preset, mxfp4=args.mxfp4, seed=args.seed, dtype=dtype)
     mxfp4 = PRESETS[(args.family, args.preset)].mxfp4 if args.mxfp4 is None else args.mxfp4
-    print(f"wrote {args.family} {args.preset} checkpoint ({param_count(args.family, args.preset):,} params,"
-          f" experts {'MXFP4' if mxfp4 else args.dtype}, seed {args.seed}) to {out}:")
+    print(
+        f"wrote {args.family} {args.preset} checkpoint ({param_count(args.family, args.preset):,} params,"
+        f" experts {'MXFP4' if mxfp4 else args.dtype}, seed {args.seed}) to {out}:"
+    )
     for f in sorted(Path(out).iterdir()):
         print(f"  {f.name:40s} {f.stat().st_size:>14,} B")
     return 0
@@ -27,13 +29,20 @@ def _add_make_tiny(sub) -> None:
     p = sub.add_parser("make-tiny", help="write a random-weight checkpoint in the real HF layout")
     p.add_argument("--family", required=True, choices=["kimi_k3", "kimi_linear"])
     p.add_argument("--out", required=True, type=Path, help="output directory (created if absent)")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "mini"],
-                   help="tiny: tests (~1M params); mini: benchmarks (~1B params)")
-    p.add_argument("--mxfp4", action=argparse.BooleanOptionalAction, default=None,
-                   help="store routed experts MXFP4-packed (default: the preset's, mini K3 on)")
+    p.add_argument(
+        "--preset",
+        default="tiny",
+        choices=["tiny", "mini"],
+        help="tiny: tests (~1M params); mini: benchmarks (~1B params)",
+    )
+    p.add_argument(
+        "--mxfp4",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="store routed experts MXFP4-packed (default: the preset's, mini K3 on)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                   help="dtype of the non-fp32 tensors")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="dtype of the non-fp32 tensors")
     p.set_defaults(func=_make_tiny)
 
 
@@ -75,6 +84,12 @@ def _add_bench(sub) -> None:
         mod.add_parser(kinds)
 
 
+def _add_plan(sub) -> None:
+    from .cache import plan_report
+
+    plan_report.add_parser(sub)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from .server.serve import serve
 
@@ -90,10 +105,11 @@ def _add_serve(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="deltaserve",
-                                     description="deltaserve: a serving engine for Kimi K3 / Kimi-Linear")
+    parser = argparse.ArgumentParser(
+        prog="deltaserve", description="deltaserve: a serving engine for Kimi K3 / Kimi-Linear"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_make_tiny, _add_generate, _add_bench, _add_serve):
+    for add in (_add_make_tiny, _add_generate, _add_bench, _add_plan, _add_serve):
         add(sub)
     return parser
 

@@ -1,0 +1,274 @@
+"""Memory plan per rank for a parallel layout, from `config.json` alone (spec/serving.md §1.1-1.3).
+
+Layout: a replica spans TP x DCP ranks. Attention and KDA heads, the dense MLP, shared experts
+and the vocabulary (embedding, `lm_head`) split TP-ways and are replicated across DCP; MLA
+latent KV is sharded by position across DCP (a rank holds ceil(L / DCP) of L tokens). Routed
+experts split by width TP-ways, or with expert parallelism by whole experts across all TP x DCP
+ranks (the DCP ranks act as the attention data-parallel group: ceil(E / (TP x DCP)) per rank).
+
+Weights are counted from the model's own parameter shapes (`KimiForCausalLM` built on the meta
+device: no checkpoint needed): bf16 (2 B), routed experts MXFP4 at 4.25 bits per weight
+(packed nibbles + one E8M0 scale per 32) when `quantization_config` says so. Replicated under
+TP: norms, AttnRes projections, the router, the low-rank `*_a` projections whose outputs every
+rank needs, and K3's latent MoE projections; everything else splits evenly.
+
+KDA state per request: `budget.unit_bytes` on the per-rank head count, conv tail in bf16 (the
+activation dtype, whatever `--kv-cache-dtype`). Incumbents (vLLM, SGLang) shard KDA heads by TP
+only and replicate them across DCP; deltaserve shards them across TP x DCP, or across TP x g with
+g = gcd(DCP, H / TP) when TP x DCP does not divide the H heads. Both figures are reported.
+
+A request of L tokens costs one KDA slot plus ceil(ceil(L / DCP) / page) MLA pages per rank; the
+pool is memory per rank - weights - a reserve (activations, graphs, allocator: a fraction).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+
+import torch
+
+from ..model.config import ConfigError, ModelConfig
+from .budget import unit_bytes
+
+GROUPS = ("attention_dense", "shared_experts", "routed_experts", "embeddings")
+KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+CONV_DTYPE = torch.bfloat16
+WEIGHT_BYTES = 2  # bf16
+MXFP4_BITS_PER_WEIGHT = Fraction(4 * 32 + 8, 32)  # E2M1 nibbles + one E8M0 byte per 32: 4.25
+SHORT_LENGTHS = (8192, 32768, 131072)
+REPLICATED = (
+    "norm.weight",
+    "_res_proj.weight",
+    "q_a_proj.weight",
+    "kv_a_proj_with_mqa.weight",
+    "f_a_proj.weight",
+    "g_a_proj.weight",
+    ".gate.weight",
+    "e_score_correction_bias",
+    "routed_expert_down_proj.weight",
+    "routed_expert_up_proj.weight",
+)
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+class PlanError(ValueError):
+    """A layout the model cannot take (the message names the flag)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    dcp: int = 1
+    ep: bool = False
+    kv_dtype: str = "bfloat16"
+    state_dtype: str = "float32"
+    page_size: int = 16
+
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.dcp
+
+
+def parse_bytes(text: str) -> int:
+    """'141GiB', '288 GB', '1.5TiB' or plain bytes -> bytes (GB = 10^9, GiB = 2^30)."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"not a positive size: {text!r} (e.g. 141GiB, 288GB, 1073741824)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    """A checkpoint directory or a bare config JSON file."""
+    path = Path(path)
+    if not path.is_file():
+        return ModelConfig.from_pretrained(path)
+    try:
+        return ModelConfig.from_dict(json.loads(path.read_text()))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+
+
+@functools.lru_cache(maxsize=4)
+def weight_census(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Group -> (elements split under TP, elements replicated), from the meta-device model."""
+    from ..model.kimi import KimiForCausalLM
+
+    with torch.device("meta"):
+        model = KimiForCausalLM(cfg)
+    out = {g: [0, 0] for g in GROUPS}
+    for name, t in model.state_dict().items():
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        group = (
+            "routed_experts"
+            if ".block_sparse_moe.experts." in name
+            else "shared_experts"
+            if ".shared_experts." in name
+            else "embeddings"
+            if name in ("model.embed_tokens.weight", "lm_head.weight")
+            else "attention_dense"
+        )
+        out[group][1 if name.endswith(REPLICATED) else 0] += t.numel()
+    return {g: (split, rep) for g, (split, rep) in out.items()}
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check(cfg: ModelConfig, lay: Layout) -> None:
+    for flag, v in (
+        ("--tensor-parallel-size", lay.tp),
+        ("--decode-context-parallel-size", lay.dcp),
+        ("--page-size", lay.page_size),
+    ):
+        if v < 1:
+            raise PlanError(f"{flag} must be >= 1, got {v}")
+    for what, heads in (("KDA", cfg.kda.num_heads), ("MLA", cfg.mla.num_heads)):
+        if heads % lay.tp:
+            raise PlanError(f"--tensor-parallel-size {lay.tp} does not divide the {heads} {what} heads")
+    if lay.dcp > 1 and not cfg.mla_layer_ids:
+        raise PlanError("--decode-context-parallel-size shards MLA KV by position, and this model has no MLA layers")
+    if lay.kv_dtype not in KV_DTYPES or lay.state_dtype not in STATE_DTYPES:
+        raise PlanError(
+            f"unknown dtype: kv {lay.kv_dtype!r} (one of {sorted(KV_DTYPES)}), "
+            f"state {lay.state_dtype!r} (one of {sorted(STATE_DTYPES)})"
+        )
+
+
+def weight_bytes(cfg: ModelConfig, lay: Layout) -> dict[str, dict[str, int]]:
+    """Group -> {"per_rank", "total"} bytes (see the module docstring for the sharding)."""
+    out = {}
+    for group, (split, rep) in weight_census(cfg).items():
+        if group == "routed_experts" and cfg.quantization == "mxfp4":
+            total = math.ceil((split + rep) * MXFP4_BITS_PER_WEIGHT / 8)
+        else:
+            total = (split + rep) * WEIGHT_BYTES
+        if group != "routed_experts":
+            per_rank = _ceil_div(split * WEIGHT_BYTES, lay.tp) + rep * WEIGHT_BYTES
+        elif lay.ep:
+            per_rank = _ceil_div(total * _ceil_div(cfg.moe.num_experts, lay.ranks), cfg.moe.num_experts)
+        else:
+            per_rank = _ceil_div(total, lay.tp)
+        out[group] = {"per_rank": per_rank, "total": total}
+    out["total"] = {k: sum(v[k] for v in out.values()) for k in ("per_rank", "total")}
+    return out
+
+
+def kda_shards(cfg: ModelConfig, lay: Layout) -> int:
+    """Ranks that split one request's KDA heads: TP x gcd(DCP, H / TP)."""
+    return lay.tp * math.gcd(lay.dcp, cfg.kda.num_heads // lay.tp)
+
+
+def _slot_bytes(cfg: ModelConfig, shards: int, lay: Layout) -> int:
+    sharded = dataclasses.replace(cfg, kda=dataclasses.replace(cfg.kda, num_heads=cfg.kda.num_heads // shards))
+    return unit_bytes(sharded, 1, CONV_DTYPE, STATE_DTYPES[lay.state_dtype])[0]
+
+
+def _number(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else round(x, 2)
+
+
+def _fits(lengths, pool: int | None, slot: int, page: int, lay: Layout) -> list[dict]:
+    rows = []
+    for n in lengths:
+        mla = _ceil_div(_ceil_div(n, lay.dcp), lay.page_size) * page
+        rows.append(
+            {
+                "tokens": n,
+                "mla_bytes": mla,
+                "request_bytes": mla + slot,
+                "requests": None if pool is None else max(pool, 0) // (mla + slot),
+            }
+        )
+    return rows
+
+
+def plan(
+    cfg: ModelConfig,
+    lay: Layout,
+    memory_per_rank: int | None = None,
+    max_model_len: int | None = None,
+    reserve_fraction: float = 0.1,
+) -> dict:
+    """The whole plan as a JSON-ready dict (bytes are per rank unless the key says total)."""
+    check(cfg, lay)
+    if not 0 <= reserve_fraction < 1:
+        raise PlanError(f"--reserve-fraction must lie in [0, 1), got {reserve_fraction}")
+    max_len = max_model_len or cfg.max_position_embeddings
+    if max_len < 1:
+        raise PlanError(f"--max-model-len must be >= 1, got {max_len}")
+    weights = weight_bytes(cfg, lay)
+    kv, state = KV_DTYPES[lay.kv_dtype], STATE_DTYPES[lay.state_dtype]
+    token, page = (unit_bytes(cfg, n, kv, state)[1] for n in (1, lay.page_size))
+    shards = kda_shards(cfg, lay)
+    slot, slot_rep = _slot_bytes(cfg, shards, lay), _slot_bytes(cfg, lay.tp, lay)
+    memory = None
+    if memory_per_rank is not None:
+        reserve = int(memory_per_rank * reserve_fraction)
+        memory = {
+            "per_rank": memory_per_rank,
+            "reserve": reserve,
+            "reserve_fraction": reserve_fraction,
+            "weights": weights["total"]["per_rank"],
+            "pool": memory_per_rank - reserve - weights["total"]["per_rank"],
+        }
+    pool = None if memory is None else memory["pool"]
+    lengths = sorted({n for n in SHORT_LENGTHS if n < max_len} | {max_len})
+    return {
+        "model": {
+            "family": cfg.family,
+            "layers": cfg.num_hidden_layers,
+            "kda_layers": len(cfg.kda_layer_ids),
+            "mla_layers": len(cfg.mla_layer_ids),
+            "kda_heads": cfg.kda.num_heads,
+            "kda_head_dim": cfg.kda.head_dim,
+            "mla_latent_dim": cfg.mla.latent_dim,
+            "experts": cfg.moe.num_experts,
+            "top_k": cfg.moe.top_k,
+            "shared_experts": cfg.moe.num_shared_experts,
+            "routed_experts_quantization": cfg.quantization,
+        },
+        "layout": {
+            "tensor_parallel_size": lay.tp,
+            "decode_context_parallel_size": lay.dcp,
+            "expert_parallel": lay.ep,
+            "ranks": lay.ranks,
+            "experts_per_rank": _ceil_div(cfg.moe.num_experts, lay.ranks) if lay.ep else None,
+            "kv_cache_dtype": lay.kv_dtype,
+            "kv_state_dtype": lay.state_dtype,
+            "conv_state_dtype": "bfloat16",
+            "page_size": lay.page_size,
+            "max_model_len": max_len,
+        },
+        "weights": weights,
+        "mla_bytes_per_token": _number(token / lay.dcp),
+        "kda_state_per_request": {
+            "bytes": slot,
+            "heads_per_rank": cfg.kda.num_heads // shards,
+            "shards": shards,
+            "replicated_across_dcp_bytes": slot_rep,
+        },
+        "memory": memory,
+        "fits": _fits(lengths, pool, slot, page, lay),
+        "fits_replicated_kda": _fits(lengths, pool, slot_rep, page, lay) if shards != lay.tp else None,
+    }

@@ -1,0 +1,149 @@
+"""`deltaserve plan`: the memory plan (`cache.plan`) as text or one JSON object. Bad layouts and
+configs exit 2 with one `deltaserve plan: error: ...` line on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..model.config import ConfigError
+from .plan import KV_DTYPES, STATE_DTYPES, Layout, PlanError, load_config, parse_bytes, plan
+
+_LABELS = {
+    "attention_dense": "attention + dense",
+    "shared_experts": "shared experts",
+    "routed_experts": "routed experts",
+    "embeddings": "embedding + lm_head",
+}
+
+
+def _size(b: float) -> str:
+    return f"{b / 2**20:,.1f} MiB" if abs(b) < 2**30 else f"{b / 2**30:,.2f} GiB"
+
+
+def _sharding(group: str, p: dict) -> str:
+    lay, m = p["layout"], p["model"]
+    tp = f"TP{lay['tensor_parallel_size']}"
+    if group == "routed_experts":
+        fmt = "MXFP4 4.25 b/w" if m["routed_experts_quantization"] == "mxfp4" else "bf16"
+        if lay["expert_parallel"]:
+            return f"{fmt}; {lay['experts_per_rank']} of {m['experts']} experts per rank (EP over {lay['ranks']})"
+        return f"{fmt}; width split {tp}"
+    return {
+        "attention_dense": f"heads/width split {tp}; norms, router, low-rank, latent MoE replicated",
+        "shared_experts": f"width split {tp}",
+        "embeddings": f"vocab split {tp}",
+    }[group]
+
+
+def render(p: dict) -> str:
+    """Human-readable form of a `plan()` dict."""
+    m, lay, kda = p["model"], p["layout"], p["kda_state_per_request"]
+    dcp = lay["decode_context_parallel_size"]
+    lines = [
+        f"{m['family']}: {m['layers']} layers = {m['kda_layers']} KDA + {m['mla_layers']} MLA; KDA {m['kda_heads']}"
+        f" heads x {m['kda_head_dim']}; MLA latent {m['mla_latent_dim']}; {m['experts']} experts (top-{m['top_k']},"
+        f" {m['shared_experts']} shared)",
+        f"layout: TP{lay['tensor_parallel_size']} x DCP{dcp} = {lay['ranks']} rank{'s' * (lay['ranks'] > 1)};"
+        f" expert parallel "
+        f"{'on' if lay['expert_parallel'] else 'off'}; KV cache {lay['kv_cache_dtype']}, KDA state "
+        f"{lay['kv_state_dtype']} (conv tail {lay['conv_state_dtype']}); MLA page {lay['page_size']} tokens",
+        "",
+        f"{'weights':<22}{'per rank':>14}{'whole model':>14}  sharding",
+    ]
+    for group, label in _LABELS.items():
+        w = p["weights"][group]
+        lines.append(f"  {label:<20}{_size(w['per_rank']):>14}{_size(w['total']):>14}  {_sharding(group, p)}")
+    w = p["weights"]["total"]
+    lines += [
+        f"  {'total':<20}{_size(w['per_rank']):>14}{_size(w['total']):>14}",
+        "",
+        f"MLA latent KV: {p['mla_bytes_per_token']:,} B per token per rank ({m['mla_layers']} layers x "
+        f"{m['mla_latent_dim']} x {lay['kv_cache_dtype']}, positions split DCP{dcp})",
+        f"KDA state: {_size(kda['bytes'])} per request per rank ({m['kda_layers']} layers, "
+        f"{kda['heads_per_rank']} of {m['kda_heads']} heads per rank)",
+    ]
+    if dcp > 1:
+        note = (
+            "heads split over TP x DCP"
+            if kda["shards"] == lay["ranks"]
+            else f"heads split over {kda['shards']} ranks = TP x gcd(DCP, heads / TP) (TP x DCP does not "
+            "divide the heads)"
+        )
+        lines += [
+            f"  deltaserve: {note}",
+            f"  incumbents (vLLM, SGLang) shard KDA heads by TP only, replicated across DCP: "
+            f"{_size(kda['replicated_across_dcp_bytes'])} per request per rank",
+        ]
+    mem = p["memory"]
+    if mem is not None:
+        tail = f"pool {_size(mem['pool'])}" if mem["pool"] > 0 else f"short by {_size(-mem['pool'])}: nothing fits"
+        lines += [
+            "",
+            f"memory per rank {_size(mem['per_rank'])} - weights {_size(mem['weights'])} - reserve "
+            f"{_size(mem['reserve'])} ({mem['reserve_fraction']:.0%}, activations/overhead) = {tail}",
+        ]
+    rep = p["fits_replicated_kda"]
+    head = f"{'tokens':>11}{'MLA per rank':>15}{'+ KDA state':>15}"
+    head += "" if mem is None else f"{'requests':>10}" + ("" if rep is None else f"{'(replicated KDA)':>18}")
+    lines += ["", "per request" + ("" if mem is None else " and requests that fit in the pool") + ":", head]
+    for i, row in enumerate(p["fits"]):
+        line = f"{row['tokens']:>11,}{_size(row['mla_bytes']):>15}{_size(row['request_bytes']):>15}"
+        if mem is not None:
+            line += f"{row['requests']:>10,}" + ("" if rep is None else f"{rep[i]['requests']:>18,}")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="memory per rank for a parallel layout, from config.json alone")
+    p.add_argument("model", help="checkpoint directory or a config.json file (no weights needed)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument(
+        "--decode-context-parallel-size",
+        "-dcp",
+        type=int,
+        default=1,
+        help="ranks that split MLA KV by position (and here KDA heads too)",
+    )
+    p.add_argument(
+        "--enable-expert-parallel", action="store_true", help="routed experts split by expert over all TP x DCP ranks"
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="default (or 0): the config's max_position_embeddings"
+    )
+    p.add_argument("--kv-cache-dtype", default="bfloat16", choices=sorted(KV_DTYPES))
+    p.add_argument("--kv-state-dtype", default="float32", choices=sorted(STATE_DTYPES))
+    p.add_argument("--page-size", type=int, default=16, help="MLA page size in tokens")
+    p.add_argument("--memory-per-rank", type=_bytes_arg, default=None, help="e.g. 141GiB, 288GB or bytes")
+    p.add_argument(
+        "--reserve-fraction", type=float, default=0.1, help="share of memory per rank kept for activations and overhead"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=main)
+
+
+def _bytes_arg(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def main(args: argparse.Namespace) -> int:
+    lay = Layout(
+        args.tensor_parallel_size,
+        args.decode_context_parallel_size,
+        args.enable_expert_parallel,
+        args.kv_cache_dtype,
+        args.kv_state_dtype,
+        args.page_size,
+    )
+    try:
+        p = plan(load_config(args.model), lay, args.memory_per_rank, args.max_model_len, args.reserve_fraction)
+    except (ConfigError, PlanError) as e:
+        print(f"deltaserve plan: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(p) if args.json else render(p))
+    return 0

@@ -1,0 +1,239 @@
+"""`deltaserve plan` on the real K3 and Kimi-Linear-48B geometries (config.json only): exact
+per-rank KDA state and MLA bytes from spec/serving.md §1.1 and §1.3, weights against the
+checkpoint size of spec/model.md §15.1, the JSON form, and clean errors for bad layouts."""
+
+import json
+
+import pytest
+
+from deltaserve.cache.plan import Layout, parse_bytes, plan
+from deltaserve.cli import main
+from deltaserve.model.config import ModelConfig
+from deltaserve.tiny.hf_config import hf_config
+from deltaserve.tiny.presets import Dims
+from deltaserve.tiny.tokenizer import EOS_NAME
+
+MiB = 2**20
+K3 = Dims(
+    hidden=7168,
+    layers=93,
+    vocab=163840,
+    kda_heads=96,
+    kda_head_dim=128,
+    mla_heads=96,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope=128,
+    qk_rope=64,
+    v_head=128,
+    intermediate=33792,
+    experts=896,
+    top_k=16,
+    shared=2,
+    moe_intermediate=3072,
+    latent=3584,
+    attn_res_block=12,
+    shard_bytes=0,
+    mxfp4=True,
+)
+KL = Dims(
+    hidden=2304,
+    layers=27,
+    vocab=163840,
+    kda_heads=32,
+    kda_head_dim=128,
+    mla_heads=32,
+    q_lora_rank=None,
+    kv_lora_rank=512,
+    qk_nope=128,
+    qk_rope=64,
+    v_head=128,
+    intermediate=9216,
+    experts=256,
+    top_k=8,
+    shared=1,
+    moe_intermediate=1024,
+    latent=None,
+    attn_res_block=None,
+    shard_bytes=0,
+    mxfp4=False,
+)
+
+
+def _write(path, family: str, dims: Dims, **lin):
+    ids = {"[BOS]": 163584, "[PAD]": 163839, "<|media_pad|>": 163605, EOS_NAME[family]: 163586}
+    raw = hf_config(family, dims, ids, dims.mxfp4, "bfloat16")
+    (raw["text_config"] if family == "kimi_k3" else raw)["linear_attn_config"].update(lin)
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(raw))
+    return path
+
+
+@pytest.fixture(scope="module")
+def k3_dir(tmp_path_factory):
+    return _write(tmp_path_factory.mktemp("plan") / "k3", "kimi_k3", K3)
+
+
+@pytest.fixture(scope="module")
+def k3(k3_dir):
+    cfg = ModelConfig.from_pretrained(k3_dir)
+    assert (len(cfg.kda_layer_ids), len(cfg.mla_layer_ids), cfg.quantization) == (69, 24, "mxfp4")
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def kl(tmp_path_factory):
+    cfg = ModelConfig.from_pretrained(_write(tmp_path_factory.mktemp("plan") / "kl", "kimi_linear", KL))
+    assert (len(cfg.kda_layer_ids), len(cfg.mla_layer_ids)) == (20, 7)
+    return cfg
+
+
+def _kda(p):
+    return p["kda_state_per_request"]["bytes"]
+
+
+@pytest.mark.parametrize(
+    "tp, state, exact, mib",
+    [
+        (1, "float32", 69 * (6_291_456 + 221_184), 428.6),
+        (8, "float32", 56_171_520, 53.6),
+        (16, "float32", 28_085_760, 26.8),
+        (8, "bfloat16", 29_039_616, 27.7),
+    ],
+)
+def test_k3_kda_state_per_request(k3, tp, state, exact, mib):
+    p = plan(k3, Layout(tp=tp, state_dtype=state))
+    assert _kda(p) == exact and round(exact / MiB, 1) == mib
+    assert p["kda_state_per_request"]["heads_per_rank"] == 96 // tp
+
+
+@pytest.mark.parametrize(
+    "kv, dcp, per_token, request_1m",
+    [
+        ("bfloat16", 1, 27_648, 27_648 * 2**20),
+        ("fp8", 1, 13_824, 14_495_514_624),
+        ("fp8", 8, 1_728, 1_811_939_328),
+        ("bfloat16", 4, 6_912, 6_912 * 2**20),
+    ],
+)
+def test_k3_mla_bytes_per_token_divide_by_dcp(k3, kv, dcp, per_token, request_1m):
+    p = plan(k3, Layout(tp=8, dcp=dcp, kv_dtype=kv))
+    assert p["mla_bytes_per_token"] == per_token
+    row = p["fits"][-1]
+    assert row["tokens"] == 1 << 20 and row["mla_bytes"] == request_1m
+    assert row["request_bytes"] == request_1m + _kda(p)
+
+
+def test_spec_one_million_token_fp8_request(k3):
+    """spec §1.1: ≈14.5 GB per rank without DCP, ≈1.8 GB with DCP8."""
+    assert round(plan(k3, Layout(tp=8, kv_dtype="fp8"))["fits"][-1]["mla_bytes"] / 1e9, 1) == 14.5
+    assert round(plan(k3, Layout(tp=8, dcp=8, kv_dtype="fp8"))["fits"][-1]["mla_bytes"] / 1e9, 1) == 1.8
+
+
+@pytest.mark.parametrize("tp, dcp, shards", [(8, 4, 32), (2, 8, 16), (8, 8, 32), (8, 1, 8)])
+def test_kda_heads_shard_across_dcp_and_incumbents_replicate(k3, tp, dcp, shards):
+    """TP8 x DCP8: 64 does not divide 96 heads, so gcd(8, 12) = 4 of the DCP ranks split them."""
+    k = plan(k3, Layout(tp=tp, dcp=dcp))["kda_state_per_request"]
+    assert (k["shards"], k["heads_per_rank"]) == (shards, 96 // shards)
+    assert k["bytes"] == 449_372_160 // shards
+    assert k["replicated_across_dcp_bytes"] == 449_372_160 // tp
+
+
+def test_kimi_linear_per_request(kl):
+    p = plan(kl, Layout())
+    assert _kda(p) == 20 * (2_097_152 + 73_728) == 43_417_600 and round(_kda(p) / MiB, 1) == 41.4
+    assert p["mla_bytes_per_token"] == 8_064
+    assert round(p["weights"]["total"]["total"] / 2 / 1e9, 1) == 49.1  # bf16: spec §1.3 49.1B params
+
+
+def test_k3_weights_match_the_checkpoint_and_shard(k3):
+    w = plan(k3, Layout(tp=8))["weights"]
+    routed = 92 * 896 * 3 * 3072 * 3584
+    assert w["routed_experts"]["total"] == routed * 17 // 32  # 4.25 bits per weight
+    assert w["routed_experts"]["per_rank"] == w["routed_experts"]["total"] // 8
+    assert w["embeddings"] == {"total": 2 * 163840 * 7168 * 2, "per_rank": 2 * 163840 * 7168 * 2 // 8}
+    assert w["shared_experts"]["per_rank"] * 8 == w["shared_experts"]["total"] == 92 * 3 * 6144 * 7168 * 2
+    # spec/model.md §15.1: 1453.7 GiB on disk, of which the vision tower is 0.447B bf16 params
+    text = 1453.7 * 2**30 - 0.447e9 * 2
+    assert abs(w["total"]["total"] / text - 1) < 1e-3
+    ep = plan(k3, Layout(tp=8, dcp=4, ep=True))
+    assert ep["layout"]["experts_per_rank"] == 28
+    assert ep["weights"]["routed_experts"]["per_rank"] == w["routed_experts"]["total"] * 28 // 896
+
+
+def test_pool_split_and_requests_that_fit(k3):
+    mem = 288 * 10**9
+    p = plan(k3, Layout(tp=8, kv_dtype="fp8"), memory_per_rank=mem, max_model_len=200_000)
+    m = p["memory"]
+    assert m["reserve"] == mem // 10 and m["pool"] == mem - mem // 10 - p["weights"]["total"]["per_rank"]
+    assert [r["tokens"] for r in p["fits"]] == [8192, 32768, 131072, 200_000]
+    last = p["fits"][-1]
+    assert last["request_bytes"] == 12_500 * 16 * 13_824 + 56_171_520
+    assert last["requests"] == m["pool"] // last["request_bytes"] > 0
+    short = plan(k3, Layout(tp=8), memory_per_rank=141 * 2**30)
+    assert short["memory"]["pool"] < 0 and {r["requests"] for r in short["fits"]} == {0}
+
+
+def test_cli_json_carries_the_same_numbers(k3, k3_dir, capsys):
+    args = [
+        "plan",
+        str(k3_dir / "config.json"),
+        "--tensor-parallel-size",
+        "8",
+        "--decode-context-parallel-size",
+        "8",
+        "--kv-cache-dtype",
+        "fp8",
+        "--memory-per-rank",
+        "288GB",
+        "--json",
+    ]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out == json.loads(json.dumps(plan(k3, Layout(8, 8, False, "fp8"), 288 * 10**9)))
+    assert (
+        out["mla_bytes_per_token"] == 1_728
+        and out["kda_state_per_request"]["replicated_across_dcp_bytes"] == 56_171_520
+        and out["fits_replicated_kda"] is not None
+    )
+    assert main(args[:-1]) == 0
+    text = capsys.readouterr().out
+    assert "1,728 B per token per rank" in text and "13.4 MiB per request per rank" in text
+    assert "replicated across DCP: 53.6 MiB per request per rank" in text
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--tensor-parallel-size", "5"], "--tensor-parallel-size 5 does not divide the 96 KDA heads"),
+        (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1"),
+        (["--max-model-len", "-5"], "--max-model-len must be >= 1, got -5"),
+    ],
+)
+def test_bad_layouts_exit_2_with_a_message(k3_dir, capsys, extra, message):
+    assert main(["plan", str(k3_dir), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("deltaserve plan: error: ") and message in err and "Traceback" not in err
+
+
+def test_dcp_without_mla_layers_is_refused(tmp_path, capsys):
+    d = _write(tmp_path / "all_kda", "kimi_linear", KL, kda_layers=list(range(1, 28)), full_attn_layers=[])
+    assert main(["plan", str(d), "--decode-context-parallel-size", "2"]) == 2
+    assert "this model has no MLA layers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra", [["--kv-cache-dtype", "fp16"], ["--kv-state-dtype", "fp8"], ["--memory-per-rank", "12XB"]]
+)
+def test_bad_arguments_are_usage_errors(k3_dir, capsys, extra):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", str(k3_dir), *extra])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "deltaserve plan: error: argument" in err and "Traceback" not in err
+
+
+def test_parse_bytes():
+    assert parse_bytes("141GiB") == 141 * 2**30 and parse_bytes("288 GB") == 288 * 10**9
+    assert parse_bytes("1.5TiB") == 3 * 2**39 and parse_bytes("1073741824") == 2**30
+    with pytest.raises(ValueError):
+        parse_bytes("0GB")
