@@ -1,5 +1,6 @@
 """Suite-wide: tiktoken's cache directory points at one session temp dir (nothing is fetched or
 written outside it). Session scope, so module-scoped fixtures that load tokenizers see it too."""
+
 import pytest
 
 

@@ -8,8 +8,10 @@ def __getattr__(name: str):
     """`LLM` and `SamplingParams` load lazily, so the CLI starts without importing torch."""
     if name == "LLM":
         from .engine.llm import LLM
+
         return LLM
     if name == "SamplingParams":
         from .engine.sampling_params import SamplingParams
+
         return SamplingParams
     raise AttributeError(f"module 'deltaserve' has no attribute {name!r}")

@@ -1,28 +1,29 @@
 """`bench.accounting` against a hand count of the tiny Kimi K3 preset (bf16 load).
 
-Tiny K3 (model/tiny.py): D=64, 5 layers (MLA at 0-based 3, 4; KDA at 0, 1, 2), vocab 2048,
+Tiny K3 (tiny/presets.py): D=64, 5 layers (MLA at 0-based 3, 4; KDA at 0, 1, 2), vocab 2048,
 KDA 2 heads x 32 (P=64, conv 4), MLA 2 heads, q/kv rank 32/32, nope 16, rope 8, v 16,
 layer 0 dense MLP 192, layers 1-4 MoE: 8 experts x 32 (top 4, 2 shared), latent 32.
 fp32 on disk (stays fp32): KDA conv1d, A_log, dt_bias, o_norm; router e_score_correction_bias.
 """
+
 import pytest
 import torch
 
 from deltaserve.bench import accounting
 from deltaserve.model import load_model
-from deltaserve.model.tiny import make_tiny
+from deltaserve.tiny import make_tiny
 
 D, V, P, HK, DK = 64, 2048, 64, 2, 32
-PER_LAYER = 6 * D                                           # 2 layer norms, 2 AttnRes proj + norm pairs
+PER_LAYER = 6 * D  # 2 layer norms, 2 AttnRes proj + norm pairs
 KDA_BF16 = 3 * P * D + D * DK + DK * P + HK * D + P * D + D * P  # q/k/v, f_a, f_b, b, g, o
-KDA_FP32 = 3 * P * 4 + HK + P + DK                           # conv1d x3, A_log, dt_bias, o_norm
+KDA_FP32 = 3 * P * 4 + HK + P + DK  # conv1d x3, A_log, dt_bias, o_norm
 MLA_MATS = 32 * D + 2 * 24 * 32 + 40 * D + 2 * 32 * 32 + 2 * 16 * D + D * 2 * 16  # q_a q_b kv_a kv_b g o
-MLA_BF16 = MLA_MATS + 32 + 32                                # + q_a / kv_a layernorms
+MLA_BF16 = MLA_MATS + 32 + 32  # + q_a / kv_a layernorms
 DENSE_MLP = 3 * 192 * D
-MOE_MATS = 8 * D + 32 * D + D * 32 + 3 * (2 * 32) * D        # router, latent down/up, shared (width 64)
-MOE_BF16, MOE_FP32 = MOE_MATS + 32, 8                        # + latent norm; correction bias
-TOP_BF16 = D + D + D                                         # final norm, output AttnRes proj + norm
-ROUTED_PER_LAYER = 4 * 3 * 32 * 32                           # top_k x (w1, w2, w3) of 32x32
+MOE_MATS = 8 * D + 32 * D + D * 32 + 3 * (2 * 32) * D  # router, latent down/up, shared (width 64)
+MOE_BF16, MOE_FP32 = MOE_MATS + 32, 8  # + latent norm; correction bias
+TOP_BF16 = D + D + D  # final norm, output AttnRes proj + norm
+ROUTED_PER_LAYER = 4 * 3 * 32 * 32  # top_k x (w1, w2, w3) of 32x32
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +43,14 @@ def test_decode_bytes_match_the_hand_count(model):
     assert got["routed_expert_bytes"] == 4 * ROUTED_PER_LAYER * 2
     assert got["mla_cache_bytes"] == 2 * context * (32 + 8) * 2
     assert got["kda_state_bytes"] == 3 * (HK * DK * DK * 4 + 3 * 3 * P * 2)
-    parts = ("dense_weight_bytes", "embedding_row_bytes", "lm_head_bytes", "routed_expert_bytes",
-             "mla_cache_bytes", "kda_state_bytes")
+    parts = (
+        "dense_weight_bytes",
+        "embedding_row_bytes",
+        "lm_head_bytes",
+        "routed_expert_bytes",
+        "mla_cache_bytes",
+        "kda_state_bytes",
+    )
     assert got["total_bytes"] == sum(got[k] for k in parts)
 
 

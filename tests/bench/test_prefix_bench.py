@@ -1,7 +1,8 @@
 """The prefix benchmark's ideal is exact, and a small replay is never better than the ideal."""
+
 from deltaserve.bench.prefix import OURS, VLLM_LIKE, replay
 from deltaserve.bench.workload import WorkloadSpec, build_sessions, ideal_computed
-from deltaserve.model.tiny import make_tiny
+from deltaserve.tiny import make_tiny
 
 
 def test_ideal_counts_tokens_past_the_longest_seen_prefix():

@@ -1,6 +1,7 @@
 """Every speed benchmark runs in-process on tiny checkpoints with `--json` and reports finite,
 positive figures under the documented keys; vs-reference agrees exactly in fp32. No assertion
 depends on how fast anything ran."""
+
 import json
 import math
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from deltaserve.cli import main
-from deltaserve.model.tiny import make_tiny
+from deltaserve.tiny import make_tiny
 
 SMALL_ROOF = ["--bandwidth-mib", "4", "--gemm-sizes", "64,128", "--roofline-reps", "1"]
 ENGINE = ["--threads", "1", "--kv-cache-memory", str(32 * 2**20)]
@@ -43,23 +44,71 @@ def positive(out: dict, keys) -> None:
 
 def test_roofline(capsys):
     out = bench(capsys, "roofline", "--threads", "1", *SMALL_ROOF)
-    positive(out, ["bandwidth_gb_s", "read_sum_gb_s", "read_split_gb_s", "copy_gb_s", "gemm_bf16_gflops",
-                   "gemm_fp32_gflops", "gemm_gflops"])
+    positive(
+        out,
+        [
+            "bandwidth_gb_s",
+            "read_sum_gb_s",
+            "read_split_gb_s",
+            "copy_gb_s",
+            "gemm_bf16_gflops",
+            "gemm_fp32_gflops",
+            "gemm_gflops",
+        ],
+    )
     assert set(out["gemm_bf16_by_size"]) == set(out["gemm_fp32_by_size"]) == {"64", "128"}
 
 
 def test_latency(capsys, ckpts):
-    out = bench(capsys, "latency", "--model", ckpts["kimi_k3"], "--prompt-len", "64", "--output-len", "4",
-                "--reps", "1", *ENGINE, *SMALL_ROOF)
-    positive(out, ["decode_tok_s", "ttft_s", "prefill_tok_s", "decode_vs_bandwidth_roofline",
-                   "prefill_vs_gemm_roofline", "decode_roofline_tok_s", "prefill_roofline_tok_s",
-                   "decode_bytes_per_token", "prefill_flops_per_token", "bandwidth_gb_s", "gemm_gflops"])
+    out = bench(
+        capsys,
+        "latency",
+        "--model",
+        ckpts["kimi_k3"],
+        "--prompt-len",
+        "64",
+        "--output-len",
+        "4",
+        "--reps",
+        "1",
+        *ENGINE,
+        *SMALL_ROOF,
+    )
+    positive(
+        out,
+        [
+            "decode_tok_s",
+            "ttft_s",
+            "prefill_tok_s",
+            "decode_vs_bandwidth_roofline",
+            "prefill_vs_gemm_roofline",
+            "decode_roofline_tok_s",
+            "prefill_roofline_tok_s",
+            "decode_bytes_per_token",
+            "prefill_flops_per_token",
+            "bandwidth_gb_s",
+            "gemm_gflops",
+        ],
+    )
     assert out["decode_bytes"]["context"] == 64 + 2 and out["prefill_flops"]["prompt_len"] == 64
 
 
 def test_throughput(capsys, ckpts):
-    out = bench(capsys, "throughput", "--model", ckpts["kimi_k3"], "--num-prompts", "4", "--input-len", "16",
-                "--output-len", "3", "--concurrency", "1,4", *ENGINE)
+    out = bench(
+        capsys,
+        "throughput",
+        "--model",
+        ckpts["kimi_k3"],
+        "--num-prompts",
+        "4",
+        "--input-len",
+        "16",
+        "--output-len",
+        "3",
+        "--concurrency",
+        "1,4",
+        *ENGINE,
+    )
     assert [r["concurrency"] for r in out["rows"]] == [1, 4] and out["base_concurrency"] == 1
     for r in out["rows"]:
         positive(r, ["wall_s", "output_tok_s", "total_tok_s", "output_vs_base", "total_vs_base"])
@@ -69,8 +118,17 @@ def test_throughput(capsys, ckpts):
 
 
 def test_kda_scaling(capsys, ckpts):
-    out = bench(capsys, "kda-scaling", "--model", ckpts["kimi_k3"], "--lengths", "64,128",
-                "--max-num-batched-tokens", "64", *ENGINE)
+    out = bench(
+        capsys,
+        "kda-scaling",
+        "--model",
+        ckpts["kimi_k3"],
+        "--lengths",
+        "64,128",
+        "--max-num-batched-tokens",
+        "64",
+        *ENGINE,
+    )
     assert [r["length"] for r in out["rows"]] == [64, 128] and out["length_ratio"] == 2
     for r in out["rows"]:
         positive(r, ["total_s", "tok_s", "kda_s", "mla_s", "moe_s", "mlp_s"])
@@ -82,8 +140,19 @@ def test_kda_scaling(capsys, ckpts):
 
 @pytest.mark.parametrize("family", ["kimi_k3", "kimi_linear"])
 def test_vs_reference_agrees_in_fp32(capsys, ckpts, family):
-    out = bench(capsys, "vs-reference", "--model", ckpts[family], "--num-prompts", "2", "--input-len", "24",
-                "--output-len", "6", *ENGINE)
+    out = bench(
+        capsys,
+        "vs-reference",
+        "--model",
+        ckpts[family],
+        "--num-prompts",
+        "2",
+        "--input-len",
+        "24",
+        "--output-len",
+        "6",
+        *ENGINE,
+    )
     assert out["meta"]["dtype"] == "float32" and out["family"] == family
     positive(out, ["engine_s", "engine_tok_s", "reference_s", "reference_tok_s", "speedup_vs_reference"])
     assert out["agreement_vs_reference"] == 1.0

@@ -1,5 +1,6 @@
 """Choosing the KV budget (`size_layout`): the default is capped by what the workload can use,
 an explicit `kv_cache_memory` is honoured as given; exact expectations from the unit costs."""
+
 import logging
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 from deltaserve.cache import budget
 from deltaserve.cache.budget import CacheLayout, plan_layout, size_layout, unit_bytes
 from deltaserve.model.config import ModelConfig
-from deltaserve.model.tiny import make_tiny
+from deltaserve.tiny import make_tiny
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -20,13 +21,15 @@ def cfg(tmp_path_factory):
 
 def test_default_is_the_workload_cap_exactly(cfg, caplog):
     slot, page = unit_bytes(cfg, 16, BF16, F32)
-    assert (slot, page) == (28032, 2560)   # 3 KDA layers, 2 MLA layers of latent 40: the tiny K3
+    assert (slot, page) == (28032, 2560)  # 3 KDA layers, 2 MLA layers of latent 40: the tiny K3
     with caplog.at_level(logging.INFO, logger="deltaserve.cache.budget"):
         layout = size_layout(cfg, None, 16, 8192, 16, BF16)
     assert layout == CacheLayout(16, 16 * 512, 16, page, slot, BF16, F32, 0)
     assert layout.total_bytes == 16 * 512 * 2560 + 16 * 28032 == 21_420_032
-    assert "KV cache 20.4 MiB (default: what max_num_seqs=16 x max_model_len=8192 tokens can use, less " \
+    assert (
+        "KV cache 20.4 MiB (default: what max_num_seqs=16 x max_model_len=8192 tokens can use, less "
         "than 10% of RAM" in caplog.text
+    )
 
 
 def test_default_with_prefix_caching_doubles_pages_and_adds_checkpoints(cfg):
@@ -34,7 +37,7 @@ def test_default_with_prefix_caching_doubles_pages_and_adds_checkpoints(cfg):
     layout = size_layout(cfg, None, 4, 1000, 16, BF16, checkpoint_fraction=0.25)
     pages = 2 * 4 * 63
     live = pages * page + 4 * slot
-    n_ckpt = -(-live // (3 * slot))   # checkpoints are 1/4 of the total: 1/3 of the rest
+    n_ckpt = -(-live // (3 * slot))  # checkpoints are 1/4 of the total: 1/3 of the rest
     assert layout == CacheLayout(16, pages, 4, page, slot, BF16, F32, n_ckpt) and n_ckpt == 17
     assert n_ckpt * slot >= layout.total_bytes / 4 > (n_ckpt - 1) * slot
 
@@ -52,9 +55,11 @@ def test_explicit_fraction_is_of_ram(cfg, monkeypatch):
 
 
 def test_default_falls_back_to_the_ram_share_when_smaller(cfg, monkeypatch, caplog):
-    monkeypatch.setattr(budget, "total_ram_bytes", lambda: 10**8)   # 10 % = 10 MB < 20.4 MiB
+    monkeypatch.setattr(budget, "total_ram_bytes", lambda: 10**8)  # 10 % = 10 MB < 20.4 MiB
     with caplog.at_level(logging.INFO, logger="deltaserve.cache.budget"):
         layout = size_layout(cfg, None, 16, 8192, 16, BF16)
     assert layout == plan_layout(cfg, 10**7, 16, 8192, 16, BF16) and layout.num_pages < 16 * 512
-    assert "KV cache 9.5 MiB (default: 10% of RAM, less than the 20.4 MiB max_num_seqs=16 x " \
+    assert (
+        "KV cache 9.5 MiB (default: 10% of RAM, less than the 20.4 MiB max_num_seqs=16 x "
         "max_model_len=8192 tokens can use)" in caplog.text
+    )

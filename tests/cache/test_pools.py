@@ -1,12 +1,21 @@
 """Pools, sizing and the per-step paged view, against exact expectations and `DenseCache`."""
+
 import pytest
 import torch
 
-from deltaserve.cache import (CacheManager, ForwardBatch, KdaStatePool, MlaPagePool, OutOfPages,
-                              OutOfSlots, build_pools, plan_layout)
+from deltaserve.cache import (
+    CacheManager,
+    ForwardBatch,
+    KdaStatePool,
+    MlaPagePool,
+    OutOfPages,
+    OutOfSlots,
+    build_pools,
+    plan_layout,
+)
 from deltaserve.model import load_model
 from deltaserve.model.context import DenseCache
-from deltaserve.model.tiny import make_tiny
+from deltaserve.tiny import make_tiny
 
 
 def test_page_pool_refcounts_and_integrity():
@@ -30,8 +39,14 @@ def test_page_pool_refcounts_and_integrity():
 
 
 def test_slot_pool_zeroes_on_allocate_and_round_trips():
-    pool = KdaStatePool([0, 2], num_slots=2, tail_shape=(3, 12), state_shape=(2, 4, 4),
-                        tail_dtype=torch.bfloat16, state_dtype=torch.bfloat16)
+    pool = KdaStatePool(
+        [0, 2],
+        num_slots=2,
+        tail_shape=(3, 12),
+        state_shape=(2, 4, 4),
+        tail_dtype=torch.bfloat16,
+        state_dtype=torch.bfloat16,
+    )
     s = pool.allocate()
     slots = torch.tensor([s])
     tail, state = torch.randn(1, 3, 12), torch.randn(1, 2, 4, 4)
@@ -62,7 +77,7 @@ def test_plan_layout_budget_split_and_errors(k3):
     small = plan_layout(cfg, 10**7, max_num_seqs=4, max_model_len=64, page_size=16, kv_dtype=torch.bfloat16)
     assert small.total_bytes <= 10**7 < small.total_bytes + small.page_bytes
     tail_elems = (cfg.kda.conv_kernel - 1) * 3 * cfg.kda.proj_dim
-    state_elems = cfg.kda.num_heads * cfg.kda.head_dim ** 2
+    state_elems = cfg.kda.num_heads * cfg.kda.head_dim**2
     assert small.slot_bytes == len(cfg.kda_layer_ids) * (2 * tail_elems + 4 * state_elems)
     assert small.page_bytes == len(cfg.mla_layer_ids) * 16 * cfg.mla.latent_dim * 2
     assert small.num_slots == 4
@@ -99,13 +114,20 @@ def test_paged_batch_equals_dense_cache(k3):
     dense = DenseCache(2)
     done = [0, 0]
     for na, nb in chunks:
-        ids = torch.cat([a[done[0]:done[0] + na], b[done[1]:done[1] + nb]])
+        ids = torch.cat([a[done[0] : done[0] + na], b[done[1] : done[1] + nb]])
         want = k3(ids, dense.begin([na, nb]))
         dense.end()
         for s, n in ((0, na), (1, nb)):
             assert mgr.grow(s, done[s] + n)
-        fb = ForwardBatch(ids, list(done), [na, nb], [mgr.seqs[0].pages, mgr.seqs[1].pages],
-                          [mgr.seqs[0].slot, mgr.seqs[1].slot], mgr.mla, mgr.kda)
+        fb = ForwardBatch(
+            ids,
+            list(done),
+            [na, nb],
+            [mgr.seqs[0].pages, mgr.seqs[1].pages],
+            [mgr.seqs[0].slot, mgr.seqs[1].slot],
+            mgr.mla,
+            mgr.kda,
+        )
         got = k3(ids, fb.context())
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
         done = [done[0] + na, done[1] + nb]

@@ -1,5 +1,6 @@
 """Chained hashes and the prefix index: exact-boundary naming, salts, leaf-only LRU eviction,
 checkpoints pinning their units."""
+
 import torch
 
 from deltaserve.cache.hashing import extend_hashes, root_hash
@@ -27,8 +28,8 @@ def test_eviction_takes_leaves_and_respects_pins():
     hs = extend_hashes([], root_hash("m"), list(range(9)), 3)
     pages = mla.allocate(6)
     for k, h in enumerate(hs):
-        idx.add_unit(h, hs[k - 1] if k else None, pages[2 * k:2 * k + 2])
-    mla.release(pages)                      # the sequence finished: only the index holds them
+        idx.add_unit(h, hs[k - 1] if k else None, pages[2 * k : 2 * k + 2])
+    mla.release(pages)  # the sequence finished: only the index holds them
     slot = ck.allocate()
     idx.add_checkpoint(hs[1], slot)
     assert idx.match(hs) == (3, 2)
@@ -46,7 +47,7 @@ def test_shared_pages_are_never_evicted():
     idx = PrefixIndex(mla, ck)
     h = extend_hashes([], root_hash("m"), [1, 2], 2)
     pages = mla.allocate(1)
-    idx.add_unit(h[0], None, pages)         # still held by its running sequence
+    idx.add_unit(h[0], None, pages)  # still held by its running sequence
     idx.evict_pages(4)
     assert h[0] in idx.units and mla.refcount[pages[0]] == 2
 
@@ -64,7 +65,7 @@ def test_pinned_checkpoints_survive_eviction():
     mla.release(pages)
     idx.add_checkpoint(hs[0], ck.allocate())
     idx.add_checkpoint(hs[1], ck.allocate())
-    idx.pin_checkpoint(hs[0])                 # the LRU one
+    idx.pin_checkpoint(hs[0])  # the LRU one
     assert idx.evict_checkpoint() and list(idx.ckpts) == [hs[0]]
     assert not idx.evict_checkpoint(), "the only checkpoint left is pinned"
     idx.evict_pages(4)

@@ -2,13 +2,14 @@
 pool barely larger than one request, and a randomized workload (shared prefixes, staggered
 arrivals, aborts, preemption) run with the cache on and off: identical greedy tokens, exact
 `check_integrity()` throughout, and every page and slot free at the end."""
+
 import random
 
 import pytest
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.model.config import ModelConfig
-from deltaserve.model.tiny import make_tiny
+from deltaserve.tiny import make_tiny
 
 from .test_engine import budget_for
 
@@ -18,16 +19,34 @@ def ckpt(tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp("k3"), family="kimi_k3", preset="tiny", seed=21)
 
 
-def make(ckpt, prefix: bool, num_pages: int, num_ckpt_slots: int, page_size: int, unit: int,
-         max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int) -> LLM:
+def make(
+    ckpt,
+    prefix: bool,
+    num_pages: int,
+    num_ckpt_slots: int,
+    page_size: int,
+    unit: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+) -> LLM:
     cfg = ModelConfig.from_pretrained(ckpt)
     live = budget_for(cfg, max_num_seqs, num_pages, page_size)
     slot = budget_for(cfg, 1, 0, page_size)
     budget = live + (num_ckpt_slots * slot if prefix else 0)
-    return LLM(ckpt, dtype="float32", max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-               page_size=page_size, kv_cache_memory=budget, max_model_len=max_model_len, progress=False,
-               enable_prefix_caching=prefix, prefix_match_unit=unit,
-               checkpoint_fraction=num_ckpt_slots * slot / budget + 1e-9 if prefix else 0.0)
+    return LLM(
+        ckpt,
+        dtype="float32",
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        page_size=page_size,
+        kv_cache_memory=budget,
+        max_model_len=max_model_len,
+        progress=False,
+        enable_prefix_caching=prefix,
+        prefix_match_unit=unit,
+        checkpoint_fraction=num_ckpt_slots * slot / budget + 1e-9 if prefix else 0.0,
+    )
 
 
 def assert_all_free(llm: LLM) -> None:
@@ -45,8 +64,15 @@ def test_admission_keeps_what_its_own_hit_uses(ckpt):
     """C = A[:40] leaves a checkpoint at 32; A hits there and leaves units and a checkpoint at 96;
     B = A[:90] + 110 new tokens needs 13 of the 14 pages: taking them evicts LRU units and
     checkpoints, which must not include the checkpoint at 32 that B's own hit copies."""
-    kw = dict(num_pages=14, num_ckpt_slots=2, page_size=16, unit=16, max_num_seqs=2,
-              max_num_batched_tokens=256, max_model_len=220)
+    kw = dict(
+        num_pages=14,
+        num_ckpt_slots=2,
+        page_size=16,
+        unit=16,
+        max_num_seqs=2,
+        max_num_batched_tokens=256,
+        max_model_len=220,
+    )
     on, off = make(ckpt, True, **kw), make(ckpt, False, **kw)
     rng = random.Random(0)
     vocab = on.model.config.vocab_size
@@ -54,8 +80,10 @@ def test_admission_keeps_what_its_own_hit_uses(ckpt):
     b = a[:90] + [rng.randrange(vocab) for _ in range(110)]
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     for p in (a[:40], a, b):
-        assert on.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids == \
-            off.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        assert (
+            on.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids
+            == off.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        )
         on.check_integrity()
     pc = on.stats()["prefix_cache"]
     assert pc["hits"] == 2 and pc["hit_tokens"] == 64, "A and B both hit at 32"
@@ -72,7 +100,7 @@ def workload(vocab: int, seed: int, n: int):
     out, step = [], 0
     for i in range(n):
         step += rng.choice((0, 0, 0, 1, 2, 5))
-        stem = rng.choice(stems)[:rng.randrange(4, 50)]
+        stem = rng.choice(stems)[: rng.randrange(4, 50)]
         prompt = stem + [rng.randrange(vocab) for _ in range(rng.randrange(1, 14))]
         abort = step + rng.randrange(0, 12) if rng.random() < 0.125 else None
         out.append((step, str(i), prompt[:60], rng.randrange(1, 7), abort))
@@ -103,8 +131,9 @@ def run(llm: LLM, work) -> dict[str, list[int]]:
 def test_randomized_cache_pressure(ckpt, seed):
     """~100 requests per seed on a pool a few pages larger than one request (60 + 6 tokens = 17
     pages of 4): preemption, eviction of units and checkpoints, aborts mid-prefill and mid-decode."""
-    kw = dict(num_pages=21, num_ckpt_slots=3, page_size=4, unit=4, max_num_seqs=4,
-              max_num_batched_tokens=24, max_model_len=72)
+    kw = dict(
+        num_pages=21, num_ckpt_slots=3, page_size=4, unit=4, max_num_seqs=4, max_num_batched_tokens=24, max_model_len=72
+    )
     on, off = make(ckpt, True, **kw), make(ckpt, False, **kw)
     work = workload(on.model.config.vocab_size, seed, 100)
     got, want = run(on, work), run(off, work)

@@ -1,5 +1,6 @@
 """`EngineConfig`: one flag per field that round-trips, the CLI's defaults unchanged, frozen, and
 `LLM(**kw)` equal to `LLM.from_config(EngineConfig(**kw))`."""
+
 import argparse
 import dataclasses
 
@@ -8,7 +9,7 @@ import pytest
 from deltaserve import LLM, SamplingParams
 from deltaserve.engine.config import EngineConfig, add_engine_args, cli_fields, flag_dest, flag_name
 from deltaserve.model.config import ModelConfig
-from deltaserve.model.tiny import make_tiny
+from deltaserve.tiny import make_tiny
 from tests.engine.test_engine import budget_for, random_prompts
 
 # field -> (flag arguments, the config value they give); every value differs from the default
@@ -34,12 +35,26 @@ NON_DEFAULT = {
 }
 
 # the parsed defaults of the engine flags, written out: what the CLI has always defaulted to
-CLI_DEFAULTS = dict(dtype="bfloat16", max_num_seqs=16, max_num_batched_tokens=2048, page_size=16,
-                    max_model_len=8192, kv_cache_memory=None, threads=None, moe_weights="auto",
-                    enable_prefix_caching=False, prefix_match_unit=64, kda_checkpoint_policy="default",
-                    kda_checkpoint_interval=None, structured_thinking_budget=1024,
-                    kv_state_dtype="float32", skip_tokenizer_init=False, engine_seed=0, device="cpu",
-                    checkpoint_fraction=0.25)
+CLI_DEFAULTS = dict(
+    dtype="bfloat16",
+    max_num_seqs=16,
+    max_num_batched_tokens=2048,
+    page_size=16,
+    max_model_len=8192,
+    kv_cache_memory=None,
+    threads=None,
+    moe_weights="auto",
+    enable_prefix_caching=False,
+    prefix_match_unit=64,
+    kda_checkpoint_policy="default",
+    kda_checkpoint_interval=None,
+    structured_thinking_budget=1024,
+    kv_state_dtype="float32",
+    skip_tokenizer_init=False,
+    engine_seed=0,
+    device="cpu",
+    checkpoint_fraction=0.25,
+)
 
 
 def parse(flags: list[str]) -> argparse.Namespace:
@@ -75,8 +90,14 @@ def test_frozen_and_validated():
     cfg = EngineConfig(model="m")
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.max_num_seqs = 2
-    for bad in (dict(max_num_seqs=0), dict(page_size=0), dict(prefix_match_unit=0), dict(moe_weights="x"),
-                dict(max_model_len=-1), dict(enable_prefix_caching=True, checkpoint_fraction=1.0)):
+    for bad in (
+        dict(max_num_seqs=0),
+        dict(page_size=0),
+        dict(prefix_match_unit=0),
+        dict(moe_weights="x"),
+        dict(max_model_len=-1),
+        dict(enable_prefix_caching=True, checkpoint_fraction=1.0),
+    ):
         with pytest.raises(ValueError):
             EngineConfig(model="m", **bad)
 
@@ -84,8 +105,15 @@ def test_frozen_and_validated():
 def test_llm_kwargs_and_from_config_agree(tmp_path):
     ckpt = make_tiny(tmp_path / "k3", family="kimi_k3", preset="tiny", seed=3)
     cfg = ModelConfig.from_pretrained(ckpt)
-    kw = dict(dtype="float32", max_num_seqs=3, max_num_batched_tokens=19, page_size=4, max_model_len=64,
-              kv_cache_memory=budget_for(cfg, 3, 40, 4), progress=False)
+    kw = dict(
+        dtype="float32",
+        max_num_seqs=3,
+        max_num_batched_tokens=19,
+        page_size=4,
+        max_model_len=64,
+        kv_cache_memory=budget_for(cfg, 3, 40, 4),
+        progress=False,
+    )
     prompts = random_prompts(cfg.vocab_size, [7, 23, 12], seed=4)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     a = LLM(ckpt, **kw)

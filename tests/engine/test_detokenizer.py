@@ -1,13 +1,14 @@
 """IncrementalDetokenizer on a tiny checkpoint's tokenizer, against full re-decoding and a
 slow stop-string oracle written here."""
+
 import random
 
 import pytest
 
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.sampling_params import SamplingParams as SP
-from deltaserve.model.tiny import make_tiny
 from deltaserve.model.tokenizer import Tokenizer
+from deltaserve.tiny import make_tiny
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,7 @@ def test_random_ids_match_full_decode(tok):
                 assert not d.append(i)
                 full = tok.decode(ids[:k], skip)
                 assert full.startswith(d.text)
-                held = tok.decode_bytes(ids[:k], skip)[len(d.text.encode()):]
+                held = tok.decode_bytes(ids[:k], skip)[len(d.text.encode()) :]
                 assert len(held) < 4  # only an incomplete UTF-8 tail is ever held back
             d2, joined, _ = feed(tok, ids, params, delta_every=rnd.randint(1, 5))
             assert d2.text == joined == tok.decode(ids, skip)
@@ -111,7 +112,7 @@ def test_stop_string_across_tokens(tok, include):
     d, joined, used = feed(tok, ids, SP(stop=["zzz", stop], include_stop_str_in_output=include))
     want = "Hello world, this is the STOP mar" if include else "Hello world, this is "
     assert d.text == joined == want and d.stop_reason == stop
-    assert used < len(ids) and stop in tok.decode(ids[:used]) and stop not in tok.decode(ids[:used - 1])
+    assert used < len(ids) and stop in tok.decode(ids[:used]) and stop not in tok.decode(ids[: used - 1])
 
 
 def test_delta_holds_back_possible_stop_prefix(tok):
@@ -140,10 +141,10 @@ def test_random_stops_vs_oracle(tok):
     for _ in range(300):
         text = "".join(rnd.choice(alphabet) for _ in range(rnd.randint(1, 25)))
         ids = tok.encode(text)
-        stops = ["".join(rnd.choice(alphabet) for _ in range(rnd.randint(1, 3)))
-                 for _ in range(rnd.randint(1, 3))]
-        params = SP(stop=stops, include_stop_str_in_output=rnd.random() < 0.5,
-                    min_tokens=rnd.choice([0, 0, 3]), max_tokens=None)
+        stops = ["".join(rnd.choice(alphabet) for _ in range(rnd.randint(1, 3))) for _ in range(rnd.randint(1, 3))]
+        params = SP(
+            stop=stops, include_stop_str_in_output=rnd.random() < 0.5, min_tokens=rnd.choice([0, 0, 3]), max_tokens=None
+        )
         want_text, want_reason, want_used = oracle(tok, ids, params)
         d, joined, used = feed(tok, ids, params, delta_every=rnd.randint(1, 3))
         assert (d.text, d.stop_reason, used) == (want_text, want_reason, want_used), (text, stops)

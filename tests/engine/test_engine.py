@@ -1,5 +1,6 @@
 """The engine against the no-cache reference: greedy outputs equal repeated `forward_full`,
 under tiny chunk budgets and a page pool small enough to force preemptions."""
+
 import random
 
 import pytest
@@ -9,7 +10,7 @@ from deltaserve import LLM, SamplingParams
 from deltaserve.cache.budget import kda_shapes
 from deltaserve.cache.kda_pool import KdaStatePool
 from deltaserve.cache.mla_pool import MlaPagePool
-from deltaserve.model.tiny import make_tiny
+from deltaserve.tiny import make_tiny
 
 
 @pytest.fixture(scope="module", params=["kimi_k3", "kimi_linear"])
@@ -24,20 +25,28 @@ def budget_for(llm_cfg, num_seqs: int, num_pages: int, page_size: int, dtype=tor
     return num_seqs * slot + num_pages * page
 
 
-def make_llm(ckpt, num_pages=64, page_size=4, max_num_seqs=6, max_num_batched_tokens=23, max_model_len=96,
-             **kw) -> LLM:
+def make_llm(ckpt, num_pages=64, page_size=4, max_num_seqs=6, max_num_batched_tokens=23, max_model_len=96, **kw) -> LLM:
     from deltaserve.model.config import ModelConfig
+
     cfg = ModelConfig.from_pretrained(ckpt)
-    return LLM(ckpt, dtype="float32", max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-               page_size=page_size, kv_cache_memory=budget_for(cfg, max_num_seqs, num_pages, page_size),
-               max_model_len=max_model_len, progress=False, **kw)
+    return LLM(
+        ckpt,
+        dtype="float32",
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        page_size=page_size,
+        kv_cache_memory=budget_for(cfg, max_num_seqs, num_pages, page_size),
+        max_model_len=max_model_len,
+        progress=False,
+        **kw,
+    )
 
 
 def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
     ids = list(prompt)
     for _ in range(n):
         ids.append(int(model.forward_full(torch.tensor(ids)).argmax(-1)[-1]))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
@@ -67,8 +76,11 @@ def test_seeded_request_is_batch_invariant(ckpt):
     sampled = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
     alone = llm.generate([target], sampled, use_tqdm=False)[0].outputs[0].token_ids
     others = random_prompts(vocab, [30, 7, 19], seed=3)
-    mix = [SamplingParams(temperature=0.8, max_tokens=9), SamplingParams(temperature=0.0, max_tokens=5),
-           SamplingParams(temperature=1.3, seed=7, max_tokens=14)]
+    mix = [
+        SamplingParams(temperature=0.8, max_tokens=9),
+        SamplingParams(temperature=0.0, max_tokens=5),
+        SamplingParams(temperature=1.3, seed=7, max_tokens=14),
+    ]
     outs = llm.generate([others[0], target, others[1], others[2]], [mix[0], sampled, mix[1], mix[2]], use_tqdm=False)
     assert outs[1].outputs[0].token_ids == alone
     assert len(set(alone)) > 3, "sampling engaged"
@@ -78,8 +90,9 @@ def test_seeded_request_is_batch_invariant(ckpt):
 def test_n_samples_and_text(ckpt):
     llm = make_llm(ckpt, max_num_batched_tokens=64)
     tok = llm.get_tokenizer()
-    out = llm.generate("hello world", SamplingParams(n=3, seed=5, max_tokens=6, ignore_eos=True,
-                                                     logprobs=2), use_tqdm=False)[0]
+    out = llm.generate(
+        "hello world", SamplingParams(n=3, seed=5, max_tokens=6, ignore_eos=True, logprobs=2), use_tqdm=False
+    )[0]
     assert [o.index for o in out.outputs] == [0, 1, 2]
     assert out.prompt_token_ids == tok.encode("hello world", allow_special=True)
     for o in out.outputs:
@@ -125,8 +138,15 @@ def test_invalid_requests_rejected_and_engine_keeps_serving(ckpt):
         llm.generate([[]], use_tqdm=False)
     with pytest.raises(ValueError):
         llm.generate([[vocab]], use_tqdm=False)
-    for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(max_tokens=0), dict(n=0),
-                dict(repetition_penalty=0.0), dict(stop=[""]), dict(top_k=-2)):
+    for bad in (
+        dict(temperature=-1.0),
+        dict(top_p=0.0),
+        dict(max_tokens=0),
+        dict(n=0),
+        dict(repetition_penalty=0.0),
+        dict(stop=[""]),
+        dict(top_k=-2),
+    ):
         with pytest.raises(ValueError):
             llm.generate([good], SamplingParams(**bad), use_tqdm=False)
     assert llm.stats()["requests_added"] == 0, "nothing from a rejected call was queued"
@@ -140,33 +160,42 @@ def test_stop_token_and_stop_string(ckpt):
     llm = make_llm(ckpt, max_num_batched_tokens=64)
     tok = llm.get_tokenizer()
     prompt = random_prompts(llm.model.config.vocab_size, [12], seed=8)[0]
-    free = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0]
+    free = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
     stop_id = free.token_ids[4]
     first = free.token_ids.index(stop_id)
-    by_id = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id]),
-                         use_tqdm=False)[0].outputs[0]
-    assert by_id.token_ids == free.token_ids[:first + 1]
+    by_id = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id]), use_tqdm=False
+    )[0].outputs[0]
+    assert by_id.token_ids == free.token_ids[: first + 1]
     assert by_id.finish_reason == "stop" and by_id.stop_reason == stop_id
     text = free.text
-    needle = next(text[i:i + 2] for i in range(len(text) // 2, len(text) - 1)
-                  if text[i:i + 2].isprintable() and not text[i:i + 2].isspace() and "\ufffd" not in text[i:i + 2])
-    by_str = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop=[needle],
-                                                   ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    needle = next(
+        text[i : i + 2]
+        for i in range(len(text) // 2, len(text) - 1)
+        if text[i : i + 2].isprintable() and not text[i : i + 2].isspace() and "\ufffd" not in text[i : i + 2]
+    )
+    by_str = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=12, stop=[needle], ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert by_str.finish_reason == "stop" and by_str.stop_reason == needle
-    assert by_str.text == text[:text.index(needle)]
+    assert by_str.text == text[: text.index(needle)]
     with pytest.raises(ValueError):
-        LLM(ckpt, dtype="float32", skip_tokenizer_init=True, max_model_len=32, kv_cache_memory=10**7,
-            progress=False).generate([prompt], SamplingParams(stop=["x"]), use_tqdm=False)
+        LLM(
+            ckpt, dtype="float32", skip_tokenizer_init=True, max_model_len=32, kv_cache_memory=10**7, progress=False
+        ).generate([prompt], SamplingParams(stop=["x"]), use_tqdm=False)
     assert tok is not None
 
 
 def test_skip_tokenizer_init_token_prompts(ckpt, tmp_path):
     import shutil
+
     bare = tmp_path / "bare"
     shutil.copytree(ckpt, bare, ignore=shutil.ignore_patterns("tiktoken.model", "tokenizer_config.json"))
-    llm = LLM(bare, dtype=torch.float32, skip_tokenizer_init=True, max_model_len=32, kv_cache_memory=10**7,
-              progress=False)
+    llm = LLM(
+        bare, dtype=torch.float32, skip_tokenizer_init=True, max_model_len=32, kv_cache_memory=10**7, progress=False
+    )
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].token_ids == reference_greedy(llm.model, [5, 6, 7], 4)
     assert out[0].outputs[0].text == ""
@@ -178,9 +207,18 @@ def test_bf16_model_and_bf16_state_pool(ckpt):
     """bf16 weights/activations with a bf16 KDA state pool: the pools take the dtypes asked for,
     and the first greedy token (a pure prefill) equals the bf16 no-cache reference."""
     from deltaserve.model.config import ModelConfig
+
     cfg = ModelConfig.from_pretrained(ckpt)
-    llm = LLM(ckpt, dtype="bfloat16", kv_state_dtype=torch.bfloat16, max_num_seqs=2, page_size=4,
-              kv_cache_memory=budget_for(cfg, 2, 40, 4), max_model_len=64, progress=False)
+    llm = LLM(
+        ckpt,
+        dtype="bfloat16",
+        kv_state_dtype=torch.bfloat16,
+        max_num_seqs=2,
+        page_size=4,
+        kv_cache_memory=budget_for(cfg, 2, 40, 4),
+        max_model_len=64,
+        progress=False,
+    )
     assert llm.cache.kda.states.dtype == torch.bfloat16 and llm.cache.mla.storage.dtype == torch.bfloat16
     prompts = random_prompts(cfg.vocab_size, [9, 21], seed=12)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)

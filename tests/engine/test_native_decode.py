@@ -6,6 +6,7 @@ Three sequences share the pools with small scattered pages. Oracle: the PyTorch 
 token must be that oracle's argmax up to bf16 noise (near-ties decide differently under a
 different summation order, so exact token streams are not comparable; a mis-addressed slot or
 row gives tokens a whole logit or more below the max)."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -14,32 +15,49 @@ import pytest
 import torch
 
 from deltaserve import LLM, SamplingParams
-from deltaserve.model.kda_layer import KdaAttention
-from deltaserve.model.mla_layer import MlaAttention
-from deltaserve.model.moe_layer import MoeBlock
-from deltaserve.model.tiny import make_tiny
 from deltaserve.kernels.cpu import library as cpu_kernels
+from deltaserve.model import fused
+from deltaserve.model.fused import bound_ops
+from deltaserve.ops.backend import REFERENCE
+from deltaserve.ops.cpu_native import CpuNativeOps
+from deltaserve.tiny import make_tiny
 
 pytestmark = pytest.mark.skipif(cpu_kernels.native() is None, reason="native CPU kernels unavailable")
-TIE = 0.1   # logits within this of the max count as the argmax (bf16 noise; wrong tokens: > 1)
+TIE = 0.1  # logits within this of the max count as the argmax (bf16 noise; wrong tokens: > 1)
 
 
 def run(ckpt, prompts, monkeypatch, enabled: bool, max_num_seqs: int = 3):
     calls = Counter()
-    for name in ("kda_decode", "mla_decode", "moe_experts", "linear_bf16", "route", "kda_block", "moe_block",
-                 "mla_block"):
+    for name in (
+        "kda_decode",
+        "mla_decode",
+        "moe_experts",
+        "linear_bf16",
+        "route",
+        "kda_block",
+        "moe_block",
+        "mla_block",
+    ):
         real = getattr(cpu_kernels.NativeKernels, name)
 
         def counted(self, *a, _real=real, _name=name, **k):
             calls[_name] += 1
             return _real(self, *a, **k)
+
         monkeypatch.setattr(cpu_kernels.NativeKernels, name, counted)
     old = cpu_kernels.set_enabled(enabled)
     try:
-        llm = LLM(ckpt, dtype="bfloat16", max_num_seqs=max_num_seqs, page_size=4, max_num_batched_tokens=64,
-                  kv_cache_memory=32 * 2**20, max_model_len=128, progress=False)
-        outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
-                            use_tqdm=False)
+        llm = LLM(
+            ckpt,
+            dtype="bfloat16",
+            max_num_seqs=max_num_seqs,
+            page_size=4,
+            max_num_batched_tokens=64,
+            kv_cache_memory=32 * 2**20,
+            max_model_len=128,
+            progress=False,
+        )
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
         llm.check_integrity()
     finally:
         cpu_kernels.set_enabled(old)
@@ -47,18 +65,18 @@ def run(ckpt, prompts, monkeypatch, enabled: bool, max_num_seqs: int = 3):
 
 
 def without_blocks(monkeypatch):
-    """The module-by-module native path: no whole-block plans."""
-    for cls in (KdaAttention, MlaAttention, MoeBlock):
-        monkeypatch.setattr(cls, "_native_plan", lambda self, kernels: None)
+    """The module-by-module native path: models are prepared without whole-block plans."""
+    monkeypatch.setattr(
+        fused,
+        "select_ops",
+        lambda device, dtype, fuse_blocks=True: CpuNativeOps(cpu_kernels.native(), fuse_blocks=False),
+    )
 
 
 def gaps_to_oracle(llm, prompt: list[int], tokens: list[int]) -> list[float]:
     """max logit - logit of each generated token under the PyTorch path's full forward."""
-    old = cpu_kernels.set_enabled(False)
-    try:
-        logits = llm.model.forward_full(torch.tensor(prompt + tokens[:-1]))[len(prompt) - 1:]
-    finally:
-        cpu_kernels.set_enabled(old)
+    with bound_ops(llm.model, REFERENCE):
+        logits = llm.model.forward_full(torch.tensor(prompt + tokens[:-1]))[len(prompt) - 1 :]
     return (logits.max(-1).values - logits.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)).tolist()
 
 
@@ -73,13 +91,13 @@ def test_native_decode_matches_torch_paths_and_engages(tmp_path, monkeypatch, mx
     for prompt, a, b in zip(prompts, native, torch_path):
         assert max(gaps_to_oracle(llm, prompt, a)) < TIE
         assert max(gaps_to_oracle(llm, prompt, b)) < TIE
-    reversed_gaps = gaps_to_oracle(llm, prompts[0], native[0][::-1])   # the check can fail
+    reversed_gaps = gaps_to_oracle(llm, prompts[0], native[0][::-1])  # the check can fail
     assert max(reversed_gaps) > 10 * TIE
     without_blocks(monkeypatch)
     _, per_module, module_calls = run(ckpt, prompts, monkeypatch, True)
     assert module_calls["kda_decode"] > 0 and module_calls["route"] > 0 and module_calls["mla_decode"] > 0
     assert module_calls["kda_block"] == module_calls["mla_block"] == 0
-    assert per_module == native   # the block kernels compose the same kernels in the same order
+    assert per_module == native  # the block kernels compose the same kernels in the same order
 
 
 @pytest.mark.skipif(not getattr(cpu_kernels.native(), "amx", False), reason="AMX tiles unavailable")

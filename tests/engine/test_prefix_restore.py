@@ -1,13 +1,13 @@
 """Fail-closed restores: a KDA checkpoint is used only if its tag (prefix hash, token count,
 producer fingerprint) matches the restoring request; otherwise it is refused, counted, dropped
 and the request runs as a miss, with the same tokens as the cache off."""
+
 import dataclasses
 import random
 
 import pytest
 import torch
 
-from deltaserve import SamplingParams
 from deltaserve.cache.checkpoint_tag import CheckpointTag, state_fingerprint
 from deltaserve.cache.kda_pool import KdaStatePool
 
@@ -16,7 +16,8 @@ from .test_prefix_cache import GREEDY, make, tokens
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from deltaserve.model.tiny import make_tiny
+    from deltaserve.tiny import make_tiny
+
     return make_tiny(tmp_path_factory.mktemp("k3"), family="kimi_k3", preset="tiny", seed=21)
 
 
@@ -56,7 +57,9 @@ def test_corrupted_tag_is_refused_and_treated_as_a_miss(ckpt, field):
     bad = {"prefix_hash": bytes(32), "num_tokens": 16, "fingerprint": b"other"}
     pool.tags[slot] = None if field == "missing" else dataclasses.replace(tag, **{field: bad[field]})
     before = dict(on.stats()["prefix_cache"])
-    assert tokens(on.generate([follow], GREEDY, use_tqdm=False)) == tokens(off.generate([follow], GREEDY, use_tqdm=False))
+    assert tokens(on.generate([follow], GREEDY, use_tqdm=False)) == tokens(
+        off.generate([follow], GREEDY, use_tqdm=False)
+    )
     pc = on.stats()["prefix_cache"]
     assert pc["restore_refused"] - before["restore_refused"] == 1
     assert pc["hits"] == before["hits"], "no other checkpoint on the path: a cold prefill"
@@ -77,7 +80,9 @@ def test_swapped_states_are_never_restored(ckpt):
     idx = on.cache.index
     idx.ckpts[ha], idx.ckpts[hb] = sb, sa
     on.check_integrity()
-    assert tokens(on.generate([a2, b2], GREEDY, use_tqdm=False)) == tokens(off.generate([a2, b2], GREEDY, use_tqdm=False))
+    assert tokens(on.generate([a2, b2], GREEDY, use_tqdm=False)) == tokens(
+        off.generate([a2, b2], GREEDY, use_tqdm=False)
+    )
     assert on.stats()["prefix_cache"]["restore_refused"] == 2
     on.check_integrity()
 
@@ -93,10 +98,14 @@ def test_another_producer_fingerprint_refuses_every_state(ckpt):
     assert other != cache.fingerprint
     cache.fingerprint = other
     before = dict(on.stats()["prefix_cache"])
-    assert tokens(on.generate([follow], GREEDY, use_tqdm=False)) == tokens(off.generate([follow], GREEDY, use_tqdm=False))
+    assert tokens(on.generate([follow], GREEDY, use_tqdm=False)) == tokens(
+        off.generate([follow], GREEDY, use_tqdm=False)
+    )
     mid = dict(on.stats()["prefix_cache"])
     assert mid["restore_refused"] - before["restore_refused"] >= 1 and mid["hits"] == before["hits"]
-    assert tokens(on.generate([follow], GREEDY, use_tqdm=False)) == tokens(off.generate([follow], GREEDY, use_tqdm=False))
+    assert tokens(on.generate([follow], GREEDY, use_tqdm=False)) == tokens(
+        off.generate([follow], GREEDY, use_tqdm=False)
+    )
     after = on.stats()["prefix_cache"]
     assert after["hits"] - mid["hits"] == 1 and after["restore_refused"] == mid["restore_refused"]
     on.check_integrity()
@@ -109,10 +118,12 @@ def test_fingerprint_covers_model_dtype_layout_and_kernel():
     more = KdaStatePool([1, 3], 5, (3, 8), (2, 4, 4), torch.float32)
     fp = state_fingerprint("m", pool.tails, pool.states, "torch")
     assert fp == state_fingerprint("m", more.tails, more.states, "torch"), "slot count is not identity"
-    for other in (state_fingerprint("n", pool.tails, pool.states, "torch"),
-                  state_fingerprint("m", half.tails, half.states, "torch"),
-                  state_fingerprint("m", wide.tails, wide.states, "torch"),
-                  state_fingerprint("m", pool.tails, pool.states, "cpu-native")):
+    for other in (
+        state_fingerprint("n", pool.tails, pool.states, "torch"),
+        state_fingerprint("m", half.tails, half.states, "torch"),
+        state_fingerprint("m", wide.tails, wide.states, "torch"),
+        state_fingerprint("m", pool.tails, pool.states, "cpu-native"),
+    ):
         assert other != fp
 
 

@@ -1,4 +1,5 @@
 """Sampler against exact expectations and a slow, per-row float64 oracle written here."""
+
 import random
 
 import pytest
@@ -63,8 +64,14 @@ def test_greedy_is_argmax_first_on_ties():
 def test_input_untouched_and_empty_batch():
     logits = torch.randn(3, 10)
     before = logits.clone()
-    sampler(logits, [row(SP(repetition_penalty=1.5, presence_penalty=1), out=[1, 2]),
-                     row(SP(top_p=0.5, min_p=0.1)), row(SP(temperature=0), banned=[0])])
+    sampler(
+        logits,
+        [
+            row(SP(repetition_penalty=1.5, presence_penalty=1), out=[1, 2]),
+            row(SP(top_p=0.5, min_p=0.1)),
+            row(SP(temperature=0), banned=[0]),
+        ],
+    )
     assert torch.equal(logits, before)
     assert sampler(torch.empty(0, 10), []).token_ids == []
     with pytest.raises(ValueError):
@@ -72,13 +79,22 @@ def test_input_untouched_and_empty_batch():
 
 
 def test_penalties_exact():
-    logits = torch.tensor([[2.0, -1.0, 0.5, 0.0, -3.0, 1.0, 4.0],
-                           [2.0, -1.0, 0.5, 0.0, -3.0, 1.0, 4.0],
-                           [2.0, -1.0, 0.5, 0.0, -3.0, 1.0, 4.0]])
-    rows = [row(SP(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
-                prompt=[0, 1, 6], out=[2, 2, 4, 0, 2]),
-            row(prompt=[0, 1], out=[2, 2]),
-            row(SP(frequency_penalty=-1.0, presence_penalty=2.0), prompt=[1, 6], out=[3, 3, 5])]
+    logits = torch.tensor(
+        [
+            [2.0, -1.0, 0.5, 0.0, -3.0, 1.0, 4.0],
+            [2.0, -1.0, 0.5, 0.0, -3.0, 1.0, 4.0],
+            [2.0, -1.0, 0.5, 0.0, -3.0, 1.0, 4.0],
+        ]
+    )
+    rows = [
+        row(
+            SP(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
+            prompt=[0, 1, 6],
+            out=[2, 2, 4, 0, 2],
+        ),
+        row(prompt=[0, 1], out=[2, 2]),
+        row(SP(frequency_penalty=-1.0, presence_penalty=2.0), prompt=[1, 6], out=[3, 3, 5]),
+    ]
     got = Sampler.penalized_logits(logits, rows)
     for b, r in enumerate(rows):
         p, seen = r.params, set(r.prompt_ids) | set(r.output_ids)
@@ -96,10 +112,17 @@ def test_penalties_random_vs_oracle():
     V = 40
     rows, logits = [], torch.randn(6, V) * 3
     for _ in range(6):
-        rows.append(row(SP(repetition_penalty=rnd.choice([1.0, 0.7, 1.3]),
-                           frequency_penalty=rnd.uniform(-2, 2), presence_penalty=rnd.uniform(-2, 2)),
-                        prompt=[rnd.randrange(V) for _ in range(rnd.randint(0, 30))],
-                        out=[rnd.randrange(V) for _ in range(rnd.randint(0, 20))]))
+        rows.append(
+            row(
+                SP(
+                    repetition_penalty=rnd.choice([1.0, 0.7, 1.3]),
+                    frequency_penalty=rnd.uniform(-2, 2),
+                    presence_penalty=rnd.uniform(-2, 2),
+                ),
+                prompt=[rnd.randrange(V) for _ in range(rnd.randint(0, 30))],
+                out=[rnd.randrange(V) for _ in range(rnd.randint(0, 20))],
+            )
+        )
     got = Sampler.penalized_logits(logits, rows)
     for b, r in enumerate(rows):
         p, seen = r.params, set(r.prompt_ids) | set(r.output_ids)
@@ -115,8 +138,12 @@ def test_penalties_random_vs_oracle():
 def test_min_tokens_bans_stop_ids():
     logits = torch.tensor([[0.0, 1.0, 2.0, 9.0, 8.0]] * 4)
     p = SP(temperature=0, min_tokens=2)
-    rows = [row(p, banned=[3]), row(p, out=[1], banned=[3, 4]), row(p, out=[1, 1], banned=[3]),
-            row(SP(min_tokens=2, temperature=1.0), gen(0), banned=[3, 4])]
+    rows = [
+        row(p, banned=[3]),
+        row(p, out=[1], banned=[3, 4]),
+        row(p, out=[1, 1], banned=[3]),
+        row(SP(min_tokens=2, temperature=1.0), gen(0), banned=[3, 4]),
+    ]
     assert sampler(logits, rows).token_ids[:3] == [4, 2, 3]
     for s in range(50):
         rows[3].generator = gen(s)
@@ -125,8 +152,11 @@ def test_min_tokens_bans_stop_ids():
 
 def test_top_p_and_top_k_ties_exact():
     logits = torch.tensor([1.0, 1.0, 1.0, 0.0, -1.0])
-    kept = lambda p: (Sampler.sampling_probs(logits[None], [p])[0] > 0).nonzero().flatten().tolist()
-    assert kept(SP(top_p=0.5)) == [0, 1, 2]       # two of the tied tokens reach 0.5: all three kept
+
+    def kept(p):
+        return (Sampler.sampling_probs(logits[None], [p])[0] > 0).nonzero().flatten().tolist()
+
+    assert kept(SP(top_p=0.5)) == [0, 1, 2]  # two of the tied tokens reach 0.5: all three kept
     assert kept(SP(top_p=0.2)) == [0, 1, 2]
     assert kept(SP(top_p=0.95)) == [0, 1, 2, 3]
     assert kept(SP(top_k=2)) == [0, 1, 2]
@@ -134,7 +164,10 @@ def test_top_p_and_top_k_ties_exact():
     assert kept(SP(top_k=100)) == [0, 1, 2, 3, 4]
     assert kept(SP(min_p=0.5)) == [0, 1, 2]
     steep = torch.tensor([3.0, 2.0, 1.0, 0.0])  # probs ~ .644 .237 .087 .032
-    kept2 = lambda p: (Sampler.sampling_probs(steep[None], [p])[0] > 0).sum().item()
+
+    def kept2(p):
+        return (Sampler.sampling_probs(steep[None], [p])[0] > 0).sum().item()
+
     assert [kept2(SP(top_p=t)) for t in (0.5, 0.7, 0.9, 0.97, 1.0)] == [1, 2, 3, 4, 4]
 
 
@@ -146,8 +179,12 @@ def test_sampling_probs_vs_oracle():
         logits = torch.randn(V) * rnd.choice([0.5, 2.0, 5.0])
         if rnd.random() < 0.5:
             logits = (logits * 2).round() / 2  # many exact ties
-        p = SP(temperature=rnd.choice([0.3, 0.7, 1.0, 1.8]), top_p=rnd.choice([1.0, 0.3, 0.8, 0.95]),
-               top_k=rnd.choice([0, 1, 3, 10, 50]), min_p=rnd.choice([0.0, 0.05, 0.3]))
+        p = SP(
+            temperature=rnd.choice([0.3, 0.7, 1.0, 1.8]),
+            top_p=rnd.choice([1.0, 0.3, 0.8, 0.95]),
+            top_k=rnd.choice([0, 1, 3, 10, 50]),
+            min_p=rnd.choice([0.0, 0.05, 0.3]),
+        )
         if not near_boundary(logits, p):
             cases.append((logits, p))
     got = Sampler.sampling_probs(torch.stack([c[0] for c in cases]), [c[1] for c in cases])
@@ -213,10 +250,12 @@ def test_seeded_row_is_batch_invariant():
 def test_logprobs_are_raw_log_softmax():
     torch.manual_seed(3)
     logits = torch.randn(4, 50) * 3
-    rows = [row(SP(logprobs=0, temperature=0.5, repetition_penalty=1.5), gen(0), prompt=[1, 2]),
-            row(SP(logprobs=3, presence_penalty=2.0), gen(1), out=[4]),
-            row(SP(temperature=0)),
-            row(SP(logprobs=20, temperature=0, frequency_penalty=2.0), out=[int(logits[3].argmax())] * 3)]
+    rows = [
+        row(SP(logprobs=0, temperature=0.5, repetition_penalty=1.5), gen(0), prompt=[1, 2]),
+        row(SP(logprobs=3, presence_penalty=2.0), gen(1), out=[4]),
+        row(SP(temperature=0)),
+        row(SP(logprobs=20, temperature=0, frequency_penalty=2.0), out=[int(logits[3].argmax())] * 3),
+    ]
     out = sampler(logits, rows)
     lp = torch.log_softmax(logits, -1)
     assert out.logprobs[2] is None

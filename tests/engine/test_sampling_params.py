@@ -1,4 +1,5 @@
 """SamplingParams: vLLM defaults, normalisation, and validation that names field and range."""
+
 import math
 
 import pytest
@@ -8,8 +9,7 @@ from deltaserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams, Samp
 
 def test_defaults():
     p = SamplingParams()
-    assert (p.n, p.max_tokens, p.min_tokens, p.temperature, p.top_p, p.top_k, p.min_p) == \
-        (1, 16, 0, 1.0, 1.0, 0, 0.0)
+    assert (p.n, p.max_tokens, p.min_tokens, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 16, 0, 1.0, 1.0, 0, 0.0)
     assert (p.seed, p.stop, p.stop_token_ids, p.logprobs) == (None, [], [], None)
     assert (p.ignore_eos, p.include_stop_str_in_output, p.skip_special_tokens) == (False, False, True)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
@@ -17,8 +17,9 @@ def test_defaults():
 
 
 def test_normalisation():
-    p = SamplingParams(stop="END", stop_token_ids=(3, 4), top_k=-1, temperature=1, top_p=1,
-                       max_tokens=None, min_tokens=100)
+    p = SamplingParams(
+        stop="END", stop_token_ids=(3, 4), top_k=-1, temperature=1, top_p=1, max_tokens=None, min_tokens=100
+    )
     assert p.stop == ["END"] and p.stop_token_ids == [3, 4] and p.top_k == 0
     assert isinstance(p.temperature, float) and isinstance(p.top_p, float)
     assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
@@ -37,28 +38,54 @@ def test_stop_ids():
     assert SamplingParams(stop_token_ids=[7], ignore_eos=True).stop_ids({1, 2}) == {7}
 
 
-@pytest.mark.parametrize("field,value,fragment", [
-    ("n", 0, ">= 1"), ("n", True, ">= 1"), ("n", 1.0, ">= 1"),
-    ("max_tokens", 0, ">= 1"), ("max_tokens", False, ">= 1"), ("max_tokens", "8", ">= 1"),
-    ("min_tokens", -1, ">= 0"),
-    ("temperature", -0.1, ">= 0"), ("temperature", math.nan, ">= 0"), ("temperature", math.inf, ">= 0"),
-    ("temperature", True, ">= 0"), ("temperature", "1", ">= 0"), ("temperature", 10**400, ">= 0"),
-    ("top_p", 0.0, "(0, 1]"), ("top_p", 1.5, "(0, 1]"), ("top_p", math.nan, "(0, 1]"),
-    ("top_k", -2, ">= 1, or 0 / -1"), ("top_k", 2.0, ">= 1, or 0 / -1"), ("top_k", True, ">= 1"),
-    ("min_p", -0.1, "[0, 1]"), ("min_p", 1.1, "[0, 1]"),
-    ("seed", 1.5, "seed"), ("seed", True, "seed"), ("seed", 1 << 64, "seed"),
-    ("stop", "", "non-empty"), ("stop", ["a", ""], "non-empty"), ("stop", [1], "non-empty"),
-    ("stop", 5, "non-empty"),
-    ("stop_token_ids", [-1], ">= 0"), ("stop_token_ids", [True], ">= 0"), ("stop_token_ids", 3, ">= 0"),
-    ("ignore_eos", 1, "bool"), ("include_stop_str_in_output", None, "bool"),
-    ("skip_special_tokens", "yes", "bool"),
-    ("logprobs", -1, f"[0, {MAX_LOGPROBS}]"), ("logprobs", MAX_LOGPROBS + 1, f"[0, {MAX_LOGPROBS}]"),
-    ("logprobs", True, f"[0, {MAX_LOGPROBS}]"),
-    ("presence_penalty", 2.5, "[-2, 2]"), ("frequency_penalty", -2.1, "[-2, 2]"),
-    ("frequency_penalty", math.nan, "[-2, 2]"),
-    ("repetition_penalty", 0.0, "> 0"), ("repetition_penalty", -1.0, "> 0"),
-    ("repetition_penalty", math.inf, "> 0"),
-])
+@pytest.mark.parametrize(
+    "field,value,fragment",
+    [
+        ("n", 0, ">= 1"),
+        ("n", True, ">= 1"),
+        ("n", 1.0, ">= 1"),
+        ("max_tokens", 0, ">= 1"),
+        ("max_tokens", False, ">= 1"),
+        ("max_tokens", "8", ">= 1"),
+        ("min_tokens", -1, ">= 0"),
+        ("temperature", -0.1, ">= 0"),
+        ("temperature", math.nan, ">= 0"),
+        ("temperature", math.inf, ">= 0"),
+        ("temperature", True, ">= 0"),
+        ("temperature", "1", ">= 0"),
+        ("temperature", 10**400, ">= 0"),
+        ("top_p", 0.0, "(0, 1]"),
+        ("top_p", 1.5, "(0, 1]"),
+        ("top_p", math.nan, "(0, 1]"),
+        ("top_k", -2, ">= 1, or 0 / -1"),
+        ("top_k", 2.0, ">= 1, or 0 / -1"),
+        ("top_k", True, ">= 1"),
+        ("min_p", -0.1, "[0, 1]"),
+        ("min_p", 1.1, "[0, 1]"),
+        ("seed", 1.5, "seed"),
+        ("seed", True, "seed"),
+        ("seed", 1 << 64, "seed"),
+        ("stop", "", "non-empty"),
+        ("stop", ["a", ""], "non-empty"),
+        ("stop", [1], "non-empty"),
+        ("stop", 5, "non-empty"),
+        ("stop_token_ids", [-1], ">= 0"),
+        ("stop_token_ids", [True], ">= 0"),
+        ("stop_token_ids", 3, ">= 0"),
+        ("ignore_eos", 1, "bool"),
+        ("include_stop_str_in_output", None, "bool"),
+        ("skip_special_tokens", "yes", "bool"),
+        ("logprobs", -1, f"[0, {MAX_LOGPROBS}]"),
+        ("logprobs", MAX_LOGPROBS + 1, f"[0, {MAX_LOGPROBS}]"),
+        ("logprobs", True, f"[0, {MAX_LOGPROBS}]"),
+        ("presence_penalty", 2.5, "[-2, 2]"),
+        ("frequency_penalty", -2.1, "[-2, 2]"),
+        ("frequency_penalty", math.nan, "[-2, 2]"),
+        ("repetition_penalty", 0.0, "> 0"),
+        ("repetition_penalty", -1.0, "> 0"),
+        ("repetition_penalty", math.inf, "> 0"),
+    ],
+)
 def test_rejects(field, value, fragment):
     with pytest.raises(SamplingParamsError) as e:
         SamplingParams(**{field: value})
@@ -73,6 +100,15 @@ def test_min_tokens_le_max_tokens():
 
 
 def test_accepts_edges():
-    SamplingParams(top_p=1.0, min_p=1.0, logprobs=0, seed=-(1 << 63), presence_penalty=-2,
-                   frequency_penalty=2, repetition_penalty=0.01, temperature=0, top_k=10**6)
+    SamplingParams(
+        top_p=1.0,
+        min_p=1.0,
+        logprobs=0,
+        seed=-(1 << 63),
+        presence_penalty=-2,
+        frequency_penalty=2,
+        repetition_penalty=0.01,
+        temperature=0,
+        top_k=10**6,
+    )
     SamplingParams(logprobs=MAX_LOGPROBS, seed=(1 << 64) - 1)

@@ -4,6 +4,7 @@
 on, `num_computed += num_new`, one fake token for each sequence whose chunk completes it, and
 removal at `max_tokens`. A trace entry is `(request_id, num_new)`.
 """
+
 import pytest
 import torch
 
@@ -11,7 +12,7 @@ from deltaserve import SamplingParams
 from deltaserve.cache import CacheManager, KdaStatePool, MlaPagePool
 from deltaserve.cache.checkpoint_policy import CheckpointPolicy
 from deltaserve.engine.scheduler import Scheduler
-from deltaserve.engine.sequence import Sequence, SeqStatus
+from deltaserve.engine.sequence import SeqStatus, Sequence
 
 
 def _slots(n: int) -> KdaStatePool:
@@ -66,11 +67,13 @@ class Sim:
         return [s.request_id for s in queue]
 
 
-@pytest.mark.parametrize("budget, want", [
-    (8, [[("a", 8)], [("a", 2), ("b", 6)], [("a", 1), ("b", 1), ("c", 3)], [("b", 1), ("c", 1)]]),
-    (5, [[("a", 5)], [("a", 5)], [("a", 1), ("b", 4)], [("b", 3), ("c", 2)], [("b", 1), ("c", 1)],
-         [("c", 1)]]),
-])
+@pytest.mark.parametrize(
+    "budget, want",
+    [
+        (8, [[("a", 8)], [("a", 2), ("b", 6)], [("a", 1), ("b", 1), ("c", 3)], [("b", 1), ("c", 1)]]),
+        (5, [[("a", 5)], [("a", 5)], [("a", 1), ("b", 4)], [("b", 3), ("c", 2)], [("b", 1), ("c", 1)], [("c", 1)]]),
+    ],
+)
 def test_chunked_prefill_trace(budget, want):
     """Running sequences first (oldest first), then admission into the leftover budget; a prefill
     is split across steps, a decode takes one token."""
@@ -197,5 +200,9 @@ def test_prefix_hit_starts_at_hit_length():
     c = sim.add("c", prefix[:4] + [60, 61, 62], max_tokens=1)
     assert sim.step() == [("c", 4)] and c.num_computed == 4
     stats = sim.cache.prefix_stats()
-    assert {k: stats[k] for k in ("queries", "hits", "hit_tokens", "retention_misses")} == \
-        {"queries": 3, "hits": 1, "hit_tokens": 8, "retention_misses": 1}
+    assert {k: stats[k] for k in ("queries", "hits", "hit_tokens", "retention_misses")} == {
+        "queries": 3,
+        "hits": 1,
+        "hit_tokens": 8,
+        "retention_misses": 1,
+    }

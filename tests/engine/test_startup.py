@@ -1,5 +1,6 @@
 """What `LLM(...)` does at start-up: default pool sizes capped by the workload (an explicit budget
 as given), and the native kernel library built and loaded before any request."""
+
 import argparse
 import functools
 
@@ -8,8 +9,8 @@ import pytest
 from deltaserve import LLM, SamplingParams
 from deltaserve.cache.budget import plan_layout, workload_layout
 from deltaserve.engine.config import EngineConfig, add_engine_args
-from deltaserve.model.tiny import make_tiny
 from deltaserve.kernels.cpu import library as cpu_kernels
+from deltaserve.tiny import make_tiny
 
 
 @pytest.fixture(scope="module")
@@ -23,11 +24,21 @@ def test_default_pools_are_what_the_workload_can_use(ckpt):
     assert lay == workload_layout(cfg, 3, 200, 16, lay.kv_dtype)
     assert (llm.cache.mla.num_pages, llm.cache.kda.num_slots, llm.cache.ckpt_pool) == (3 * 13, 3, None)
     assert llm.cache.mla.storage.nbytes == 3 * 13 * lay.page_bytes
-    pre = LLM(ckpt, dtype="float32", max_num_seqs=3, max_model_len=200, progress=False,
-              enable_prefix_caching=True, prefix_match_unit=16)
-    assert pre.cache.mla.num_pages == 2 * 3 * 13 and pre.cache.ckpt_pool.num_slots == \
-        pre.layout.num_checkpoint_slots == workload_layout(cfg, 3, 200, 16, lay.kv_dtype, checkpoint_fraction=0.25
-                                                           ).num_checkpoint_slots
+    pre = LLM(
+        ckpt,
+        dtype="float32",
+        max_num_seqs=3,
+        max_model_len=200,
+        progress=False,
+        enable_prefix_caching=True,
+        prefix_match_unit=16,
+    )
+    assert (
+        pre.cache.mla.num_pages == 2 * 3 * 13
+        and pre.cache.ckpt_pool.num_slots
+        == pre.layout.num_checkpoint_slots
+        == workload_layout(cfg, 3, 200, 16, lay.kv_dtype, checkpoint_fraction=0.25).num_checkpoint_slots
+    )
 
 
 def test_explicit_budget_is_honoured(ckpt):
@@ -54,6 +65,7 @@ def test_native_kernels_load_at_start_up_not_on_the_first_request(ckpt, monkeypa
 
     def build(*a):
         raise AssertionError("the native library was built during a request")
+
     monkeypatch.setattr(cpu_kernels, "_build", build)
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4

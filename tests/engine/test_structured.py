@@ -1,5 +1,6 @@
 """Structured outputs (engine/structured.py): the bitmask op against a loop oracle, grammar masks
 against the tokenizer's own bytes, and constrained generation on a tiny random K3."""
+
 import json
 
 import pytest
@@ -8,17 +9,28 @@ import torch
 from deltaserve import LLM, SamplingParams
 from deltaserve.engine.sampling_params import SamplingParamsError
 from deltaserve.engine.sequence import InvalidRequestError
-from deltaserve.engine.structured import (GrammarCompiler, Special, StructuredOutput,
-                                          StructuredOutputError, apply_bitmask, tool_call_schema)
-from deltaserve.model.tiny import make_tiny
+from deltaserve.engine.structured import (
+    GrammarCompiler,
+    Special,
+    StructuredOutput,
+    StructuredOutputError,
+    apply_bitmask,
+    tool_call_schema,
+)
 from deltaserve.model.tokenizer import Tokenizer
+from deltaserve.tiny import make_tiny
 
-BOUNDED = {"type": "object", "additionalProperties": False, "required": ["city", "days", "metric"],
-           "properties": {"city": {"enum": ["Paris", "Oslo"]},
-                          "days": {"type": "integer", "minimum": 1, "maximum": 7},
-                          "metric": {"type": "boolean"}}}
-THINK_END = (Special("<|close|>"), "think", Special("<|sep|>"), Special("<|open|>"), "response",
-             Special("<|sep|>"))
+BOUNDED = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["city", "days", "metric"],
+    "properties": {
+        "city": {"enum": ["Paris", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "metric": {"type": "boolean"},
+    },
+}
+THINK_END = (Special("<|close|>"), "think", Special("<|sep|>"), Special("<|open|>"), "response", Special("<|sep|>"))
 
 
 def check_bounded(v) -> None:
@@ -54,8 +66,7 @@ def test_apply_bitmask_matches_loop_oracle():
     vocab, rows = 77, [0, 2, 3]
     x = torch.randn(5, vocab, generator=g)
     x[3] = float("-inf")  # row 3: everything banned -> refilled from the fallback
-    masks = [torch.randint(-2**31, 2**31 - 1, (3,), generator=g, dtype=torch.int64).to(torch.int32)
-             for _ in rows]
+    masks = [torch.randint(-(2**31), 2**31 - 1, (3,), generator=g, dtype=torch.int64).to(torch.int32) for _ in rows]
     fallback = torch.randn(len(rows), vocab, generator=g)
     out = x.clone()
     apply_bitmask(out, rows, masks, fallback)
@@ -112,19 +123,23 @@ def test_reasoning_prefix(tok, compiler):
             return bool(tok.token_bytes(i).decode("utf-8"))
         except UnicodeDecodeError:
             return False
+
     first = allowed(state, vocab)
     assert close in first and first - {close} <= plain  # free text: no other control token
     assert {i for i in plain if utf8(i)} <= first
-    for t in tok.encode("let me think") + tok.encode("<|close|>think<|sep|><|open|>response<|sep|>",
-                                                     allow_special=True):
+    for t in tok.encode("let me think") + tok.encode(
+        "<|close|>think<|sep|><|open|>response<|sep|>", allow_special=True
+    ):
         assert not state.advance(t)
     assert all(tok.token_bytes(i).startswith(b"{") for i in allowed(state, vocab))
     with pytest.raises(StructuredOutputError, match="control tokens"):
         compiler.compile(StructuredOutput.json(None, (Special("<|nope|>"),)))
 
 
-@pytest.mark.parametrize("schema", [{"type": "nonsense"}, {"$ref": "#/nope"}, {"type": "string", "pattern": "("},
-                                    {"type": "integer", "minimum": "a"}])
+@pytest.mark.parametrize(
+    "schema",
+    [{"type": "nonsense"}, {"$ref": "#/nope"}, {"type": "string", "pattern": "("}, {"type": "integer", "minimum": "a"}],
+)
 def test_invalid_schema(compiler, schema):
     with pytest.raises(StructuredOutputError, match="invalid JSON schema"):
         compiler.compile(StructuredOutput.json(schema))
@@ -143,8 +158,10 @@ def test_structured_output_value():
 
 
 def test_tool_call_schema():
-    tools = [{"type": "function", "function": {"name": "a", "parameters": BOUNDED}},
-             {"type": "function", "function": {"name": "b"}}]
+    tools = [
+        {"type": "function", "function": {"name": "a", "parameters": BOUNDED}},
+        {"type": "function", "function": {"name": "b"}},
+    ]
     assert tool_call_schema(tools, "a") == BOUNDED
     assert tool_call_schema(tools, "b") == {"type": "object"}
     req = tool_call_schema(tools)
@@ -156,16 +173,29 @@ def test_tool_call_schema():
 
 @pytest.fixture(scope="module")
 def llm(ckpt):
-    return LLM(ckpt, dtype="float32", max_num_seqs=4, max_num_batched_tokens=256, page_size=16,
-               kv_cache_memory=32 * 2**20, max_model_len=256, progress=False)
+    return LLM(
+        ckpt,
+        dtype="float32",
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        page_size=16,
+        kv_cache_memory=32 * 2**20,
+        max_model_len=256,
+        progress=False,
+    )
 
 
 def test_generate_bounded_json(llm):
     so = StructuredOutput.json(BOUNDED)
     prompts = ["Weather as JSON:", [5, 6, 7]]
-    outs = llm.generate(prompts, [SamplingParams(n=3, max_tokens=60, temperature=1.0, seed=3, structured=so),
-                                  SamplingParams(max_tokens=60, temperature=0, structured=so, min_tokens=50)],
-                        use_tqdm=False)
+    outs = llm.generate(
+        prompts,
+        [
+            SamplingParams(n=3, max_tokens=60, temperature=1.0, seed=3, structured=so),
+            SamplingParams(max_tokens=60, temperature=0, structured=so, min_tokens=50),
+        ],
+        use_tqdm=False,
+    )
     texts = [c for o in outs for c in o.outputs]
     assert len(texts) == 4
     for c in texts:

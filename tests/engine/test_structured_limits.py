@@ -1,6 +1,7 @@
 """Structured outputs decided at request time (schemas with no finite value, size and llguidance
 limits), grammar failures while decoding ("error", never "stop"), and reasoning budgets
 (engine/schema_check.py, engine/structured.py, engine/reasoning.py) on a tiny random K3."""
+
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -12,51 +13,87 @@ from deltaserve.engine.reasoning import ReasoningBudget
 from deltaserve.engine.sampling_params import SamplingParamsError
 from deltaserve.engine.schema_check import no_finite_instance
 from deltaserve.engine.sequence import InvalidRequestError
-from deltaserve.engine.structured import (MAX_SCHEMA_BYTES, GrammarCompiler, Special, StructuredOutput,
-                                          StructuredOutputError)
-from deltaserve.server.chat import render_chat
+from deltaserve.engine.structured import (
+    MAX_SCHEMA_BYTES,
+    GrammarCompiler,
+    Special,
+    StructuredOutput,
+    StructuredOutputError,
+)
+from deltaserve.server.chat.render import render_chat
 from tests.engine.test_structured import BOUNDED, THINK_END, check_bounded, ckpt, compiler, tok  # noqa: F401 (fixtures)
 
 SELF = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
 LOOP = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}
-LIST = {"$defs": {"node": {"type": "object", "required": ["v"],
-                           "properties": {"v": {"type": "integer"}, "next": {"$ref": "#/$defs/node"}}}},
-        "$ref": "#/$defs/node"}
+LIST = {
+    "$defs": {
+        "node": {
+            "type": "object",
+            "required": ["v"],
+            "properties": {"v": {"type": "integer"}, "next": {"$ref": "#/$defs/node"}},
+        }
+    },
+    "$ref": "#/$defs/node",
+}
 
 
-@pytest.mark.parametrize("schema,none", [
-    (SELF, True),
-    (LOOP, True),
-    ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, True),
-    ({"type": "object", "properties": {"a": {"type": "array", "items": {"$ref": "#"}, "minItems": 1}},
-      "required": ["a"]}, True),
-    ({"type": "array", "prefixItems": [{"type": "integer"}, {"$ref": "#"}], "minItems": 2}, True),
-    ({"allOf": [{"type": "integer"}, SELF]}, True),
-    ({"anyOf": [SELF, {"$ref": "#/anyOf/0"}]}, True),
-    ({"type": "object", "required": ["x"], "additionalProperties": False}, True),
-    ({"type": "object", "properties": {"a": {"$ref": "#"}}}, False),   # "a" optional: {} is finite
-    ({"type": "object", "properties": {"a": {"type": "array", "items": {"$ref": "#"}}},
-      "required": ["a"]}, False),                                       # {"a": []}
-    ({"type": ["object", "null"], "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, False),
-    ({"anyOf": [SELF, {"type": "null"}]}, False),
-    ({"properties": {"a": {"$ref": "#"}}, "required": ["a"]}, False),  # untyped: 1 is an instance
-    (LIST, False),
-    ({"type": "object", "properties": {"a": {"enum": [1]}, "b": {"$ref": "#/properties/a"}},
-      "required": ["a", "b"]}, False),
-])
+@pytest.mark.parametrize(
+    "schema,none",
+    [
+        (SELF, True),
+        (LOOP, True),
+        ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, True),
+        (
+            {
+                "type": "object",
+                "properties": {"a": {"type": "array", "items": {"$ref": "#"}, "minItems": 1}},
+                "required": ["a"],
+            },
+            True,
+        ),
+        ({"type": "array", "prefixItems": [{"type": "integer"}, {"$ref": "#"}], "minItems": 2}, True),
+        ({"allOf": [{"type": "integer"}, SELF]}, True),
+        ({"anyOf": [SELF, {"$ref": "#/anyOf/0"}]}, True),
+        ({"type": "object", "required": ["x"], "additionalProperties": False}, True),
+        ({"type": "object", "properties": {"a": {"$ref": "#"}}}, False),  # "a" optional: {} is finite
+        (
+            {"type": "object", "properties": {"a": {"type": "array", "items": {"$ref": "#"}}}, "required": ["a"]},
+            False,
+        ),  # {"a": []}
+        ({"type": ["object", "null"], "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, False),
+        ({"anyOf": [SELF, {"type": "null"}]}, False),
+        ({"properties": {"a": {"$ref": "#"}}, "required": ["a"]}, False),  # untyped: 1 is an instance
+        (LIST, False),
+        (
+            {
+                "type": "object",
+                "properties": {"a": {"enum": [1]}, "b": {"$ref": "#/properties/a"}},
+                "required": ["a", "b"],
+            },
+            False,
+        ),
+    ],
+)
 def test_no_finite_instance(schema, none):
     assert no_finite_instance(schema) is none
 
 
-
-
-@pytest.mark.parametrize("schema,match", [
-    (SELF, "no finite JSON value"),
-    (LOOP, "no finite JSON value"),
-    ({"type": "object", "properties": {"a": {"type": "array", "items": {"$ref": "#"}, "minItems": 1}},
-      "required": ["a"]}, "no finite JSON value"),
-    ({"type": "string", "pattern": "a" * MAX_SCHEMA_BYTES}, "too large"),
-])
+@pytest.mark.parametrize(
+    "schema,match",
+    [
+        (SELF, "no finite JSON value"),
+        (LOOP, "no finite JSON value"),
+        (
+            {
+                "type": "object",
+                "properties": {"a": {"type": "array", "items": {"$ref": "#"}, "minItems": 1}},
+                "required": ["a"],
+            },
+            "no finite JSON value",
+        ),
+        ({"type": "string", "pattern": "a" * MAX_SCHEMA_BYTES}, "too large"),
+    ],
+)
 def test_refused_at_compile(compiler, schema, match):
     with pytest.raises(StructuredOutputError, match=match):
         compiler.compile(StructuredOutput.json(schema))
@@ -66,8 +103,7 @@ def test_refused_at_compile(compiler, schema, match):
 
 def test_llguidance_limits(tok):
     """A pattern within the size cap but over the lexer budget is refused with llguidance's reason."""
-    small = GrammarCompiler(tok, tok.vocab_size, sorted(tok.stop_token_ids),
-                            limits={"initial_lexer_fuel": 100_000})
+    small = GrammarCompiler(tok, tok.vocab_size, sorted(tok.stop_token_ids), limits={"initial_lexer_fuel": 100_000})
     pattern = "^(" + "|".join(f"w{i}x" for i in range(15000)) + ")$"
     with pytest.raises(StructuredOutputError, match="invalid JSON schema: .*too big"):
         small.compile(StructuredOutput.json({"type": "string", "pattern": pattern}))
@@ -75,9 +111,17 @@ def test_llguidance_limits(tok):
 
 
 def test_compile_cache_is_thread_safe(compiler, tok):
-    schemas = [StructuredOutput.json({"type": "object", "properties": {f"k{i}": {"type": "integer"}},
-                                      "required": [f"k{i}"], "additionalProperties": False})
-               for i in range(6)]
+    schemas = [
+        StructuredOutput.json(
+            {
+                "type": "object",
+                "properties": {f"k{i}": {"type": "integer"}},
+                "required": [f"k{i}"],
+                "additionalProperties": False,
+            }
+        )
+        for i in range(6)
+    ]
     with ThreadPoolExecutor(4) as pool:
         states = list(pool.map(compiler.compile, schemas * 4))
     for j, state in enumerate(states):
@@ -110,19 +154,29 @@ def test_sampling_params_reasoning_fields():
     assert SamplingParams(structured=so, thinking_token_budget=3).reasoning_close == THINK_END
     assert SamplingParams(reasoning_end=list(THINK_END), thinking_token_budget=0).reasoning_end == THINK_END
     assert SamplingParams(reasoning_end=THINK_END).reasoning_close == THINK_END
-    for kw, match in [(dict(thinking_token_budget=4), "needs reasoning_end"),
-                      (dict(reasoning_end=THINK_END, thinking_token_budget=-1), "thinking_token_budget"),
-                      (dict(reasoning_end=THINK_END, thinking_token_budget=True), "thinking_token_budget"),
-                      (dict(reasoning_end=("think", Special("<|close|>"))), "starting with a Special"),
-                      (dict(reasoning_end=THINK_END[:2], structured=so), "prefix")]:
+    for kw, match in [
+        (dict(thinking_token_budget=4), "needs reasoning_end"),
+        (dict(reasoning_end=THINK_END, thinking_token_budget=-1), "thinking_token_budget"),
+        (dict(reasoning_end=THINK_END, thinking_token_budget=True), "thinking_token_budget"),
+        (dict(reasoning_end=("think", Special("<|close|>"))), "starting with a Special"),
+        (dict(reasoning_end=THINK_END[:2], structured=so), "prefix"),
+    ]:
         with pytest.raises(SamplingParamsError, match=match):
             SamplingParams(**kw)
 
 
 @pytest.fixture(scope="module")
 def llm(ckpt):
-    return LLM(ckpt, dtype="float32", max_num_seqs=4, max_num_batched_tokens=256, page_size=16,
-               kv_cache_memory=32 * 2**20, max_model_len=256, progress=False)
+    return LLM(
+        ckpt,
+        dtype="float32",
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        page_size=16,
+        kv_cache_memory=32 * 2**20,
+        max_model_len=256,
+        progress=False,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -141,13 +195,19 @@ def test_budget_closes_thinking_then_json(llm, think_prompt, budget):
     """Random weights never close the think element: the engine does, after `budget` tokens."""
     tok = llm.tokenizer
     end = tok.encode("<|close|>think<|sep|><|open|>response<|sep|>", allow_special=True)
-    sp = SamplingParams(n=3, max_tokens=80, seed=budget, temperature=1.0, thinking_token_budget=budget,
-                        structured=StructuredOutput.json(BOUNDED, THINK_END))
+    sp = SamplingParams(
+        n=3,
+        max_tokens=80,
+        seed=budget,
+        temperature=1.0,
+        thinking_token_budget=budget,
+        structured=StructuredOutput.json(BOUNDED, THINK_END),
+    )
     [out] = llm.generate([think_prompt], sp, use_tqdm=False)
     for c in out.outputs:
         reasoning, rest = split_reasoning(tok, c.token_ids)
-        assert len(reasoning) <= budget and rest[:len(end)] == end, c.text
-        check_bounded(json.loads(tok.decode(rest[len(end):])))
+        assert len(reasoning) <= budget and rest[: len(end)] == end, c.text
+        check_bounded(json.loads(tok.decode(rest[len(end) :])))
         assert c.finish_reason == "stop"
     assert not llm.engine.grammars and not llm.engine.budgets
     llm.check_integrity()
@@ -157,30 +217,36 @@ def test_default_budget_applies_to_structured_only(llm, think_prompt, monkeypatc
     tok = llm.tokenizer
     monkeypatch.setattr(llm.engine, "structured_thinking_budget", 4)
     so = StructuredOutput.json(BOUNDED, THINK_END)
-    [c] = llm.generate([think_prompt], SamplingParams(max_tokens=80, seed=3, structured=so),
-                       use_tqdm=False)[0].outputs
+    [c] = llm.generate([think_prompt], SamplingParams(max_tokens=80, seed=3, structured=so), use_tqdm=False)[0].outputs
     reasoning, rest = split_reasoning(tok, c.token_ids)
     assert len(reasoning) <= 4 and c.finish_reason == "stop"
-    check_bounded(json.loads(c.text[c.text.index("{"):]))
-    [free] = llm.generate([think_prompt], SamplingParams(max_tokens=20, seed=3, ignore_eos=True,
-                                                         reasoning_end=THINK_END),
-                          use_tqdm=False)[0].outputs
+    check_bounded(json.loads(c.text[c.text.index("{") :]))
+    [free] = llm.generate(
+        [think_prompt], SamplingParams(max_tokens=20, seed=3, ignore_eos=True, reasoning_end=THINK_END), use_tqdm=False
+    )[0].outputs
     assert len(free.token_ids) == 20 and free.finish_reason == "length"
     end = tok.encode("<|close|>think<|sep|><|open|>response<|sep|>", allow_special=True)
-    assert free.token_ids[4:4 + len(end)] != end  # unconstrained: no default budget
+    assert free.token_ids[4 : 4 + len(end)] != end  # unconstrained: no default budget
 
 
 def test_budget_without_constraint(llm, think_prompt):
     tok = llm.tokenizer
     end = tok.encode("<|close|>think<|sep|><|open|>response<|sep|>", allow_special=True)
-    sp = SamplingParams(n=4, max_tokens=30, seed=1, ignore_eos=True, reasoning_end=THINK_END,
-                        thinking_token_budget=6, skip_special_tokens=False)
+    sp = SamplingParams(
+        n=4,
+        max_tokens=30,
+        seed=1,
+        ignore_eos=True,
+        reasoning_end=THINK_END,
+        thinking_token_budget=6,
+        skip_special_tokens=False,
+    )
     forced = 0
     for c in llm.generate([think_prompt], sp, use_tqdm=False)[0].outputs:
         reasoning, rest = split_reasoning(tok, c.token_ids)
         assert c.finish_reason == "length" and len(reasoning) <= 6
         if len(reasoning) == 6:  # else a control token ended the reasoning by itself
-            assert rest[:len(end)] == end
+            assert rest[: len(end)] == end
             forced += 1
     assert forced
 
@@ -193,9 +259,12 @@ def test_grammar_failure_finishes_with_error(llm, monkeypatch):
 
     def execute(scheduled, rows):
         out = orig(scheduled, rows)
-        out.token_ids = [bad if r.grammar is not None and len(r.output_ids) == 2 else t
-                         for t, r in zip(out.token_ids, [r for r in rows if r is not None])]
+        out.token_ids = [
+            bad if r.grammar is not None and len(r.output_ids) == 2 else t
+            for t, r in zip(out.token_ids, [r for r in rows if r is not None])
+        ]
         return out
+
     monkeypatch.setattr(llm.engine.runner, "execute", execute)
     sp = SamplingParams(n=2, max_tokens=40, seed=1, structured=StructuredOutput.json(BOUNDED))
     outs = llm.generate(["x", [1, 2]], [sp, SamplingParams(max_tokens=4, seed=1)], use_tqdm=False)
@@ -221,6 +290,7 @@ def test_precompile_refuses_before_queueing(llm):
             llm.engine.precompile(SamplingParams(structured=StructuredOutput.json(BOUNDED)))
         except Exception as e:  # reported by the assert below
             errors.append(e)
+
     threads = [threading.Thread(target=worker) for _ in range(4)]
     for t in threads:
         t.start()

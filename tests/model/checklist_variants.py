@@ -1,6 +1,7 @@
 """Deliberately configurable re-implementations for the §18 checklist tests: each function
 evaluates one part of the model in float64 from the spec, with switches that produce the
 wrong variants the checklist names (see tests/model/test_checklist.py)."""
+
 import copy
 import dataclasses
 import functools
@@ -8,8 +9,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from deltaserve.model import kda_layer
 from deltaserve.model.context import ForwardContext
+from deltaserve.ops import backend as ops_backend
 from deltaserve.ops.norms import rms_norm
 from deltaserve.ops.reference import dense as RD
 from deltaserve.ops.reference import kda as RK
@@ -19,13 +20,14 @@ def params(module):
     return {n: p.detach().double() for n, p in module.named_parameters()}
 
 
-def walk(model, tokens, embed_scale=1.0, bank_before_mix=False, bank_h0=True, reset_to_h0=False,
-         res_norm_as_norm=False):
+def walk(
+    model, tokens, embed_scale=1.0, bank_before_mix=False, bank_h0=True, reset_to_h0=False, res_norm_as_norm=False
+):
     """Decoder stack written from spec §4/§5 pseudocode over the model's own Attn/FFN modules."""
     st, ctx = model.model, ForwardContext.single(len(tokens))
     h0 = st.embed_tokens(tokens) * embed_scale
     block = model.config.attn_res_block_size
-    if block is None:                   # plain residual (vs transformers: tests/model/test_forward.py)
+    if block is None:  # plain residual (vs transformers: tests/model/test_forward.py)
         return st.norm(functools.reduce(lambda h, layer: layer.forward_residual(h, ctx), st.layers, h0))
 
     def mix(cur, bank, proj, norm):
@@ -37,7 +39,7 @@ def walk(model, tokens, embed_scale=1.0, bank_before_mix=False, bank_h0=True, re
     bank, cur = [], h0
     for i, layer in enumerate(st.layers):
         boundary = i % block == 0
-        early = boundary and bank_before_mix and i > 0      # wrong: the finished block enters twice
+        early = boundary and bank_before_mix and i > 0  # wrong: the finished block enters twice
         if early:
             bank.append(cur)
         x_attn = cur if not bank else mix(cur, bank, layer.self_attention_res_proj, layer.self_attention_res_norm)
@@ -52,8 +54,18 @@ def walk(model, tokens, embed_scale=1.0, bank_before_mix=False, bank_h0=True, re
     return st.norm(mix(cur, bank, st.output_attn_res_proj, st.output_attn_res_norm))
 
 
-def kda_ref(layer, x, from_conv=(), gate_kind=None, per_head=False, read_before=False, l2_eps=1e-6,
-            eps_outside=False, scale=None, a_log=None):
+def kda_ref(
+    layer,
+    x,
+    from_conv=(),
+    gate_kind=None,
+    per_head=False,
+    read_before=False,
+    l2_eps=1e-6,
+    eps_outside=False,
+    scale=None,
+    a_log=None,
+):
     """Spec §6.2 in float64 -> (core output before o_norm [T, H, d], layer output [T, D], state)."""
     p, xd = params(layer), x.double()
     n, h, dk = x.shape[0], layer.num_heads, layer.head_dim
@@ -65,8 +77,9 @@ def kda_ref(layer, x, from_conv=(), gate_kind=None, per_head=False, read_before=
     else:
         q, k = RK.naive_l2_norm(q, l2_eps), RK.naive_l2_norm(k, l2_eps)
 
-    def src(what):          # wrong variant: read the conv output (tiny K3 has P == D)
+    def src(what):  # wrong variant: read the conv output (tiny K3 has P == D)
         return v.reshape(n, -1) if what in from_conv else xd
+
     f = ((src("g") @ p["f_a_proj.weight"].T) @ p["f_b_proj.weight"].T).view(n, h, dk)
     a = p["A_log"] if a_log is None else a_log.double()
     if (gate_kind or ("sigmoid" if layer.lower_bound is not None else "softplus")) == "sigmoid":
@@ -76,15 +89,16 @@ def kda_ref(layer, x, from_conv=(), gate_kind=None, per_head=False, read_before=
     if per_head:
         g = g.mean(-1, keepdim=True).expand_as(g)
     beta = torch.sigmoid(src("beta") @ p["b_proj.weight"].T)
-    sc = dk ** -0.5 if scale is None else scale
+    sc = dk**-0.5 if scale is None else scale
     o, s = RK.naive_recurrent_kda(q, k, v, g, beta, sc)
-    if read_before:                     # wrong: read the decayed state before the delta update
+    if read_before:  # wrong: read the decayed state before the delta update
         s_t = torch.zeros_like(s)
         for t in range(n):
             s_t = g[t].exp()[..., None] * s_t
             o[t] = sc * torch.einsum("hk,hkv->hv", q[t], s_t)
             s_t = s_t + beta[t][:, None, None] * torch.einsum(
-                "hk,hv->hkv", k[t], v[t] - torch.einsum("hk,hkv->hv", k[t], s_t))
+                "hk,hv->hkv", k[t], v[t] - torch.einsum("hk,hkv->hv", k[t], s_t)
+            )
     gx = src("gate")
     gate = gx @ p["g_proj.weight"].T if "g_proj.weight" in p else (gx @ p["g_a_proj.weight"].T) @ p["g_b_proj.weight"].T
     out = RD.naive_gated_rms_norm(o, p["o_norm.weight"], gate.view(n, h, dk), 1e-5, torch.float64)
@@ -94,8 +108,8 @@ def kda_ref(layer, x, from_conv=(), gate_kind=None, per_head=False, read_before=
 def run_kda(layer, x, monkeypatch):
     """(core output captured at the layer's o_norm, layer output)."""
     seen = []
-    real = kda_layer.gated_rms_norm
-    monkeypatch.setattr(kda_layer, "gated_rms_norm", lambda o, *a: seen.append(o) or real(o, *a))
+    real = ops_backend.gated_rms_norm  # the reference backend's KDA output norm
+    monkeypatch.setattr(ops_backend, "gated_rms_norm", lambda o, *a: seen.append(o) or real(o, *a))
     with torch.inference_mode():
         out = layer(x, ForwardContext.single(len(x)))
     return seen[0], out
@@ -132,16 +146,19 @@ def moe_ref(blk, x, scale, bias_in_weights=False, norm="after_sum"):
     shared = tuple(p[f"shared_experts.{n}_proj.weight"] for n in ("gate", "up", "down"))
     gate, bias = p["gate.weight"], p["gate.e_score_correction_bias"]
     if m.latent_size is None:
-        return RD.naive_moe(xd, gate, bias, *ex, m.top_k, shared, routed_scaling_factor=scale,
-                            bias_in_weights=bias_in_weights)
+        return RD.naive_moe(
+            xd, gate, bias, *ex, m.top_k, shared, routed_scaling_factor=scale, bias_in_weights=bias_in_weights
+        )
     act = functools.partial(RD.naive_situ_and_mul, beta=4.0, linear_beta=25.0)
     w, sel = RD.naive_route(xd, gate, bias, m.top_k, routed_scaling_factor=scale, bias_in_weights=bias_in_weights)
     z = xd @ p["routed_expert_down_proj.weight"].T
     nw = p["routed_expert_norm.weight"]
     if norm == "per_expert":
         one = torch.ones_like(w[:, :1])
-        r = sum(w[:, j:j + 1] * RD.naive_rms_norm(RD.naive_grouped_experts(z, sel[:, j:j + 1], one, *ex, act), nw, 1e-5)
-                for j in range(m.top_k))
+        r = sum(
+            w[:, j : j + 1] * RD.naive_rms_norm(RD.naive_grouped_experts(z, sel[:, j : j + 1], one, *ex, act), nw, 1e-5)
+            for j in range(m.top_k)
+        )
     else:
         r = RD.naive_grouped_experts(z, sel, w, *ex, act)
         r = r if norm == "none" else RD.naive_rms_norm(r, nw, 1e-5)
@@ -150,6 +167,7 @@ def moe_ref(blk, x, scale, bias_in_weights=False, norm="after_sum"):
 
 def block64(model, layer=2, **cfg):
     blk = copy.deepcopy(model.model.layers[layer].block_sparse_moe).double()
-    blk.gate.e_score_correction_bias.data *= 20                    # bias large enough to matter
+    blk.gate.e_score_correction_bias.data *= 20  # bias large enough to matter
     blk.cfg = dataclasses.replace(blk.cfg, **cfg)
+    blk.route_spec = dataclasses.replace(blk.route_spec, **cfg)  # the router's constants, taken at init
     return blk

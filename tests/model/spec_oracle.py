@@ -4,6 +4,7 @@ Independent of `deltaserve.model`: the checkpoint is read with `json` and `safet
 experts are decoded with the naive `deltaserve.ops.reference.mxfp4` oracle, and every formula
 below is the spec's, evaluated in float64 with plain loops (no bf16 rounding anywhere).
 """
+
 from __future__ import annotations
 
 import json
@@ -22,6 +23,7 @@ F64 = torch.float64
 class SpecCheckpoint:
     """Text config (a plain dict) and text tensors as float64, names without the family prefix
     (`layers.{i}.…`, `embed_tokens.weight`, `norm.weight`, `lm_head.weight`)."""
+
     family: str
     cfg: dict
     w: dict[str, torch.Tensor] = field(repr=False)
@@ -51,7 +53,7 @@ def load_spec_checkpoint(path: str | Path) -> SpecCheckpoint:
             for name in f.keys():
                 for p in strip:
                     if name.startswith(p):
-                        raw[name[len(p):]] = f.get_tensor(name)
+                        raw[name[len(p) :]] = f.get_tensor(name)
                         break
     w: dict[str, torch.Tensor] = {}
     for name, t in raw.items():
@@ -65,7 +67,7 @@ def load_spec_checkpoint(path: str | Path) -> SpecCheckpoint:
     heads = lin["num_heads"]
     for i in range(n_layers):
         key = f"layers.{i}.self_attn.A_log"
-        if key in w:                            # K3 [2H] zero-padded, Kimi-Linear [1, 1, H, 1]
+        if key in w:  # K3 [2H] zero-padded, Kimi-Linear [1, 1, H, 1]
             flat = w[key].reshape(-1)
             assert not flat[heads:].any()
             w[key] = flat[:heads]
@@ -74,10 +76,11 @@ def load_spec_checkpoint(path: str | Path) -> SpecCheckpoint:
 
 def sub(ck: SpecCheckpoint, prefix: str) -> dict[str, torch.Tensor]:
     """The tensors under `prefix`, keyed by the rest of their name."""
-    return {k[len(prefix):]: v for k, v in ck.w.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v for k, v in ck.w.items() if k.startswith(prefix)}
 
 
 # ---------------------------------------------------------------- §3, §10: norms, activations
+
 
 def rms_norm(x, weight, eps):
     """KimiRMSNorm (weight may be None: weightless)."""
@@ -100,11 +103,13 @@ def glu_act(cfg, gate, up):
 
 def glu_mlp(cfg, x, w, pre):
     """§11 dense MLP and the fused shared experts: down(act(gate x, up x))."""
-    return glu_act(cfg, x @ w[pre + "gate_proj.weight"].T, x @ w[pre + "up_proj.weight"].T) \
-        @ w[pre + "down_proj.weight"].T
+    return (
+        glu_act(cfg, x @ w[pre + "gate_proj.weight"].T, x @ w[pre + "up_proj.weight"].T) @ w[pre + "down_proj.weight"].T
+    )
 
 
 # ---------------------------------------------------------------- §6: KDA
+
 
 def kda(ck: SpecCheckpoint, i: int, x: torch.Tensor, l2_eps: float = 1e-6) -> torch.Tensor:
     """§6.2 token by token for one sequence x [T, D] (normalised layer input)."""
@@ -113,16 +118,15 @@ def kda(ck: SpecCheckpoint, i: int, x: torch.Tensor, l2_eps: float = 1e-6) -> to
     t_len, h, d = x.shape[0], lin["num_heads"], lin["head_dim"]
     width = lin["short_conv_kernel_size"]
 
-    def conv_silu(u, weight):                   # causal depthwise conv over pre-conv inputs
+    def conv_silu(u, weight):  # causal depthwise conv over pre-conv inputs
         u = torch.cat([u.new_zeros(width - 1, u.shape[1]), u])
-        y = sum(weight[:, 0, j] * u[j:j + t_len] for j in range(width))
+        y = sum(weight[:, 0, j] * u[j : j + t_len] for j in range(width))
         return y * sigmoid(y)
 
     def l2(v):
         return v / torch.sqrt((v * v).sum(-1, keepdim=True) + l2_eps)
 
-    q, k, v = (conv_silu(x @ w[f"{p}_proj.weight"].T, w[f"{p}_conv1d.weight"]).view(t_len, h, d)
-               for p in "qkv")
+    q, k, v = (conv_silu(x @ w[f"{p}_proj.weight"].T, w[f"{p}_conv1d.weight"]).view(t_len, h, d) for p in "qkv")
     q, k = l2(q), l2(k)
     f = ((x @ w["f_a_proj.weight"].T) @ w["f_b_proj.weight"].T).view(t_len, h, d)
     a = torch.exp(w["A_log"]).view(h, 1)
@@ -133,12 +137,12 @@ def kda(ck: SpecCheckpoint, i: int, x: torch.Tensor, l2_eps: float = 1e-6) -> to
         g = -a * torch.log1p(torch.exp(pre))
     beta = sigmoid(x @ w["b_proj.weight"].T)
     o = x.new_zeros(t_len, h, d)
-    s = x.new_zeros(h, d, d)                    # per head [key, value]
+    s = x.new_zeros(h, d, d)  # per head [key, value]
     for t in range(t_len):
         s = torch.exp(g[t])[:, :, None] * s
         pred = torch.einsum("hk,hkv->hv", k[t], s)
         s = s + beta[t, :, None, None] * torch.einsum("hk,hv->hkv", k[t], v[t] - pred)
-        o[t] = d ** -0.5 * torch.einsum("hk,hkv->hv", q[t], s)
+        o[t] = d**-0.5 * torch.einsum("hk,hkv->hv", q[t], s)
     if lin.get("use_full_rank_gate"):
         gate = x @ w["g_proj.weight"].T
     else:
@@ -149,13 +153,13 @@ def kda(ck: SpecCheckpoint, i: int, x: torch.Tensor, l2_eps: float = 1e-6) -> to
 
 # ---------------------------------------------------------------- §7: MLA (plain, NoPE)
 
+
 def mla(ck: SpecCheckpoint, i: int, x: torch.Tensor, latent_eps: float = 1e-6) -> torch.Tensor:
     """§7.2 for one causal sequence x [T, D]: k_rot shared by all heads and unrotated, scores
     scaled by (nope + rope)^-1/2, optional sigmoid output gate before o_proj."""
     cfg, w = ck.cfg, sub(ck, f"layers.{i}.self_attn.")
     t_len, h = x.shape[0], cfg["num_attention_heads"]
-    nope, rot, dv, r = (cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"],
-                        cfg["kv_lora_rank"])
+    nope, rot, dv, r = (cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"])
     if cfg.get("q_lora_rank") is not None:
         c_q = rms_norm(x @ w["q_a_proj.weight"].T, w["q_a_layernorm.weight"], latent_eps)
         q = c_q @ w["q_b_proj.weight"].T
@@ -172,13 +176,14 @@ def mla(ck: SpecCheckpoint, i: int, x: torch.Tensor, latent_eps: float = 1e-6) -
         k_h = torch.cat([kvb[:, hh, :nope], k_rot], -1)
         scores = (q[:, hh] @ k_h.T) * (nope + rot) ** -0.5
         heads.append(torch.softmax(scores.masked_fill(future, -torch.inf), -1) @ kvb[:, hh, nope:])
-    o = torch.cat(heads, -1)                                    # [T, H * dv]
+    o = torch.cat(heads, -1)  # [T, H * dv]
     if cfg.get("mla_use_output_gate"):
         o = o * sigmoid(x @ w["g_proj.weight"].T)
     return o @ w["o_proj.weight"].T
 
 
 # ---------------------------------------------------------------- §8-9: router and MoE
+
 
 def moe(ck: SpecCheckpoint, i: int, x: torch.Tensor) -> torch.Tensor:
     """§8 sigmoid router (bias selects, unbiased scores weigh) and §9 (latent) MoE, per token."""
@@ -196,9 +201,8 @@ def moe(ck: SpecCheckpoint, i: int, x: torch.Tensor) -> torch.Tensor:
         if cfg.get("moe_renormalize", True):
             weights = weights / (weights.sum() + 1e-20)
         weights = weights * cfg.get("routed_scaling_factor", 1.0)
-        w1, w3, w2 = (torch.stack([w[f"experts.{e}.{m}.weight"] for e in chosen])
-                      for m in ("w1", "w3", "w2"))
-        hid = glu_act(cfg, w1 @ z[n], w3 @ z[n])                    # [k, I]
+        w1, w3, w2 = (torch.stack([w[f"experts.{e}.{m}.weight"] for e in chosen]) for m in ("w1", "w3", "w2"))
+        hid = glu_act(cfg, w1 @ z[n], w3 @ z[n])  # [k, I]
         routed[n] = weights @ torch.einsum("kdi,ki->kd", w2, hid)
     if latent:
         if cfg.get("latent_moe_use_norm"):
@@ -211,15 +215,17 @@ def moe(ck: SpecCheckpoint, i: int, x: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------- §4-5: decoder, §2: head
 
+
 def attn_res_mix(cur, bank, proj, norm):
     """§5 Mix: softmax over [*bank, cur] of rmsnorm_weightless(X_s) . (n * p), mixes raw X."""
-    x = torch.stack([*bank, cur])                               # [S, T, D]
-    e = rms_norm(x, None, 1e-5) @ (norm * proj.reshape(-1))     # [S, T]
+    x = torch.stack([*bank, cur])  # [S, T, D]
+    e = rms_norm(x, None, 1e-5) @ (norm * proj.reshape(-1))  # [S, T]
     return (torch.softmax(e, 0)[..., None] * x).sum(0)
 
 
-def spec_logits(ck: SpecCheckpoint, ids: torch.Tensor, kda_l2_eps: float = 1e-6,
-                mla_latent_eps: float = 1e-6) -> torch.Tensor:
+def spec_logits(
+    ck: SpecCheckpoint, ids: torch.Tensor, kda_l2_eps: float = 1e-6, mla_latent_eps: float = 1e-6
+) -> torch.Tensor:
     """Float64 logits [T, vocab] of one sequence `ids` [T] (no cache)."""
     cfg, w = ck.cfg, ck.w
     eps = cfg["rms_norm_eps"]
@@ -237,17 +243,20 @@ def spec_logits(ck: SpecCheckpoint, ids: torch.Tensor, kda_l2_eps: float = 1e-6,
 
     h = w["embed_tokens.weight"][ids]
     block = cfg.get("attn_res_block_size")
-    if block is None:                                           # §4 plain pre-norm
+    if block is None:  # §4 plain pre-norm
         for i in range(cfg["num_hidden_layers"]):
             h = h + attn(i, h)
             h = h + ffn(i, h)
-    else:                                                       # §5 Block AttnRes
+    else:  # §5 Block AttnRes
         bank: list[torch.Tensor] = []
         cur = h
         for i in range(cfg["num_hidden_layers"]):
             lw = sub(ck, f"layers.{i}.")
-            x_attn = cur if not bank else attn_res_mix(
-                cur, bank, lw["self_attention_res_proj.weight"], lw["self_attention_res_norm.weight"])
+            x_attn = (
+                cur
+                if not bank
+                else attn_res_mix(cur, bank, lw["self_attention_res_proj.weight"], lw["self_attention_res_norm.weight"])
+            )
             if i % block == 0:
                 bank.append(cur)
                 cur = None

@@ -1,11 +1,16 @@
-"""The bf16 prefill path of the routed experts (`StackedExperts._grouped_native`: gathered rows,
+"""The bf16 prefill path of the routed experts (`CpuNativeOps.grouped_experts`: gathered rows,
 fused gate+up GEMM, native GLU and slot-order combination) against `ops.moe.grouped_experts`."""
+
 import pytest
 import torch
 
-from deltaserve.model.experts import FUSED_MAX_TOKENS, StackedExperts
 from deltaserve.kernels.cpu import library as cpu_kernels
+from deltaserve.model.experts import StackedExperts
+from deltaserve.model.fused import prepare_model
 from deltaserve.ops.activations import situ_and_mul
+from deltaserve.ops.backend import GluAct
+from deltaserve.ops.cpu_dense import FUSED_MAX_TOKENS
+from deltaserve.ops.cpu_native import CpuNativeOps
 from deltaserve.ops.moe import grouped_experts
 from deltaserve.ops.mxfp4 import mxfp4_decode, mxfp4_encode
 
@@ -16,7 +21,7 @@ E, WIDTH, D, TOP_K = 6, 64, 96, 3
 
 
 def _experts(packed: bool, gen: torch.Generator) -> tuple[StackedExperts, tuple]:
-    mod = StackedExperts(E, WIDTH, D, "situ", 4.0, 25.0)
+    mod = StackedExperts(E, WIDTH, D)
     dense = []
     for name in ("w1", "w3", "w2"):
         shape = getattr(mod, name).shape
@@ -28,27 +33,28 @@ def _experts(packed: bool, gen: torch.Generator) -> tuple[StackedExperts, tuple]
             mod.set_packed(name, torch.stack([p for p, _ in enc]), torch.stack([s for _, s in enc]), BF)
         else:
             getattr(mod, name).data = w
+    prepare_model(mod, CpuNativeOps(NK))
     return mod, tuple(dense)
 
 
 @pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
 def test_prefill_experts_match_grouped_experts(packed, amx, monkeypatch):
-    """Without AMX tiles prefill batches take `_grouped_native`; with them the fused tile kernel."""
+    """Without AMX tiles prefill batches take `grouped_experts`; with them the fused tile kernel."""
     if amx and not NK.amx:
         pytest.skip("AMX tiles unavailable")
     gen = torch.Generator().manual_seed(3)
     mod, dense = _experts(packed, gen)
     n = 3 * FUSED_MAX_TOKENS + 5
     x = torch.randn(n, D, generator=gen).to(BF)
-    ids = torch.randint(0, E - 1, (n, TOP_K), generator=gen)      # expert E-1 never chosen
+    ids = torch.randint(0, E - 1, (n, TOP_K), generator=gen)  # expert E-1 never chosen
     ids[:, 1] = (ids[:, 0] + 1) % (E - 1)
     ids[:, 2] = (ids[:, 0] + 2) % (E - 1)
     w = torch.rand(n, TOP_K, generator=gen)
     calls = []
-    real = StackedExperts._grouped_native
-    monkeypatch.setattr(StackedExperts, "_grouped_native", lambda self, *a: calls.append(1) or real(self, *a))
-    act = lambda g, u: situ_and_mul(g, u, 4.0, 25.0)  # noqa: E731
+    real = CpuNativeOps.grouped_experts
+    monkeypatch.setattr(CpuNativeOps, "grouped_experts", lambda self, *a: calls.append(1) or real(self, *a))
+    act = GluAct("situ", 4.0, 25.0)
     old, before = NK.set_amx(amx), NK.amx_uses()
     try:
         got = mod(x, ids, w, act)
@@ -67,7 +73,7 @@ def test_prefill_experts_match_grouped_experts(packed, amx, monkeypatch):
 
 def test_moe_combine_is_the_slot_order_fp32_sum():
     gen = torch.Generator().manual_seed(5)
-    n, k, d = 37, 4, 3000                          # d spans two column blocks
+    n, k, d = 37, 4, 3000  # d spans two column blocks
     ys = torch.randn(n * k, d, generator=gen).to(BF)
     perm = torch.randperm(n * k, generator=gen).view(n, k)
     w = torch.rand(n, k, generator=gen)
@@ -89,6 +95,6 @@ def test_glu_rows_on_strided_halves(act_kind):
     got = NK.glu_rows(g, u, act_kind, 4.0, lb)
     ref = situ_and_mul(g, u, 4.0, 25.0) if lb else torch.nn.functional.silu(g) * u
     diff = (got.float() - ref.float()).abs()
-    ulp = ref.float().abs().clamp_min(1e-30) * 2.0 ** -7
+    ulp = ref.float().abs().clamp_min(1e-30) * 2.0**-7
     assert bool((diff <= ulp).all())
     assert (got == ref).float().mean() > 0.99

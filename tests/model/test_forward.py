@@ -1,12 +1,13 @@
 """forward_full on tiny checkpoints vs independent paths: a cached second path (prefill a prefix,
 then decode the rest token by token with the recurrent KDA step and absorbed MLA), causality,
 and for Kimi-Linear the `transformers` implementation on identical weights."""
+
 import pytest
 import torch
 
 from deltaserve.model import load_model
 from deltaserve.model.context import DenseCache
-from deltaserve.model.tiny import make_tiny
+from deltaserve.tiny import make_tiny
 
 CASES = [("kimi_k3", False), ("kimi_k3", True), ("kimi_linear", False)]
 
@@ -48,7 +49,7 @@ def test_prefill_then_decode_matches_full(model):
     for t in range(50, 80):
         ctx = cache.begin([1])
         assert cache.decode_only
-        rows.append(model.compute_logits(model(ids[t:t + 1], ctx)))
+        rows.append(model.compute_logits(model(ids[t : t + 1], ctx)))
         cache.end()
     torch.testing.assert_close(torch.cat(rows), full, rtol=1e-4, atol=1e-4)
 
@@ -62,7 +63,7 @@ def test_packed_chunks_match_full(model):
     for la, lb in [(17, 5), (64, 27), (9, 1)]:
         sa, sb = sum(len(x) for x in out_a), sum(len(x) for x in out_b)
         ctx = cache.begin([la, lb])
-        h = model.compute_logits(model(torch.cat([a[sa:sa + la], b[sb:sb + lb]]), ctx))
+        h = model.compute_logits(model(torch.cat([a[sa : sa + la], b[sb : sb + lb]]), ctx))
         cache.end()
         out_a.append(h[:la])
         out_b.append(h[la:])

@@ -1,5 +1,6 @@
 """The module tree built from the real configs has the published parameter counts (spec §1.3),
 checked on the meta device (no memory)."""
+
 import torch
 
 from deltaserve.model import KimiForCausalLM, ModelConfig

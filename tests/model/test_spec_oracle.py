@@ -1,5 +1,6 @@
 """`KimiForCausalLM.forward_full` (fp32) against the float64 spec oracle in `spec_oracle`, which
 reads the checkpoint on its own and evaluates spec/model.md formula by formula."""
+
 import json
 from pathlib import Path
 
@@ -8,14 +9,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deltaserve.model import load_model
-from deltaserve.model.tiny import make_tiny
+from deltaserve.tiny import make_tiny
 
 from .spec_oracle import load_spec_checkpoint, spec_logits
 
 # max |model - oracle| / max |oracle|, fp32 model, 70-100 tokens, seeds 0-5: K3 2.1e-6..7.2e-6
 # (8.3e-6 on the shrunk checkpoints below), Kimi-Linear 1.1e-6..2.3e-6. About 2x headroom.
 TOL = {"kimi_k3": 1.5e-5, "kimi_linear": 5e-6}
-N_TOKENS = 72                       # crosses the KDA chunk size 64
+N_TOKENS = 72  # crosses the KDA chunk size 64
 CASES = [("kimi_k3", False, 0), ("kimi_k3", True, 0), ("kimi_linear", False, 1)]
 
 
@@ -34,12 +35,12 @@ def build(tmp_path_factory):
 
     def get(family, mxfp4, seed):
         if (family, mxfp4, seed) not in cache:
-            out = make_tiny(tmp_path_factory.mktemp(family), family=family, preset="tiny",
-                            mxfp4=mxfp4, seed=seed)
+            out = make_tiny(tmp_path_factory.mktemp(family), family=family, preset="tiny", mxfp4=mxfp4, seed=seed)
             ck = load_spec_checkpoint(out)
             ids = token_ids(ck.cfg["vocab_size"], N_TOKENS, seed)
             cache[family, mxfp4, seed] = out, ck, ids, spec_logits(ck, ids)
         return cache[family, mxfp4, seed]
+
     return get
 
 
@@ -72,7 +73,7 @@ def shrink_normed_inputs(path: Path, factor: float) -> None:
         for name, t in tensors.items():
             w = t.float().clone()
             if name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
-                if name.replace("_proj", "_conv1d") in weight_map:      # KDA, not Kimi-Linear MLA
+                if name.replace("_proj", "_conv1d") in weight_map:  # KDA, not Kimi-Linear MLA
                     w *= factor
             elif name.endswith("self_attn.q_a_proj.weight"):
                 w *= factor

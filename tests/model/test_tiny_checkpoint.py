@@ -1,6 +1,7 @@
 """`make_tiny` writes the real Hugging Face layout: file names, tensor names/dtypes/shapes of
 spec/model.md §15.2-15.3, MXFP4 packing, sharding and index, determinism, tokenizer files that
 tiktoken loads, and (Kimi-Linear) a checkpoint `transformers` loads with no missing keys."""
+
 import hashlib
 import json
 import re
@@ -11,18 +12,24 @@ from safetensors import safe_open
 
 from deltaserve.cli import main
 from deltaserve.model.config import ModelConfig
-from deltaserve.model.tiny import make_tiny
 from deltaserve.ops.mxfp4 import mxfp4_decode
+from deltaserve.tiny import make_tiny
 
 K3 = "language_model.model.layers."
-KIMI_PAT = "|".join([
-    r"[\p{Han}]+",
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-    r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+",
-])
+KIMI_PAT = "|".join(
+    [
+        r"[\p{Han}]+",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    ]
+)
 
 
 def tensors(path):
@@ -48,13 +55,17 @@ def ckpts(tmp_path_factory):
 def test_files_shards_and_index(ckpts, key):
     path = ckpts[key]
     names = {p.name for p in path.iterdir()}
-    assert {"config.json", "generation_config.json", "model.safetensors.index.json", "tiktoken.model",
-            "tokenizer_config.json"} <= names
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors.index.json",
+        "tiktoken.model",
+        "tokenizer_config.json",
+    } <= names
     assert ("chat_template.jinja" in names) == (key == "kl")
     shards = sorted(n for n in names if n.endswith(".safetensors"))
     assert len(shards) >= 2
-    assert all(re.fullmatch(rf"model-{i + 1:05d}-of-{len(shards):05d}\.safetensors", n)
-               for i, n in enumerate(shards))
+    assert all(re.fullmatch(rf"model-{i + 1:05d}-of-{len(shards):05d}\.safetensors", n) for i, n in enumerate(shards))
     index = json.loads((path / "model.safetensors.index.json").read_text())
     held, total = {}, 0
     for fname in shards:
@@ -123,7 +134,7 @@ def test_k3_mxfp4_packing_equals_bf16_variant(ckpts):
     assert mx[pre + "w2.weight_packed"].shape == (32, 16) and pre + "w2.weight" not in mx
     for name, w in bf16.items():
         if ".experts." in name:
-            base = name[:-len(".weight")]
+            base = name[: -len(".weight")]
             got = mxfp4_decode(mx[base + ".weight_packed"], mx[base + ".weight_scale"], torch.bfloat16)
             assert torch.equal(got, w), name
         else:
@@ -167,17 +178,19 @@ def test_kimi_linear_names_dtypes_shapes(ckpts):
 def test_deterministic_in_seed(ckpts, tmp_path):
     def digest(path):
         return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in path.glob("*.safetensors")}
+
     assert digest(make_tiny(tmp_path / "again", "kimi_k3", seed=5)) == digest(ckpts["k3"])
     other = tensors(make_tiny(tmp_path / "other", "kimi_k3", seed=6))
     ref = tensors(ckpts["k3"])
-    assert not torch.equal(other["language_model.model.embed_tokens.weight"],
-                           ref["language_model.model.embed_tokens.weight"])
+    assert not torch.equal(
+        other["language_model.model.embed_tokens.weight"], ref["language_model.model.embed_tokens.weight"]
+    )
 
 
 def test_init_gives_meaningful_decays(ckpts):
     t = tensors(ckpts["k3"])
     a, dt = t[K3 + "0.self_attn.A_log"][:2], t[K3 + "0.self_attn.dt_bias"]
-    g = -5.0 * torch.sigmoid(torch.exp(a).repeat_interleave(32) * dt)        # f = 0
+    g = -5.0 * torch.sigmoid(torch.exp(a).repeat_interleave(32) * dt)  # f = 0
     assert (g < -1e-3).all() and (g > -2.0).all()
     kl = tensors(ckpts["kl"])
     a, dt = kl["model.layers.0.self_attn.A_log"].flatten(), kl["model.layers.0.self_attn.dt_bias"]
@@ -189,6 +202,7 @@ def test_init_gives_meaningful_decays(ckpts):
 def test_tokenizer_files(ckpts, key, eos, tmp_path, monkeypatch):
     tiktoken = pytest.importorskip("tiktoken")
     from tiktoken.load import load_tiktoken_bpe
+
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken-cache"))
     path = ckpts[key]
     ranks = load_tiktoken_bpe(str(path / "tiktoken.model"))
@@ -205,8 +219,12 @@ def test_tokenizer_files(ckpts, key, eos, tmp_path, monkeypatch):
         names = ("<|open|>", "<|close|>", "<|sep|>", "<|media_begin|>")
         assert [specials[n] for n in names] == [1795, 1796, 1797, 1810]
     else:
-        assert [specials[n] for n in ("<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>")] == \
-            [1795, 1796, 1802, 1809]
+        assert [specials[n] for n in ("<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>")] == [
+            1795,
+            1796,
+            1802,
+            1809,
+        ]
     enc = tiktoken.Encoding("tiny", pat_str=KIMI_PAT, mergeable_ranks=ranks, special_tokens=specials)
     assert enc.n_vocab == 2048
     text = "Hello world, 你好世界! It's 12345 tokens.\n\n  done"
@@ -227,17 +245,21 @@ def test_tokenizer_files(ckpts, key, eos, tmp_path, monkeypatch):
 def test_kimi_linear_chat_template(ckpts):
     jinja2 = pytest.importorskip("jinja2")
     template = jinja2.Environment().from_string((ckpts["kl"] / "chat_template.jinja").read_text())
-    got = template.render(messages=[{"role": "user", "content": "hi"},
-                                    {"role": "assistant", "content": "yo"}], add_generation_prompt=True)
-    assert got == ("<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI."
-                   "<|im_end|><|im_user|>user<|im_middle|>hi<|im_end|><|im_assistant|>assistant<|im_middle|>"
-                   "yo<|im_end|><|im_assistant|>assistant<|im_middle|>")
+    got = template.render(
+        messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], add_generation_prompt=True
+    )
+    assert got == (
+        "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI."
+        "<|im_end|><|im_user|>user<|im_middle|>hi<|im_end|><|im_assistant|>assistant<|im_middle|>"
+        "yo<|im_end|><|im_assistant|>assistant<|im_middle|>"
+    )
 
 
 def test_kimi_linear_loads_in_transformers(ckpts):
     transformers = pytest.importorskip("transformers")
     model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        ckpts["kl"], dtype=torch.float32, output_loading_info=True)
+        ckpts["kl"], dtype=torch.float32, output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     assert type(model).__name__ == "KimiLinearForCausalLM"
     assert model.config.layer_types[3] == model.config.layer_types[5] == "full_attention"

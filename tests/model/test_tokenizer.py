@@ -1,6 +1,7 @@
 """Tokenizer on tiny checkpoints' files (spec/model.md §13, §18 item 21): round trips, the
 two encoding modes, the model's eos vs the tokenizer's [EOS], reserved names, the reference's
 long-input slicing, and clear errors for missing / malformed files."""
+
 import json
 import random
 import shutil
@@ -8,14 +9,21 @@ import shutil
 import pytest
 
 from deltaserve.model import tokenizer as tokmod
-from deltaserve.model.tiny import make_tiny
 from deltaserve.model.tokenizer import Tokenizer, TokenizerError
+from deltaserve.tiny import make_tiny
 
 TEXTS = [
-    "", "Hello, world!", "  leading and trailing  ", "it's we'll THEY'RE don't\n\n\n",
-    "数字 12345678 и кириллица, ελληνικά", "你好世界，这是一个测试。Kimi模型", "emoji 🎉🚀👩‍👩‍👧 mixed",
-    "tabs\tand\r\nwindows\nlines", "<|end_of_msg|> <|im_end|> [EOS] [BOS] <|open|>message",
-    "naïve café résumé — “quotes” ½ ∑ ∫", "\u00a0\u2003nbsp and em space\u3000",
+    "",
+    "Hello, world!",
+    "  leading and trailing  ",
+    "it's we'll THEY'RE don't\n\n\n",
+    "数字 12345678 и кириллица, ελληνικά",
+    "你好世界，这是一个测试。Kimi模型",
+    "emoji 🎉🚀👩‍👩‍👧 mixed",
+    "tabs\tand\r\nwindows\nlines",
+    "<|end_of_msg|> <|im_end|> [EOS] [BOS] <|open|>message",
+    "naïve café résumé — “quotes” ½ ∑ ∫",
+    "\u00a0\u2003nbsp and em space\u3000",
 ]
 
 
@@ -140,7 +148,7 @@ def test_long_input_slicing_matches_reference(monkeypatch):
     rnd = random.Random(1)
     for _ in range(300):
         s = "".join(rnd.choice("ab \n\u00a0\u2003x") for _ in range(rnd.randint(0, 80)))
-        expected = [p for i in range(0, len(s), 23) for p in _reference_slices(s[i:i + 23], 5)]
+        expected = [p for i in range(0, len(s), 23) for p in _reference_slices(s[i : i + 23], 5)]
         assert list(tokmod._split_runs(s)) == expected
         assert "".join(expected) == s
 

@@ -3,6 +3,7 @@ against an expectation derived here from the raw safetensors (experts stacked, M
 naive reference decoder, `A_log` unpadded/flattened, fp32 kept fp32); single-file and sharded
 forms agree; malformed checkpoints raise one error naming every offender; vision tensors are
 skipped unread; and bf16/fp32 tensors that need no conversion stay memory-mapped."""
+
 import json
 import logging
 import os
@@ -17,8 +18,8 @@ from safetensors.torch import save_file
 
 from deltaserve.model import CheckpointError, ConfigError, load_model
 from deltaserve.model import weights as weights_mod
-from deltaserve.model.tiny import make_tiny
 from deltaserve.ops.reference.mxfp4 import naive_mxfp4_decode
+from deltaserve.tiny import make_tiny
 
 K3L = "language_model.model.layers."
 BITS = {torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.uint8: torch.uint8}
@@ -32,8 +33,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def read_raw(path) -> dict[str, torch.Tensor]:
     index = path / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
-        else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    )
     out = {}
     for fname in files:
         with safe_open(str(path / fname), framework="pt") as f:
@@ -60,13 +62,13 @@ def expected_params(raw: dict, family: str, dtype: torch.dtype, heads: int) -> d
             if name.startswith(("vision_tower.", "mm_projector.")):
                 continue
             assert name.startswith("language_model."), name
-            name = name[len("language_model."):]
+            name = name[len("language_model.") :]
         m = EXPERT.fullmatch(name)
         if m:
             experts[(m[1], m[3])].setdefault(int(m[2]), {})[m[4]] = t
             continue
         if name.endswith(".A_log"):
-            t = t.reshape(-1)[:heads]            # K3 [2H] zero-padded, Kimi-Linear [1, 1, H, 1]
+            t = t.reshape(-1)[:heads]  # K3 [2H] zero-padded, Kimi-Linear [1, 1, H, 1]
         out[name] = t if t.dtype == torch.float32 else t.to(dtype)
     for (prefix, proj), per in experts.items():
         ws = []
@@ -103,9 +105,9 @@ def test_loads_bit_exactly(ckpts, case, dtype):
     raw_a_log = raw[("language_model." if family == "kimi_k3" else "") + a_log]
     assert tuple(raw_a_log.shape) == ((2 * heads,) if family == "kimi_k3" else (1, 1, heads, 1))
     assert got[a_log].shape == (heads,) and got[a_log].dtype == torch.float32
-    assert got["model.layers.0.self_attn.dt_bias"].dtype == torch.float32       # never downcast
+    assert got["model.layers.0.self_attn.dt_bias"].dtype == torch.float32  # never downcast
     assert got["model.norm.weight"].dtype == dtype and not model.training
-    if mxfp4:                        # the default keeps the checkpoint's bytes, validated, packed
+    if mxfp4:  # the default keeps the checkpoint's bytes, validated, packed
         packed = load_model(path, dtype=dtype, progress=False, moe_weights="packed")
         buffers = dict(packed.named_buffers())
         prefix = "language_model." if family == "kimi_k3" else ""
@@ -114,8 +116,12 @@ def test_loads_bit_exactly(ckpts, case, dtype):
         assert stacked
         for name in stacked:
             for part in ("packed", "scale"):
-                raw_stack = torch.stack([raw[f"{prefix}{name.rpartition('.')[0]}.{e}.{name.rpartition('.')[2]}"
-                                             f".weight_{part}"] for e in range(n_experts)])
+                raw_stack = torch.stack(
+                    [
+                        raw[f"{prefix}{name.rpartition('.')[0]}.{e}.{name.rpartition('.')[2]}.weight_{part}"]
+                        for e in range(n_experts)
+                    ]
+                )
                 assert same_bits(buffers[f"{name}_{part}"], raw_stack), name
         dense = {n: p for n, p in packed.named_parameters()}
         assert set(dense) == set(want) - set(stacked)
@@ -127,8 +133,9 @@ def test_mxfp4_and_bf16_variants_load_the_same_model(ckpts):
     variants are checked bit-exactly above, so this pins the packed ones)."""
     for family in ("kimi_k3", "kimi_linear"):
         a = load_model(ckpts[(family, False)], dtype=torch.float32, progress=False).state_dict()
-        b = load_model(ckpts[(family, True)], dtype=torch.float32, progress=False,
-                       moe_weights="dequantized").state_dict()
+        b = load_model(
+            ckpts[(family, True)], dtype=torch.float32, progress=False, moe_weights="dequantized"
+        ).state_dict()
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -160,9 +167,11 @@ def test_single_file_equals_sharded(ckpts, case, tmp_path):
 
 def test_k3_older_names_without_inner_model(ckpts, tmp_path):
     """`language_model.layers.…` (dumps that drop the inner `model.`) map to the same parameters."""
+
     def rename(t):
         for k in [k for k in t if k.startswith(K3L)]:
-            t["language_model.layers." + k[len(K3L):]] = t.pop(k)
+            t["language_model.layers." + k[len(K3L) :]] = t.pop(k)
+
     path = write_single(ckpts[("kimi_k3", False)], tmp_path / "old", rename)
     assert_same(state(path), state(ckpts[("kimi_k3", False)]))
 
@@ -179,29 +188,42 @@ def broken(ckpts, tmp_path, edit, family="kimi_k3", mxfp4=False):
 
 def test_missing_tensors_are_all_named(ckpts, tmp_path):
     def edit(t):
-        for k in (K3L + "0.self_attn.q_proj.weight", "language_model.model.norm.weight",
-                  K3L + "2.block_sparse_moe.experts.3.w2.weight",
-                  K3L + "4.block_sparse_moe.gate.e_score_correction_bias"):
+        for k in (
+            K3L + "0.self_attn.q_proj.weight",
+            "language_model.model.norm.weight",
+            K3L + "2.block_sparse_moe.experts.3.w2.weight",
+            K3L + "4.block_sparse_moe.gate.e_score_correction_bias",
+        ):
             del t[k]
         for k in [k for k in t if k.startswith(K3L + "1.block_sparse_moe.experts.") and ".w1." in k]:
-            del t[k]                                                    # every w1 of layer 1
+            del t[k]  # every w1 of layer 1
+
     msg = broken(ckpts, tmp_path, edit)
-    for name in ("model.layers.0.self_attn.q_proj.weight", "model.norm.weight",
-                 "model.layers.2.block_sparse_moe.experts.3.w2", "model.layers.1.block_sparse_moe.experts.w1",
-                 "model.layers.4.block_sparse_moe.gate.e_score_correction_bias"):
+    for name in (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.norm.weight",
+        "model.layers.2.block_sparse_moe.experts.3.w2",
+        "model.layers.1.block_sparse_moe.experts.w1",
+        "model.layers.4.block_sparse_moe.gate.e_score_correction_bias",
+    ):
         assert name in msg, name
 
 
 def test_unexpected_and_duplicated_tensors_are_all_named(ckpts, tmp_path):
     def edit(t):
         t[K3L + "0.self_attn.bogus.weight"] = torch.zeros(2)
-        t[K3L + "0.block_sparse_moe.experts.0.w1.weight"] = torch.zeros(32, 32)   # layer 0 is dense
-        t[K3L + "1.block_sparse_moe.experts.8.w3.weight"] = torch.zeros(32, 32)   # only 8 experts
-        t["lm_head.weight"] = t["language_model.lm_head.weight"].clone()          # outside language_model.
+        t[K3L + "0.block_sparse_moe.experts.0.w1.weight"] = torch.zeros(32, 32)  # layer 0 is dense
+        t[K3L + "1.block_sparse_moe.experts.8.w3.weight"] = torch.zeros(32, 32)  # only 8 experts
+        t["lm_head.weight"] = t["language_model.lm_head.weight"].clone()  # outside language_model.
         t["language_model.layers.2.input_layernorm.weight"] = t[K3L + "2.input_layernorm.weight"].clone()
+
     msg = broken(ckpts, tmp_path, edit)
-    for name in (K3L + "0.self_attn.bogus.weight", "model.layers.0.block_sparse_moe.experts.0.w1",
-                 "model.layers.1.block_sparse_moe.experts.8.w3", "language_model.layers.2.input_layernorm.weight"):
+    for name in (
+        K3L + "0.self_attn.bogus.weight",
+        "model.layers.0.block_sparse_moe.experts.0.w1",
+        "model.layers.1.block_sparse_moe.experts.8.w3",
+        "language_model.layers.2.input_layernorm.weight",
+    ):
         assert name in msg, name
     assert re.search(r"(^|[ :,])lm_head\.weight", msg) and "duplicated" in msg
 
@@ -211,12 +233,18 @@ def test_wrong_shapes_and_bad_a_log_are_all_named(ckpts, tmp_path):
         emb = "language_model.model.embed_tokens.weight"
         t[emb] = t[emb].T.contiguous()
         t[K3L + "2.block_sparse_moe.experts.5.w1.weight"] = torch.zeros(32, 64, dtype=torch.bfloat16)
-        t[K3L + "0.self_attn.A_log"] = torch.zeros(1)                         # fewer than 2 heads
-        t[K3L + "1.self_attn.A_log"] = torch.ones(4)                          # nonzero padding
+        t[K3L + "0.self_attn.A_log"] = torch.zeros(1)  # fewer than 2 heads
+        t[K3L + "1.self_attn.A_log"] = torch.ones(4)  # nonzero padding
         t[K3L + "3.self_attn.kv_b_proj.weight"] = torch.zeros(64, 31, dtype=torch.bfloat16)
+
     msg = broken(ckpts, tmp_path, edit)
-    for name in ("language_model.model.embed_tokens.weight", "model.layers.2.block_sparse_moe.experts.5.w1",
-                 K3L + "0.self_attn.A_log", K3L + "1.self_attn.A_log", K3L + "3.self_attn.kv_b_proj.weight"):
+    for name in (
+        "language_model.model.embed_tokens.weight",
+        "model.layers.2.block_sparse_moe.experts.5.w1",
+        K3L + "0.self_attn.A_log",
+        K3L + "1.self_attn.A_log",
+        K3L + "3.self_attn.kv_b_proj.weight",
+    ):
         assert name in msg, name
     assert "padding" in msg
 
@@ -227,6 +255,7 @@ def test_wrong_dtypes_are_named(ckpts, tmp_path):
         pre = K3L + "3.block_sparse_moe.experts.2.w2."
         t[pre + "weight_packed"] = t[pre + "weight_packed"].to(torch.int8)
         del t[K3L + "4.block_sparse_moe.experts.1.w3.weight_scale"]
+
     msg = broken(ckpts, tmp_path, edit, mxfp4=True)
     assert K3L + "1.post_attention_layernorm.weight" in msg and "int32" in msg
     assert "model.layers.3.block_sparse_moe.experts.2.w2" in msg and "uint8" in msg
@@ -253,10 +282,12 @@ def test_index_errors(ckpts, tmp_path):
 
 def test_config_errors_name_the_field(ckpts, tmp_path):
     src = ckpts[("kimi_k3", False)]
-    cases = [(lambda c: c.update(model_type="deepseek_v3"), "model_type"),
-             (lambda c: c["text_config"].pop("num_attention_heads"), "num_attention_heads"),
-             (lambda c: c["text_config"]["linear_attn_config"].pop("kda_layers"), "kda_layers"),
-             (lambda c: c.pop("text_config"), "text_config")]
+    cases = [
+        (lambda c: c.update(model_type="deepseek_v3"), "model_type"),
+        (lambda c: c["text_config"].pop("num_attention_heads"), "num_attention_heads"),
+        (lambda c: c["text_config"]["linear_attn_config"].pop("kda_layers"), "kda_layers"),
+        (lambda c: c.pop("text_config"), "text_config"),
+    ]
     for i, (edit, field) in enumerate(cases):
         path = tmp_path / f"c{i}"
         shutil.copytree(src, path)
@@ -291,6 +322,7 @@ class RecordingOpen:
             def get_tensor(self, name):
                 reads.append(name)
                 return self.f.get_tensor(name)
+
         return Handle()
 
 
@@ -303,7 +335,7 @@ def test_vision_tensors_skipped_unread_with_a_log_line(ckpts, caplog, monkeypatc
     monkeypatch.setattr(weights_mod, "safe_open", RecordingOpen(reads))
     with caplog.at_level(logging.INFO, logger="deltaserve.model.weights"):
         load_model(path, progress=False)
-    assert sorted(reads) == sorted(k for k in raw if k not in vision)          # each text tensor once
+    assert sorted(reads) == sorted(k for k in raw if k not in vision)  # each text tensor once
     assert any("vision" in r.getMessage() and str(len(vision)) in r.getMessage() for r in caplog.records)
 
 
@@ -330,17 +362,22 @@ def test_tensors_needing_no_conversion_stay_memory_mapped(ckpts):
     bf16 = load_model(path, dtype=torch.bfloat16, progress=False)
     p = dict(bf16.named_parameters())
     ranges = _mapped_ranges(shards)
-    assert ranges and all(perm[1] != "w" or perm[3] == "p" for *_, perm in ranges)   # private mappings
-    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.self_attn.dt_bias",
-                 "model.layers.0.self_attn.A_log", "model.layers.3.self_attn.kv_b_proj.weight"):
+    assert ranges and all(perm[1] != "w" or perm[3] == "p" for *_, perm in ranges)  # private mappings
+    for name in (
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.layers.0.self_attn.dt_bias",
+        "model.layers.0.self_attn.A_log",
+        "model.layers.3.self_attn.kv_b_proj.weight",
+    ):
         assert _is_mapped(p[name], ranges), name
-    assert not _is_mapped(p["model.layers.1.block_sparse_moe.experts.w1"], ranges)   # stacked copy
+    assert not _is_mapped(p["model.layers.1.block_sparse_moe.experts.w1"], ranges)  # stacked copy
     fp32 = dict(load_model(path, dtype=torch.float32, progress=False).named_parameters())
     ranges = _mapped_ranges(shards)
-    assert not _is_mapped(fp32["model.embed_tokens.weight"], ranges)                # bf16 -> fp32 copy
-    assert _is_mapped(fp32["model.layers.0.self_attn.dt_bias"], ranges)              # saved fp32
+    assert not _is_mapped(fp32["model.embed_tokens.weight"], ranges)  # bf16 -> fp32 copy
+    assert _is_mapped(fp32["model.layers.0.self_attn.dt_bias"], ranges)  # saved fp32
     before = read_raw(path)["language_model.model.embed_tokens.weight"]
-    p["model.embed_tokens.weight"].data[0, 0] += 1                                   # copy-on-write
+    p["model.embed_tokens.weight"].data[0, 0] += 1  # copy-on-write
     assert torch.equal(read_raw(path)["language_model.model.embed_tokens.weight"], before)
 
 
@@ -349,3 +386,39 @@ def test_dtype_names_accepted(ckpts):
     assert model.dtype == torch.float32
     with pytest.raises(ValueError, match="dtype"):
         load_model(ckpts[("kimi_linear", False)], dtype="int8", progress=False)
+
+
+def test_every_phase_reports_into_one_exact_error(ckpts, tmp_path):
+    """Problems found while reading (repeated name, index entry its shard lacks), mapping (no such
+    parameter, bad expert) and validating (mis-shaped, non-floating, missing) form one error, its
+    kinds in a fixed order."""
+    path = tmp_path / "all"
+    shutil.copytree(ckpts[("kimi_k3", False)], path)
+    extra = {
+        "language_model.layers.2.input_layernorm.weight": torch.ones(64, dtype=torch.bfloat16),
+        K3L + "0.self_attn.bogus.weight": torch.zeros(2),
+        K3L + "1.post_attention_layernorm.weight": torch.ones(3),
+        K3L + "1.input_layernorm.weight": torch.ones(64, dtype=torch.int32),
+        K3L + "1.block_sparse_moe.experts.0.w1.weight": torch.zeros(3, 3, dtype=torch.bfloat16),
+    }
+    save_file(extra, str(path / "extra.safetensors"))
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    weight_map = index["weight_map"]
+    del weight_map["language_model.model.norm.weight"]
+    for name in [*extra, K3L + "9.ghost.weight"]:  # the extra shard is read last
+        weight_map.pop(name, None)
+        weight_map[name] = "extra.safetensors"
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert load_error(path) == "\n".join(
+        [
+            f"checkpoint {path} does not match its config:",
+            "missing tensors (1): model.norm.weight",
+            f"unexpected tensors (1): {K3L}0.self_attn.bogus.weight",
+            "duplicated tensors (1): language_model.layers.2.input_layernorm.weight"
+            f" (same parameter as {K3L}2.input_layernorm.weight)",
+            f"mis-shaped tensors (1): {K3L}1.post_attention_layernorm.weight: (3,) != expected (64,)",
+            f"wrong-dtype tensors (1): {K3L}1.input_layernorm.weight: torch.int32 (expected a floating dtype)",
+            "invalid expert tensors (1): model.layers.1.block_sparse_moe.experts.0.w1: (3, 3) != expected (32, 32)",
+            f"absent from their shard tensors (1): {K3L}9.ghost.weight (index: extra.safetensors)",
+        ]
+    )

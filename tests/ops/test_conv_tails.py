@@ -1,5 +1,6 @@
 """`conv_tails_at` equals the final conv tail of each requested prefix (the prefix cache's
 checkpoint of the short conv), with and without a prior tail."""
+
 import pytest
 import torch
 
@@ -19,8 +20,8 @@ def test_tails_at_offsets_equal_prefix_final_tails(with_prior):
     want = []
     for b, offs in enumerate(offsets):
         for o in offs:
-            seg = x[cu[b]:cu[b] + o]
-            _, tail = causal_conv1d(seg, weight, torch.tensor([0, o]), None if prior is None else prior[b:b + 1])
+            seg = x[cu[b] : cu[b] + o]
+            _, tail = causal_conv1d(seg, weight, torch.tensor([0, o]), None if prior is None else prior[b : b + 1])
             want.append(tail[0])
     assert torch.equal(got, torch.stack(want))
     with pytest.raises(ValueError):

@@ -3,6 +3,7 @@
 Tolerances: both sides accumulate in fp32 and round once to bf16, so outputs agree to about one
 bf16 ulp of the result (summation order differs); where the orders coincide they are equal.
 Skipped only where the kernels cannot be built (no C compiler)."""
+
 from __future__ import annotations
 
 import functools
@@ -14,21 +15,24 @@ import torch.nn.functional as F
 from deltaserve.kernels.cpu import library as cpu_kernels
 from deltaserve.ops import kda as kda_ops
 from deltaserve.ops.activations import silu_and_mul, situ_and_mul
-from deltaserve.ops.linear import linear
+from deltaserve.ops.backend import REFERENCE
+from deltaserve.ops.cpu_native import CpuNativeOps
 from deltaserve.ops.mla import mla_absorbed_attention
 from deltaserve.ops.moe import grouped_experts
 from deltaserve.ops.mxfp4 import mxfp4_decode, mxfp4_encode
 from deltaserve.ops.norms import gated_rms_norm
+from deltaserve.ops.select import select_ops
 
 NK = cpu_kernels.native()
 needs_kernels = pytest.mark.skipif(NK is None, reason="native CPU kernels unavailable (no C compiler)")
+linear = CpuNativeOps(NK).linear if NK is not None else None  # the backend's dispatch
 BF = torch.bfloat16
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> float:
     """Max |a - b| in units of bf16 spacing at |ref| (floored at the tensor's rms)."""
     scale = torch.maximum(ref.float().abs(), ref.float().pow(2).mean().sqrt())
-    return float(((a.float() - b.float()).abs() / (scale * 2.0 ** -7)).max())
+    return float(((a.float() - b.float()).abs() / (scale * 2.0**-7)).max())
 
 
 def packed_experts(e, o, i, gen):
@@ -56,7 +60,7 @@ def test_linear_bf16_matches_f_linear(rows, k):
     got = NK.linear_bf16(x, w)
     assert got.dtype == BF and got.shape == ref.shape
     assert ulps(got, ref, ref) <= 2.0
-    assert torch.equal(linear(x, w), got)                 # dispatch takes the native path
+    assert torch.equal(linear(x, w), got)  # dispatch takes the native path
     big = torch.randn(NK.multi_rows(k) + 1, k, generator=gen).to(BF)
     assert torch.equal(linear(big, w), F.linear(big, w))  # above the native kernels' rows: torch
 
@@ -92,7 +96,7 @@ def test_fused_moe_matches_grouped_experts(act_kind, n):
     ref = grouped_experts(x, ids, wts, *dense, act)
     from_packed = NK.moe_experts(x, ids, wts, w1, w3, w2, act_kind, beta, lbeta)
     from_dense = NK.moe_experts(x, ids, wts, *dense, act_kind, beta, lbeta)
-    assert torch.equal(from_packed, from_dense)      # decode-on-the-fly == decode-then-multiply
+    assert torch.equal(from_packed, from_dense)  # decode-on-the-fly == decode-then-multiply
     assert ulps(from_dense, ref, ref) <= 2.0
     with pytest.raises(ValueError):
         NK.moe_experts(x, ids + 8, wts, *dense, act_kind, beta, lbeta)
@@ -110,8 +114,8 @@ def test_batch1_experts_equal_the_batched_kernels_rows(act_kind):
         for weights in ((w1, w3, w2), dense):
             batched = NK.moe_experts(x, ids, wts, *weights, act_kind, beta, lbeta)
             for t in range(x.shape[0]):
-                one = NK.moe_experts(x[t:t + 1], ids[t:t + 1], wts[t:t + 1], *weights, act_kind, beta, lbeta)
-                assert torch.equal(one, batched[t:t + 1])
+                one = NK.moe_experts(x[t : t + 1], ids[t : t + 1], wts[t : t + 1], *weights, act_kind, beta, lbeta)
+                assert torch.equal(one, batched[t : t + 1])
     finally:
         NK.set_amx(old)
     with pytest.raises(ValueError):
@@ -136,18 +140,39 @@ def test_kda_decode_matches_torch_step_and_updates_slots_in_place():
     gen = torch.Generator().manual_seed(3)
     heads, dk, w, bsz, num_slots = 2, 32, 4, 3, 5
     p = heads * dk
-    rnd = lambda *s: torch.randn(*s, generator=gen)
+
+    def rnd(*s):
+        return torch.randn(*s, generator=gen)
+
     q, k, v, f, gate = (rnd(bsz, p).to(BF) for _ in range(5))
     b = rnd(bsz, heads).to(BF)
     conv_w, a_log, dt_bias, norm_w = rnd(3 * p, w) * 0.5, rnd(heads) * 0.3, rnd(p) * 0.3, 1 + 0.1 * rnd(dk)
     tails = rnd(num_slots, w - 1, 3 * p).to(BF)
     states = rnd(num_slots, heads, dk, dk) * 0.1
     slots = torch.tensor([4, 0, 2])
-    ref, ref_tail, ref_state = _kda_torch(q, k, v, conv_w, tails[slots], states[slots], f, a_log, dt_bias,
-                                          b, gate, norm_w, 1e-5, dk ** -0.5, heads)
+    ref, ref_tail, ref_state = _kda_torch(
+        q, k, v, conv_w, tails[slots], states[slots], f, a_log, dt_bias, b, gate, norm_w, 1e-5, dk**-0.5, heads
+    )
     untouched_t, untouched_s = tails[[1, 3]].clone(), states[[1, 3]].clone()
-    got = NK.kda_decode(q, k, v, conv_w, tails, states, slots, f, a_log, dt_bias, cpu_kernels.GATE_SIGMOID,
-                        -5.0, b, gate, norm_w, 1e-5, dk ** -0.5)
+    got = NK.kda_decode(
+        q,
+        k,
+        v,
+        conv_w,
+        tails,
+        states,
+        slots,
+        f,
+        a_log,
+        dt_bias,
+        cpu_kernels.GATE_SIGMOID,
+        -5.0,
+        b,
+        gate,
+        norm_w,
+        1e-5,
+        dk**-0.5,
+    )
     assert ulps(got, ref, ref) <= 2.0
     assert torch.equal(tails[slots], ref_tail.to(BF))
     torch.testing.assert_close(states[slots], ref_state, rtol=1e-5, atol=1e-6)
@@ -159,14 +184,14 @@ def test_mla_decode_matches_absorbed_attention_over_scattered_rows():
     gen = torch.Generator().manual_seed(5)
     heads, rank, rope = 4, 64, 16
     d = rank + rope
-    lens = [1, 300, 700]                      # > one 256-row chunk: the split-merge path runs
+    lens = [1, 300, 700]  # > one 256-row chunk: the split-merge path runs
     pool = torch.randn(2048, d, generator=gen).to(BF)
     perm = torch.randperm(2048, generator=gen)
-    read_rows = perm[:sum(lens)]
+    read_rows = perm[: sum(lens)]
     cu_kv = torch.tensor([0, *lens]).cumsum(0)
     q = torch.randn(len(lens), heads, d, generator=gen).to(BF)
-    got = NK.mla_decode(q, pool, read_rows, cu_kv, rank, d ** -0.5)
-    ref = mla_absorbed_attention(q, pool[read_rows], torch.arange(len(lens) + 1), cu_kv, rank, d ** -0.5)
+    got = NK.mla_decode(q, pool, read_rows, cu_kv, rank, d**-0.5)
+    ref = mla_absorbed_attention(q, pool[read_rows], torch.arange(len(lens) + 1), cu_kv, rank, d**-0.5)
     assert got.shape == ref.shape == (len(lens), heads, rank)
     assert ulps(got, ref, ref) <= 2.0
     with pytest.raises(ValueError):
@@ -174,12 +199,15 @@ def test_mla_decode_matches_absorbed_attention_over_scattered_rows():
 
 
 @needs_kernels
-def test_disabled_kernels_fall_back_to_torch():
+def test_backend_selection():
+    """bf16 on CPU binds the native backend; fp32, or disabled kernels, the reference."""
+    assert isinstance(select_ops("cpu", BF), CpuNativeOps)
+    assert select_ops("cpu", torch.float32) is REFERENCE
     old = cpu_kernels.set_enabled(False)
     try:
-        assert cpu_kernels.native() is None
+        assert cpu_kernels.native() is None and select_ops("cpu", BF) is REFERENCE
         x, w = torch.randn(1, 64).to(BF), torch.randn(8, 64).to(BF)
-        assert torch.equal(linear(x, w), F.linear(x, w))
+        assert torch.equal(REFERENCE.linear(x, w), F.linear(x, w))
     finally:
         cpu_kernels.set_enabled(old)
 
@@ -187,6 +215,7 @@ def test_disabled_kernels_fall_back_to_torch():
 def test_kernels_build_wherever_a_compiler_exists():
     """CI machines have gcc: the native paths must really be exercised there, not skipped."""
     import shutil
+
     if shutil.which("cc") or shutil.which("gcc"):
         assert NK is not None
 

@@ -5,6 +5,7 @@ inputs. Recurrence outputs and states are O(1), and the fp32 chunked path lands 
 the oracle, so STATE_TOL (5e-6 rtol and atol) leaves a >5x margin and would still catch a wrong
 decay, order or offset. Elementwise ops use ELEM_TOL. Copies (conv tails) must match exactly.
 """
+
 from __future__ import annotations
 
 import math
@@ -62,6 +63,7 @@ def _close(actual, expected, tol):
 
 # ---------------------------------------------------------------------------------- gates, norm
 
+
 def test_gate_sigmoid_matches_hand_formula():
     h, dk = 3, 16
     gen = torch.Generator().manual_seed(1)
@@ -100,7 +102,7 @@ def test_gate_softplus_matches_hand_formula_and_is_safe():
 
 def test_l2_norm_eps_inside_sqrt():
     x = torch.zeros(2, 3, 16)
-    x[..., 0] = 1e-3                            # sum x^2 = 1e-6 = eps
+    x[..., 0] = 1e-3  # sum x^2 = 1e-6 = eps
     y = K.l2_norm(x)
     # eps inside the sqrt: 1e-3 / sqrt(2e-6) = 0.70711; outside: ~0.999; eps 1e-5: ~0.3015
     want = torch.full((2, 3), 1.0 / math.sqrt(2.0))
@@ -113,11 +115,12 @@ def test_l2_norm_eps_inside_sqrt():
 
 # ------------------------------------------------------------------------------------ conv1d
 
+
 def _conv_oracle(x, w, lens, tail):
     cu = _cu(lens)
     ys, tails = [], []
     for b in range(len(lens)):
-        y, t = R.naive_causal_conv1d(x[cu[b]:cu[b + 1]], w, None if tail is None else tail[b])
+        y, t = R.naive_causal_conv1d(x[cu[b] : cu[b + 1]], w, None if tail is None else tail[b])
         ys.append(y)
         tails.append(t)
     return torch.cat(ys), torch.stack(tails)
@@ -135,9 +138,9 @@ def test_causal_conv1d_varlen_matches_oracle(with_tail):
     y_ref, t_ref = _conv_oracle(x.double(), wt.double(), lens, tail64)
     assert y.dtype == torch.float32 and t.dtype == x.dtype and t.shape == (len(lens), w - 1, c)
     _close(y, y_ref, ELEM_TOL)
-    assert torch.equal(t.double(), t_ref)       # tails are copies of pre-conv inputs
+    assert torch.equal(t.double(), t_ref)  # tails are copies of pre-conv inputs
     if with_tail:
-        assert torch.equal(t[2], tail[2])       # empty sequence keeps its tail
+        assert torch.equal(t[2], tail[2])  # empty sequence keeps its tail
         assert torch.equal(t[0], torch.cat([tail[0, 1:], x[:1]]))
 
 
@@ -149,13 +152,13 @@ def test_causal_conv1d_tail_continuity():
     tail0 = torch.randn(3, w - 1, c, generator=gen).to(torch.bfloat16)
     cu = _cu(lens)
     y_all, t_all = K.causal_conv1d(x, wt, cu, tail0)
-    first = torch.cat([x[cu[b]:cu[b] + cut[b]] for b in range(3)])
-    second = torch.cat([x[cu[b] + cut[b]:cu[b + 1]] for b in range(3)])
+    first = torch.cat([x[cu[b] : cu[b] + cut[b]] for b in range(3)])
+    second = torch.cat([x[cu[b] + cut[b] : cu[b + 1]] for b in range(3)])
     y1, t1 = K.causal_conv1d(first, wt, _cu(cut), tail0)
-    y2, t2 = K.causal_conv1d(second, wt, _cu([l - c_ for l, c_ in zip(lens, cut)]), t1)
+    y2, t2 = K.causal_conv1d(second, wt, _cu([n - c_ for n, c_ in zip(lens, cut)]), t1)
     assert t1.dtype == torch.bfloat16
-    c1, c2 = _cu(cut), _cu([l - c_ for l, c_ in zip(lens, cut)])
-    joined = torch.cat([torch.cat([y1[c1[b]:c1[b + 1]], y2[c2[b]:c2[b + 1]]]) for b in range(3)])
+    c1, c2 = _cu(cut), _cu([n - c_ for n, c_ in zip(lens, cut)])
+    joined = torch.cat([torch.cat([y1[c1[b] : c1[b + 1]], y2[c2[b] : c2[b + 1]]]) for b in range(3)])
     torch.testing.assert_close(joined, y_all, rtol=1e-6, atol=1e-6)
     assert torch.equal(t2, t_all)
 
@@ -183,7 +186,7 @@ LENS = [1, 5, 63, 64, 65, 130, 200]
 @pytest.mark.parametrize("h,dk,dv", [(1, 16, 16), (2, 128, 128), (4, 16, 32)])
 def test_kda_chunked_varlen_matches_recurrent_oracle(h, dk, dv):
     q, k, v, g, beta, s0 = _inputs(LENS, h, dk, dv, seed=h)
-    scale = dk ** -0.5
+    scale = dk**-0.5
     o, s, ex = K.kda_chunked(*_f32(q, k, v, g, beta), _cu(LENS), scale, s0.float())
     o_ref, s_ref = _oracle(LENS, q, k, v, g, beta, s0, scale)
     assert ex is None and o.dtype == torch.float32 and s.shape == (len(LENS), h, dk, dv)
@@ -194,7 +197,7 @@ def test_kda_chunked_varlen_matches_recurrent_oracle(h, dk, dv):
 def test_kda_chunked_zero_state_empty_sequence_strided_inputs():
     lens, h, d = [0, 70, 0, 3], 2, 16
     q, k, v, g, beta, s0 = _inputs(lens, h, d, d, seed=7)
-    q32, k32, v32 = torch.stack(_f32(q, k, v), 1).unbind(1)   # strided views, like the layer's
+    q32, k32, v32 = torch.stack(_f32(q, k, v), 1).unbind(1)  # strided views, like the layer's
     o, s, _ = K.kda_chunked(q32, k32, v32, g.float(), beta.float(), _cu(lens), 0.25)
     o_ref, s_ref = _oracle(lens, q, k, v, g, beta, torch.zeros_like(s0), 0.25)
     _close(o, o_ref, STATE_TOL)
@@ -208,8 +211,8 @@ def test_kda_chunked_extreme_gates(g_lo, g_hi):
     """g ~ -5 everywhere drives G to -320 in a chunk: exp(-G) would overflow fp32."""
     lens, h, d = [130, 64], 2, 128
     q, k, v, g, beta, s0 = _inputs(lens, h, d, d, g_lo, g_hi, seed=8)
-    o, s, _ = K.kda_chunked(*_f32(q, k, v, g, beta), _cu(lens), d ** -0.5, s0.float())
-    o_ref, s_ref = _oracle(lens, q, k, v, g, beta, s0, d ** -0.5)
+    o, s, _ = K.kda_chunked(*_f32(q, k, v, g, beta), _cu(lens), d**-0.5, s0.float())
+    o_ref, s_ref = _oracle(lens, q, k, v, g, beta, s0, d**-0.5)
     assert bool(torch.isfinite(o).all() and torch.isfinite(s).all())
     _close(o, o_ref, STATE_TOL)
     _close(s, s_ref, STATE_TOL)
@@ -222,8 +225,8 @@ def test_kda_chunked_mixed_decay_within_chunk():
     q, k, v, g, beta, s0 = _inputs(lens, h, d, d, seed=9)
     pos = torch.cat([torch.arange(n) for n in lens]) % 64
     g = torch.where((pos < 32)[:, None, None], -5.0 + 0.1 * g, 1e-3 * g)
-    o, s, _ = K.kda_chunked(*_f32(q, k, v, g, beta), _cu(lens), d ** -0.5, s0.float())
-    o_ref, s_ref = _oracle(lens, q, k, v, g, beta, s0, d ** -0.5)
+    o, s, _ = K.kda_chunked(*_f32(q, k, v, g, beta), _cu(lens), d**-0.5, s0.float())
+    o_ref, s_ref = _oracle(lens, q, k, v, g, beta, s0, d**-0.5)
     _close(o, o_ref, STATE_TOL)
     _close(s, s_ref, STATE_TOL)
 
@@ -233,7 +236,7 @@ def test_kda_chunked_export_offsets():
     offsets = [[1, 17, 64, 100, 200], [65], [1], [63, 64, 127, 128, 129], []]
     h, d = 2, 16
     q, k, v, g, beta, s0 = _inputs(lens, h, d, d, seed=10)
-    args = (*_f32(q, k, v, g, beta), _cu(lens), d ** -0.5, s0.float())
+    args = (*_f32(q, k, v, g, beta), _cu(lens), d**-0.5, s0.float())
     o, s, ex = K.kda_chunked(*args, export_offsets=offsets)
     o_plain, s_plain, _ = K.kda_chunked(*args)
     assert ex.shape == (sum(map(len, offsets)), h, d, d)
@@ -244,8 +247,9 @@ def test_kda_chunked_export_offsets():
     for b, offs in enumerate(offsets):
         for off in offs:
             a = int(cu[b])
-            _, s_pref = R.naive_recurrent_kda(q[a:a + off], k[a:a + off], v[a:a + off],
-                                              g[a:a + off], beta[a:a + off], d ** -0.5, s0[b])
+            _, s_pref = R.naive_recurrent_kda(
+                q[a : a + off], k[a : a + off], v[a : a + off], g[a : a + off], beta[a : a + off], d**-0.5, s0[b]
+            )
             _close(ex[i], s_pref, STATE_TOL)
             i += 1
     _, _, none = K.kda_chunked(*args, export_offsets=[[] for _ in lens])
@@ -281,19 +285,20 @@ def test_naive_chunk_oracle_matches_naive_recurrent():
 
 # -------------------------------------------------------------------------------- decode step
 
+
 def test_recurrent_step_matches_oracle_in_place():
     b, h, dk, dv = 3, 4, 128, 128
     q, k, v, g, beta, s0 = _inputs([1] * b, h, dk, dv, seed=12)
     state = s0.float().clone()
     ptr = state.data_ptr()
-    o = K.kda_recurrent_step(*_f32(q, k, v, g, beta), state, dk ** -0.5)
-    o_ref, s_ref = _oracle([1] * b, q, k, v, g, beta, s0, dk ** -0.5)
+    o = K.kda_recurrent_step(*_f32(q, k, v, g, beta), state, dk**-0.5)
+    o_ref, s_ref = _oracle([1] * b, q, k, v, g, beta, s0, dk**-0.5)
     assert state.data_ptr() == ptr and o.shape == (b, h, dv)
     _close(o, o_ref, STATE_TOL)
     _close(state, s_ref, STATE_TOL)
-    buf = s0.float().transpose(0, 1).contiguous()          # non-contiguous [B, H, K, V] view
+    buf = s0.float().transpose(0, 1).contiguous()  # non-contiguous [B, H, K, V] view
     view = buf.transpose(0, 1)
-    o2 = K.kda_recurrent_step(*_f32(q, k, v, g, beta), view, dk ** -0.5)
+    o2 = K.kda_recurrent_step(*_f32(q, k, v, g, beta), view, dk**-0.5)
     torch.testing.assert_close(o2, o, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(buf.transpose(0, 1), state, rtol=1e-6, atol=1e-6)
 

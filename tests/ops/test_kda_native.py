@@ -5,6 +5,7 @@ Tolerances: both fast paths run in fp32 with different summation orders (and the
 exp polynomial, ~1 ulp), so they agree to ~1e-6 on O(1) outputs and states; NATIVE_TOL (1e-4
 relative, 1e-5 absolute) leaves a wide margin yet catches a wrong decay, order or offset. Conv
 tails are copies and must match exactly. Skipped only where the kernels cannot be built."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -12,12 +13,14 @@ from collections import Counter
 import pytest
 import torch
 
+from deltaserve.kernels.cpu import library as cpu_kernels
 from deltaserve.model import load_model
 from deltaserve.model.context import DenseCache
-from deltaserve.model.tiny import make_tiny
-from deltaserve.kernels.cpu import library as cpu_kernels
+from deltaserve.model.fused import bound_ops
 from deltaserve.ops import kda as K
+from deltaserve.ops.backend import REFERENCE
 from deltaserve.ops.reference import kda as R
+from deltaserve.tiny import make_tiny
 
 NK = cpu_kernels.native()
 pytestmark = pytest.mark.skipif(NK is None, reason="native CPU kernels unavailable (no C compiler)")
@@ -59,7 +62,7 @@ def _close(actual, expected, tol=NATIVE_TOL):
 @pytest.mark.parametrize("h,dk,dv", [(2, 32, 32), (3, 24, 40), (1, 128, 128)])
 def test_kda_chunked_varlen_matches_torch_and_oracle(h, dk, dv):
     q, k, v, g, beta, s0 = _inputs(LENS, h, dk, dv, seed=dk)
-    cu, scale = _cu(LENS), dk ** -0.5
+    cu, scale = _cu(LENS), dk**-0.5
     o, s, ex = NK.kda_chunked(q, k, v, g, beta, cu, scale, initial_state=s0)
     o_t, s_t, _ = K.kda_chunked(q, k, v, g, beta, cu, scale, initial_state=s0)
     assert ex is None and o.shape == o_t.shape and s.shape == s_t.shape
@@ -82,9 +85,10 @@ def test_kda_chunked_export_offsets_at_any_offset():
     _close(s, s_t)
     _close(ex, ex_t)
     cu = _cu(lens)
-    _, s_pre = R.naive_recurrent_kda(*(t[int(cu[3]):int(cu[3]) + 129].double() for t in (q, k, v, g, beta)),
-                                     0.3, s0[3].double())
-    _close(ex[1 + 4 + 5], s_pre)              # sequence 3's offset 129
+    _, s_pre = R.naive_recurrent_kda(
+        *(t[int(cu[3]) : int(cu[3]) + 129].double() for t in (q, k, v, g, beta)), 0.3, s0[3].double()
+    )
+    _close(ex[1 + 4 + 5], s_pre)  # sequence 3's offset 129
     _, _, none = NK.kda_chunked(*args, export_offsets=[[] for _ in lens])
     assert none.shape == (0, h, d, d)
 
@@ -166,7 +170,7 @@ def test_causal_conv1d_matches_torch_and_oracle(with_tail, width):
     gen = torch.Generator().manual_seed(width)
     n = sum(lens)
     wide = torch.randn(n, 2 * c, generator=gen).bfloat16()
-    x = wide[:, :c]                                       # strided rows
+    x = wide[:, :c]  # strided rows
     w = torch.randn(c, width, generator=gen)
     tail0 = torch.randn(len(lens), width - 1, c, generator=gen).bfloat16() if with_tail else None
     y, tail = NK.causal_conv1d(x, w, _cu(lens), tail0)
@@ -190,8 +194,8 @@ def test_causal_conv1d_fused_l2_norm():
     y, tail = NK.causal_conv1d(x, w, _cu(lens), tail0, l2_groups=2 * h, group=d)
     y_t, tail_t = K.causal_conv1d(x, w, _cu(lens), tail0)
     n = sum(lens)
-    qk = K.l2_norm(y_t[:, :2 * h * d].reshape(n, 2 * h, d)).reshape(n, -1)
-    _close(y, torch.cat([qk, y_t[:, 2 * h * d:]], 1), dict(rtol=1e-5, atol=1e-6))
+    qk = K.l2_norm(y_t[:, : 2 * h * d].reshape(n, 2 * h, d)).reshape(n, -1)
+    _close(y, torch.cat([qk, y_t[:, 2 * h * d :]], 1), dict(rtol=1e-5, atol=1e-6))
     assert torch.equal(tail, tail_t)
     with pytest.raises(ValueError):
         NK.causal_conv1d(x.float(), w, _cu(lens))
@@ -212,6 +216,7 @@ def _count_native(monkeypatch):
         def counted(self, *a, _real=real, _name=name, **kw):
             calls[_name] += 1
             return _real(self, *a, **kw)
+
         monkeypatch.setattr(cpu_kernels.NativeKernels, name, counted)
     return calls
 
@@ -229,13 +234,11 @@ def _layer_steps(layer, x, offsets):
     return outs, tail, state, cache.exports[layer.layer_id]
 
 
-def _on_off(fn, *args):
+def _on_off(model, fn, *args):
+    """fn(*args) on the model's native backend, then on the reference."""
     got = fn(*args)
-    old = cpu_kernels.set_enabled(False)
-    try:
+    with bound_ops(model, REFERENCE):
         return got, fn(*args)
-    finally:
-        cpu_kernels.set_enabled(old)
 
 
 def test_layer_bf16_prefill_native_matches_torch_and_engages(tiny_dir, monkeypatch):
@@ -247,16 +250,18 @@ def test_layer_bf16_prefill_native_matches_torch_and_engages(tiny_dir, monkeypat
     x = torch.randn(133, model.config.hidden_size, generator=gen).bfloat16()
     calls = _count_native(monkeypatch)
     for layer in layers:
-        (outs, tail, state, ex), (outs_t, tail_t, state_t, ex_t) = _on_off(_layer_steps, layer, x, [[7, 30], [13]])
+        (outs, tail, state, ex), (outs_t, tail_t, state_t, ex_t) = _on_off(
+            model, _layer_steps, layer, x, [[7, 30], [13]]
+        )
         for a, b in zip(outs, outs_t):
             assert a.dtype == torch.bfloat16
             scale = b.float().pow(2).mean().sqrt()
-            assert float((a.float() - b.float()).abs().max()) <= 4 * 2.0 ** -8 * float(b.float().abs().max() + scale)
+            assert float((a.float() - b.float()).abs().max()) <= 4 * 2.0**-8 * float(b.float().abs().max() + scale)
         assert tail.dtype == torch.bfloat16 and torch.equal(tail, tail_t) and torch.equal(ex[0], ex_t[0])
         _close(state, state_t)
         _close(ex[1], ex_t[1])
     assert calls["kda_chunked"] == calls["causal_conv1d"] == calls["gated_rms_norm"] == 2 * len(layers) > 0, calls
-    sigmoid_gates = sum(layer.lower_bound is not None for layer in layers)   # K3's gate; Kimi-Linear's is softplus
+    sigmoid_gates = sum(layer.lower_bound is not None for layer in layers)  # K3's gate; Kimi-Linear's is softplus
     assert calls["kda_gate_sigmoid"] == 2 * sigmoid_gates, calls
 
 
@@ -266,7 +271,7 @@ def test_model_bf16_forward_native_within_bf16_noise(tiny_dir, monkeypatch):
     ids = torch.randint(0, model.config.vocab_size, (100,), generator=torch.Generator().manual_seed(4))
     calls = _count_native(monkeypatch)
     with torch.inference_mode():
-        full, full_t = (t.float() for t in _on_off(model.forward_full, ids))
+        full, full_t = (t.float() for t in _on_off(model, model.forward_full, ids))
         exact = load_model(tiny_dir, dtype=torch.float32, progress=False).forward_full(ids)
     assert calls["kda_chunked"] > 0 and torch.isfinite(full).all()
     assert float((full - full_t).abs().mean()) < float((full_t - exact).abs().mean())

@@ -1,5 +1,6 @@
 """Fast KDA ops vs the float64 token-loop oracle: varlen chunked prefill with initial states and
 interior exports, the decode step, and the varlen conv with tails."""
+
 import torch
 
 from deltaserve.ops import kda
@@ -23,7 +24,7 @@ def test_chunked_varlen_with_exports_matches_token_loop():
     q, k, v, g, beta, s0 = _inputs(lens)
     cu = torch.tensor([0, *lens]).cumsum(0)
     offs = [[1], [2, 5], [17, 63], [64], [1, 64, 65], [17, 100, 130]]
-    scale = 16 ** -0.5
+    scale = 16**-0.5
     f32 = [t.float() for t in (q, k, v, g, beta)]
     o, final, exported = kda.kda_chunked(*f32, cu, scale, initial_state=s0.float(), export_offsets=offs)
     e = 0
@@ -45,8 +46,9 @@ def test_recurrent_step_matches_oracle():
     state = s0.float().clone()
     o = kda.kda_recurrent_step(q.float(), k.float(), v.float(), g.float(), beta.float(), state, 0.1)
     for b in range(3):
-        o_ref, s_ref = ref.naive_recurrent_kda(q[b:b + 1], k[b:b + 1], v[b:b + 1], g[b:b + 1],
-                                               beta[b:b + 1], 0.1, s0[b])
+        o_ref, s_ref = ref.naive_recurrent_kda(
+            q[b : b + 1], k[b : b + 1], v[b : b + 1], g[b : b + 1], beta[b : b + 1], 0.1, s0[b]
+        )
         torch.testing.assert_close(o[b].double(), o_ref[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(state[b].double(), s_ref, rtol=1e-5, atol=1e-5)
 

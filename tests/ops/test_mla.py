@@ -3,14 +3,19 @@
 Tolerances: fp32 op vs float64 oracle within 1e-5 relative + 1e-5 * max|ref| absolute
 (SDPA's blockwise fp32 softmax); float64 oracles against each other within 1e-10.
 """
+
 import pytest
 import torch
 
 import deltaserve.ops.mla as mla
 from deltaserve.ops.mla import length_buckets, mla_absorbed_attention, mla_prefill_attention
-from deltaserve.ops.reference.dense import (naive_mla_absorbed_attention, naive_mla_layer_absorbed,
-                                            naive_mla_layer_plain, naive_mla_prefill_attention,
-                                            naive_rms_norm)
+from deltaserve.ops.reference.dense import (
+    naive_mla_absorbed_attention,
+    naive_mla_layer_absorbed,
+    naive_mla_layer_plain,
+    naive_mla_prefill_attention,
+    naive_rms_norm,
+)
 
 NOPE, ROPE, DV, R, H = 128, 64, 128, 512, 4
 SCALE = (NOPE + ROPE) ** -0.5
@@ -26,8 +31,11 @@ def _cu(lens):
 
 
 def _qkv(n, dtype=torch.float32):
-    return (torch.randn(n, H, NOPE + ROPE, dtype=dtype), torch.randn(n, H, NOPE + ROPE, dtype=dtype),
-            torch.randn(n, H, DV, dtype=dtype))
+    return (
+        torch.randn(n, H, NOPE + ROPE, dtype=dtype),
+        torch.randn(n, H, NOPE + ROPE, dtype=dtype),
+        torch.randn(n, H, DV, dtype=dtype),
+    )
 
 
 @pytest.mark.parametrize("lens", [[1, 7, 64, 100], [200, 3, 1, 5], [33]])
@@ -39,7 +47,7 @@ def test_prefill_varlen_vs_oracle(lens):
     _close(out, naive_mla_prefill_attention(q.double(), k.double(), v.double(), _cu(lens), SCALE))
 
 
-@pytest.mark.parametrize("lens", [[1, 7, 64], [50]])          # padded and single-sequence paths
+@pytest.mark.parametrize("lens", [[1, 7, 64], [50]])  # padded and single-sequence paths
 def test_prefill_scale_is_passed_and_bf16(lens):
     """A non-default scale (SDPA's default 192^-1/2 equals the spec's, so it must be passed)."""
     torch.manual_seed(1)
@@ -49,7 +57,7 @@ def test_prefill_scale_is_passed_and_bf16(lens):
     b = mla_prefill_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), _cu(lens), SCALE)
     assert b.dtype == torch.bfloat16
     ref = naive_mla_prefill_attention(*(t.bfloat16().double() for t in (q, k, v)), _cu(lens), SCALE)
-    torch.testing.assert_close(b.double(), ref, rtol=2 ** -7, atol=2e-2)
+    torch.testing.assert_close(b.double(), ref, rtol=2**-7, atol=2e-2)
 
 
 def test_length_buckets_cover_every_sequence():
@@ -70,7 +78,7 @@ def _latent_case(ctx, new, seed=0):
     c_hat = naive_rms_norm(torch.randn(n, R), torch.rand(R) + 0.5, 1e-6)
     k_rot = torch.randn(n, ROPE)
     q = torch.randn(n, H, NOPE + ROPE)
-    w_kvb = torch.randn(H * (NOPE + DV), R) * R ** -0.5
+    w_kvb = torch.randn(H * (NOPE + DV), R) * R**-0.5
     starts = [0] + torch.tensor(ctx).cumsum(0).tolist()[:-1]
     rows = torch.cat([torch.arange(s + c - m, s + c) for s, c, m in zip(starts, ctx, new)])
     return c_hat, k_rot, q, w_kvb, rows
@@ -85,14 +93,13 @@ def _plain(c_hat, k_rot, q, w_kvb, cu):
 
 def _absorbed(c_hat, k_rot, q, w_kvb, rows, cu_q, cu_kv):
     w = w_kvb.view(H, NOPE + DV, R)
-    q_lat = torch.cat([torch.einsum("nhd,hdr->nhr", q[rows, :, :NOPE], w[:, :NOPE]),
-                       q[rows, :, NOPE:]], dim=-1)
+    q_lat = torch.cat([torch.einsum("nhd,hdr->nhr", q[rows, :, :NOPE], w[:, :NOPE]), q[rows, :, NOPE:]], dim=-1)
     kv_rows = torch.cat([c_hat, k_rot], dim=-1)
     o_lat = mla_absorbed_attention(q_lat, kv_rows, cu_q, cu_kv, R, SCALE)
     return torch.einsum("nhr,hvr->nhv", o_lat, w[:, NOPE:]), q_lat, kv_rows
 
 
-@pytest.mark.parametrize("fold_limit", [1 << 27, 0])     # head-folded and GQA-broadcast paths
+@pytest.mark.parametrize("fold_limit", [1 << 27, 0])  # head-folded and GQA-broadcast paths
 def test_absorbed_matches_prefill_with_context(fold_limit, monkeypatch):
     """Several queries per sequence over a cached context, including single-query decode and a
     whole-sequence prefill; the fast absorbed form must equal the fast plain form's rows."""
@@ -113,25 +120,34 @@ def test_absorbed_decode_batch_and_bf16():
     _close(absorbed, _plain(c_hat, k_rot, q, w_kvb, _cu(ctx))[rows])
     b = mla_absorbed_attention(q_lat.bfloat16(), kv_rows.bfloat16(), _cu(new), _cu(ctx), R, SCALE)
     assert b.dtype == torch.bfloat16 and b.shape == (4, H, R)
-    ref = naive_mla_absorbed_attention(q_lat.bfloat16().double(), kv_rows.bfloat16().double(),
-                                       _cu(new), _cu(ctx), R, SCALE)
-    torch.testing.assert_close(b.double(), ref, rtol=2 ** -7, atol=2e-2 * float(ref.abs().max()))
+    ref = naive_mla_absorbed_attention(
+        q_lat.bfloat16().double(), kv_rows.bfloat16().double(), _cu(new), _cu(ctx), R, SCALE
+    )
+    torch.testing.assert_close(b.double(), ref, rtol=2**-7, atol=2e-2 * float(ref.abs().max()))
 
 
 def test_absorbed_rejects_more_queries_than_context():
     with pytest.raises(ValueError):
-        mla_absorbed_attention(torch.randn(3, H, R + ROPE), torch.randn(2, R + ROPE),
-                               _cu([3]), _cu([2]), R, SCALE)
+        mla_absorbed_attention(torch.randn(3, H, R + ROPE), torch.randn(2, R + ROPE), _cu([3]), _cu([2]), R, SCALE)
 
 
 def _layer_weights(d, q_lora, gate, seed):
     torch.manual_seed(seed)
-    g = lambda *s: torch.randn(*s, dtype=torch.float64) * s[-1] ** -0.5
-    w = dict(kv_a=g(R + ROPE, d), kv_a_norm=torch.rand(R, dtype=torch.float64) + 0.5,
-             kv_b=g(H * (NOPE + DV), R), o_proj=g(d, H * DV), num_heads=H)
+
+    def g(*s):
+        return torch.randn(*s, dtype=torch.float64) * s[-1] ** -0.5
+
+    w = dict(
+        kv_a=g(R + ROPE, d),
+        kv_a_norm=torch.rand(R, dtype=torch.float64) + 0.5,
+        kv_b=g(H * (NOPE + DV), R),
+        o_proj=g(d, H * DV),
+        num_heads=H,
+    )
     if q_lora:
-        w.update(q_a=g(q_lora, d), q_a_norm=torch.rand(q_lora, dtype=torch.float64) + 0.5,
-                 q_b=g(H * (NOPE + ROPE), q_lora))
+        w.update(
+            q_a=g(q_lora, d), q_a_norm=torch.rand(q_lora, dtype=torch.float64) + 0.5, q_b=g(H * (NOPE + ROPE), q_lora)
+        )
     else:
         w.update(q_proj=g(H * (NOPE + ROPE), d))
     if gate:
@@ -139,7 +155,7 @@ def _layer_weights(d, q_lora, gate, seed):
     return w
 
 
-@pytest.mark.parametrize("q_lora,gate", [(96, True), (None, False)])    # K3-like, Kimi-Linear
+@pytest.mark.parametrize("q_lora,gate", [(96, True), (None, False)])  # K3-like, Kimi-Linear
 def test_layer_oracles_plain_equals_absorbed(q_lora, gate):
     w = _layer_weights(64, q_lora, gate, seed=5)
     x = torch.randn(12, 64, dtype=torch.float64)
@@ -156,6 +172,7 @@ def test_fast_ops_compose_to_layer_oracle():
     x = torch.randn(sum(lens), 64, dtype=torch.float64)
     f = {k: v.float() for k, v in w.items() if torch.is_tensor(v)}
     from deltaserve.ops.norms import rms_norm
+
     xf = x.float()
     q = (rms_norm(xf @ f["q_a"].T, f["q_a_norm"], 1e-6) @ f["q_b"].T).view(-1, H, NOPE + ROPE)
     kv = xf @ f["kv_a"].T

@@ -1,4 +1,5 @@
 """MLA attention forms and MoE routing/execution vs float64 per-sequence / per-token loops."""
+
 import torch
 
 from deltaserve.ops.activations import silu_and_mul
@@ -20,9 +21,9 @@ def test_prefill_varlen_matches_per_sequence_loop():
     cu = torch.tensor([0, *lens]).cumsum(0)
     q, k = torch.randn(2, sum(lens), 3, 24, generator=G, dtype=torch.float64)
     v = torch.randn(sum(lens), 3, 16, generator=G, dtype=torch.float64)
-    got = mla_prefill_attention(q.float(), k.float(), v.float(), cu, 24 ** -0.5)
+    got = mla_prefill_attention(q.float(), k.float(), v.float(), cu, 24**-0.5)
     for lo, hi in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        ref = _causal(q[lo:hi], k[lo:hi], v[lo:hi], 24 ** -0.5)
+        ref = _causal(q[lo:hi], k[lo:hi], v[lo:hi], 24**-0.5)
         torch.testing.assert_close(got[lo:hi].double(), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -38,13 +39,13 @@ def test_absorbed_equals_plain_with_expanded_weights():
     o_lat = mla_absorbed_attention(q_lat.float(), rows.float(), cu_q, cu_kv, r, scale)
     got = torch.einsum("nhr,hvr->nhv", o_lat.double(), w_kvb[:, nope:])
     for b in range(3):
-        c = rows[cu_kv[b]:cu_kv[b + 1]]
+        c = rows[cu_kv[b] : cu_kv[b + 1]]
         kv = torch.einsum("sr,hdr->shd", c[:, :r], w_kvb)
         k = torch.cat([kv[..., :nope], c[:, None, r:].expand(-1, h, dr)], -1)
         full_q = torch.zeros(len(c), h, nope + dr, dtype=torch.float64)
-        full_q[len(c) - q_lens[b]:] = q[cu_q[b]:cu_q[b + 1]]
-        ref = _causal(full_q, k, kv[..., nope:], scale)[len(c) - q_lens[b]:]
-        torch.testing.assert_close(got[cu_q[b]:cu_q[b + 1]], ref, rtol=1e-5, atol=1e-5)
+        full_q[len(c) - q_lens[b] :] = q[cu_q[b] : cu_q[b + 1]]
+        ref = _causal(full_q, k, kv[..., nope:], scale)[len(c) - q_lens[b] :]
+        torch.testing.assert_close(got[cu_q[b] : cu_q[b + 1]], ref, rtol=1e-5, atol=1e-5)
 
 
 def test_route_unbiased_weights_renorm_scale_and_remote_code_flag():

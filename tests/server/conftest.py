@@ -1,5 +1,6 @@
 """One real server (tiny random K3, API key, 1 MiB body cap) shared by the package's modules;
 a module that needs other settings defines its own `server` fixture."""
+
 import pytest
 
 from tests.server.live_server import KEY, MAX_LEN, MODEL, live_server
@@ -7,8 +8,7 @@ from tests.server.live_server import KEY, MAX_LEN, MODEL, live_server
 
 @pytest.fixture(scope="package")
 def server(tmp_path_factory):
-    with live_server(tmp_path_factory, MODEL, dict(api_key=KEY, max_body_bytes=1 << 20),
-                     max_model_len=MAX_LEN) as srv:
+    with live_server(tmp_path_factory, MODEL, dict(api_key=KEY, max_body_bytes=1 << 20), max_model_len=MAX_LEN) as srv:
         yield srv
 
 

@@ -1,5 +1,6 @@
 """A real server for tests: uvicorn on a loopback port (port 0) in a daemon thread, over a tiny
 random K3, torn down with the engine thread; plus the shared test server's settings and helpers."""
+
 import contextlib
 import threading
 import time
@@ -8,18 +9,26 @@ import httpx
 import uvicorn
 
 from deltaserve import LLM
-from deltaserve.model.tiny import make_tiny
-from deltaserve.server.api import build_app
+from deltaserve.server.app import build_app
 from deltaserve.server.async_engine import AsyncEngine
-from deltaserve.server.chat import load_chat_template
+from deltaserve.server.chat.render import load_chat_template
+from deltaserve.tiny import make_tiny
 
 
 @contextlib.contextmanager
 def live_server(tmp_path_factory, model_name: str, app_kwargs: dict, **llm_kwargs):
     """Yields {"url", "engine", "tok"}."""
     ckpt = make_tiny(tmp_path_factory.mktemp("k3"), family="kimi_k3", preset="tiny", seed=0)
-    llm = LLM(ckpt, dtype="float32", max_num_seqs=4, max_num_batched_tokens=512, page_size=16,
-              kv_cache_memory=64 * 2**20, progress=False, **llm_kwargs)
+    llm = LLM(
+        ckpt,
+        dtype="float32",
+        max_num_seqs=4,
+        max_num_batched_tokens=512,
+        page_size=16,
+        kv_cache_memory=64 * 2**20,
+        progress=False,
+        **llm_kwargs,
+    )
     engine = AsyncEngine(llm.engine, llm.model.config.family, load_chat_template(ckpt))
     app = build_app(engine, model_name, **app_kwargs)
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
@@ -75,6 +84,7 @@ def script_outputs(engine, script: list[int]):
         for j, s in enumerate(done):
             out.token_ids[j] = script[min(len(s.seq.output_ids), len(script) - 1)]
         return out
+
     runner.execute = execute
     return lambda: setattr(runner, "execute", orig)
 

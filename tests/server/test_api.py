@@ -1,5 +1,6 @@
 """The real server (uvicorn on a loopback port, a tiny random K3) driven by the `openai` client.
 The `server` / `client` fixtures (one server for the package) are in conftest.py."""
+
 import json
 
 import httpx
@@ -8,7 +9,6 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from tests.server.live_server import KEY, MAX_LEN, MODEL, http, idle_and_clean, script_outputs  # noqa: E402
-
 
 IGN = {"ignore_eos": True}
 
@@ -21,8 +21,7 @@ def test_models_health_ready(server, client):
 
 def test_completion_usage_matches_tokenizer(server, client):
     prompt = "Hello, world"
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=7, temperature=0,
-                                  logprobs=2, extra_body=IGN)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=7, temperature=0, logprobs=2, extra_body=IGN)
     c = r.choices[0]
     assert r.usage.prompt_tokens == len(server["tok"].encode(prompt))
     assert r.usage.completion_tokens == 7 and c.finish_reason == "length"
@@ -46,14 +45,14 @@ def test_seeded_completion_stream_equals_non_stream(client):
 
 
 def test_n_choices(client):
-    r = client.completions.create(model=MODEL, prompt=[1, 2, 3, 4], n=3, max_tokens=5, seed=7,
-                                  extra_body=IGN)
+    r = client.completions.create(model=MODEL, prompt=[1, 2, 3, 4], n=3, max_tokens=5, seed=7, extra_body=IGN)
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     assert r.usage.completion_tokens == 15 and r.usage.prompt_tokens == 4
     assert len({c.text for c in r.choices}) > 1
     streamed = {}
-    for ch in client.completions.create(model=MODEL, prompt=[1, 2, 3, 4], n=3, max_tokens=5, seed=7,
-                                        stream=True, extra_body=IGN):
+    for ch in client.completions.create(
+        model=MODEL, prompt=[1, 2, 3, 4], n=3, max_tokens=5, seed=7, stream=True, extra_body=IGN
+    ):
         streamed[ch.choices[0].index] = streamed.get(ch.choices[0].index, "") + ch.choices[0].text
     assert streamed == {c.index: c.text for c in r.choices}
 
@@ -62,7 +61,7 @@ def test_stop_string(client):
     kw = dict(model=MODEL, prompt="abc", max_tokens=30, temperature=0, extra_body=IGN)
     full = client.completions.create(**kw).choices[0].text
     stop = full[8:11]
-    cut = full[:full.index(stop)]
+    cut = full[: full.index(stop)]
     r = client.completions.create(stop=[stop], **kw).choices[0]
     assert r.text == cut and r.finish_reason == "stop"
     streamed = "".join(ch.choices[0].text for ch in client.completions.create(stop=stop, stream=True, **kw))
@@ -70,8 +69,14 @@ def test_stop_string(client):
 
 
 def test_chat_stream_equals_non_stream(client):
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hi there"}], max_tokens=10,
-              seed=5, temperature=0.8, extra_body=IGN)
+    kw = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi there"}],
+        max_tokens=10,
+        seed=5,
+        temperature=0.8,
+        extra_body=IGN,
+    )
     r = client.chat.completions.create(**kw)
     msg = r.choices[0].message
     full = (msg.content or "", getattr(msg, "reasoning_content", None) or "")
@@ -88,9 +93,16 @@ def test_chat_stream_equals_non_stream(client):
 
 
 def test_chat_logprobs_and_n(client):
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2,
-                                       max_completion_tokens=4, logprobs=True, top_logprobs=3, seed=3,
-                                       extra_body=IGN)
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        n=2,
+        max_completion_tokens=4,
+        logprobs=True,
+        top_logprobs=3,
+        seed=3,
+        extra_body=IGN,
+    )
     assert len(r.choices) == 2 and r.usage.completion_tokens == 8
     for c in r.choices:
         assert len(c.logprobs.content) == 4
@@ -107,8 +119,15 @@ def test_api_key(server):
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
 USER = [{"role": "user", "content": "hi"}]
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 BAD = [
     (CMPL, {"prompt": "x"}, 400),  # no model
     (CMPL, {"model": "nope", "prompt": "x"}, 404),
@@ -181,27 +200,129 @@ BAD = [
     (CMPL, {"model": MODEL, "prompt": [["a"]]}, 400),
     (CMPL, {"model": MODEL, "prompt": ["a", 1]}, 400),
     (CMPL, {"model": MODEL, "prompt": "x", "response_format": {"type": "json_schema"}}, 400),
-    (CMPL, {"model": MODEL, "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, 400),
+    (
+        CMPL,
+        {
+            "model": MODEL,
+            "prompt": "x",
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+        },
+        400,
+    ),
     # response_format
     (CHAT, {"model": MODEL, "messages": USER, "response_format": {"type": "json_schema"}}, 400),
     (CHAT, {"model": MODEL, "messages": USER, "response_format": {"type": "json_object", "json_schema": 5}}, 400),
-    (CHAT, {"model": MODEL, "messages": USER, "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, 400),
-    (CHAT, {"model": MODEL, "messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "s"}}}, 400),
-    (CHAT, {"model": MODEL, "messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, 400),
-    (CHAT, {"model": MODEL, "messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}}}, 400),
-    (CHAT, {"model": MODEL, "messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "("}}}}, 400),
+    (
+        CHAT,
+        {"model": MODEL, "messages": USER, "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+        400,
+    ),
+    (
+        CHAT,
+        {
+            "model": MODEL,
+            "messages": USER,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "s"}},
+        },
+        400,
+    ),
+    (
+        CHAT,
+        {
+            "model": MODEL,
+            "messages": USER,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+        },
+        400,
+    ),
+    (
+        CHAT,
+        {
+            "model": MODEL,
+            "messages": USER,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}},
+        },
+        400,
+    ),
+    (
+        CHAT,
+        {
+            "model": MODEL,
+            "messages": USER,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "("}},
+            },
+        },
+        400,
+    ),
     (CHAT, {"model": MODEL, "messages": USER, "response_format": "json_object"}, 400),
     # tool_choice and control fields
     (CHAT, {"model": MODEL, "messages": USER, "tool_choice": "required"}, 400),
-    (CHAT, {"model": MODEL, "messages": USER, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400),
-    (CHAT, {"model": MODEL, "messages": USER, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, 400),
+    (
+        CHAT,
+        {
+            "model": MODEL,
+            "messages": USER,
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "nope"}},
+        },
+        400,
+    ),
+    (
+        CHAT,
+        {"model": MODEL, "messages": USER, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+        400,
+    ),
     (CHAT, {"model": MODEL, "messages": USER, "tools": TOOLS, "tool_choice": {"type": "function"}}, 400),
-    (CHAT, {"model": MODEL, "messages": USER, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": ""}}}, 400),
-    (CHAT, {"model": MODEL, "messages": USER, "tools": TOOLS, "tool_choice": {"type": "tool", "function": {"name": "get_weather"}}}, 400),
-    (CHAT, {"model": MODEL, "messages": USER, "tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, 400),
-    (CHAT, {"model": MODEL, "messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "integer", "minimum": "a"}}}],
-            "tool_choice": {"type": "function", "function": {"name": "f"}}}, 400),
-    (CHAT, {"model": MODEL, "messages": USER, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": "no"}, 400),
+    (
+        CHAT,
+        {
+            "model": MODEL,
+            "messages": USER,
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": ""}},
+        },
+        400,
+    ),
+    (
+        CHAT,
+        {
+            "model": MODEL,
+            "messages": USER,
+            "tools": TOOLS,
+            "tool_choice": {"type": "tool", "function": {"name": "get_weather"}},
+        },
+        400,
+    ),
+    (
+        CHAT,
+        {
+            "model": MODEL,
+            "messages": USER,
+            "tools": TOOLS,
+            "tool_choice": "required",
+            "response_format": {"type": "json_object"},
+        },
+        400,
+    ),
+    (
+        CHAT,
+        {
+            "model": MODEL,
+            "messages": USER,
+            "tools": [
+                {"type": "function", "function": {"name": "f", "parameters": {"type": "integer", "minimum": "a"}}}
+            ],
+            "tool_choice": {"type": "function", "function": {"name": "f"}},
+        },
+        400,
+    ),
+    (
+        CHAT,
+        {"model": MODEL, "messages": USER, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": "no"},
+        400,
+    ),
     (CHAT, {"model": MODEL, "messages": USER, "reasoning_effort": "extreme"}, 400),
     (CHAT, {"model": MODEL, "messages": USER, "thinking_effort": 3}, 400),
 ]
@@ -217,9 +338,15 @@ def test_malformed_request(server, path, body, status):
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"]
 
 
-@pytest.mark.parametrize("content,status", [(b"{not json", 400), (b"[1, 2]", 400),
-                                            (b'{"model": "tiny-k3", "prompt": "x", "temperature": NaN}', 400),
-                                            (b"x" * (2 << 20), 413)])
+@pytest.mark.parametrize(
+    "content,status",
+    [
+        (b"{not json", 400),
+        (b"[1, 2]", 400),
+        (b'{"model": "tiny-k3", "prompt": "x", "temperature": NaN}', 400),
+        (b"x" * (2 << 20), 413),
+    ],
+)
 def test_raw_bodies(server, content, status):
     r = http(server, "POST", CMPL, content=content, headers={"Content-Type": "application/json"})
     assert r.status_code == status and "error" in r.json()
@@ -229,14 +356,15 @@ def test_raw_bodies(server, content, status):
 
 def test_chunked_body_cap(server):
     """No Content-Length (chunked): the cap is enforced while the body streams in."""
+
     def chunks(n, size=1 << 16):
         for _ in range(n):
             yield b" " * size
+
     r = http(server, "POST", CMPL, content=chunks(64), headers={"Content-Type": "application/json"})
     assert r.status_code == 413 and "over" in r.json()["error"]["message"]
     body = json.dumps({"model": MODEL, "prompt": "ok", "max_tokens": 2}).encode()
-    ok = http(server, "POST", CMPL, content=iter([body[:10], body[10:]]),
-              headers={"Content-Type": "application/json"})
+    ok = http(server, "POST", CMPL, content=iter([body[:10], body[10:]]), headers={"Content-Type": "application/json"})
     assert "content-length" not in ok.request.headers and ok.status_code == 200, ok.text
 
 
@@ -244,8 +372,9 @@ def test_aborted_stream_frees_cache(server):
     engine = server["engine"]
     before = idle_and_clean(engine)["requests_aborted"]
     body = {"model": MODEL, "prompt": "abort me", "max_tokens": 200, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", server["url"] + CMPL, json=body, timeout=60,
-                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+    with httpx.stream(
+        "POST", server["url"] + CMPL, json=body, timeout=60, headers={"Authorization": f"Bearer {KEY}"}
+    ) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         got = [json.loads(ln[6:]) for ln in (next(lines) for _ in range(3)) if ln.startswith("data: {")]
@@ -256,10 +385,12 @@ def test_aborted_stream_frees_cache(server):
     assert ok.status_code == 200
 
 
-SCRIPT = ("need the weather<|close|>think<|sep|><|open|>response<|sep|>checking<|close|>response<|sep|>"
-          '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
-          '<|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|>'
-          "<|close|>call<|sep|><|close|>tools<|sep|>")
+SCRIPT = (
+    "need the weather<|close|>think<|sep|><|open|>response<|sep|>checking<|close|>response<|sep|>"
+    '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
+    '<|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|>'
+    "<|close|>call<|sep|><|close|>tools<|sep|>"
+)
 
 
 @pytest.fixture
@@ -274,8 +405,7 @@ def scripted(server):
 
 
 def test_tool_calls_from_scripted_output(client, scripted):
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": "weather in Paris?"}], tools=TOOLS,
-              max_tokens=200)
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "weather in Paris?"}], tools=TOOLS, max_tokens=200)
     r = client.chat.completions.create(**kw)
     c = r.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.content == "checking"
@@ -290,7 +420,8 @@ def test_tool_calls_from_scripted_output(client, scripted):
         calls += d.tool_calls or []
         finish = ch.choices[0].finish_reason or finish
     assert (content, reasoning, finish) == ("checking", "need the weather", "tool_calls")
-    assert [(t.id, t.function.name, t.function.arguments) for t in calls] == \
-        [(call.id, call.function.name, call.function.arguments)]
+    assert [(t.id, t.function.name, t.function.arguments) for t in calls] == [
+        (call.id, call.function.name, call.function.arguments)
+    ]
     plain = client.chat.completions.create(**{**kw, "tool_choice": "none"}).choices[0]
     assert not plain.message.tool_calls and "get_weather" in plain.message.content

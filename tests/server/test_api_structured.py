@@ -1,24 +1,37 @@
 """The `openai` client against the real server: enforced response_format and tool_choice,
 batched completions and echo (tiny random K3; the shared `server` / `client` of conftest.py)."""
+
 import json
 
 import pytest
 
 openai = pytest.importorskip("openai")
 
-from deltaserve.server.chat import render_chat  # noqa: E402
+from deltaserve.server.chat.render import render_chat  # noqa: E402
 from tests.server.live_server import MODEL, idle_and_clean  # noqa: E402
 
 NOTHINK = {"thinking": False}
 USER = [{"role": "user", "content": "Weather in Paris?"}]
-WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days", "metric"],
-           "properties": {"city": {"enum": ["Paris", "Oslo"]},
-                          "days": {"type": "integer", "minimum": 1, "maximum": 7},
-                          "metric": {"type": "boolean"}}}
-CLOCK = {"type": "object", "additionalProperties": False, "required": ["tz"],
-         "properties": {"tz": {"enum": ["UTC", "CET"]}}}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "parameters": CLOCK}}]
+WEATHER = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["city", "days", "metric"],
+    "properties": {
+        "city": {"enum": ["Paris", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "metric": {"type": "boolean"},
+    },
+}
+CLOCK = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["tz"],
+    "properties": {"tz": {"enum": ["UTC", "CET"]}},
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": CLOCK}},
+]
 
 
 def valid(v, schema) -> bool:
@@ -37,8 +50,15 @@ def valid(v, schema) -> bool:
 
 
 def test_json_object_is_json(client, server):
-    r = client.chat.completions.create(model=MODEL, messages=USER, n=8, max_tokens=48, seed=2,
-                                       response_format={"type": "json_object"}, extra_body=NOTHINK)
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        n=8,
+        max_tokens=48,
+        seed=2,
+        response_format={"type": "json_object"},
+        extra_body=NOTHINK,
+    )
     stopped = [c for c in r.choices if c.finish_reason == "stop"]
     assert stopped, [c.message.content for c in r.choices]
     for c in stopped:
@@ -49,9 +69,16 @@ def test_json_object_is_json(client, server):
 
 
 def test_json_schema_enforced_stream_equals_non_stream(client):
-    kw = dict(model=MODEL, messages=USER, n=3, max_tokens=60, seed=11, temperature=1.0,
-              response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}},
-              extra_body=NOTHINK)
+    kw = dict(
+        model=MODEL,
+        messages=USER,
+        n=3,
+        max_tokens=60,
+        seed=11,
+        temperature=1.0,
+        response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}},
+        extra_body=NOTHINK,
+    )
     r = client.chat.completions.create(**kw)
     for c in r.choices:
         assert c.finish_reason == "stop" and valid(json.loads(c.message.content), WEATHER), c.message.content
@@ -67,8 +94,16 @@ def _calls(choice):
 
 
 def test_named_tool_choice(client):
-    kw = dict(model=MODEL, messages=USER, tools=TOOLS, n=2, max_tokens=60, seed=5,
-              tool_choice={"type": "function", "function": {"name": "get_time"}}, extra_body=NOTHINK)
+    kw = dict(
+        model=MODEL,
+        messages=USER,
+        tools=TOOLS,
+        n=2,
+        max_tokens=60,
+        seed=5,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        extra_body=NOTHINK,
+    )
     r = client.chat.completions.create(**kw)
     for c in r.choices:
         [(name, args)] = _calls(c)
@@ -84,9 +119,17 @@ def test_named_tool_choice(client):
 
 
 def test_required_tool_choice(client):
-    r = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, n=4, max_tokens=80,
-                                       seed=9, tool_choice="required", parallel_tool_calls=False,
-                                       extra_body=NOTHINK)
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        tools=TOOLS,
+        n=4,
+        max_tokens=80,
+        seed=9,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        extra_body=NOTHINK,
+    )
     names = set()
     for c in r.choices:
         [(name, args)] = _calls(c)
@@ -111,6 +154,7 @@ def script_prefix(server, monkeypatch):
             if len(s.seq.output_ids) < len(script):
                 out.token_ids[j] = script[len(s.seq.output_ids)]
         return out
+
     monkeypatch.setattr(engine.core.runner, "execute", execute)
     yield lambda text: script.extend(tok.encode(text, allow_special=True))
     idle_and_clean(engine)
@@ -119,9 +163,13 @@ def script_prefix(server, monkeypatch):
 def test_thinking_then_constrained_answer(client, script_prefix):
     """K3 thinking on: free reasoning, the forced think-close, then the constrained JSON."""
     script_prefix("first some reasoning<|close|>think<|sep|>")
-    r = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=80, seed=1,
-                                       response_format={"type": "json_schema",
-                                                        "json_schema": {"name": "w", "schema": WEATHER}})
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        max_tokens=80,
+        seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}},
+    )
     c = r.choices[0]
     assert c.message.reasoning_content == "first some reasoning" and c.finish_reason == "stop"
     assert valid(json.loads(c.message.content), WEATHER), c.message.content
@@ -152,15 +200,17 @@ def test_echo(client, server):
     ids_text = client.completions.create(prompt=[1, 2, 3], **kw).choices[0].text
     r = client.completions.create(prompt=[1, 2, 3], echo=True, **kw)
     assert r.choices[0].text == server["tok"].decode([1, 2, 3]) + ids_text
-    streamed = "".join(ch.choices[0].text for ch in
-                       client.completions.create(prompt="Hello there", echo=True, stream=True, **kw))
+    streamed = "".join(
+        ch.choices[0].text for ch in client.completions.create(prompt="Hello there", echo=True, stream=True, **kw)
+    )
     assert streamed == "Hello there" + plain
 
 
 def test_completion_response_format(client):
     rf = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
-    r = client.completions.create(model=MODEL, prompt=["a", "b"], n=2, max_tokens=60, seed=4,
-                                  extra_body={"response_format": rf})
+    r = client.completions.create(
+        model=MODEL, prompt=["a", "b"], n=2, max_tokens=60, seed=4, extra_body={"response_format": rf}
+    )
     for c in r.choices:
         assert c.finish_reason == "stop" and valid(json.loads(c.text), WEATHER), c.text
 

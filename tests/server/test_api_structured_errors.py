@@ -1,6 +1,7 @@
 """Structured outputs never fail silently: schemas refused with 400 at request time (compiled off
 the event loop), grammar failures and forced tool choices without a call as errors, and the
 reasoning budget that lets a thinking K3 reach its constrained answer (shared tiny K3 server)."""
+
 import asyncio
 import json
 import threading
@@ -18,8 +19,9 @@ from tests.server.test_api_structured import CLOCK, TOOLS, USER, WEATHER, valid 
 NOTHINK = {"thinking": False}
 SELF = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
 LOOP = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
-NO_FINITE = ("the JSON schema admits no finite JSON value (a required property or array item "
-             "recurses into itself without end)")
+NO_FINITE = (
+    "the JSON schema admits no finite JSON value (a required property or array item recurses into itself without end)"
+)
 
 
 def rf(schema):
@@ -30,20 +32,29 @@ def chat(server, **body):
     return http(server, "POST", "/v1/chat/completions", json={"model": MODEL, "messages": USER, **body})
 
 
-@pytest.mark.parametrize("body,message", [
-    (dict(response_format=rf(SELF)), NO_FINITE),
-    (dict(response_format=rf(LOOP)), NO_FINITE),
-    (dict(response_format=rf(SELF), thinking=False), NO_FINITE),
-    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": SELF}}],
-          tool_choice={"type": "function", "function": {"name": "f"}}), NO_FINITE),
-    (dict(response_format=rf({"type": "string", "pattern": "a" * 200_000})),
-     "the JSON schema is too large (200030 bytes as compact JSON; at most 131072)"),
-])
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        (dict(response_format=rf(SELF)), NO_FINITE),
+        (dict(response_format=rf(LOOP)), NO_FINITE),
+        (dict(response_format=rf(SELF), thinking=False), NO_FINITE),
+        (
+            dict(
+                tools=[{"type": "function", "function": {"name": "f", "parameters": SELF}}],
+                tool_choice={"type": "function", "function": {"name": "f"}},
+            ),
+            NO_FINITE,
+        ),
+        (
+            dict(response_format=rf({"type": "string", "pattern": "a" * 200_000})),
+            "the JSON schema is too large (200030 bytes as compact JSON; at most 131072)",
+        ),
+    ],
+)
 def test_unusable_schemas_are_400(server, body, message):
     r = chat(server, max_tokens=8, **body)
     assert r.status_code == 400
-    assert r.json() == {"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                  "code": None}}
+    assert r.json() == {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
     idle_and_clean(server["engine"])
 
 
@@ -60,10 +71,12 @@ def test_schema_compiles_off_the_event_loop(server, monkeypatch):
             seen.append(threading.current_thread().name)
         time.sleep(1.5)
         return orig(params)
+
     monkeypatch.setattr(core, "precompile", slow)
     result = {}
-    t = threading.Thread(target=lambda: result.setdefault("r", chat(
-        server, max_tokens=40, response_format=rf(CLOCK), thinking=False)))
+    t = threading.Thread(
+        target=lambda: result.setdefault("r", chat(server, max_tokens=40, response_format=rf(CLOCK), thinking=False))
+    )
     t.start()
     time.sleep(0.3)
     start = time.time()
@@ -84,9 +97,12 @@ def force_token(server, monkeypatch):
     def execute(scheduled, rows):
         out = orig(scheduled, rows)
         live = [r for r in rows if r is not None]
-        out.token_ids = [plan["token"] if plan and r.grammar is not None and len(r.output_ids) == plan["k"]
-                         else t for t, r in zip(out.token_ids, live)]
+        out.token_ids = [
+            plan["token"] if plan and r.grammar is not None and len(r.output_ids) == plan["k"] else t
+            for t, r in zip(out.token_ids, live)
+        ]
         return out
+
     monkeypatch.setattr(engine.core.runner, "execute", execute)
     yield lambda text, k: plan.update(token=tok.encode(text)[0], k=k)
     idle_and_clean(engine)
@@ -94,9 +110,13 @@ def force_token(server, monkeypatch):
 
 def sse_events(server, **body) -> list:
     """The parsed `data:` events of a streamed chat request ("[DONE]" kept as a string)."""
-    with httpx.stream("POST", server["url"] + "/v1/chat/completions", timeout=60,
-                      headers={"Authorization": f"Bearer {KEY}"},
-                      json={"model": MODEL, "messages": USER, "stream": True, **body}) as r:
+    with httpx.stream(
+        "POST",
+        server["url"] + "/v1/chat/completions",
+        timeout=60,
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": MODEL, "messages": USER, "stream": True, **body},
+    ) as r:
         assert r.status_code == 200
         lines = [x[6:] for x in r.iter_lines() if x.startswith("data: ")]
     return [x if x == "[DONE]" else json.loads(x) for x in lines]
@@ -122,11 +142,13 @@ def test_forced_tool_choice_without_call_is_an_error(server):
     body = dict(max_tokens=40, seed=2, stop=['"'], thinking=False, **NAMED)  # cuts the arguments
     r = chat(server, **body)
     assert r.status_code == 500
-    assert r.json()["error"] == {"message": missing_forced_call(0), "type": "server_error",
-                                 "param": None, "code": None}
+    assert r.json()["error"] == {"message": missing_forced_call(0), "type": "server_error", "param": None, "code": None}
     events = sse_events(server, **body)
-    assert events[-2] == {"error": {"message": missing_forced_call(0), "type": "server_error",
-                                    "param": None, "code": None}} and events[-1] == "[DONE]"
+    assert (
+        events[-2]
+        == {"error": {"message": missing_forced_call(0), "type": "server_error", "param": None, "code": None}}
+        and events[-1] == "[DONE]"
+    )
     r = chat(server, max_tokens=2, seed=2, thinking=False, tool_choice="required", tools=TOOLS)
     [c] = r.json()["choices"]  # cut by max_tokens: "length", as OpenAI, not an error
     assert c["finish_reason"] == "length" and not c["message"].get("tool_calls")

@@ -1,24 +1,28 @@
 """K3 control messages (spec/model.md §14.1) rendered exactly, and the server's mapping of
 response_format / tool_choice / effort to constraints and controls (server/constraints.py)."""
+
 import json
 
 import pytest
 
 from deltaserve.engine.structured import StructuredOutput
-from deltaserve.model.tiny import make_tiny
 from deltaserve.model.tokenizer import Tokenizer
-from deltaserve.server.chat import ChatFormatError, render_chat
+from deltaserve.server.chat.common import ChatFormatError
+from deltaserve.server.chat.render import render_chat
 from deltaserve.server.constraints import K3_THINK_END, chat_constraint, forced_tool_calls
 from deltaserve.server.errors import APIError
 from deltaserve.server.protocol import ChatRequest
+from deltaserve.tiny import make_tiny
 from tests.server.test_chat import K3_SPECIALS, check
 
 USER = [{"role": "user", "content": "Hi"}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-TOOLS_TEXT = ('<|open|>message role="system" type="tool-declare"<|sep|># Tools\nHere are the available '
-              'tools, described in JSONSchema.\n\n```json\n'
-              '[{"function":{"name":"f","parameters":{"type":"object"}},"type":"function"}]'
-              '\n```<|close|>message<|sep|><|end_of_msg|>')
+TOOLS_TEXT = (
+    '<|open|>message role="system" type="tool-declare"<|sep|># Tools\nHere are the available '
+    "tools, described in JSONSchema.\n\n```json\n"
+    '[{"function":{"name":"f","parameters":{"type":"object"}},"type":"function"}]'
+    "\n```<|close|>message<|sep|><|end_of_msg|>"
+)
 USER_TEXT = '<|open|>message role="user"<|sep|>Hi<|close|>message<|sep|><|end_of_msg|>'
 GEN_THINK = '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
 GEN_NOTHINK = '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>'
@@ -40,8 +44,14 @@ def req(**kw):
 def test_k3_control_messages_render_exactly(k3):
     controls = (("thinking_effort", "max"), ("tool_choice", "required"), ("response_format", "json_object"))
     ids = render_chat(k3, "kimi_k3", USER, tools=TOOLS, controls=controls)
-    text = (TOOLS_TEXT + USER_TEXT + control("thinking_effort", "max") + control("tool_choice", "required")
-            + control("response_format", "json_object") + GEN_THINK)
+    text = (
+        TOOLS_TEXT
+        + USER_TEXT
+        + control("thinking_effort", "max")
+        + control("tool_choice", "required")
+        + control("response_format", "json_object")
+        + GEN_THINK
+    )
     check(k3, ids, text, K3_SPECIALS)
     ids = render_chat(k3, "kimi_k3", USER, thinking=False, controls=(("tool_choice", "none"),))
     check(k3, ids, USER_TEXT + control("tool_choice", "none") + GEN_NOTHINK, K3_SPECIALS)
@@ -52,8 +62,9 @@ def test_k3_control_messages_render_exactly(k3):
 
 def test_controls_from_request():
     assert chat_constraint(req(reasoning_effort="high"), "kimi_k3", True).controls == (("thinking_effort", "high"),)
-    assert chat_constraint(req(thinking_effort="max", reasoning_effort="low"), "kimi_k3", True).controls == \
-        (("thinking_effort", "max"),)
+    assert chat_constraint(req(thinking_effort="max", reasoning_effort="low"), "kimi_k3", True).controls == (
+        ("thinking_effort", "max"),
+    )
     assert chat_constraint(req(reasoning_effort="high"), "kimi_k3", False).controls == ()
     assert chat_constraint(req(tools=TOOLS, tool_choice="none"), "kimi_k3", True).controls == (("tool_choice", "none"),)
     assert chat_constraint(req(tools=TOOLS, tool_choice="auto"), "kimi_k3", True).controls == ()
@@ -64,7 +75,10 @@ def test_controls_from_request():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     rf = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}
     c = chat_constraint(req(response_format=rf), "kimi_k3", False)
-    body = 'json_schema\n```json\n{"name":"n","schema":{"properties":{"a":{"type":"integer"}},"type":"object"},"strict":true}\n```'
+    body = (
+        'json_schema\n```json\n{"name":"n","schema":{"properties":{"a":{"type":"integer"}},"type":"object"},'
+        '"strict":true}\n```'
+    )
     assert c.controls == (("response_format", body),) and c.tool is None
     assert c.structured == StructuredOutput.json(schema)
     kl = chat_constraint(req(response_format={"type": "json_object"}), "kimi_linear", True)
@@ -80,13 +94,16 @@ def test_required_schema_respects_parallel_tool_calls():
     assert json.loads(one.structured.json_schema)["maxItems"] == 1
 
 
-@pytest.mark.parametrize("kw,param", [
-    (dict(tool_choice="required"), "tool_choice"),
-    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice"),
-    (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "response_format"),
-    (dict(response_format={"type": "json_schema"}), "response_format.json_schema"),
-    (dict(tools=[{"function": {}}], tool_choice="required"), "tools"),
-])
+@pytest.mark.parametrize(
+    "kw,param",
+    [
+        (dict(tool_choice="required"), "tool_choice"),
+        (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice"),
+        (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "response_format"),
+        (dict(response_format={"type": "json_schema"}), "response_format.json_schema"),
+        (dict(tools=[{"function": {}}], tool_choice="required"), "tools"),
+    ],
+)
 def test_bad_combinations(kw, param):
     with pytest.raises(APIError) as e:
         chat_constraint(req(**kw), "kimi_k3", True)
@@ -97,7 +114,9 @@ def test_forced_tool_calls():
     [c] = forced_tool_calls('{"a": 1}', "f", "kimi_k3")
     assert (c.id, c.name, json.loads(c.arguments_json)) == ("functions.f:1", "f", {"a": 1})
     calls = forced_tool_calls('[{"name":"f","parameters":{}},{"name":"g","parameters":{"x":[1]}}]', "", "kimi_linear")
-    assert [(c.id, c.name, json.loads(c.arguments_json)) for c in calls] == \
-        [("functions.f:0", "f", {}), ("functions.g:1", "g", {"x": [1]})]
+    assert [(c.id, c.name, json.loads(c.arguments_json)) for c in calls] == [
+        ("functions.f:0", "f", {}),
+        ("functions.g:1", "g", {"x": [1]}),
+    ]
     for text, tool in [('{"a": 1', "f"), ("[1]", "f"), ("[]", ""), ('[{"name":"f"}]', ""), ('{"a":1}', "")]:
         assert forced_tool_calls(text, tool, "kimi_k3") is None

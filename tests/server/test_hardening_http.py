@@ -3,6 +3,7 @@ invalid Unicode is a 400 decided before the engine, an unexpected error is a JSO
 ends with an error event, then `[DONE]`), a non-streaming request whose client leaves is
 aborted, image parts are refused, the key is checked before the body, `GET /v1/models/{id}`,
 and `deltaserve serve --shutdown-timeout` (a subprocess) exits 0 past a half-sent body."""
+
 import json
 import logging
 import os
@@ -16,16 +17,22 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from deltaserve.server import api
-from deltaserve.server.chat import ChatFormatError, render_chat
+from deltaserve.server.chat.common import ChatFormatError
+from deltaserve.server.chat.render import render_chat
+from deltaserve.server.routes import chat as chat_route
 from tests.server.live_server import KEY, MAX_LEN, MODEL, http, idle_and_clean, wait_healthy
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 JSON = {"Content-Type": "application/json"}
-INTERNAL = {"error": {"message": "internal server error", "type": "server_error", "param": None,
-                      "code": None}}
-NO_KEY = {"error": {"message": "invalid or missing API key", "type": "authentication_error",
-                    "param": None, "code": "invalid_api_key"}}
+INTERNAL = {"error": {"message": "internal server error", "type": "server_error", "param": None, "code": None}}
+NO_KEY = {
+    "error": {
+        "message": "invalid or missing API key",
+        "type": "authentication_error",
+        "param": None,
+        "code": "invalid_api_key",
+    }
+}
 
 
 def invalid(message, param):
@@ -41,8 +48,10 @@ def raw_request(server, path, body: bytes, length=None, key=KEY) -> socket.socke
     url = urlsplit(server["url"])
     s = socket.create_connection((url.hostname, url.port), timeout=10)
     auth = f"Authorization: Bearer {key}\r\n" if key else ""
-    head = (f"POST {path} HTTP/1.1\r\nHost: {url.netloc}\r\n{auth}Content-Type: application/json\r\n"
-            f"Content-Length: {len(body) if length is None else length}\r\n\r\n")
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {url.netloc}\r\n{auth}Content-Type: application/json\r\n"
+        f"Content-Length: {len(body) if length is None else length}\r\n\r\n"
+    )
     s.sendall(head.encode() + body)
     return s
 
@@ -52,7 +61,8 @@ def read_response(s: socket.socket) -> tuple[bytes, dict]:
     s.settimeout(5)
     data = b""
     while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < int(
-            data.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0]):
+        data.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0]
+    ):
         chunk = s.recv(65536)
         assert chunk, data
         data += chunk
@@ -68,24 +78,51 @@ def sse_events(lines) -> list:
 
 S = "\\ud800"  # a JSON escape: json.loads turns it into a lone surrogate
 SURROGATES = [
-    (CMPL, f'{{"model": "{MODEL}", "prompt": "ab{S}cd", "echo": true, "max_tokens": 3}}',
-     "prompt: lone surrogate U+D800 is not valid Unicode text", "prompt"),
-    (CMPL, f'{{"model": "{MODEL}", "prompt": "ab{S}cd", "echo": true, "stream": true}}',
-     "prompt: lone surrogate U+D800 is not valid Unicode text", "prompt"),
-    (CMPL, f'{{"model": "{MODEL}", "prompt": ["ok", "\\udfff"]}}',
-     "prompt: prompt[1]: lone surrogate U+DFFF is not valid Unicode text", "prompt"),
-    (CMPL, f'{{"model": "{MODEL}", "prompt": "ok", "stop": ["{S}"]}}',
-     "stop: stop[0]: lone surrogate U+D800 is not valid Unicode text", "stop"),
-    (CHAT, f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "hi {S}"}}]}}',
-     "messages: messages[0].content: lone surrogate U+D800 is not valid Unicode text", "messages"),
-    (CHAT, f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": [{{"type": "text", '
-           f'"text": "{S}"}}]}}], "stream": true}}',
-     "messages: messages[0].content[0].text: lone surrogate U+D800 is not valid Unicode text", "messages"),
-    (CHAT, f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "hi"}}], "tools": '
-           f'[{{"type": "function", "function": {{"name": "f", "description": "x{S}"}}}}]}}',
-     "tools: tools[0].function.description: lone surrogate U+D800 is not valid Unicode text", "tools"),
-    ("/tokenize", f'{{"prompt": "{S}"}}', "prompt: lone surrogate U+D800 is not valid Unicode text",
-     "prompt"),
+    (
+        CMPL,
+        f'{{"model": "{MODEL}", "prompt": "ab{S}cd", "echo": true, "max_tokens": 3}}',
+        "prompt: lone surrogate U+D800 is not valid Unicode text",
+        "prompt",
+    ),
+    (
+        CMPL,
+        f'{{"model": "{MODEL}", "prompt": "ab{S}cd", "echo": true, "stream": true}}',
+        "prompt: lone surrogate U+D800 is not valid Unicode text",
+        "prompt",
+    ),
+    (
+        CMPL,
+        f'{{"model": "{MODEL}", "prompt": ["ok", "\\udfff"]}}',
+        "prompt: prompt[1]: lone surrogate U+DFFF is not valid Unicode text",
+        "prompt",
+    ),
+    (
+        CMPL,
+        f'{{"model": "{MODEL}", "prompt": "ok", "stop": ["{S}"]}}',
+        "stop: stop[0]: lone surrogate U+D800 is not valid Unicode text",
+        "stop",
+    ),
+    (
+        CHAT,
+        f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "hi {S}"}}]}}',
+        "messages: messages[0].content: lone surrogate U+D800 is not valid Unicode text",
+        "messages",
+    ),
+    (
+        CHAT,
+        f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": [{{"type": "text", '
+        f'"text": "{S}"}}]}}], "stream": true}}',
+        "messages: messages[0].content[0].text: lone surrogate U+D800 is not valid Unicode text",
+        "messages",
+    ),
+    (
+        CHAT,
+        f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "hi"}}], "tools": '
+        f'[{{"type": "function", "function": {{"name": "f", "description": "x{S}"}}}}]}}',
+        "tools: tools[0].function.description: lone surrogate U+D800 is not valid Unicode text",
+        "tools",
+    ),
+    ("/tokenize", f'{{"prompt": "{S}"}}', "prompt: lone surrogate U+D800 is not valid Unicode text", "prompt"),
 ]
 
 
@@ -109,10 +146,15 @@ def test_surrogate_as_raw_utf8_bytes_is_400(server):
 def test_unexpected_error_is_a_json_500_and_logged(server, monkeypatch, caplog):
     def boom(*a, **k):
         raise ValueError("secret internals at /srv/x.py")
-    monkeypatch.setattr(api, "parse_output", boom)
+
+    monkeypatch.setattr(chat_route, "parse_output", boom)
     with caplog.at_level(logging.ERROR, logger="deltaserve"):
-        r = http(server, "POST", CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                            "max_tokens": 3})
+        r = http(
+            server,
+            "POST",
+            CHAT,
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        )
     assert (r.status_code, r.headers["content-type"]) == (500, "application/json")
     assert r.json() == INTERNAL
     logged = [rec for rec in caplog.records if rec.exc_info and isinstance(rec.exc_info[1], ValueError)]
@@ -121,7 +163,7 @@ def test_unexpected_error_is_a_json_500_and_logged(server, monkeypatch, caplog):
 
 
 def test_stream_failing_midway_sends_error_then_done(server, monkeypatch, caplog):
-    class Failing(api.StreamingParser):
+    class Failing(chat_route.StreamingParser):
         fed = 0
 
         def feed(self, text):
@@ -129,12 +171,19 @@ def test_stream_failing_midway_sends_error_then_done(server, monkeypatch, caplog
             if Failing.fed == 3:
                 raise KeyError("secret internals")
             return super().feed(text)
-    monkeypatch.setattr(api, "StreamingParser", Failing)
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50,
-            "ignore_eos": True, "stream": True}
+
+    monkeypatch.setattr(chat_route, "StreamingParser", Failing)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 50,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with caplog.at_level(logging.ERROR, logger="deltaserve"):
-        with httpx.stream("POST", server["url"] + CHAT, json=body, timeout=60,
-                          headers={"Authorization": f"Bearer {KEY}"}) as r:
+        with httpx.stream(
+            "POST", server["url"] + CHAT, json=body, timeout=60, headers={"Authorization": f"Bearer {KEY}"}
+        ) as r:
             assert r.status_code == 200
             events = sse_events(list(r.iter_lines()))
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -146,6 +195,7 @@ def test_stream_failing_midway_sends_error_then_done(server, monkeypatch, caplog
 
 # ------------------------------------------------------------ 3: abandoned non-streaming requests
 
+
 @pytest.fixture
 def slow_steps(server, monkeypatch):
     """Every engine step takes at least 50 ms, so 400 tokens take 20 s or more."""
@@ -155,13 +205,17 @@ def slow_steps(server, monkeypatch):
     def execute(*a, **k):
         time.sleep(0.05)
         return orig(*a, **k)
+
     monkeypatch.setattr(runner, "execute", execute)
 
 
-@pytest.mark.parametrize("path,fields", [
-    (CMPL, {"prompt": "abandon me"}),
-    (CHAT, {"messages": [{"role": "user", "content": "abandon me"}]}),
-])
+@pytest.mark.parametrize(
+    "path,fields",
+    [
+        (CMPL, {"prompt": "abandon me"}),
+        (CHAT, {"messages": [{"role": "user", "content": "abandon me"}]}),
+    ],
+)
 def test_disconnect_aborts_non_streaming_request(server, slow_steps, path, fields):
     engine = server["engine"]
     before = idle_and_clean(engine)
@@ -194,14 +248,20 @@ IMAGE_PARTS = [
 
 @pytest.mark.parametrize("part", IMAGE_PARTS, ids=range(len(IMAGE_PARTS)))
 def test_image_parts_are_refused(server, part):
-    msgs = [{"role": "system", "content": "be brief"},
-            {"role": "user", "content": [{"type": "text", "text": "what is this?"}, part]}]
-    expected = invalid(f"messages[1].content[1]: this server does not accept image input yet "
-                       f"({part['type']!r} part); send text only", "messages")
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "what is this?"}, part]},
+    ]
+    expected = invalid(
+        f"messages[1].content[1]: this server does not accept image input yet ({part['type']!r} part); send text only",
+        "messages",
+    )
     before = added(server["engine"])
-    for path, body in [(CHAT, {"model": MODEL, "messages": msgs}),
-                       (CHAT, {"model": MODEL, "messages": msgs, "stream": True}),
-                       ("/tokenize", {"messages": msgs})]:
+    for path, body in [
+        (CHAT, {"model": MODEL, "messages": msgs}),
+        (CHAT, {"model": MODEL, "messages": msgs, "stream": True}),
+        ("/tokenize", {"messages": msgs}),
+    ]:
         r = http(server, "POST", path, json=body)
         assert (r.status_code, r.json()) == (400, expected), path
     assert added(server["engine"]) == before
@@ -213,8 +273,10 @@ def test_image_parts_are_refused(server, part):
 
 # ------------------------------------------------------------ 8: auth first, GET /v1/models/{id}
 
-@pytest.mark.parametrize("body", [b"{not json", b'{"model": 5}', b"x" * (2 << 20)],
-                         ids=["malformed", "invalid", "oversized"])
+
+@pytest.mark.parametrize(
+    "body", [b"{not json", b'{"model": 5}', b"x" * (2 << 20)], ids=["malformed", "invalid", "oversized"]
+)
 @pytest.mark.parametrize("key", [None, "wrong"])
 def test_key_is_checked_before_the_body(server, body, key):
     r = http(server, "POST", CMPL, key=key, content=body, headers=dict(JSON))
@@ -235,9 +297,17 @@ def test_retrieve_model(server):
     assert http(server, "GET", "/v1/models").json()["data"] == [card]
     for other in ("nope", "org/tiny-k3"):
         r = http(server, "GET", f"/v1/models/{other}")
-        assert (r.status_code, r.json()) == (404, {"error": {
-            "message": f"the model {other!r} does not exist", "type": "not_found_error", "param": "model",
-            "code": "model_not_found"}})
+        assert (r.status_code, r.json()) == (
+            404,
+            {
+                "error": {
+                    "message": f"the model {other!r} does not exist",
+                    "type": "not_found_error",
+                    "param": "model",
+                    "code": "model_not_found",
+                }
+            },
+        )
     r = http(server, "GET", f"/v1/models/{MODEL}", key=None)
     assert (r.status_code, r.json()) == (401, NO_KEY)
     openai = pytest.importorskip("openai")
@@ -247,15 +317,20 @@ def test_retrieve_model(server):
 
 # ------------------------------------------------------------ 7: bounded shutdown (a subprocess)
 
+
 def test_sigterm_exits_0_within_shutdown_timeout_despite_half_sent_body(tmp_path):
     timeout = 1.0
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
-    proc = subprocess.Popen([sys.executable, "-m", "deltaserve.cli", "serve", "--port", str(port),
-                             "--shutdown-timeout", str(timeout)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deltaserve.cli", "serve", "--port", str(port), "--shutdown-timeout", str(timeout)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         wait_healthy(proc, port, 120)
         with raw_request({"url": f"http://127.0.0.1:{port}"}, CMPL, b'{"model": ', length=100) as s:
@@ -267,9 +342,17 @@ def test_sigterm_exits_0_within_shutdown_timeout_despite_half_sent_body(tmp_path
             status, body = read_response(s)
         assert rc == 0, proc.stdout.read()
         assert timeout <= elapsed < timeout + 10
-        assert (status, body) == (b"HTTP/1.1 503 Service Unavailable", {"error": {
-            "message": "the server is shutting down", "type": "service_unavailable", "param": None,
-            "code": None}})
+        assert (status, body) == (
+            b"HTTP/1.1 503 Service Unavailable",
+            {
+                "error": {
+                    "message": "the server is shutting down",
+                    "type": "service_unavailable",
+                    "param": None,
+                    "code": None,
+                }
+            },
+        )
     finally:
         if proc.poll() is None:
             proc.kill()

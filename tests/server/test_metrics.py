@@ -1,12 +1,13 @@
 """`/metrics` (Prometheus text) and the waiting-queue cap, on a real server with prefix caching."""
+
 import threading
 import time
 
 import httpx
 import pytest
 
-
 from tests.server.live_server import live_server  # noqa: E402
+
 parser = pytest.importorskip("prometheus_client.parser")
 
 
@@ -17,7 +18,14 @@ CMPL = "/v1/completions"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with live_server(tmp_path_factory, MODEL, dict(api_key=KEY, max_waiting_requests=1), max_model_len=256, enable_prefix_caching=True, prefix_match_unit=16) as srv:
+    with live_server(
+        tmp_path_factory,
+        MODEL,
+        dict(api_key=KEY, max_waiting_requests=1),
+        max_model_len=256,
+        enable_prefix_caching=True,
+        prefix_match_unit=16,
+    ) as srv:
         yield srv
 
 
@@ -58,6 +66,7 @@ def test_counters_move_exactly(server):
 
     def d(name, **kw):
         return val(after, name, **kw) - val(before, name, **kw)
+
     assert d("deltaserve:prompt_tokens_total") == n_prompt
     assert d("deltaserve:generation_tokens_total") == 10
     assert d("deltaserve:request_success_total", finished_reason="length") == 2
@@ -74,8 +83,15 @@ def test_counters_move_exactly(server):
 
 def test_prefix_cache_hits(server):
     before = scrape(server)
-    for name in ("queries", "hits", "hit_tokens", "retention_misses", "checkpoints_stored",
-                 "checkpoints_evicted", "restore_refused"):
+    for name in (
+        "queries",
+        "hits",
+        "hit_tokens",
+        "retention_misses",
+        "checkpoints_stored",
+        "checkpoints_evicted",
+        "restore_refused",
+    ):
         assert ("deltaserve:prefix_cache_" + name + "_total", frozenset({("model_name", MODEL)})) in before
     assert val(before, "deltaserve:prefix_cache_checkpoint_slots_total") > 0
     shared = [(7 * i) % 500 + 3 for i in range(100)]
@@ -83,9 +99,13 @@ def test_prefix_cache_hits(server):
         r = post(server, {"model": MODEL, "prompt": shared + tail, "max_tokens": 2, "ignore_eos": True})
         assert r.status_code == 200
     after = scrape(server)
-    assert val(after, "deltaserve:prefix_cache_queries_total") - val(before, "deltaserve:prefix_cache_queries_total") >= 2
+    assert (
+        val(after, "deltaserve:prefix_cache_queries_total") - val(before, "deltaserve:prefix_cache_queries_total") >= 2
+    )
     assert val(after, "deltaserve:prefix_cache_hits_total") - val(before, "deltaserve:prefix_cache_hits_total") > 0
-    assert val(after, "deltaserve:prefix_cache_hit_tokens_total") > val(before, "deltaserve:prefix_cache_hit_tokens_total")
+    assert val(after, "deltaserve:prefix_cache_hit_tokens_total") > val(
+        before, "deltaserve:prefix_cache_hit_tokens_total"
+    )
     assert val(after, "deltaserve:prefix_cache_checkpoints_stored_total") > 0
 
 
@@ -117,6 +137,7 @@ def test_queue_full_gets_429(server):
 
     def first():
         results["a"] = post(server, {"model": MODEL, "prompt": "first", "max_tokens": 2})
+
     t = threading.Thread(target=first)
     try:
         t.start()
@@ -124,9 +145,10 @@ def test_queue_full_gets_429(server):
         while engine.queue_load() < 1:  # A is on its way in: the cap (1) is reached
             assert time.time() < deadline
             time.sleep(0.01)
-        for path, body in ((CMPL, {"model": MODEL, "prompt": "second", "max_tokens": 2}),
-                           ("/v1/chat/completions", {"model": MODEL,
-                                                     "messages": [{"role": "user", "content": "x"}]})):
+        for path, body in (
+            (CMPL, {"model": MODEL, "prompt": "second", "max_tokens": 2}),
+            ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}),
+        ):
             r = post(server, body, path)
             assert r.status_code == 429, r.text
             assert int(r.headers["retry-after"]) >= 1

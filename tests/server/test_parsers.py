@@ -1,14 +1,14 @@
 """Reasoning / tool-call parsing (spec/model.md §14; spec/serving.md §7 rows 7-9)."""
+
 import json
 import random
 
 import pytest
 
-from deltaserve.model.tiny import make_tiny
 from deltaserve.model.tokenizer import Tokenizer
-from deltaserve.server.chat import render_chat
-from deltaserve.server.parsers import (Delta, ParsedOutput, StreamingParser, ToolCall, collect,
-                                       parse_output)
+from deltaserve.server.chat.render import render_chat
+from deltaserve.server.parsers import Delta, ParsedOutput, StreamingParser, ToolCall, collect, parse_output
+from deltaserve.tiny import make_tiny
 
 TC = "<|close|>think<|sep|>"
 R_OPEN, R_CLOSE = "<|open|>response<|sep|>", "<|close|>response<|sep|>"
@@ -17,8 +17,7 @@ END = "<|close|>message<|sep|><|end_of_msg|>"
 
 
 def call(name, idx, *args):
-    body = "".join(f'<|open|>argument key="{k}" type="{t}"<|sep|>{v}<|close|>argument<|sep|>'
-                   for k, t, v in args)
+    body = "".join(f'<|open|>argument key="{k}" type="{t}"<|sep|>{v}<|close|>argument<|sep|>' for k, t, v in args)
     return f'<|open|>call tool="{name}" index="{idx}"<|sep|>{body}<|close|>call<|sep|>'
 
 
@@ -51,18 +50,28 @@ def test_k3_no_close_at_all_is_reasoning():
 
 
 def test_k3_full_tool_turn():
-    c2 = call("lookup", 2, ("on", "boolean", "true"), ("x", "null", "null"),
-              ("o", "object", '{"a": [1, "é"]}'), ("l", "array", "[1, 2]"))
+    c2 = call(
+        "lookup",
+        2,
+        ("on", "boolean", "true"),
+        ("x", "null", "null"),
+        ("o", "object", '{"a": [1, "é"]}'),
+        ("l", "array", "[1, 2]"),
+    )
     text = "r" + TC + R_OPEN + "checking" + R_CLOSE + T_OPEN + PARIS + c2 + T_CLOSE + END
     r = parse_output(text, "kimi_k3", True)
     assert r.content == "checking" and r.reasoning_content == "r"
-    assert r.tool_calls == [PARIS_TC, ToolCall(
-        "functions.lookup:2", "lookup", '{"on": true, "x": null, "o": {"a": [1, "é"]}, "l": [1, 2]}')]
+    assert r.tool_calls == [
+        PARIS_TC,
+        ToolCall("functions.lookup:2", "lookup", '{"on": true, "x": null, "o": {"a": [1, "é"]}, "l": [1, 2]}'),
+    ]
 
 
 def test_k3_json_element_and_attr_unescape():
-    c = ('<|open|>call tool="a&amp;b&quot;" index="1"<|sep|><|open|>json type="object"<|sep|>'
-         '{"k": 1}<|close|>json<|sep|><|close|>call<|sep|>')
+    c = (
+        '<|open|>call tool="a&amp;b&quot;" index="1"<|sep|><|open|>json type="object"<|sep|>'
+        '{"k": 1}<|close|>json<|sep|><|close|>call<|sep|>'
+    )
     r = parse_output(TC + T_OPEN + c + T_CLOSE, "kimi_k3", True)
     assert r.tool_calls == [ToolCall('functions.a&b":1', 'a&b"', '{"k": 1}')]
 
@@ -75,15 +84,18 @@ def test_k3_tools_not_declared_stay_content():  # serving §7 row 9
     assert r == ParsedOutput(markup, "r", [])
 
 
-@pytest.mark.parametrize("bad", [
-    call("f", 1, ("n", "number", "abc")),             # bad JSON
-    call("f", 1, ("n", "number", '"3"')),             # wrong type
-    call("f", 1, ("n", "weird", "1")),                # unknown type
-    '<|open|>call index="1"<|sep|><|close|>call<|sep|>',  # no tool name
-    '<|open|>call tool="f" index="1"<|sep|>junk<|close|>call<|sep|>',
-    '<|open|>call tool="f" index="1"<|sep|><|open|>json type="object"<|sep|>{oops'
-    '<|close|>json<|sep|><|close|>call<|sep|>',
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        call("f", 1, ("n", "number", "abc")),  # bad JSON
+        call("f", 1, ("n", "number", '"3"')),  # wrong type
+        call("f", 1, ("n", "weird", "1")),  # unknown type
+        '<|open|>call index="1"<|sep|><|close|>call<|sep|>',  # no tool name
+        '<|open|>call tool="f" index="1"<|sep|>junk<|close|>call<|sep|>',
+        '<|open|>call tool="f" index="1"<|sep|><|open|>json type="object"<|sep|>{oops'
+        "<|close|>json<|sep|><|close|>call<|sep|>",
+    ],
+)
 def test_k3_malformed_call_is_content(bad):
     r = parse_output(TC + T_OPEN + PARIS + bad + T_CLOSE + END, "kimi_k3", True)
     assert r == ParsedOutput(bad, "", [PARIS_TC])
@@ -105,14 +117,15 @@ def test_k3_stray_markers_are_text():
 
 # ------------------------------------------------------------------ Kimi-Linear
 
-KL_CALL = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
-           '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')
+KL_CALL = (
+    "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+    '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>'
+)
 
 
 def test_kl_content_and_tool_call():
     r = parse_output("Sure." + KL_CALL + "<|im_end|>", "kimi_linear", True)
-    assert r == ParsedOutput("Sure.", "", [ToolCall("functions.get_weather:0", "get_weather",
-                                                    '{"city": "Paris"}')])
+    assert r == ParsedOutput("Sure.", "", [ToolCall("functions.get_weather:0", "get_weather", '{"city": "Paris"}')])
 
 
 def test_kl_think_and_implicit_close():
@@ -123,7 +136,7 @@ def test_kl_think_and_implicit_close():
 
 def test_kl_undeclared_and_malformed():
     assert parse_output(KL_CALL, "kimi_linear", False) == ParsedOutput(KL_CALL, "", [])
-    bad = '<|tool_call_begin|>f<|tool_call_argument_begin|>{nope<|tool_call_end|>'
+    bad = "<|tool_call_begin|>f<|tool_call_argument_begin|>{nope<|tool_call_end|>"
     text = "<|tool_calls_section_begin|>" + bad + "<|tool_calls_section_end|>"
     assert parse_output(text, "kimi_linear", True) == ParsedOutput(bad, "", [])
 
@@ -139,8 +152,11 @@ CORPUS = [
     ("kimi_k3", TC + T_OPEN + '<|open|>call tool="f" index="1"<|sep|><|open|>argument key="a"'),
     ("kimi_k3", "x" * 700 + "<|open|>" + "y" * 600 + "<|sep|>" + TC + "é中文" + R_OPEN),
     ("kimi_linear", "<think>hmm</think>Sure." + KL_CALL + "<|im_end|>"),
-    ("kimi_linear", "<think>h<|tool_calls_section_begin|><|tool_call_begin|>x<|tool_call_end|>"
-                    "<|tool_call_begin|>functions.a:1<|tool_call_argument_begin|>{}<|tool_call_end|>"),
+    (
+        "kimi_linear",
+        "<think>h<|tool_calls_section_begin|><|tool_call_begin|>x<|tool_call_end|>"
+        "<|tool_call_begin|>functions.a:1<|tool_call_argument_begin|>{}<|tool_call_end|>",
+    ),
     ("kimi_linear", "plain <thin <|im_e"),
 ]
 
@@ -187,15 +203,22 @@ def test_unknown_family():
 
 # ------------------------------------------------------------------ render -> parse round trip
 
+
 def test_k3_render_parse_round_trip(tmp_path):
     tok = Tokenizer.from_pretrained(make_tiny(tmp_path, family="kimi_k3"))
     args = {"city": "Paris <|open|>", "n": 2.5, "ok": False, "l": [1, {"z": None}]}
-    msgs = [{"role": "user", "content": "q"},
-            {"role": "assistant", "content": "answer", "reasoning_content": "why",
-             "tool_calls": [{"id": "1", "function": {"name": "get", "arguments": json.dumps(args)}}]}]
+    msgs = [
+        {"role": "user", "content": "q"},
+        {
+            "role": "assistant",
+            "content": "answer",
+            "reasoning_content": "why",
+            "tool_calls": [{"id": "1", "function": {"name": "get", "arguments": json.dumps(args)}}],
+        },
+    ]
     prompt = tok.decode(render_chat(tok, "kimi_k3", msgs[:1]))
     full = tok.decode(render_chat(tok, "kimi_k3", msgs, add_generation_prompt=False))
     assert full.startswith(prompt)
-    r = parse_output(full[len(prompt):], "kimi_k3", True)
+    r = parse_output(full[len(prompt) :], "kimi_k3", True)
     assert (r.content, r.reasoning_content) == ("answer", "why")
     assert [(c.name, json.loads(c.arguments_json)) for c in r.tool_calls] == [("get", args)]

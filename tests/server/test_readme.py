@@ -1,6 +1,7 @@
 """The README's main command and its curl example, end to end: `deltaserve serve` (as the
 README's first block ends) in a subprocess on the embedded default model, generated into a
 temporary XDG cache, then the README's curl request, parsed from the README itself."""
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,9 @@ def test_readme_main_command_serves_and_its_curl_example_works(tmp_path):
             out = subprocess.run(args, capture_output=True, text=True, timeout=120, check=True).stdout
             reply = json.loads(out)
         else:
-            reply = httpx.post(f"http://{url}", content=body, timeout=120,
-                               headers={"Content-Type": "application/json"}).json()
+            reply = httpx.post(
+                f"http://{url}", content=body, timeout=120, headers={"Content-Type": "application/json"}
+            ).json()
         assert reply["object"] == "chat.completion", reply
         assert reply["model"] == json.loads(body)["model"]
         choice = reply["choices"][0]

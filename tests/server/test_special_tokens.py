@@ -1,25 +1,37 @@
 """Special tokens in chat output: the parsers still see their control markers, the visible text
 (content, reasoning_content) carries no other special (reserved, pad, media, ...)."""
+
 import json
 
 import pytest
 
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.sampling_params import SamplingParams
-from deltaserve.model.tiny import make_tiny
 from deltaserve.model.tokenizer import Tokenizer
 from deltaserve.server.parsers import StreamingParser, collect, control_token_ids
+from deltaserve.tiny import make_tiny
 from tests.server.live_server import MODEL, idle_and_clean, script_outputs
 
-K3_OUT = ("need<|reserved_token_1800|> weather<|close|>think<|sep|><|open|>response<|sep|>"
-          "check<|media_pad|>ing<|close|>response<|sep|><|open|>tools<|sep|>"
-          '<|open|>call tool="get_weather" index="1"<|sep|><|open|>argument key="city" type="string"<|sep|>'
-          "Par<|reserved_token_2000|>is<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>")
-KL_OUT = ("<think>hm[PAD]m</think>ok<|reserved_token_1800|>ay<|tool_calls_section_begin|><|tool_call_begin|>"
-          'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
-          "<|tool_calls_section_end|>")
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+K3_OUT = (
+    "need<|reserved_token_1800|> weather<|close|>think<|sep|><|open|>response<|sep|>"
+    "check<|media_pad|>ing<|close|>response<|sep|><|open|>tools<|sep|>"
+    '<|open|>call tool="get_weather" index="1"<|sep|><|open|>argument key="city" type="string"<|sep|>'
+    "Par<|reserved_token_2000|>is<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>"
+)
+KL_OUT = (
+    "<think>hm[PAD]m</think>ok<|reserved_token_1800|>ay<|tool_calls_section_begin|><|tool_call_begin|>"
+    'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
+    "<|tool_calls_section_end|>"
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 
 
 def run(tok, family, text, every):
@@ -38,8 +50,9 @@ def run(tok, family, text, every):
 @pytest.mark.parametrize("every", [1, 3, 1000])
 def test_k3_specials_dropped_controls_parsed(tmp_path_factory, every):
     tok = Tokenizer.from_pretrained(make_tiny(tmp_path_factory.mktemp("k3"), family="kimi_k3"))
-    assert control_token_ids(tok, "kimi_k3") == {tok.special_tokens[m] for m in
-                                                 ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")}
+    assert control_token_ids(tok, "kimi_k3") == {
+        tok.special_tokens[m] for m in ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
+    }
     p = run(tok, "kimi_k3", K3_OUT, every)
     assert (p.reasoning_content, p.content) == ("need weather", "checking")
     [call] = p.tool_calls
@@ -67,8 +80,7 @@ def scripted(server):
 
 
 def test_chat_route_hides_reserved_tokens(client, scripted):
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": "weather in Paris?"}], tools=TOOLS,
-              max_tokens=200)
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "weather in Paris?"}], tools=TOOLS, max_tokens=200)
     m = client.chat.completions.create(**kw).choices[0].message
     assert (m.reasoning_content, m.content) == ("need weather", "checking")
     [call] = m.tool_calls
@@ -81,4 +93,4 @@ def test_chat_route_hides_reserved_tokens(client, scripted):
     assert (reasoning, content) == ("need weather", "checking")
     plain = client.chat.completions.create(**{**kw, "tool_choice": "none"}).choices[0].message
     assert "<|reserved_token_" not in plain.content and "Paris" in plain.content
-    assert "<|open|>call" in plain.content   # undeclared tool markup stays verbatim (serving §7 row 9)
+    assert "<|open|>call" in plain.content  # undeclared tool markup stays verbatim (serving §7 row 9)

@@ -22,6 +22,7 @@ Prefill (a prompt of L tokens in one sequence), FLOPs per token:
   w = T·βk (6 C K), u = T·βv and the intra-chunk output (4 C V), the triangular inverse (C²/3),
   and the state terms q·S, w·S, kᵀ·v_new (6 K V). Element-wise work is not counted.
 """
+
 from __future__ import annotations
 
 KDA_CHUNK = 64
@@ -50,8 +51,9 @@ def _is_expert(name: str, prefixes: list[str]) -> bool:
     return any(name.startswith(p) for p in prefixes)
 
 
-def decode_bytes(model, context: int, kv_itemsize: int, state_itemsize: int = 4,
-                 tail_itemsize: int | None = None) -> dict:
+def decode_bytes(
+    model, context: int, kv_itemsize: int, state_itemsize: int = 4, tail_itemsize: int | None = None
+) -> dict:
     """Bytes read to decode one token at `context` cached tokens (see module docstring).
     `kv_itemsize`: MLA latent cache element size; `state_itemsize`/`tail_itemsize`: KDA state
     and conv-tail element sizes (tail defaults to `kv_itemsize`)."""
@@ -74,12 +76,21 @@ def decode_bytes(model, context: int, kv_itemsize: int, state_itemsize: int = 4,
     emb_row = 0 if tied else emb.nbytes // emb.shape[0]
     k = cfg.kda
     mla = len(cfg.mla_layer_ids) * context * cfg.mla.latent_dim * kv_itemsize
-    kda = len(cfg.kda_layer_ids) * (k.num_heads * k.head_dim * k.head_dim * state_itemsize
-                                    + (k.conv_kernel - 1) * 3 * k.proj_dim * tail_itemsize)
+    kda = len(cfg.kda_layer_ids) * (
+        k.num_heads * k.head_dim * k.head_dim * state_itemsize + (k.conv_kernel - 1) * 3 * k.proj_dim * tail_itemsize
+    )
     weights_total = dense + emb_row + head.nbytes + routed
-    return {"dense_weight_bytes": dense, "embedding_row_bytes": emb_row, "lm_head_bytes": head.nbytes,
-            "routed_expert_bytes": routed, "weight_bytes": weights_total, "mla_cache_bytes": mla,
-            "kda_state_bytes": kda, "context": context, "total_bytes": weights_total + mla + kda}
+    return {
+        "dense_weight_bytes": dense,
+        "embedding_row_bytes": emb_row,
+        "lm_head_bytes": head.nbytes,
+        "routed_expert_bytes": routed,
+        "weight_bytes": weights_total,
+        "mla_cache_bytes": mla,
+        "kda_state_bytes": kda,
+        "context": context,
+        "total_bytes": weights_total + mla + kda,
+    }
 
 
 def kda_flops_per_head(chunk: int, k: int, v: int) -> float:
@@ -93,9 +104,11 @@ def prefill_flops(model, prompt_len: int, chunk: int = KDA_CHUNK) -> dict:
     cfg = model.config
     prefixes = _expert_prefixes(cfg)
     emb, head = _key(model.model.embed_tokens.weight), _key(model.lm_head.weight)
-    dense = sum(2 * t.numel() for name, t in _weights(model).items()
-                if t.dim() >= 2 and t.is_floating_point() and not _is_expert(name, prefixes)
-                and _key(t) not in (emb, head))
+    dense = sum(
+        2 * t.numel()
+        for name, t in _weights(model).items()
+        if t.dim() >= 2 and t.is_floating_point() and not _is_expert(name, prefixes) and _key(t) not in (emb, head)
+    )
     m = cfg.moe
     routed = len(prefixes) * m.top_k * 2 * 3 * m.intermediate_size * (m.latent_size or cfg.hidden_size)
     lm_head = 2 * model.lm_head.weight.numel() / prompt_len
@@ -103,13 +116,21 @@ def prefill_flops(model, prompt_len: int, chunk: int = KDA_CHUNK) -> dict:
     mla = len(cfg.mla_layer_ids) * 2 * a.num_heads * (a.qk_head_dim + a.v_head_dim) * (prompt_len + 1) / 2
     c = min(chunk, prompt_len)
     kda = len(cfg.kda_layer_ids) * cfg.kda.num_heads * kda_flops_per_head(c, cfg.kda.head_dim, cfg.kda.head_dim)
-    return {"dense_flops": dense, "routed_expert_flops": routed, "lm_head_flops": lm_head,
-            "mla_attention_flops": mla, "kda_flops": kda, "prompt_len": prompt_len,
-            "total_flops": dense + routed + lm_head + mla + kda}
+    return {
+        "dense_flops": dense,
+        "routed_expert_flops": routed,
+        "lm_head_flops": lm_head,
+        "mla_attention_flops": mla,
+        "kda_flops": kda,
+        "prompt_len": prompt_len,
+        "total_flops": dense + routed + lm_head + mla + kda,
+    }
 
 
 def cache_itemsizes(llm) -> dict:
     """Element sizes of the engine's MLA latent pool, KDA state and conv-tail pools."""
-    return {"kv_itemsize": llm.cache.mla.storage.element_size(),
-            "state_itemsize": llm.cache.kda.states.element_size(),
-            "tail_itemsize": llm.cache.kda.tails.element_size()}
+    return {
+        "kv_itemsize": llm.cache.mla.storage.element_size(),
+        "state_itemsize": llm.cache.kda.states.element_size(),
+        "tail_itemsize": llm.cache.kda.tails.element_size(),
+    }

@@ -6,6 +6,7 @@ Every speed benchmark takes `--model DIR` (default: the embedded random-weight t
 `--json`. Output is a table, or with `--json` exactly one JSON object on the last stdout line;
 every JSON object carries `meta` (date, machine, torch, threads, dtype, model).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,9 @@ def int_list(v: str) -> list[int]:
 def add_common(p: argparse.ArgumentParser, dtype: str | None = None) -> None:
     from ..engine.config import add_engine_args
 
-    p.add_argument("--model", type=Path, default=None,
-                   help="checkpoint directory (default: the embedded random-weight tiny K3)")
+    p.add_argument(
+        "--model", type=Path, default=None, help="checkpoint directory (default: the embedded random-weight tiny K3)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     add_engine_args(p)
@@ -112,10 +114,15 @@ def _cpu_model() -> str:
 def meta(args: argparse.Namespace, model: Path | None = None) -> dict:
     import torch
 
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "cpu": _cpu_model(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "dtype": args.dtype,
-            "model": str(model) if model is not None else None}
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "dtype": args.dtype,
+        "model": str(model) if model is not None else None,
+    }
 
 
 def _fmt(v) -> str:
@@ -124,8 +131,7 @@ def _fmt(v) -> str:
     return "-" if v is None else str(v)
 
 
-def emit(args: argparse.Namespace, result: dict, rows: list[dict] | None = None,
-         cols: list[str] | None = None) -> int:
+def emit(args: argparse.Namespace, result: dict, rows: list[dict] | None = None, cols: list[str] | None = None) -> int:
     """With `--json`: one line `json.dumps(result)`. Otherwise a `|` table of `rows` over
     `cols` (if given) followed by the scalar entries of `result` and of its dicts one level down."""
     if args.json:
@@ -143,6 +149,5 @@ def emit(args: argparse.Namespace, result: dict, rows: list[dict] | None = None,
                 if isinstance(x, (int, float, str)) or x is None:
                     print(f"{k + '.' + sub:36s} {_fmt(x)}")
     m = result.get("meta", {})
-    print(f"# {m.get('date')} {m.get('cpu')} threads={m.get('threads')} dtype={m.get('dtype')}"
-          f" model={m.get('model')}")
+    print(f"# {m.get('date')} {m.get('cpu')} threads={m.get('threads')} dtype={m.get('dtype')} model={m.get('model')}")
     return 0

@@ -4,23 +4,36 @@ One engine (`max_model_len` raised to fit the longest prompt, chunked by
 `--max-num-batched-tokens` as the engine does normally) prefills one random prompt per length
 (`max_tokens=1`), after a warm-up prefill at the shortest length, in `--repeats` passes that
 alternate ascending and descending order (so a drift of the machine's speed hits both ends);
-each kind's time per length is its best over the passes. Forward hooks on every decoder layer's `self_attn` (kind `kda` or `mla`) and
-FFN (`moe` for `block_sparse_moe`, `mlp` for the dense MLP) accumulate wall time; `other` is the
-rest of the `generate` call (embedding, norms, AttnRes mixes, lm_head, scheduling, sampling).
+each kind's time per length is its best over the passes. Forward hooks on every decoder layer's
+`self_attn` (kind `kda` or `mla`) and FFN (`moe` for `block_sparse_moe`, `mlp` for the dense
+MLP) accumulate wall time; `other` is the rest of the `generate` call (embedding, norms, AttnRes
+mixes, lm_head, scheduling, sampling).
 
 Per kind: `ratio` = time(Lmax) / time(Lmin) and `linearity` = ratio / (Lmax / Lmin), so 1.0 is
 perfectly linear in prompt length and > 1 super-linear (MLA's quadratic term shows here).
 `linearity_vs_moe` divides by the MoE's linearity: the MoE's cost is linear by construction, so
 this cancels the machine's speed drifting during a long run.
 """
+
 from __future__ import annotations
 
 import argparse
 import time
 from collections import defaultdict
 
-from .common import add_common, apply_threads, avoid_ids, emit, greedy, int_list, make_llm, meta, model_dir, \
-    random_prompts, timed
+from .common import (
+    add_common,
+    apply_threads,
+    avoid_ids,
+    emit,
+    greedy,
+    int_list,
+    make_llm,
+    meta,
+    model_dir,
+    random_prompts,
+    timed,
+)
 
 KINDS = ("kda", "mla", "moe", "mlp", "other")
 
@@ -59,8 +72,12 @@ def add_parser(sub) -> None:
     p = sub.add_parser("kda-scaling", help="prefill time per layer kind across prompt lengths")
     add_common(p)
     p.add_argument("--lengths", type=int_list, default=[4096, 8192, 16384, 32768])
-    p.add_argument("--repeats", type=int, default=2,
-                   help="passes over the lengths (alternating ascending / descending); per kind the best")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="passes over the lengths (alternating ascending / descending); per kind the best",
+    )
     p.set_defaults(func=main)
 
 
@@ -84,7 +101,7 @@ def run(args: argparse.Namespace) -> dict:
     best: dict[int, dict] = {}
     try:
         for rep in range(max(1, args.repeats)):
-            for n in (lengths if rep % 2 == 0 else lengths[::-1]):
+            for n in lengths if rep % 2 == 0 else lengths[::-1]:
                 row = _measure(llm, timer, prompts[n])
                 prev = best.setdefault(n, row)
                 for key in row:
@@ -101,11 +118,18 @@ def run(args: argparse.Namespace) -> dict:
             linearity[k] = ratio[k] / scale
     moe = linearity.get("moe")
     vs_moe = {k: v / moe for k, v in linearity.items()} if moe else {}
-    return {"rows": rows, "lengths": lengths, "length_ratio": scale, "ratio": ratio,
-            "linearity": linearity, "kda_linearity": linearity.get("kda"),
-            "mla_linearity": linearity.get("mla"), "linearity_vs_moe": vs_moe,
-            "max_num_batched_tokens": llm.engine.scheduler.max_num_batched_tokens,
-            "meta": meta(args, model_dir(args))}
+    return {
+        "rows": rows,
+        "lengths": lengths,
+        "length_ratio": scale,
+        "ratio": ratio,
+        "linearity": linearity,
+        "kda_linearity": linearity.get("kda"),
+        "mla_linearity": linearity.get("mla"),
+        "linearity_vs_moe": vs_moe,
+        "max_num_batched_tokens": llm.engine.scheduler.max_num_batched_tokens,
+        "meta": meta(args, model_dir(args)),
+    }
 
 
 def main(args: argparse.Namespace) -> int:

@@ -11,14 +11,14 @@ each set beside this machine's roofline measured in the same run.
 - `prefill_vs_gemm_roofline` = prefill tok/s ÷ (GEMM FLOP/s of the run's dtype ÷ FLOPs per
   prefill token). Both denominators come from `bench.accounting`.
 """
+
 from __future__ import annotations
 
 import argparse
 import time
 
 from . import accounting
-from .common import add_common, apply_threads, avoid_ids, emit, greedy, make_llm, meta, model_dir, \
-    random_prompts, timed
+from .common import add_common, apply_threads, avoid_ids, emit, greedy, make_llm, meta, model_dir, random_prompts, timed
 from .roofline import add_roofline_args, gemm_gflops, measure
 
 
@@ -55,9 +55,8 @@ def run(args: argparse.Namespace) -> dict:
     llm = make_llm(args, max_num_seqs=1, max_model_len=max(args.max_model_len, L + n_out + 1))
     vocab = llm.model.config.vocab_size
     prompt = random_prompts(1, L, vocab, avoid_ids(llm), args.seed)[0]
-    llm.generate([prompt[:min(L, 32)]], greedy(2), use_tqdm=False)
-    ttft = min(timed(lambda: llm.generate([prompt], greedy(1), use_tqdm=False))[0]
-               for _ in range(max(1, args.reps)))
+    llm.generate([prompt[: min(L, 32)]], greedy(2), use_tqdm=False)
+    ttft = min(timed(lambda: llm.generate([prompt], greedy(1), use_tqdm=False))[0] for _ in range(max(1, args.reps)))
     decode_s = min(_decode_seconds(llm, f"latency-{i}", prompt, n_out) for i in range(max(1, args.reps)))
     full = ttft + decode_s
     roof = measure(args)
@@ -67,24 +66,48 @@ def run(args: argparse.Namespace) -> dict:
     decode_tok_s, prefill_tok_s = n_out / decode_s, L / ttft
     decode_roof = roof["bandwidth_gb_s"] * 1e9 / dbytes["total_bytes"]
     prefill_roof = gemm_gflops(roof, args.dtype) * 1e9 / flops["total_flops"]
-    return {"decode_tok_s": decode_tok_s, "ttft_s": ttft, "prefill_tok_s": prefill_tok_s,
-            "decode_vs_bandwidth_roofline": decode_tok_s / decode_roof,
-            "prefill_vs_gemm_roofline": prefill_tok_s / prefill_roof,
-            "decode_roofline_tok_s": decode_roof, "prefill_roofline_tok_s": prefill_roof,
-            "decode_bytes_per_token": dbytes["total_bytes"], "prefill_flops_per_token": flops["total_flops"],
-            "decode_s": decode_s, "end_to_end_s": full, "prompt_len": L, "output_len": n_out,
-            "bandwidth_gb_s": roof["bandwidth_gb_s"], "gemm_gflops": gemm_gflops(roof, args.dtype),
-            "decode_bytes": dbytes, "prefill_flops": flops, "roofline": roof,
-            "meta": meta(args, model_dir(args))}
+    return {
+        "decode_tok_s": decode_tok_s,
+        "ttft_s": ttft,
+        "prefill_tok_s": prefill_tok_s,
+        "decode_vs_bandwidth_roofline": decode_tok_s / decode_roof,
+        "prefill_vs_gemm_roofline": prefill_tok_s / prefill_roof,
+        "decode_roofline_tok_s": decode_roof,
+        "prefill_roofline_tok_s": prefill_roof,
+        "decode_bytes_per_token": dbytes["total_bytes"],
+        "prefill_flops_per_token": flops["total_flops"],
+        "decode_s": decode_s,
+        "end_to_end_s": full,
+        "prompt_len": L,
+        "output_len": n_out,
+        "bandwidth_gb_s": roof["bandwidth_gb_s"],
+        "gemm_gflops": gemm_gflops(roof, args.dtype),
+        "decode_bytes": dbytes,
+        "prefill_flops": flops,
+        "roofline": roof,
+        "meta": meta(args, model_dir(args)),
+    }
 
 
 def main(args: argparse.Namespace) -> int:
     apply_threads(args)
     r = run(args)
-    rows = [{"phase": "prefill (TTFT)", "measured_tok_s": r["prefill_tok_s"],
-             "roofline_tok_s": r["prefill_roofline_tok_s"], "fraction": r["prefill_vs_gemm_roofline"],
-             "per_token": f"{r['prefill_flops_per_token']:.4g} FLOP", "limit": f"{r['gemm_gflops']:.4g} GFLOP/s"},
-            {"phase": "decode", "measured_tok_s": r["decode_tok_s"], "roofline_tok_s": r["decode_roofline_tok_s"],
-             "fraction": r["decode_vs_bandwidth_roofline"],
-             "per_token": f"{r['decode_bytes_per_token']:.4g} B", "limit": f"{r['bandwidth_gb_s']:.4g} GB/s"}]
+    rows = [
+        {
+            "phase": "prefill (TTFT)",
+            "measured_tok_s": r["prefill_tok_s"],
+            "roofline_tok_s": r["prefill_roofline_tok_s"],
+            "fraction": r["prefill_vs_gemm_roofline"],
+            "per_token": f"{r['prefill_flops_per_token']:.4g} FLOP",
+            "limit": f"{r['gemm_gflops']:.4g} GFLOP/s",
+        },
+        {
+            "phase": "decode",
+            "measured_tok_s": r["decode_tok_s"],
+            "roofline_tok_s": r["decode_roofline_tok_s"],
+            "fraction": r["decode_vs_bandwidth_roofline"],
+            "per_token": f"{r['decode_bytes_per_token']:.4g} B",
+            "limit": f"{r['bandwidth_gb_s']:.4g} GB/s",
+        },
+    ]
     return emit(args, r, rows, ["phase", "measured_tok_s", "roofline_tok_s", "fraction", "per_token", "limit"])

@@ -10,6 +10,7 @@
 GB and GFLOP are 1e9. Use a tensor far larger than the last-level cache for a DRAM figure
 (tests use small sizes, which then measure cache bandwidth).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,16 +39,22 @@ def measure_bandwidth(mib: int, reps: int) -> dict:
     t_sum = best_time(x.sum, reps)
     parts = x.chunk(threads)
     with ThreadPoolExecutor(threads) as pool:
+
         def split_sum():
             return list(pool.map(lambda t: t.sum(), parts))
+
         split_sum()
         t_split = best_time(split_sum, reps)
     y.copy_(x)
     t_copy = best_time(lambda: y.copy_(x), reps)
     read_sum, read_split = nbytes / t_sum / 1e9, nbytes / t_split / 1e9
-    return {"bandwidth_gb_s": max(read_sum, read_split), "read_sum_gb_s": read_sum,
-            "read_split_gb_s": read_split, "copy_gb_s": 2 * nbytes / t_copy / 1e9,
-            "bandwidth_bytes": nbytes}
+    return {
+        "bandwidth_gb_s": max(read_sum, read_split),
+        "read_sum_gb_s": read_sum,
+        "read_split_gb_s": read_split,
+        "copy_gb_s": 2 * nbytes / t_copy / 1e9,
+        "bandwidth_bytes": nbytes,
+    }
 
 
 def measure_gemm(dtype_name: str, sizes: list[int], reps: int) -> dict:
@@ -63,7 +70,7 @@ def measure_gemm(dtype_name: str, sizes: list[int], reps: int) -> dict:
         out = torch.empty(n, n, dtype=dtype)
         torch.matmul(a, b, out=out)
         t = best_time(lambda: torch.matmul(a, b, out=out), reps)
-        by_size[str(n)] = 2 * n ** 3 / t / 1e9
+        by_size[str(n)] = 2 * n**3 / t / 1e9
     return {"gflops": max(by_size.values()), "by_size": by_size}
 
 
@@ -97,10 +104,14 @@ def main(args: argparse.Namespace) -> int:
     apply_threads(args)
     roof = measure(args)
     result = dict(roof, gemm_gflops=gemm_gflops(roof, args.dtype), meta=meta(args))
-    rows = [{"measure": "read bandwidth (sum)", "value": roof["read_sum_gb_s"], "unit": "GB/s"},
-            {"measure": "read bandwidth (split)", "value": roof["read_split_gb_s"], "unit": "GB/s"},
-            {"measure": "copy bandwidth", "value": roof["copy_gb_s"], "unit": "GB/s"}]
+    rows = [
+        {"measure": "read bandwidth (sum)", "value": roof["read_sum_gb_s"], "unit": "GB/s"},
+        {"measure": "read bandwidth (split)", "value": roof["read_split_gb_s"], "unit": "GB/s"},
+        {"measure": "copy bandwidth", "value": roof["copy_gb_s"], "unit": "GB/s"},
+    ]
     for short in ("bf16", "fp32"):
-        rows += [{"measure": f"{short} GEMM n={n}", "value": v, "unit": "GFLOP/s"}
-                 for n, v in roof[f"gemm_{short}_by_size"].items()]
+        rows += [
+            {"measure": f"{short} GEMM n={n}", "value": v, "unit": "GFLOP/s"}
+            for n, v in roof[f"gemm_{short}_by_size"].items()
+        ]
     return emit(args, result, rows, ["measure", "value", "unit"])

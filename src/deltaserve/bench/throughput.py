@@ -7,12 +7,24 @@ the scheduler's cap is lowered per run, so every run shares weights and cache la
 gets fresh prompts (no prefix-cache hits across runs). Tokens/s are wall-clock over one
 `generate` call holding all requests; ratios are to the smallest concurrency (1 by default).
 """
+
 from __future__ import annotations
 
 import argparse
 
-from .common import add_common, apply_threads, avoid_ids, emit, greedy, int_list, make_llm, meta, model_dir, \
-    random_prompts, timed
+from .common import (
+    add_common,
+    apply_threads,
+    avoid_ids,
+    emit,
+    greedy,
+    int_list,
+    make_llm,
+    meta,
+    model_dir,
+    random_prompts,
+    timed,
+)
 
 
 def add_parser(sub) -> None:
@@ -21,8 +33,7 @@ def add_parser(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 32],
-                   help="comma list of max_num_seqs values")
+    p.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 32], help="comma list of max_num_seqs values")
     p.set_defaults(func=main)
 
 
@@ -31,8 +42,7 @@ def run(args: argparse.Namespace) -> dict:
     need = args.input_len + args.output_len + 1
     llm = make_llm(args, max_num_seqs=levels[-1], max_model_len=max(args.max_model_len, need))
     vocab, avoid = llm.model.config.vocab_size, avoid_ids(llm)
-    llm.generate(random_prompts(1, min(args.input_len, 32), vocab, avoid, args.seed - 1), greedy(2),
-                 use_tqdm=False)
+    llm.generate(random_prompts(1, min(args.input_len, 32), vocab, avoid, args.seed - 1), greedy(2), use_tqdm=False)
     sched = llm.engine.scheduler
     rows = []
     for i, c in enumerate(levels):
@@ -42,24 +52,46 @@ def run(args: argparse.Namespace) -> dict:
         wall, outs = timed(lambda: llm.generate(prompts, greedy(args.output_len), use_tqdm=False))
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         n_in = sum(len(p) for p in prompts)
-        rows.append({"concurrency": c, "num_prompts": len(prompts), "wall_s": wall,
-                     "output_tok_s": n_out / wall, "total_tok_s": (n_in + n_out) / wall,
-                     "preemptions": sched.num_preemptions - pre})
+        rows.append(
+            {
+                "concurrency": c,
+                "num_prompts": len(prompts),
+                "wall_s": wall,
+                "output_tok_s": n_out / wall,
+                "total_tok_s": (n_in + n_out) / wall,
+                "preemptions": sched.num_preemptions - pre,
+            }
+        )
     base = rows[0]
     for r in rows:
         r["output_vs_base"] = r["output_tok_s"] / base["output_tok_s"]
         r["total_vs_base"] = r["total_tok_s"] / base["total_tok_s"]
     top = rows[-1]
-    return {"rows": rows, "base_concurrency": base["concurrency"], "max_concurrency": top["concurrency"],
-            "output_tok_s_at_max": top["output_tok_s"], "output_speedup_at_max": top["output_vs_base"],
-            "total_speedup_at_max": top["total_vs_base"], "input_len": args.input_len,
-            "output_len": args.output_len, "num_prompts": args.num_prompts,
-            "meta": meta(args, model_dir(args))}
+    return {
+        "rows": rows,
+        "base_concurrency": base["concurrency"],
+        "max_concurrency": top["concurrency"],
+        "output_tok_s_at_max": top["output_tok_s"],
+        "output_speedup_at_max": top["output_vs_base"],
+        "total_speedup_at_max": top["total_vs_base"],
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "num_prompts": args.num_prompts,
+        "meta": meta(args, model_dir(args)),
+    }
 
 
 def main(args: argparse.Namespace) -> int:
     apply_threads(args)
     r = run(args)
-    cols = ["concurrency", "num_prompts", "wall_s", "output_tok_s", "total_tok_s", "output_vs_base",
-            "total_vs_base", "preemptions"]
+    cols = [
+        "concurrency",
+        "num_prompts",
+        "wall_s",
+        "output_tok_s",
+        "total_tok_s",
+        "output_vs_base",
+        "total_vs_base",
+        "preemptions",
+    ]
     return emit(args, r, r["rows"], cols)

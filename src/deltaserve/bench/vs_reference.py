@@ -13,12 +13,12 @@ Reports wall time and tok/s of each, `speedup_vs_*` = their time ÷ the engine's
 `agreement_vs_*` = fraction of positions where the generated token equals the engine's.
 Defaults to fp32, where agreement should be exactly 1.0.
 """
+
 from __future__ import annotations
 
 import argparse
 
-from .common import add_common, apply_threads, avoid_ids, emit, greedy, make_llm, meta, model_dir, \
-    random_prompts, timed
+from .common import add_common, apply_threads, avoid_ids, emit, greedy, make_llm, meta, model_dir, random_prompts, timed
 
 
 def add_parser(sub) -> None:
@@ -40,7 +40,7 @@ def naive_generate(model, prompts: list[list[int]], n: int) -> list[list[int]]:
         seq = list(p)
         for _ in range(n):
             seq.append(int(model.forward_full(torch.tensor(seq, dtype=torch.long))[-1].argmax()))
-        out.append(seq[len(p):])
+        out.append(seq[len(p) :])
     return out
 
 
@@ -65,7 +65,7 @@ def transformers_generate(path, dtype_name: str, prompts: list[list[int]], n: in
     with torch.no_grad():
         model.generate(ids[:, :8], generation_config=warm, attention_mask=torch.ones_like(ids[:, :8]))
         t, out = timed(lambda: model.generate(ids, generation_config=gen, attention_mask=torch.ones_like(ids)))
-    return out[:, ids.shape[1]:].tolist(), t
+    return out[:, ids.shape[1] :].tolist(), t
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -77,8 +77,9 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 def run(args: argparse.Namespace) -> dict:
     n_out = args.output_len
     path = model_dir(args)
-    llm = make_llm(args, max_num_seqs=max(1, args.num_prompts),
-                   max_model_len=max(args.max_model_len, args.input_len + n_out + 1))
+    llm = make_llm(
+        args, max_num_seqs=max(1, args.num_prompts), max_model_len=max(args.max_model_len, args.input_len + n_out + 1)
+    )
     cfg = llm.model.config
     prompts = random_prompts(args.num_prompts, args.input_len, cfg.vocab_size, avoid_ids(llm), args.seed)
     llm.generate([prompts[0][:8]], greedy(2), use_tqdm=False)
@@ -87,12 +88,24 @@ def run(args: argparse.Namespace) -> dict:
     naive_generate(llm.model, [prompts[0][:8]], 2)
     t_naive, naive = timed(lambda: naive_generate(llm.model, prompts, n_out))
     total = n_out * len(prompts)
-    r = {"family": cfg.family, "num_prompts": len(prompts), "input_len": args.input_len, "output_len": n_out,
-         "engine_s": t_engine, "engine_tok_s": total / t_engine,
-         "reference_s": t_naive, "reference_tok_s": total / t_naive,
-         "speedup_vs_reference": t_naive / t_engine, "agreement_vs_reference": agreement(engine, naive),
-         "transformers_available": False, "transformers_reason": None, "transformers_s": None,
-         "transformers_tok_s": None, "speedup_vs_transformers": None, "agreement_vs_transformers": None}
+    r = {
+        "family": cfg.family,
+        "num_prompts": len(prompts),
+        "input_len": args.input_len,
+        "output_len": n_out,
+        "engine_s": t_engine,
+        "engine_tok_s": total / t_engine,
+        "reference_s": t_naive,
+        "reference_tok_s": total / t_naive,
+        "speedup_vs_reference": t_naive / t_engine,
+        "agreement_vs_reference": agreement(engine, naive),
+        "transformers_available": False,
+        "transformers_reason": None,
+        "transformers_s": None,
+        "transformers_tok_s": None,
+        "speedup_vs_transformers": None,
+        "agreement_vs_transformers": None,
+    }
     if cfg.family != "kimi_linear":
         r["transformers_reason"] = f"transformers has no model class for {cfg.family}"
     elif args.no_transformers:
@@ -102,8 +115,13 @@ def run(args: argparse.Namespace) -> dict:
         if toks is None:
             r["transformers_reason"] = t
         else:
-            r.update(transformers_available=True, transformers_s=t, transformers_tok_s=total / t,
-                     speedup_vs_transformers=t / t_engine, agreement_vs_transformers=agreement(engine, toks))
+            r.update(
+                transformers_available=True,
+                transformers_s=t,
+                transformers_tok_s=total / t,
+                speedup_vs_transformers=t / t_engine,
+                agreement_vs_transformers=agreement(engine, toks),
+            )
     r["meta"] = meta(args, path)
     return r
 
@@ -111,12 +129,30 @@ def run(args: argparse.Namespace) -> dict:
 def main(args: argparse.Namespace) -> int:
     apply_threads(args)
     r = run(args)
-    rows = [{"path": "engine", "seconds": r["engine_s"], "tok_s": r["engine_tok_s"], "speedup_of_engine": 1.0,
-             "agreement": 1.0},
-            {"path": "forward_full loop", "seconds": r["reference_s"], "tok_s": r["reference_tok_s"],
-             "speedup_of_engine": r["speedup_vs_reference"], "agreement": r["agreement_vs_reference"]}]
+    rows = [
+        {
+            "path": "engine",
+            "seconds": r["engine_s"],
+            "tok_s": r["engine_tok_s"],
+            "speedup_of_engine": 1.0,
+            "agreement": 1.0,
+        },
+        {
+            "path": "forward_full loop",
+            "seconds": r["reference_s"],
+            "tok_s": r["reference_tok_s"],
+            "speedup_of_engine": r["speedup_vs_reference"],
+            "agreement": r["agreement_vs_reference"],
+        },
+    ]
     if r["transformers_available"]:
-        rows.append({"path": "transformers", "seconds": r["transformers_s"], "tok_s": r["transformers_tok_s"],
-                     "speedup_of_engine": r["speedup_vs_transformers"],
-                     "agreement": r["agreement_vs_transformers"]})
+        rows.append(
+            {
+                "path": "transformers",
+                "seconds": r["transformers_s"],
+                "tok_s": r["transformers_tok_s"],
+                "speedup_of_engine": r["speedup_vs_transformers"],
+                "agreement": r["agreement_vs_transformers"],
+            }
+        )
     return emit(args, r, rows, ["path", "seconds", "tok_s", "speedup_of_engine", "agreement"])

@@ -4,6 +4,7 @@ that branch off other sessions' histories, and histories that grow by the model'
 Turn r of session s sends `history + user_message`; the answer is appended to the history.
 A branching session copies another session's history at its first turn and diverges from there.
 """
+
 from __future__ import annotations
 
 import random
@@ -40,7 +41,7 @@ def build_sessions(spec: WorkloadSpec, vocab: int, avoid: set[int]) -> list[Sess
     for s in range(spec.sessions):
         if sessions and rng.random() < spec.branch_fraction:
             parent = rng.choice(sessions)
-            base = list(prefix) + parent.turns[0][:rng.randrange(1, len(parent.turns[0]))]
+            base = list(prefix) + parent.turns[0][: rng.randrange(1, len(parent.turns[0]))]
         else:
             base = list(prefix)
         sess = Session(base)

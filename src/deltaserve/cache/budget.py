@@ -9,6 +9,7 @@ pages, otherwise a lone long request could never run (it would re-prefill foreve
 `DEFAULT_RAM_FRACTION` of RAM and `workload_layout`, what `max_num_seqs` sequences of
 `max_model_len` tokens can use (a tiny model never reserves gigabytes it cannot fill).
 """
+
 from __future__ import annotations
 
 import logging
@@ -71,12 +72,13 @@ def kda_shapes(cfg: ModelConfig) -> tuple[tuple[int, int], tuple[int, int, int]]
     return (k.conv_kernel - 1, 3 * k.proj_dim), (k.num_heads, k.head_dim, k.head_dim)
 
 
-def unit_bytes(cfg: ModelConfig, page_size: int, kv_dtype: torch.dtype,
-               state_dtype: torch.dtype) -> tuple[int, int]:
+def unit_bytes(cfg: ModelConfig, page_size: int, kv_dtype: torch.dtype, state_dtype: torch.dtype) -> tuple[int, int]:
     """(bytes of one KDA state slot, bytes of one MLA page) across all layers."""
     tail, state = kda_shapes(cfg)
-    return (KdaStatePool.bytes_per_slot(len(cfg.kda_layer_ids), tail, state, kv_dtype, state_dtype),
-            MlaPagePool.bytes_per_page(len(cfg.mla_layer_ids), page_size, cfg.mla.latent_dim, kv_dtype))
+    return (
+        KdaStatePool.bytes_per_slot(len(cfg.kda_layer_ids), tail, state, kv_dtype, state_dtype),
+        MlaPagePool.bytes_per_page(len(cfg.mla_layer_ids), page_size, cfg.mla.latent_dim, kv_dtype),
+    )
 
 
 def _check_sizes(page_size: int, max_num_seqs: int, checkpoint_fraction: float) -> None:
@@ -86,9 +88,16 @@ def _check_sizes(page_size: int, max_num_seqs: int, checkpoint_fraction: float) 
         raise ValueError(f"checkpoint_fraction must lie in [0, 1), got {checkpoint_fraction}")
 
 
-def plan_layout(cfg: ModelConfig, budget_bytes: int, max_num_seqs: int, max_model_len: int,
-                page_size: int, kv_dtype: torch.dtype, state_dtype: torch.dtype = torch.float32,
-                checkpoint_fraction: float = 0.0) -> CacheLayout:
+def plan_layout(
+    cfg: ModelConfig,
+    budget_bytes: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    page_size: int,
+    kv_dtype: torch.dtype,
+    state_dtype: torch.dtype = torch.float32,
+    checkpoint_fraction: float = 0.0,
+) -> CacheLayout:
     """Split `budget_bytes` as the module docstring says; `total_bytes <= budget_bytes`."""
     _check_sizes(page_size, max_num_seqs, checkpoint_fraction)
     slot_bytes, page_bytes = unit_bytes(cfg, page_size, kv_dtype, state_dtype)
@@ -100,14 +109,20 @@ def plan_layout(cfg: ModelConfig, budget_bytes: int, max_num_seqs: int, max_mode
         raise ValueError(
             f"kv_cache_memory={budget_bytes} B cannot hold {max_num_seqs} + {n_ckpt} KDA slots "
             f"({slot_bytes} B each) plus MLA pages for max_model_len={max_model_len} tokens "
-            f"({need} pages of {page_bytes} B); raise kv_cache_memory or lower max_num_seqs/max_model_len")
-    return CacheLayout(page_size, int(num_pages), max_num_seqs, page_bytes, slot_bytes, kv_dtype,
-                       state_dtype, n_ckpt)
+            f"({need} pages of {page_bytes} B); raise kv_cache_memory or lower max_num_seqs/max_model_len"
+        )
+    return CacheLayout(page_size, int(num_pages), max_num_seqs, page_bytes, slot_bytes, kv_dtype, state_dtype, n_ckpt)
 
 
-def workload_layout(cfg: ModelConfig, max_num_seqs: int, max_model_len: int, page_size: int,
-                    kv_dtype: torch.dtype, state_dtype: torch.dtype = torch.float32,
-                    checkpoint_fraction: float = 0.0) -> CacheLayout:
+def workload_layout(
+    cfg: ModelConfig,
+    max_num_seqs: int,
+    max_model_len: int,
+    page_size: int,
+    kv_dtype: torch.dtype,
+    state_dtype: torch.dtype = torch.float32,
+    checkpoint_fraction: float = 0.0,
+) -> CacheLayout:
     """The pools `max_num_seqs` sequences of `max_model_len` tokens can use at once: their MLA
     pages and live slots. With prefix caching (`checkpoint_fraction > 0`) the MLA pages are
     doubled (`PREFIX_HEADROOM`: cached prefixes may hold as much again) and checkpoint slots are
@@ -122,13 +137,19 @@ def workload_layout(cfg: ModelConfig, max_num_seqs: int, max_model_len: int, pag
     live = num_pages * page_bytes + max_num_seqs * slot_bytes
     f = Fraction(checkpoint_fraction)
     n_ckpt = max(1, math.ceil(f * live / ((1 - f) * slot_bytes))) if f else 0
-    return CacheLayout(page_size, num_pages, max_num_seqs, page_bytes, slot_bytes, kv_dtype,
-                       state_dtype, n_ckpt)
+    return CacheLayout(page_size, num_pages, max_num_seqs, page_bytes, slot_bytes, kv_dtype, state_dtype, n_ckpt)
 
 
-def size_layout(cfg: ModelConfig, kv_cache_memory: int | float | None, max_num_seqs: int,
-                max_model_len: int, page_size: int, kv_dtype: torch.dtype,
-                state_dtype: torch.dtype = torch.float32, checkpoint_fraction: float = 0.0) -> CacheLayout:
+def size_layout(
+    cfg: ModelConfig,
+    kv_cache_memory: int | float | None,
+    max_num_seqs: int,
+    max_model_len: int,
+    page_size: int,
+    kv_dtype: torch.dtype,
+    state_dtype: torch.dtype = torch.float32,
+    checkpoint_fraction: float = 0.0,
+) -> CacheLayout:
     """The layout for `kv_cache_memory` (bytes, a RAM fraction, or None for the default: the
     smaller of `DEFAULT_RAM_FRACTION` of RAM and `workload_layout`); logs the sizes and why."""
     args = (max_num_seqs, max_model_len, page_size, kv_dtype, state_dtype, checkpoint_fraction)
@@ -137,8 +158,9 @@ def size_layout(cfg: ModelConfig, kv_cache_memory: int | float | None, max_num_s
         why = f"kv_cache_memory={kv_cache_memory!r} as given"
     else:
         fit, ram = workload_layout(cfg, *args), resolve_budget(DEFAULT_RAM_FRACTION)
-        use = (f"max_num_seqs={max_num_seqs} x max_model_len={max_model_len} tokens can use"
-               + (f" (MLA pages x{PREFIX_HEADROOM} for cached prefixes)" if checkpoint_fraction else ""))
+        use = f"max_num_seqs={max_num_seqs} x max_model_len={max_model_len} tokens can use" + (
+            f" (MLA pages x{PREFIX_HEADROOM} for cached prefixes)" if checkpoint_fraction else ""
+        )
         pct = f"{DEFAULT_RAM_FRACTION:.0%} of RAM"
         if fit.total_bytes <= ram:
             layout, why = fit, f"default: what {use}, less than {pct} ({ram / 2**20:.1f} MiB)"
@@ -146,20 +168,35 @@ def size_layout(cfg: ModelConfig, kv_cache_memory: int | float | None, max_num_s
             layout = plan_layout(cfg, ram, *args)
             why = f"default: {pct}, less than the {fit.total_bytes / 2**20:.1f} MiB {use}"
     slots = max_num_seqs + layout.num_checkpoint_slots
-    log.info("KV cache %.1f MiB (%s): %d MLA pages x %d tokens = %d tokens (%.1f MiB), %d live KDA slots "
-             "+ %d checkpoint slots (%.1f MiB)", layout.total_bytes / 2**20, why, layout.num_pages,
-             page_size, layout.token_capacity, layout.num_pages * layout.page_bytes / 2**20, max_num_seqs,
-             layout.num_checkpoint_slots, slots * layout.slot_bytes / 2**20)
+    log.info(
+        "KV cache %.1f MiB (%s): %d MLA pages x %d tokens = %d tokens (%.1f MiB), %d live KDA slots "
+        "+ %d checkpoint slots (%.1f MiB)",
+        layout.total_bytes / 2**20,
+        why,
+        layout.num_pages,
+        page_size,
+        layout.token_capacity,
+        layout.num_pages * layout.page_bytes / 2**20,
+        max_num_seqs,
+        layout.num_checkpoint_slots,
+        slots * layout.slot_bytes / 2**20,
+    )
     return layout
 
 
-def build_pools(cfg: ModelConfig, layout: CacheLayout, device: torch.device | str = "cpu"
-                ) -> tuple[MlaPagePool, KdaStatePool, KdaStatePool | None]:
+def build_pools(
+    cfg: ModelConfig, layout: CacheLayout, device: torch.device | str = "cpu"
+) -> tuple[MlaPagePool, KdaStatePool, KdaStatePool | None]:
     tail, state = kda_shapes(cfg)
-    mla = MlaPagePool(cfg.mla_layer_ids, layout.num_pages, layout.page_size, cfg.mla.latent_dim,
-                      layout.kv_dtype, device)
-    kda = KdaStatePool(cfg.kda_layer_ids, layout.num_slots, tail, state, layout.kv_dtype,
-                       layout.state_dtype, device)
-    ckpt = KdaStatePool(cfg.kda_layer_ids, layout.num_checkpoint_slots, tail, state, layout.kv_dtype,
-                        layout.state_dtype, device) if layout.num_checkpoint_slots else None
+    mla = MlaPagePool(
+        cfg.mla_layer_ids, layout.num_pages, layout.page_size, cfg.mla.latent_dim, layout.kv_dtype, device
+    )
+    kda = KdaStatePool(cfg.kda_layer_ids, layout.num_slots, tail, state, layout.kv_dtype, layout.state_dtype, device)
+    ckpt = (
+        KdaStatePool(
+            cfg.kda_layer_ids, layout.num_checkpoint_slots, tail, state, layout.kv_dtype, layout.state_dtype, device
+        )
+        if layout.num_checkpoint_slots
+        else None
+    )
     return mla, kda, ckpt

@@ -9,6 +9,7 @@
 - `interval=N`: every N tokens of the prompt (N a multiple of the unit).
 All checkpoints are exported inside the normal prefill pass; none forces a chunk split.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,8 +38,9 @@ class CheckpointPolicy:
         if self.unit < 1:
             raise ValueError("prefix_match_unit must be positive")
         if self.interval is not None and (self.interval < self.unit or self.interval % self.unit):
-            raise ValueError(f"checkpoint interval {self.interval} must be a positive multiple of "
-                             f"prefix_match_unit={self.unit}")
+            raise ValueError(
+                f"checkpoint interval {self.interval} must be a positive multiple of prefix_match_unit={self.unit}"
+            )
 
     def boundaries(self, prompt_len: int, hit) -> set[int]:
         """Token boundaries past the hit at which to snapshot while prefilling this prompt."""

@@ -8,6 +8,7 @@ whose tag differs in any field is never restored: it is refused, counted and dro
 request falls back to a shorter hit or a cold prefill. Tags are plain bytes and ints, so the
 same check applies to states that travel between processes.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -32,9 +33,15 @@ def state_fingerprint(model_id: str, tails: torch.Tensor, states: torch.Tensor, 
     (`model_id` names checkpoint and weight dtype), the pool tensors' dtypes and per-slot shapes
     (`[layers, slots, ...]`, slots excluded), the layout version and the KDA kernel path."""
     h = hashlib.sha256(b"deltaserve-kda-state")
-    parts = (model_id, str(tails.dtype), str(states.dtype),
-             repr((tails.shape[0], *tails.shape[2:])), repr((states.shape[0], *states.shape[2:])),
-             str(STATE_LAYOUT_VERSION), kernel)
+    parts = (
+        model_id,
+        str(tails.dtype),
+        str(states.dtype),
+        repr((tails.shape[0], *tails.shape[2:])),
+        repr((states.shape[0], *states.shape[2:])),
+        str(STATE_LAYOUT_VERSION),
+        kernel,
+    )
     for part in parts:
         data = part.encode()
         h.update(struct.pack("<Q", len(data)))

@@ -5,6 +5,7 @@ at rows `cu_seqlens[b]:cu_seqlens[b+1]` of the packed input. Token position t of
 at MLA row `pages[b][t // S] * S + t % S`. All index tensors are built once per step and shared by
 every layer; layers never loop over sequences.
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,9 @@ from .kda_pool import KdaStatePool
 from .mla_pool import MlaPagePool
 
 
-def _flat_rows(page_tables: list[list[int]], starts: list[int], ends: list[int], page_size: int,
-               device) -> torch.Tensor:
+def _flat_rows(
+    page_tables: list[list[int]], starts: list[int], ends: list[int], page_size: int, device
+) -> torch.Tensor:
     """Flat MLA row of every position in [starts[b], ends[b]) for each b, concatenated."""
     lens = torch.tensor([e - s for s, e in zip(starts, ends)], dtype=torch.long)
     width = max((len(p) for p in page_tables), default=0)
@@ -27,10 +29,19 @@ def _flat_rows(page_tables: list[list[int]], starts: list[int], ends: list[int],
 
 
 class ForwardBatch:
-    def __init__(self, input_ids: torch.Tensor, context_lens: list[int], new_lens: list[int],
-                 page_tables: list[list[int]], slots: list[int], mla: MlaPagePool, kda: KdaStatePool,
-                 export_offsets: list[list[int]] | None = None, export_slots: list[int] = (),
-                 checkpoints: KdaStatePool | None = None):
+    def __init__(
+        self,
+        input_ids: torch.Tensor,
+        context_lens: list[int],
+        new_lens: list[int],
+        page_tables: list[list[int]],
+        slots: list[int],
+        mla: MlaPagePool,
+        kda: KdaStatePool,
+        export_offsets: list[list[int]] | None = None,
+        export_slots: list[int] = (),
+        checkpoints: KdaStatePool | None = None,
+    ):
         """`export_offsets[b]`: interior offsets of sequence b's chunk whose KDA state the
         forward pass writes into `checkpoints` slots `export_slots` (flattened (b, offset) order)."""
         if not (len(context_lens) == len(new_lens) == len(page_tables) == len(slots)) or min(new_lens) < 1:

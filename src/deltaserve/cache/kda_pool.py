@@ -6,6 +6,7 @@ sequence that starts from an empty context reads zeros (the same as no cache). `
 what a checkpoint slot holds (`checkpoint_tag.CheckpointTag`); it is None from `allocate` until
 its owner tags it, and cleared on `release`.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -20,9 +21,16 @@ class OutOfSlots(RuntimeError):
 
 
 class KdaStatePool:
-    def __init__(self, layer_ids: list[int], num_slots: int, tail_shape: tuple[int, int],
-                 state_shape: tuple[int, int, int], tail_dtype: torch.dtype,
-                 state_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        layer_ids: list[int],
+        num_slots: int,
+        tail_shape: tuple[int, int],
+        state_shape: tuple[int, int, int],
+        tail_dtype: torch.dtype,
+        state_dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
         if num_slots < 1:
             raise ValueError("KdaStatePool needs at least one slot")
         self.layer_ids = list(layer_ids)
@@ -36,8 +44,13 @@ class KdaStatePool:
         self._free: deque[int] = deque(range(num_slots))
 
     @staticmethod
-    def bytes_per_slot(num_layers: int, tail_shape: tuple[int, int], state_shape: tuple[int, int, int],
-                       tail_dtype: torch.dtype, state_dtype: torch.dtype) -> int:
+    def bytes_per_slot(
+        num_layers: int,
+        tail_shape: tuple[int, int],
+        state_shape: tuple[int, int, int],
+        tail_dtype: torch.dtype,
+        state_dtype: torch.dtype,
+    ) -> int:
         tail = tail_shape[0] * tail_shape[1] * tail_dtype.itemsize
         state = state_shape[0] * state_shape[1] * state_shape[2] * state_dtype.itemsize
         return num_layers * (tail + state)

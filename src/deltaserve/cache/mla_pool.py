@@ -3,6 +3,7 @@
 Pages are ref-counted so that the prefix cache can later share full pages between requests.
 Invariant: a page is on the free list iff its refcount is 0; page ids are 0..num_pages-1.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -15,15 +16,21 @@ class OutOfPages(RuntimeError):
 
 
 class MlaPagePool:
-    def __init__(self, layer_ids: list[int], num_pages: int, page_size: int, row_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        layer_ids: list[int],
+        num_pages: int,
+        page_size: int,
+        row_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
         if num_pages < 1 or page_size < 1:
             raise ValueError("MlaPagePool needs at least one page of at least one token")
         self.layer_ids = list(layer_ids)
         self.num_pages, self.page_size, self.row_dim = num_pages, page_size, row_dim
         self._index = {lid: i for i, lid in enumerate(self.layer_ids)}
-        self.storage = torch.zeros(len(self.layer_ids), num_pages, page_size, row_dim,
-                                   dtype=dtype, device=device)
+        self.storage = torch.zeros(len(self.layer_ids), num_pages, page_size, row_dim, dtype=dtype, device=device)
         self.refcount = [0] * num_pages
         self._free: deque[int] = deque(range(num_pages))
 

@@ -7,6 +7,7 @@ own 1) are evicted, so a checkpoint's MLA pages live at least as long as the che
 checkpoint that an admission is about to copy is pinned (`pin_checkpoint`) and never evicted
 until unpinned. LRU order: `OrderedDict`s, most recently used last.
 """
+
 from __future__ import annotations
 
 from collections import Counter, OrderedDict

@@ -8,6 +8,7 @@ Invariants:
   own choice, e.g. `--max-model-len 8192`), and `from_args` maps a parsed value back through
   the metadata's `from_cli` (e.g. `--structured-thinking-budget -1` -> None, unlimited).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,32 +54,45 @@ class EngineConfig:
     max_num_batched_tokens: int = _opt(2048, "most tokens in one step (chunked prefill)", type=int)
     page_size: int = _opt(16, "MLA page size in tokens", type=int)
     kv_cache_memory: int | float | None = _opt(
-        None, "bytes (integer) or a fraction of RAM (with a dot, e.g. 0.1); default: what "
-              "--max-num-seqs x --max-model-len tokens can use, at most 10%% of RAM", type=memory_budget)
-    max_model_len: int | None = _opt(None, "longest sequence (prompt + output) in tokens", type=int,
-                                     cli_default=8192)
+        None,
+        "bytes (integer) or a fraction of RAM (with a dot, e.g. 0.1); default: what "
+        "--max-num-seqs x --max-model-len tokens can use, at most 10%% of RAM",
+        type=memory_budget,
+    )
+    max_model_len: int | None = _opt(None, "longest sequence (prompt + output) in tokens", type=int, cli_default=8192)
     kv_state_dtype: Any = _opt("float32", "dtype of the KDA recurrent state", choices=["float32", "bfloat16"])
-    skip_tokenizer_init: bool = _opt(False, "load no tokenizer: prompts are token ids, outputs carry no text",
-                                     action="store_true")
+    skip_tokenizer_init: bool = _opt(
+        False, "load no tokenizer: prompts are token ids, outputs carry no text", action="store_true"
+    )
     seed: int = _opt(0, "engine seed of requests that set none", type=int, flag="--engine-seed")
     device: str = _opt("cpu", "torch device of the model and the caches")
     num_threads: int | None = _opt(None, "torch intra-op threads", type=int, flag="--threads")
     progress: bool = True
-    enable_prefix_caching: bool = _opt(False, "hybrid prefix cache: MLA pages + KDA checkpoints, both halves "
-                                              "or nothing", action="store_true")
+    enable_prefix_caching: bool = _opt(
+        False, "hybrid prefix cache: MLA pages + KDA checkpoints, both halves or nothing", action="store_true"
+    )
     prefix_match_unit: int = _opt(64, "hit granularity in tokens (a multiple of --page-size)", type=int)
     kda_checkpoint_policy: str = _opt("default", "'default' or a comma list of prompt-end, junction, turn-end")
     kda_checkpoint_interval: int | None = _opt(
-        None, "also checkpoint every N prompt tokens (a multiple of the match unit)", type=int)
-    checkpoint_fraction: float = _opt(0.25, "share of the cache budget kept for KDA checkpoints "
-                                            "(with --enable-prefix-caching)", type=float)
-    moe_weights: str = _opt("auto", "keep MXFP4 routed experts packed (~4.25 bits/weight) or decode them at "
-                                    "load (auto: packed for bfloat16, decoded otherwise)", choices=list(MOE_WEIGHTS))
+        None, "also checkpoint every N prompt tokens (a multiple of the match unit)", type=int
+    )
+    checkpoint_fraction: float = _opt(
+        0.25, "share of the cache budget kept for KDA checkpoints (with --enable-prefix-caching)", type=float
+    )
+    moe_weights: str = _opt(
+        "auto",
+        "keep MXFP4 routed experts packed (~4.25 bits/weight) or decode them at "
+        "load (auto: packed for bfloat16, decoded otherwise)",
+        choices=list(MOE_WEIGHTS),
+    )
     structured_thinking_budget: int | None = _opt(
         DEFAULT_STRUCTURED_THINKING_BUDGET,
         "reasoning tokens a structured request (response_format json, forced tool_choice) with thinking "
         "on may use before the engine closes the think element, unless it sets thinking_token_budget; "
-        "-1: unlimited", type=int, from_cli=_budget_from_cli)
+        "-1: unlimited",
+        type=int,
+        from_cli=_budget_from_cli,
+    )
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.page_size < 1:

@@ -10,6 +10,7 @@ reasoning section gets a `ReasoningBudget` per sequence (engine/reasoning.py): i
 `thinking_token_budget`, or `structured_thinking_budget` when a structured output starts after
 the reasoning and the request sets none (None: unlimited).
 """
+
 from __future__ import annotations
 
 import copy
@@ -24,12 +25,12 @@ from ..model.kimi import KimiForCausalLM
 from .config import DEFAULT_STRUCTURED_THINKING_BUDGET
 from .detokenizer import IncrementalDetokenizer
 from .outputs import CompletionOutput, Logprob, RequestOutput
+from .reasoning import ReasoningBudget, piece_ids
 from .runner import ModelRunner
 from .sampler import SamplingRow
-from .reasoning import ReasoningBudget, piece_ids
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .sequence import InvalidRequestError, Sequence, SeqStatus
+from .sequence import InvalidRequestError, SeqStatus, Sequence
 from .structured import GrammarCompiler, GrammarState, StructuredOutputError
 
 
@@ -48,6 +49,7 @@ class _Request:
 @dataclass
 class SeqDelta:
     """What one sequence gained in one step (see `EngineCore.step_deltas`)."""
+
     request_id: str
     index: int
     token_ids: list[int]
@@ -58,9 +60,18 @@ class SeqDelta:
 
 
 class EngineCore:
-    def __init__(self, model: KimiForCausalLM, tokenizer, cache: CacheManager, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, seed: int = 0,
-                 structured_thinking_budget: int | None = DEFAULT_STRUCTURED_THINKING_BUDGET):
+    def __init__(
+        self,
+        model: KimiForCausalLM,
+        tokenizer,
+        cache: CacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        seed: int = 0,
+        structured_thinking_budget: int | None = DEFAULT_STRUCTURED_THINKING_BUDGET,
+    ):
         self.model, self.tokenizer, self.cache = model, tokenizer, cache
         self.max_model_len = max_model_len
         self.scheduler = Scheduler(cache, max_num_seqs, max_num_batched_tokens)
@@ -90,8 +101,9 @@ class EngineCore:
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
             raise InvalidRequestError(f"prompt token ids must be ints in [0, {vocab})")
         if len(prompt_ids) > self.max_model_len:
-            raise InvalidRequestError(f"prompt of {len(prompt_ids)} tokens is longer than "
-                                      f"max_model_len={self.max_model_len}")
+            raise InvalidRequestError(
+                f"prompt of {len(prompt_ids)} tokens is longer than max_model_len={self.max_model_len}"
+            )
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer (skip_tokenizer_init=True)")
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
@@ -113,8 +125,9 @@ class EngineCore:
         try:
             with self._compiler_lock:
                 if self._grammar_compiler is None:
-                    self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.config.vocab_size,
-                                                             sorted(self.eos_ids))
+                    self._grammar_compiler = GrammarCompiler(
+                        self.tokenizer, self.model.config.vocab_size, sorted(self.eos_ids)
+                    )
             return self._grammar_compiler.compile(params.structured)
         except StructuredOutputError as e:
             raise InvalidRequestError(str(e)) from None
@@ -131,8 +144,14 @@ class EngineCore:
             raise InvalidRequestError(str(e)) from None
         return ReasoningBudget(budget, end, self.tokenizer.special_ids)
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, cache_salt: str | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
         self.validate(request_id, prompt_ids, params)
         grammar = self._compile(params)
         budget = self._budget(params)
@@ -140,9 +159,19 @@ class EngineCore:
         for i in range(params.n):
             gen = torch.Generator().manual_seed((params.seed + i) % 2**64) if params.seed is not None else self._rng
             detok = IncrementalDetokenizer(self.tokenizer, params) if self.tokenizer is not None else None
-            seqs.append(Sequence(self._next_seq, request_id, i, list(prompt_ids), params, gen, detok,
-                                 logprobs=[] if params.logprobs is not None else None,
-                                 cache_salt=cache_salt))
+            seqs.append(
+                Sequence(
+                    self._next_seq,
+                    request_id,
+                    i,
+                    list(prompt_ids),
+                    params,
+                    gen,
+                    detok,
+                    logprobs=[] if params.logprobs is not None else None,
+                    cache_salt=cache_salt,
+                )
+            )
             if grammar is not None:
                 self.grammars[seqs[-1].seq_id] = grammar.copy()
             if budget is not None:
@@ -180,10 +209,20 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        rows = [SamplingRow(s.seq.params, s.seq.generator, s.seq.prompt_ids, s.seq.output_ids,
-                            banned_ids=self._banned(s.seq), grammar=self.grammars.get(s.seq.seq_id),
-                            forced=self._forced(s.seq.seq_id))
-                if s.completes else None for s in scheduled]
+        rows = [
+            SamplingRow(
+                s.seq.params,
+                s.seq.generator,
+                s.seq.prompt_ids,
+                s.seq.output_ids,
+                banned_ids=self._banned(s.seq),
+                grammar=self.grammars.get(s.seq.seq_id),
+                forced=self._forced(s.seq.seq_id),
+            )
+            if s.completes
+            else None
+            for s in scheduled
+        ]
         sampled = self.runner.execute(scheduled, rows)
         self.counters["steps"] += 1
         self.counters["computed_tokens"] += sum(s.num_new for s in scheduled)
@@ -216,8 +255,7 @@ class EngineCore:
         """`step()`, reported per sequence for streaming: one `SeqDelta` for each sequence that
         got tokens or finished in this step. Its text is `IncrementalDetokenizer.delta()` (on
         finish the flushed `final_delta`), so a sequence's deltas concatenate to its `text`."""
-        before = [(s, len(s.output_ids)) for r in self.requests.values() for s in r.seqs
-                  if not s.finished]
+        before = [(s, len(s.output_ids)) for r in self.requests.values() for s in r.seqs if not s.finished]
         self.step()
         out = []
         for s, n in before:
@@ -227,9 +265,17 @@ class EngineCore:
                 text = ""
             else:
                 text = s.final_delta if s.finished else s.detokenizer.delta()
-            out.append(SeqDelta(s.request_id, s.index, s.output_ids[n:], text,
-                                s.logprobs[n:] if s.logprobs is not None else None,
-                                s.finish_reason, s.stop_reason))
+            out.append(
+                SeqDelta(
+                    s.request_id,
+                    s.index,
+                    s.output_ids[n:],
+                    text,
+                    s.logprobs[n:] if s.logprobs is not None else None,
+                    s.finish_reason,
+                    s.stop_reason,
+                )
+            )
         return out
 
     def _append(self, seq: Sequence, token: int, lp) -> None:
@@ -255,8 +301,7 @@ class EngineCore:
             self._finish(seq, "stop", seq.detokenizer.stop_reason)
         elif grammar_done:
             self._finish(seq, "stop")
-        elif (p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens) or \
-                seq.num_tokens >= self.max_model_len:
+        elif (p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length")
 
     def _piece(self, token: int) -> str | None:
@@ -273,15 +318,33 @@ class EngineCore:
 
     @staticmethod
     def _output(req: _Request) -> RequestOutput:
-        outs = [CompletionOutput(s.index, s.text, list(s.output_ids),
-                                 s.cumulative_logprob if s.logprobs is not None else None,
-                                 s.logprobs, s.finish_reason, s.stop_reason) for s in req.seqs]
+        outs = [
+            CompletionOutput(
+                s.index,
+                s.text,
+                list(s.output_ids),
+                s.cumulative_logprob if s.logprobs is not None else None,
+                s.logprobs,
+                s.finish_reason,
+                s.stop_reason,
+            )
+            for s in req.seqs
+        ]
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, req.finished)
 
     def stats(self) -> dict:
-        out = {k: self.counters[k] for k in ("steps", "requests_added", "requests_finished",
-                                             "requests_aborted", "prompt_tokens", "computed_tokens",
-                                             "generated_tokens")}
+        out = {
+            k: self.counters[k]
+            for k in (
+                "steps",
+                "requests_added",
+                "requests_finished",
+                "requests_aborted",
+                "prompt_tokens",
+                "computed_tokens",
+                "generated_tokens",
+            )
+        }
         out["preemptions"] = self.scheduler.num_preemptions
         out["num_running"] = len(self.scheduler.running)
         out["num_waiting"] = len(self.scheduler.waiting)

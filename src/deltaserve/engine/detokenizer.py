@@ -17,6 +17,7 @@ Invariants (ids = the tokens appended so far, L = the longest stop string):
 - Cost per append: O(new bytes + L) (plus the stop search over that window); `delta()` is
   O(returned text + L^2); `text` joins its pieces lazily.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -45,10 +46,10 @@ class IncrementalDetokenizer:
         self._stops = list(params.stop)
         self._max_stop = max((len(s) for s in self._stops), default=0)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._pieces: list[str] = []   # all of `text`
-        self._unsent: list[str] = []   # the suffix of `text` not yet returned by delta()
+        self._pieces: list[str] = []  # all of `text`
+        self._unsent: list[str] = []  # the suffix of `text` not yet returned by delta()
         self._unsent_len = 0
-        self._tail = ""                # the last L-1 characters of `text`
+        self._tail = ""  # the last L-1 characters of `text`
         self._finished = False
 
     @property
@@ -67,8 +68,11 @@ class IncrementalDetokenizer:
             return self.stopped
         self.num_tokens += 1
         tok = self.tokenizer
-        if self.params.skip_special_tokens and tok.is_special(token_id) and \
-                token_id not in self.params.keep_special_token_ids:
+        if (
+            self.params.skip_special_tokens
+            and tok.is_special(token_id)
+            and token_id not in self.params.keep_special_token_ids
+        ):
             return False
         self._add(self._decoder.decode(tok.token_bytes(token_id)))
         return self.stopped
@@ -86,11 +90,11 @@ class IncrementalDetokenizer:
                 if end < len(self._tail):
                     self._drop(len(self._tail) - end)
                 else:
-                    self._push(new[:end - len(self._tail)])
+                    self._push(new[: end - len(self._tail)])
                 return
         self._push(new)
         if self._max_stop > 1:
-            self._tail = (self._tail + new)[-(self._max_stop - 1):]
+            self._tail = (self._tail + new)[-(self._max_stop - 1) :]
 
     def _find_stop(self, window: str, old: int) -> tuple[int, str] | None:
         """(start in window, stop string) of the match ending first; every match must end
@@ -136,7 +140,7 @@ class IncrementalDetokenizer:
             self._finished = True
         s = "".join(self._unsent)
         keep = 0 if (self.stopped or self._finished) else self._holdback(s)
-        out, rest = s[:len(s) - keep], s[len(s) - keep:]
+        out, rest = s[: len(s) - keep], s[len(s) - keep :]
         self._unsent = [rest] if rest else []
         self._unsent_len = len(rest)
         return out

@@ -1,4 +1,5 @@
 """Offline API shaped like vLLM's: `LLM(model_dir, ...).generate(prompts, params)`."""
+
 from __future__ import annotations
 
 import itertools
@@ -55,10 +56,15 @@ class LLM:
         if isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
             salt = prompt.get("cache_salt")
-            if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt) or \
-                    not (salt is None or isinstance(salt, str)):
-                raise InvalidRequestError("a dict prompt holds exactly one of 'prompt' / 'prompt_token_ids' "
-                                          "and optionally a string 'cache_salt'")
+            if (
+                unknown
+                or ("prompt" in prompt) == ("prompt_token_ids" in prompt)
+                or not (salt is None or isinstance(salt, str))
+            ):
+                raise InvalidRequestError(
+                    "a dict prompt holds exactly one of 'prompt' / 'prompt_token_ids' "
+                    "and optionally a string 'cache_salt'"
+                )
             text, ids = self._prompt_ids(prompt.get("prompt", prompt.get("prompt_token_ids")))[:2]
             return text, ids, salt
         if isinstance(prompt, str):
@@ -69,9 +75,12 @@ class LLM:
             return None, list(prompt), None
         raise InvalidRequestError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__}")
 
-    def generate(self, prompts: str | list[str] | list[list[int]] | list[dict],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]] | list[dict],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Outputs in prompt order. Every request is validated before any is queued; if the run
         is interrupted, the unfinished requests of this call are aborted (cache freed)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):

@@ -1,4 +1,5 @@
 """Results handed back to users, shaped like vLLM's `RequestOutput` / `CompletionOutput`."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

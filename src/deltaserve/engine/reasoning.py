@@ -12,6 +12,7 @@ the `prefix` of its `structured` output. `ReasoningBudget` follows one sequence:
 
 Forced tokens are output tokens: they count toward `max_tokens`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

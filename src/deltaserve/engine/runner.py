@@ -1,5 +1,6 @@
 """`ModelRunner`: turns a schedule into one packed forward pass over the paged cache and samples
 the sequences whose cached prefix became complete in this step."""
+
 from __future__ import annotations
 
 import torch
@@ -26,11 +27,18 @@ class ModelRunner:
             o, sl = self.cache.plan_exports(s.seq.seq_id, s.seq.num_computed, s.num_new)
             offsets.append(o)
             slots.extend(sl)
-        return ForwardBatch(torch.tensor(ids, dtype=torch.long, device=self.model.device),
-                            [s.seq.num_computed for s in scheduled], [s.num_new for s in scheduled],
-                            [c.pages for c in caches], [c.slot for c in caches],
-                            self.cache.mla, self.cache.kda, offsets if slots else None, slots,
-                            self.cache.ckpt_pool)
+        return ForwardBatch(
+            torch.tensor(ids, dtype=torch.long, device=self.model.device),
+            [s.seq.num_computed for s in scheduled],
+            [s.num_new for s in scheduled],
+            [c.pages for c in caches],
+            [c.slot for c in caches],
+            self.cache.mla,
+            self.cache.kda,
+            offsets if slots else None,
+            slots,
+            self.cache.ckpt_pool,
+        )
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], rows: list[SamplingRow | None]) -> SamplerOutput | None:

@@ -24,6 +24,7 @@ same token whatever else is in the batch and in whatever order. A seeded row con
 those of the raw model distribution (log_softmax of the input logits, before penalties and
 temperature, as vLLM v1 returns by default); the input tensor is never modified.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -208,8 +209,7 @@ class Sampler:
         return q.clamp_min_(_Q_MIN)
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, tokens: torch.Tensor,
-                  rows: list[SamplingRow]) -> list[TokenLogprobs | None]:
+    def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> list[TokenLogprobs | None]:
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         out: list[TokenLogprobs | None] = [None] * len(rows)
         if not want:
@@ -225,6 +225,5 @@ class Sampler:
         chosen = chosen.squeeze(1).tolist()
         for j, i in enumerate(want):
             n = rows[i].params.logprobs
-            out[i] = TokenLogprobs(chosen[j], chosen_lp[j], ranks[j],
-                                   dict(zip(top_i[j][:n], top_v[j][:n])))
+            out[i] = TokenLogprobs(chosen[j], chosen_lp[j], ranks[j], dict(zip(top_i[j][:n], top_v[j][:n])))
         return out

@@ -11,6 +11,7 @@ text although `skip_special_tokens` is set (the control markers a chat parser re
 of `str` / `Special` pieces starting with a `Special`) or a `structured` output with a prefix
 (the same pieces when both are given); see engine/reasoning.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -84,8 +85,9 @@ class SamplingParams:
         if self.max_tokens is not None:
             self.max_tokens = _int("max_tokens", self.max_tokens, 1, rng=">= 1 (or None)")
         hi = self.max_tokens
-        self.min_tokens = _int("min_tokens", self.min_tokens, 0, hi,
-                               rng=">= 0" + (f" and <= max_tokens ({hi})" if hi is not None else ""))
+        self.min_tokens = _int(
+            "min_tokens", self.min_tokens, 0, hi, rng=">= 0" + (f" and <= max_tokens ({hi})" if hi is not None else "")
+        )
         self.temperature = _float("temperature", self.temperature, lambda v: v >= 0, ">= 0")
         self.top_p = _float("top_p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
         self.top_k = _int("top_k", self.top_k, -1, rng=">= 1, or 0 / -1 (disabled)")
@@ -93,43 +95,49 @@ class SamplingParams:
             self.top_k = 0
         self.min_p = _float("min_p", self.min_p, lambda v: 0 <= v <= 1, "in [0, 1]")
         if self.seed is not None:
-            self.seed = _int("seed", self.seed, *_SEED_RANGE, rng=f"in [{_SEED_RANGE[0]}, "
-                             f"{_SEED_RANGE[1]}] (or None)")
+            self.seed = _int("seed", self.seed, *_SEED_RANGE, rng=f"in [{_SEED_RANGE[0]}, {_SEED_RANGE[1]}] (or None)")
         self.stop = self._stop_list(self.stop)
         self.stop_token_ids = self._id_list(self.stop_token_ids)
         keep = self.keep_special_token_ids
-        self.keep_special_token_ids = frozenset(self._id_list(
-            list(keep) if isinstance(keep, (set, frozenset)) else keep, "keep_special_token_ids"))
+        self.keep_special_token_ids = frozenset(
+            self._id_list(list(keep) if isinstance(keep, (set, frozenset)) else keep, "keep_special_token_ids")
+        )
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             setattr(self, name, _bool(name, getattr(self, name)))
         if self.logprobs is not None:
-            self.logprobs = _int("logprobs", self.logprobs, 0, MAX_LOGPROBS,
-                                 rng=f"in [0, {MAX_LOGPROBS}] (or None)")
+            self.logprobs = _int("logprobs", self.logprobs, 0, MAX_LOGPROBS, rng=f"in [0, {MAX_LOGPROBS}] (or None)")
         for name in ("presence_penalty", "frequency_penalty"):
             setattr(self, name, _float(name, getattr(self, name), lambda v: -2 <= v <= 2, "in [-2, 2]"))
-        self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty,
-                                         lambda v: v > 0, "> 0")
+        self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty, lambda v: v > 0, "> 0")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
-            raise SamplingParamsError(f"structured must be a StructuredOutput (or None), got "
-                                      f"{type(self.structured).__name__}")
+            raise SamplingParamsError(
+                f"structured must be a StructuredOutput (or None), got {type(self.structured).__name__}"
+            )
         self._check_reasoning()
 
     def _check_reasoning(self) -> None:
         end = self.reasoning_end
-        if not isinstance(end, (list, tuple)) or not all(isinstance(p, (str, Special)) for p in end) \
-                or (end and not isinstance(end[0], Special)):
-            raise SamplingParamsError(f"reasoning_end must be a tuple of str / Special pieces starting "
-                                      f"with a Special, got {end!r}")
+        if (
+            not isinstance(end, (list, tuple))
+            or not all(isinstance(p, (str, Special)) for p in end)
+            or (end and not isinstance(end[0], Special))
+        ):
+            raise SamplingParamsError(
+                f"reasoning_end must be a tuple of str / Special pieces starting with a Special, got {end!r}"
+            )
         self.reasoning_end = tuple(end)
         prefix = self.structured.prefix if self.structured is not None else ()
         if end and prefix and self.reasoning_end != prefix:
             raise SamplingParamsError("reasoning_end must equal the structured output's prefix")
         if self.thinking_token_budget is not None:
-            self.thinking_token_budget = _int("thinking_token_budget", self.thinking_token_budget, 0,
-                                              rng=">= 0 (or None)")
+            self.thinking_token_budget = _int(
+                "thinking_token_budget", self.thinking_token_budget, 0, rng=">= 0 (or None)"
+            )
             if not end and not prefix:
-                raise SamplingParamsError("thinking_token_budget needs reasoning_end (or a structured "
-                                          "output with a prefix): the pieces that close the reasoning")
+                raise SamplingParamsError(
+                    "thinking_token_budget needs reasoning_end (or a structured "
+                    "output with a prefix): the pieces that close the reasoning"
+                )
 
     @property
     def reasoning_close(self) -> tuple:
@@ -142,8 +150,9 @@ class SamplingParams:
             return []
         items = [stop] if isinstance(stop, str) else stop
         if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
-            raise SamplingParamsError(f"stop must be a non-empty string or a list of non-empty "
-                                      f"strings (or None), got {stop!r}")
+            raise SamplingParamsError(
+                f"stop must be a non-empty string or a list of non-empty strings (or None), got {stop!r}"
+            )
         return list(items)
 
     @staticmethod

@@ -10,6 +10,7 @@ does not model, e.g. `not`, `if`, unknown keywords, is taken as satisfiable), so
 reports really has no finite instance; schemas that are unsatisfiable for other reasons
 (`minimum > maximum`, conflicting types) are left to llguidance's own checks.
 """
+
 from __future__ import annotations
 
 from urllib.parse import unquote
@@ -75,8 +76,7 @@ class _Graph:
         if isinstance(node.get("allOf"), list) and not all(self.ok_ref(s, good) for s in node["allOf"]):
             return False
         for key in ("anyOf", "oneOf"):
-            if isinstance(node.get(key), list) and node[key] and \
-                    not any(self.ok_ref(s, good) for s in node[key]):
+            if isinstance(node.get(key), list) and node[key] and not any(self.ok_ref(s, good) for s in node[key]):
                 return False
         if "const" in node or "enum" in node:
             return True
@@ -84,8 +84,7 @@ class _Graph:
         types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else _ALL_TYPES
         if types & _PRIMITIVES or not types & _ALL_TYPES:
             return True
-        return ("object" in types and self._object_ok(node, good)) or \
-            ("array" in types and self._array_ok(node, good))
+        return ("object" in types and self._object_ok(node, good)) or ("array" in types and self._array_ok(node, good))
 
     def ok_ref(self, node, good: set[int]) -> bool:
         return node is not False and (not isinstance(node, dict) or id(node) in good)

@@ -5,6 +5,7 @@ the scheduler feeds `all_ids[num_computed:]` next. Preemption by recompute reset
 `num_computed` to 0 and keeps `output_ids`, so the resumed sequence re-prefills prompt plus
 outputs and carries on with the same tokens (its generator is not reset).
 """
+
 from __future__ import annotations
 
 import enum
@@ -44,7 +45,7 @@ class Sequence:
     stop_reason: str | int | None = None
     final_delta: str = ""
     cache_salt: str | None = None
-    prefix_hashes: list[bytes] = field(default_factory=list)   # memo for CacheManager.lookup
+    prefix_hashes: list[bytes] = field(default_factory=list)  # memo for CacheManager.lookup
 
     @property
     def num_tokens(self) -> int:
@@ -62,8 +63,8 @@ class Sequence:
         if stop <= p:
             return self.prompt_ids[start:stop]
         if start >= p:
-            return self.output_ids[start - p:stop - p]
-        return self.prompt_ids[start:] + self.output_ids[:stop - p]
+            return self.output_ids[start - p : stop - p]
+        return self.prompt_ids[start:] + self.output_ids[: stop - p]
 
     @property
     def text(self) -> str:

@@ -30,6 +30,7 @@ Invariants:
 - A grammar that rejects a token or errors while decoding reports `GrammarState.failure`; the
   engine then finishes the sequence with "error", never "stop".
 """
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,12 @@ ANY_JSON_OBJECT: dict = {"type": "object"}
 MAX_SCHEMA_BYTES = 128 * 1024  # compact JSON text; bounds compile time (~0.5 s at the cap)
 # llguidance's resource limits (LLParserLimits): grammar symbols, lexer fuel at build time and
 # per mask step (~14k fuel/ms), lexer states (~1-2 kB each)
-GRAMMAR_LIMITS = {"max_grammar_size": 100_000, "initial_lexer_fuel": 1_000_000,
-                  "step_lexer_fuel": 200_000, "max_lexer_states": 100_000}
+GRAMMAR_LIMITS = {
+    "max_grammar_size": 100_000,
+    "initial_lexer_fuel": 1_000_000,
+    "step_lexer_fuel": 200_000,
+    "max_lexer_states": 100_000,
+}
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 _CACHE_SIZE = 64
@@ -61,6 +66,7 @@ class StructuredOutputError(ValueError):
 @dataclass(frozen=True)
 class Special:
     """A control token, named as the tokenizer names it (e.g. `<|close|>`)."""
+
     name: str
 
 
@@ -73,6 +79,7 @@ class StructuredOutput:
     `prefix` is a tuple of `str` (literal text) and `Special` pieces. An empty prefix means the
     JSON starts at the first generated token.
     """
+
     json_schema: str
     prefix: tuple = ()
 
@@ -116,9 +123,15 @@ def tool_call_schema(tools: list[dict], name: str | None = None) -> dict:
         if name not in params:
             raise StructuredOutputError(f"tool_choice names {name!r}, which is not among the tools")
         return params[name]
-    variants = [{"type": "object", "properties": {"name": {"const": n}, "parameters": p},
-                 "required": ["name", "parameters"], "additionalProperties": False}
-                for n, p in params.items()]
+    variants = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": n}, "parameters": p},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for n, p in params.items()
+    ]
     return {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
 
 
@@ -201,11 +214,14 @@ class GrammarCompiler:
             raise StructuredOutputError(f"the tokenizer has no control tokens {unknown}")
         size = len(so.json_schema.encode())
         if size > MAX_SCHEMA_BYTES:
-            raise StructuredOutputError(f"the JSON schema is too large ({size} bytes as compact JSON; "
-                                        f"at most {MAX_SCHEMA_BYTES})")
+            raise StructuredOutputError(
+                f"the JSON schema is too large ({size} bytes as compact JSON; at most {MAX_SCHEMA_BYTES})"
+            )
         if no_finite_instance(json.loads(so.json_schema)):
-            raise StructuredOutputError("the JSON schema admits no finite JSON value (a required "
-                                        "property or array item recurses into itself without end)")
+            raise StructuredOutputError(
+                "the JSON schema admits no finite JSON value (a required "
+                "property or array item recurses into itself without end)"
+            )
         try:
             grammar = self._llg.LLMatcher.grammar_from_lark(so.lark(self._free))
             matcher = self._llg.LLMatcher(self._tok, grammar, log_level=0, limits=self._limits)
@@ -214,8 +230,7 @@ class GrammarCompiler:
         if not matcher.is_error():
             first = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
             if not matcher.is_error() and not bool(first.any()):
-                raise StructuredOutputError("the JSON schema admits no JSON value (the grammar "
-                                            "allows no first token)")
+                raise StructuredOutputError("the JSON schema admits no JSON value (the grammar allows no first token)")
         if matcher.is_error():
             raise StructuredOutputError(f"invalid JSON schema: {_short(matcher.get_error())}")
         return matcher
@@ -239,8 +254,9 @@ def _short(msg: str, limit: int = 300) -> str:
     return msg if len(msg) <= limit else msg[:limit] + "..."
 
 
-def apply_bitmask(x: torch.Tensor, rows: Sequence[int], masks: Sequence[torch.Tensor],
-                  fallback: torch.Tensor | None = None) -> None:
+def apply_bitmask(
+    x: torch.Tensor, rows: Sequence[int], masks: Sequence[torch.Tensor], fallback: torch.Tensor | None = None
+) -> None:
     """In place: `x[rows[j], t] = -inf` for every token `t` that `masks[j]` disallows.
 
     A row that has no finite logit left afterwards (e.g. a min_tokens ban removed the EOS the

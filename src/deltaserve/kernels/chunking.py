@@ -1,6 +1,7 @@
 """Packed-sequence chunk plans shared by the chunked KDA kernels (`cpu/kda.py`) and the PyTorch
 path they are checked against (`ops.kda.kda_chunked`), so every implementation cuts the same
 chunks at the same export offsets; and the shift-based exclusive cumsum both use."""
+
 from __future__ import annotations
 
 import torch
@@ -43,7 +44,7 @@ def chunk_plan(cu: torch.Tensor, export_offsets, chunk: int):
             raise ValueError("export offsets must satisfy 0 < o <= len_b")
         ex_end = cu[seq] + offs
         cuts.append(ex_end)
-    bnd = torch.unique(torch.cat(cuts))                       # sorted segment boundaries
+    bnd = torch.unique(torch.cat(cuts))  # sorted segment boundaries
     seg_len = bnd[1:] - bnd[:-1]
     per_seg = (seg_len + chunk - 1) // chunk
     nc = int(per_seg.sum())

@@ -1,4 +1,5 @@
 """nn.Modules composed from ops, the config parser and the checkpoint loader."""
+
 from .config import ConfigError, ModelConfig
 from .kimi import KimiForCausalLM
 from .weights import CheckpointError, load_model, resolve_dtype

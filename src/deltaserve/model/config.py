@@ -5,6 +5,7 @@ Kimi K3 (`model_type: kimi_k3`) nests its text fields under `text_config`; Kimi-
 `head_dim` is ignored on purpose (it is neither the MLA nor the KDA width). Every problem is a
 `ConfigError` that names the offending field.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,7 @@ class KdaConfig:
     num_heads: int
     head_dim: int
     conv_kernel: int
-    full_rank_gate: bool          # K3: g_proj [P, D]; Kimi-Linear: low-rank g_a/g_b
+    full_rank_gate: bool  # K3: g_proj [P, D]; Kimi-Linear: low-rank g_a/g_b
     gate_lower_bound: float | None  # K3: sigmoid gate in (lb, 0); None: softplus gate
 
     @property
@@ -59,7 +60,7 @@ class MoeConfig:
     top_k: int
     num_shared_experts: int
     intermediate_size: int
-    latent_size: int | None       # K3 routed_expert_hidden_size; None: experts at hidden width
+    latent_size: int | None  # K3 routed_expert_hidden_size; None: experts at hidden width
     latent_norm: bool
     num_expert_group: int
     topk_group: int
@@ -75,10 +76,10 @@ class ModelConfig:
     hidden_size: int
     num_hidden_layers: int
     rms_norm_eps: float
-    layer_types: tuple[str, ...]   # "kda" | "mla", 0-based
-    moe_layers: tuple[bool, ...]   # True where the FFN is the MoE
+    layer_types: tuple[str, ...]  # "kda" | "mla", 0-based
+    moe_layers: tuple[bool, ...]  # True where the FFN is the MoE
     intermediate_size: int
-    hidden_act: str                # "situ" | "silu"
+    hidden_act: str  # "situ" | "silu"
     situ_beta: float | None
     situ_linear_beta: float | None
     attn_res_block_size: int | None
@@ -127,8 +128,9 @@ class ModelConfig:
         return [i for i, t in enumerate(self.layer_types) if t == "mla"]
 
 
-def _field(d: dict, key: str, kind: type | tuple, where: str, default: Any = ..., optional=False,
-           minimum: int | None = 1):
+def _field(
+    d: dict, key: str, kind: type | tuple, where: str, default: Any = ..., optional=False, minimum: int | None = 1
+):
     """Typed lookup; ints must be >= minimum (None: any)."""
     if key not in d or (d[key] is None and optional):
         if default is ...:
@@ -159,8 +161,10 @@ def _layer_types(lin: dict, n_layers: int, where: str) -> tuple[str, ...]:
     overlap = sorted(set(kda) & set(mla))
     missing = sorted(set(range(1, n_layers + 1)) - set(kda) - set(mla))
     if overlap or missing or len(kda) + len(mla) != n_layers:
-        raise ConfigError(f"{where}: 'kda_layers' and 'full_attn_layers' must partition 1..{n_layers}"
-                          f" (overlap {overlap}, missing {missing})")
+        raise ConfigError(
+            f"{where}: 'kda_layers' and 'full_attn_layers' must partition 1..{n_layers}"
+            f" (overlap {overlap}, missing {missing})"
+        )
     kda_set = set(kda)
     return tuple("kda" if i + 1 in kda_set else "mla" for i in range(n_layers))
 
@@ -196,8 +200,9 @@ def _parse_text(t: dict, family: str, top: dict, overrides: dict) -> ModelConfig
     n_heads = _field(t, "num_attention_heads", int, where)
     n_kv = _field(t, "num_key_value_heads", int, where, default=n_heads)
     if n_kv != n_heads:
-        raise ConfigError(f"{where}: 'num_key_value_heads' ({n_kv}) must equal 'num_attention_heads'"
-                          f" ({n_heads}) for MLA")
+        raise ConfigError(
+            f"{where}: 'num_key_value_heads' ({n_kv}) must equal 'num_attention_heads' ({n_heads}) for MLA"
+        )
     mla = MlaConfig(
         num_heads=n_heads,
         q_lora_rank=_field(t, "q_lora_rank", int, where, optional=True),
@@ -219,8 +224,10 @@ def _parse_text(t: dict, family: str, top: dict, overrides: dict) -> ModelConfig
     groups = _field(t, "num_expert_group", int, where, default=1)
     topk_group = _field(t, "topk_group", int, where, default=1)
     if n_experts % groups or topk_group > groups:
-        raise ConfigError(f"{where}: 'num_expert_group' ({groups}) must divide 'num_experts' ({n_experts})"
-                          f" and be >= 'topk_group' ({topk_group})")
+        raise ConfigError(
+            f"{where}: 'num_expert_group' ({groups}) must divide 'num_experts' ({n_experts})"
+            f" and be >= 'topk_group' ({topk_group})"
+        )
     act = _field(t, "hidden_act", str, where)
     if act not in ("situ", "silu"):
         raise ConfigError(f"{where}: unsupported 'hidden_act' {act!r} (expected 'situ' or 'silu')")
@@ -254,8 +261,9 @@ def _parse_text(t: dict, family: str, top: dict, overrides: dict) -> ModelConfig
     if qc is not None:
         fmt = qc.get("format") if isinstance(qc, dict) else None
         if fmt != "mxfp4-pack-quantized":
-            raise ConfigError(f"{where}: unsupported 'quantization_config.format' {fmt!r}"
-                              " (expected 'mxfp4-pack-quantized')")
+            raise ConfigError(
+                f"{where}: unsupported 'quantization_config.format' {fmt!r} (expected 'mxfp4-pack-quantized')"
+            )
         quant = "mxfp4"
 
     max_pos = t.get("max_position_embeddings") or t.get("model_max_length") or 1 << 20

@@ -6,6 +6,7 @@ engine's paged pools implement it in `deltaserve.cache`, and `DenseCache` below 
 simplest faithful implementation (contiguous per-sequence storage), used by tests and as the
 behavioural model for the paged one.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,8 +33,13 @@ class LayerCache(Protocol):
     def kda_export_offsets(self) -> list[list[int]] | None:
         """Per sequence, offsets (relative to the step's first token) whose state to export."""
 
-    def store_kda(self, layer: int, conv_tail: torch.Tensor, state: torch.Tensor,
-                  exported: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    def store_kda(
+        self,
+        layer: int,
+        conv_tail: torch.Tensor,
+        state: torch.Tensor,
+        exported: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> None:
         """Receive the states after the step and, if offsets were requested, the exported
         (conv tails [E, W-1, 3P], fp32 states [E, H, K, V]) in (sequence, offset) order."""
 

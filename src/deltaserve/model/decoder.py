@@ -1,5 +1,6 @@
 """Decoder layer and the two residual schemes: Block AttnRes (K3, spec §5) and plain pre-norm
 residuals (Kimi-Linear, spec §4)."""
+
 from __future__ import annotations
 
 import torch
@@ -9,7 +10,7 @@ from .config import ModelConfig
 from .context import ForwardContext
 from .kda_layer import KdaAttention
 from .mla_layer import MlaAttention
-from .modules import RMSNorm, WeightVector, attn_res, weights_pinned
+from .modules import RMSNorm, WeightVector, attn_res
 from .moe_layer import GluMlp, MoeBlock
 
 
@@ -43,20 +44,21 @@ class DecoderLayer(nn.Module):
         h = h + self.attention(h, ctx)
         return h + self.ffn(self.post_attention_layernorm(h))
 
-    def forward_attn_res(self, cur: torch.Tensor, bank: list[torch.Tensor], block_size: int,
-                         ctx: ForwardContext) -> torch.Tensor:
+    def forward_attn_res(
+        self, cur: torch.Tensor, bank: list[torch.Tensor], block_size: int, ctx: ForwardContext
+    ) -> torch.Tensor:
         """K3 Block AttnRes step. `cur` is the running sum of the current block; `bank` (mutated)
         holds the finished blocks' sums. Banking happens after the attention-input mix; each mix
         and the norm after it are one op (`modules.attn_res(..., then=norm)`)."""
-        a = self.self_attn(attn_res(cur, bank, self.self_attention_res_proj, self.self_attention_res_norm,
-                                    self.input_layernorm), ctx)
+        a = self.self_attn(
+            attn_res(cur, bank, self.self_attention_res_proj, self.self_attention_res_norm, self.input_layernorm), ctx
+        )
         if self.layer_id % block_size == 0:
             bank.append(cur)
             cur = a
         else:
             cur = cur + a
-        return cur + self.ffn(attn_res(cur, bank, self.mlp_res_proj, self.mlp_res_norm,
-                                       self.post_attention_layernorm))
+        return cur + self.ffn(attn_res(cur, bank, self.mlp_res_proj, self.mlp_res_norm, self.post_attention_layernorm))
 
 
 class DecoderStack(nn.Module):
@@ -72,13 +74,10 @@ class DecoderStack(nn.Module):
             self.output_attn_res_proj = WeightVector(1, cfg.hidden_size)
             self.output_attn_res_norm = WeightVector(cfg.hidden_size)
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, ctx: ForwardContext, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Final-normed hidden states [N, D] of the packed tokens."""
-        with weights_pinned(self):
-            return self._forward(input_ids, ctx, inputs_embeds)
-
-    def _forward(self, input_ids: torch.Tensor, ctx: ForwardContext, inputs_embeds: torch.Tensor | None):
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         block = self.cfg.attn_res_block_size
         if block is None:

@@ -1,4 +1,5 @@
 """`KimiForCausalLM`: the text model of both families."""
+
 from __future__ import annotations
 
 import torch

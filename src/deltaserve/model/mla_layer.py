@@ -3,29 +3,31 @@
 Without earlier context the plain (unabsorbed) form runs over the new tokens; with a cached
 context the absorbed form attends over the latent rows `[c_hat | k_rot]` directly.
 """
+
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from ..kernels.cpu import MAX_ROWS, MLA_MAX_HEADS, MLA_MAX_RANK, native
-from ..kernels.cpu.blocks import MlaBlockWeights
 from ..ops import mla as mla_ops
 from .config import ModelConfig
 from .context import ForwardContext
-from .modules import RMSNorm, cached_derived, cached_object, empty_linear, project
+from .modules import OpsModule, RMSNorm, empty_linear, project
 
 
-class MlaAttention(nn.Module):
+class MlaAttention(OpsModule):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         m = cfg.mla
         d = cfg.hidden_size
         self.layer_id = layer_id
         self.num_heads = m.num_heads
-        self.nope, self.rope, self.v_dim, self.rank = (m.qk_nope_head_dim, m.qk_rope_head_dim,
-                                                       m.v_head_dim, m.kv_lora_rank)
-        self.scale = m.qk_head_dim ** -0.5
+        self.nope, self.rope, self.v_dim, self.rank = (
+            m.qk_nope_head_dim,
+            m.qk_rope_head_dim,
+            m.v_head_dim,
+            m.kv_lora_rank,
+        )
+        self.scale = m.qk_head_dim**-0.5
         if m.q_lora_rank is not None:
             self.q_a_proj = empty_linear(d, m.q_lora_rank)
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, m.latent_norm_eps)
@@ -53,17 +55,21 @@ class MlaAttention(nn.Module):
 
     def latents(self, kv: torch.Tensor) -> torch.Tensor:
         """The cached row of each token from kv = kv_a_proj_with_mqa(x): [kv_a_layernorm(c) | k_rot]."""
-        return torch.cat([self.kv_a_layernorm(kv[:, :self.rank]), kv[:, self.rank:]], dim=-1)
+        return torch.cat([self.kv_a_layernorm(kv[:, : self.rank]), kv[:, self.rank :]], dim=-1)
 
     def kv_b_split(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, nope, R], W_UV [H, v, R]) views of kv_b_proj."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
-        return w[:, :self.nope], w[:, self.nope:]
+        return w[:, : self.nope], w[:, self.nope :]
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         n, h = x.shape[0], self.num_heads
         cache = ctx.cache
-        fast = self._native_block(x, cache) if cache is not None and cache.decode_only else None
+        fast = (
+            self.ops.mla_block(x, self.prepared, self._view(cache, "mla_pool_view"))
+            if cache is not None and cache.decode_only
+            else None
+        )
         if fast is not None:
             o, gate = fast
         else:
@@ -72,54 +78,6 @@ class MlaAttention(nn.Module):
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self.o_proj(o)
-
-    def _native_block(self, x: torch.Tensor, cache):
-        """(o, gate) of a decode step in one native call (`kernels.cpu.blocks` mla_block: projections,
-        norms, the pool write, absorbed attention), bit-identical to `_attend` on the native kernels;
-        None where it does not apply."""
-        view = getattr(cache, "mla_pool_view", None)
-        if x.dtype != torch.bfloat16 or x.shape[0] > MAX_ROWS or view is None:
-            return None
-        kernels = native(x.device)
-        pool = view(self.layer_id) if kernels is not None else None
-        if pool is None or pool[0].dtype != torch.bfloat16:
-            return None
-        plan = self._native_plan(kernels)
-        return None if plan is None else kernels.mla_block(plan, x, *pool)
-
-    def _native_plan(self, kernels):
-        """The decode block's plan, memoised until a weight changes (None where it does not apply)."""
-        low_rank = hasattr(self, "q_a_proj")
-        gated = hasattr(self, "g_proj")
-
-        def sources():
-            out = [self.q_a_proj.weight if low_rank else self.q_proj.weight, self.kv_a_proj_with_mqa.weight,
-                   self.kv_a_layernorm.weight, self.kv_b_proj.weight]
-            if low_rank:
-                out += [self.q_b_proj.weight, self.q_a_layernorm.weight]
-            if gated:
-                out.append(self.g_proj.weight)
-            return out
-
-        def build():
-            first = self.q_a_proj if low_rank else self.q_proj
-            w_uk_t, w_uv = self._absorbed_weights()
-            w = MlaBlockWeights(first.weight, self.q_b_proj.weight if low_rank else None,
-                                self.q_a_layernorm.weight_f32() if low_rank else None,
-                                self.kv_a_proj_with_mqa.weight, self.kv_a_layernorm.weight_f32(),
-                                self.g_proj.weight if gated else None, w_uk_t, w_uv)
-            plan = kernels.mla_block_plan(w, self.num_heads, self.nope, self.rope,
-                                          self.q_a_layernorm.eps if low_rank else 0.0, self.kv_a_layernorm.eps,
-                                          self.scale)
-            return None if plan is None else (plan, w)   # w keeps the plan's tensors alive
-        hit = cached_object(self, "native_block", build, sources)
-        return None if hit is None else hit[0]
-
-    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK^T [H, R, nope], W_UV [H, v, R]) contiguous, memoised (the native decode kernels)."""
-        w = self.kv_b_proj.weight
-        return (cached_derived(self, "w_uk_t", lambda: self.kv_b_split()[0].transpose(1, 2), w),
-                cached_derived(self, "w_uv", lambda: self.kv_b_split()[1], w))
 
     def _attend(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(o [N, H, v], gate or None): projections, the cache write and attention, module by module."""
@@ -131,25 +89,32 @@ class MlaAttention(nn.Module):
             o = self._plain(q, latent, ctx.cu_seqlens)
         else:
             cache.store_mla(self.layer_id, latent)
-            o = self._native_decode(q, cache)
+            o = None
+            if cache.decode_only:
+                o = self.ops.mla_decode(
+                    q, *self.kv_b_split(), self._view(cache, "mla_rows_view"), self.rank, self.scale, self.prepared
+                )
             if o is None:
                 context = cache.mla_context(self.layer_id)
-                o = (self._plain(q, latent, ctx.cu_seqlens) if context is None
-                     else self._absorbed(q, *context, ctx.cu_seqlens))
+                o = (
+                    self._plain(q, latent, ctx.cu_seqlens)
+                    if context is None
+                    else self._absorbed(q, *context, ctx.cu_seqlens)
+                )
         return o, gate
 
     def _plain(self, q, latent, cu_seqlens):
         n, h = q.shape[0], self.num_heads
-        kv = self.kv_b_proj(latent[:, :self.rank]).view(n, h, self.nope + self.v_dim)
-        k_nope, v = kv[..., :self.nope], kv[..., self.nope:]
-        k_rot = latent[:, None, self.rank:].expand(n, h, self.rope)
+        kv = self.kv_b_proj(latent[:, : self.rank]).view(n, h, self.nope + self.v_dim)
+        k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
+        k_rot = latent[:, None, self.rank :].expand(n, h, self.rope)
         k = torch.cat([k_nope, k_rot], dim=-1)
         return mla_ops.mla_prefill_attention(q, k, v.contiguous(), cu_seqlens, self.scale)
 
     def _latent_queries(self, q):
         w_uk, _ = self.kv_b_split()
-        q_hat = torch.einsum("nhd,hdr->nhr", q[..., :self.nope], w_uk)
-        return torch.cat([q_hat, q[..., self.nope:]], dim=-1)
+        q_hat = torch.einsum("nhd,hdr->nhr", q[..., : self.nope], w_uk)
+        return torch.cat([q_hat, q[..., self.nope :]], dim=-1)
 
     def _values(self, o_lat):
         return torch.einsum("nhr,hvr->nhv", o_lat, self.kv_b_split()[1])
@@ -158,23 +123,7 @@ class MlaAttention(nn.Module):
         o_lat = mla_ops.mla_absorbed_attention(self._latent_queries(q), rows, cu_q, cu_kv, self.rank, self.scale)
         return self._values(o_lat)
 
-    def _native_decode(self, q, cache):
-        """Decode steps on CPU in bf16: the fused kernel reads the pool's pages in place
-        (`kernels.cpu` mla_decode); None where it does not apply."""
-        view = getattr(cache, "mla_rows_view", None)
-        if (not cache.decode_only or view is None or q.dtype != torch.bfloat16
-                or self.num_heads > MLA_MAX_HEADS or self.rank > MLA_MAX_RANK):
-            return None
-        kernels = native(q.device)
-        context = view(self.layer_id) if kernels is not None else None
-        if context is None or context[0].dtype != torch.bfloat16:
-            return None
-        rows, read_rows, cu_kv = context
-        if q.shape[0] > MAX_ROWS:
-            return self._values(kernels.mla_decode(self._latent_queries(q), rows, read_rows, cu_kv,
-                                                   self.rank, self.scale))
-        w_uk_t, w_uv = self._absorbed_weights()
-        q_hat = kernels.linear_bf16_heads(q[..., :self.nope].transpose(0, 1), w_uk_t).transpose(0, 1)
-        q_lat = torch.cat([q_hat, q[..., self.nope:]], dim=-1)
-        o_lat = kernels.mla_decode(q_lat, rows, read_rows, cu_kv, self.rank, self.scale)
-        return kernels.linear_bf16_heads(o_lat.transpose(0, 1), w_uv).transpose(0, 1)
+    def _view(self, cache, name: str):
+        """The pool view `name` of this layer (`context.LayerCache`), or None where the cache has none."""
+        view = getattr(cache, name, None)
+        return None if view is None else view(self.layer_id)

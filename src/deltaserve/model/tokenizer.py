@@ -12,6 +12,7 @@ Invariants:
 - `decode*` never raise on byte content (`errors="replace"`); out-of-range ids raise.
 - Files are parsed as text/JSON only (no pickle, no eval).
 """
+
 from __future__ import annotations
 
 import base64
@@ -28,18 +29,20 @@ NUM_RESERVED = 256
 MAX_ENCODE_CHARS = 400_000
 MAX_RUN_CHARS = 25_000
 
-KIMI_PAT_STR = "|".join([
-    r"[\p{Han}]+",
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
-    r"\p{N}{1,3}",
-    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
-    r"\s*[\r\n]+",
-    r"\s+(?!\S)",
-    r"\s+",
-])
+KIMI_PAT_STR = "|".join(
+    [
+        r"[\p{Han}]+",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    ]
+)
 
 _RUNS = re.compile(r"\s+|\S+")
 
@@ -79,8 +82,10 @@ def _read_ranks(path: Path) -> dict[bytes, int]:
             except (ValueError, binascii.Error) as e:
                 raise TokenizerError(f"{path}:{lineno}: malformed line ({e})") from e
             if rank != len(ranks) or tok in ranks:
-                raise TokenizerError(f"{path}:{lineno}: rank {rank} is out of order or its token "
-                                     f"is duplicated (expected rank {len(ranks)})")
+                raise TokenizerError(
+                    f"{path}:{lineno}: rank {rank} is out of order or its token "
+                    f"is duplicated (expected rank {len(ranks)})"
+                )
             ranks[tok] = rank
     if not ranks:
         raise TokenizerError(f"{path} holds no ranks")
@@ -98,7 +103,7 @@ def _split_runs(text: str) -> Iterator[str]:
     """Pieces of ≤ MAX_ENCODE_CHARS characters, each run of whitespace / non-whitespace longer
     than MAX_RUN_CHARS cut every MAX_RUN_CHARS characters (the reference's slicing)."""
     for start in range(0, len(text), MAX_ENCODE_CHARS):
-        chunk = text[start:start + MAX_ENCODE_CHARS]
+        chunk = text[start : start + MAX_ENCODE_CHARS]
         prev = 0
         for m in _RUNS.finditer(chunk):
             for cut in range(m.start() + MAX_RUN_CHARS, m.end(), MAX_RUN_CHARS):
@@ -110,22 +115,32 @@ def _split_runs(text: str) -> Iterator[str]:
 class Tokenizer:
     """tiktoken BPE plus 256 reserved specials; see the module docstring for invariants."""
 
-    def __init__(self, mergeable_ranks: dict[bytes, int], special_names: dict[int, str],
-                 eos_token_ids: list[int], bos_token_id: int | None = None,
-                 pad_token_id: int | None = None, name: str = "kimi"):
+    def __init__(
+        self,
+        mergeable_ranks: dict[bytes, int],
+        special_names: dict[int, str],
+        eos_token_ids: list[int],
+        bos_token_id: int | None = None,
+        pad_token_id: int | None = None,
+        name: str = "kimi",
+    ):
         self.n_base = len(mergeable_ranks)
         self.vocab_size = self.n_base + NUM_RESERVED
         names = {i: f"<|reserved_token_{i}|>" for i in range(self.n_base, self.vocab_size)}
         for i, n in special_names.items():
             if not self.n_base <= i < self.vocab_size:
-                raise TokenizerError(f"special token {n!r} has id {i}, outside the reserved range "
-                                     f"[{self.n_base}, {self.vocab_size})")
+                raise TokenizerError(
+                    f"special token {n!r} has id {i}, outside the reserved range [{self.n_base}, {self.vocab_size})"
+                )
             names[i] = n
         self.special_tokens: dict[str, int] = {n: i for i, n in names.items()}
         if len(self.special_tokens) != NUM_RESERVED:
             raise TokenizerError("special token names are not unique")
-        for what, ids in (("eos_token_id", eos_token_ids), ("bos_token_id", [bos_token_id]),
-                          ("pad_token_id", [pad_token_id])):
+        for what, ids in (
+            ("eos_token_id", eos_token_ids),
+            ("bos_token_id", [bos_token_id]),
+            ("pad_token_id", [pad_token_id]),
+        ):
             for i in ids:
                 if i is not None and not 0 <= i < self.vocab_size:
                     raise TokenizerError(f"{what} {i} is outside the vocabulary [0, {self.vocab_size})")
@@ -143,9 +158,9 @@ class Tokenizer:
             self._bytes[i] = n.encode("utf-8")
         self._ranks = mergeable_ranks
         try:
-            self.encoding = tiktoken.Encoding(name=name, pat_str=KIMI_PAT_STR,
-                                              mergeable_ranks=mergeable_ranks,
-                                              special_tokens=self.special_tokens)
+            self.encoding = tiktoken.Encoding(
+                name=name, pat_str=KIMI_PAT_STR, mergeable_ranks=mergeable_ranks, special_tokens=self.special_tokens
+            )
         except ValueError as e:
             raise TokenizerError(f"tiktoken rejected the vocabulary: {e}") from e
 
@@ -167,16 +182,22 @@ class Tokenizer:
             if not isinstance(content, str) or not content or not key.isdigit():
                 raise TokenizerError(f"tokenizer_config.json added_tokens_decoder[{key!r}] is malformed")
             specials[int(key)] = content
-        sources = [_read_json(d / "generation_config.json", required=False),
-                   _read_json(d / "config.json", required=False)]
+        sources = [
+            _read_json(d / "generation_config.json", required=False),
+            _read_json(d / "config.json", required=False),
+        ]
         cfg = sources[1] or {}
         if isinstance(cfg.get("text_config"), dict):
             sources.append(cfg["text_config"])
-        found = {k: next((s[k] for s in sources if s and s.get(k) is not None), None)
-                 for k in ("eos_token_id", "bos_token_id", "pad_token_id")}
+        found = {
+            k: next((s[k] for s in sources if s and s.get(k) is not None), None)
+            for k in ("eos_token_id", "bos_token_id", "pad_token_id")
+        }
         if found["eos_token_id"] is None:
-            raise TokenizerError(f"no eos_token_id in {d}/generation_config.json or config.json; "
-                                 "the model's stop id cannot be taken from the tokenizer's [EOS]")
+            raise TokenizerError(
+                f"no eos_token_id in {d}/generation_config.json or config.json; "
+                "the model's stop id cannot be taken from the tokenizer's [EOS]"
+            )
         eos = _int_ids(found["eos_token_id"], "eos_token_id")
         by_name = {n: i for i, n in specials.items()}
         bos, pad = found["bos_token_id"], found["pad_token_id"]

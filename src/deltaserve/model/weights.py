@@ -1,21 +1,29 @@
-"""safetensors checkpoint -> `KimiForCausalLM` (spec/model.md §15-16).
+"""safetensors checkpoint -> `KimiForCausalLM` (spec/model.md §15-16), in three phases that
+stream one tensor at a time (memory-mapped; the checkpoint is never held twice):
 
-- one file (`model.safetensors`) or shards listed in `model.safetensors.index.json`, memory-mapped;
-- K3 text names live under `language_model.`; vision tensors are skipped with a log line;
-- routed experts `…experts.{e}.w{1,2,3}.weight` (bf16) or `.weight_packed`/`.weight_scale`
-  (MXFP4, recognised by suffix) are stacked into the layer's `experts.w{1,2,3}`;
-- `A_log` arrives padded (K3, `[>=H]`, tail must be zero) or 4-D (`[1, 1, H, 1]`), stored `[H]`;
-- tensors saved in fp32 stay fp32; every other floating tensor takes the requested dtype;
-- missing, unexpected, duplicated, mis-shaped or non-floating tensors (and index entries whose
-  shard lacks them) raise one `CheckpointError` listing all of them.
+1. read (`_read_tensors`): one file (`model.safetensors`) or shards listed in
+   `model.safetensors.index.json`; K3 text names live under `language_model.`; vision tensors are
+   skipped unread with a log line; each text name is taken once.
+2. map (`_map_tensors`): routed experts `…experts.{e}.w{1,2,3}.weight` (bf16) or
+   `.weight_packed`/`.weight_scale` (MXFP4, recognised by suffix) are stacked into the layer's
+   `experts.w{1,2,3}`; `A_log` arrives padded (K3, `[>=H]`, tail must be zero) or 4-D
+   (`[1, 1, H, 1]`), stored `[H]`; tensors saved in fp32 stay fp32; every other floating tensor
+   takes the requested dtype.
+3. validate (`_validate`): missing, unexpected, duplicated, mis-shaped or non-floating tensors
+   (and index entries whose shard lacks them) raise one `CheckpointError` listing all of them,
+   whichever phase found them; the model receives nothing before this passes.
 """
+
 from __future__ import annotations
 
 import json
 import logging
 import re
 from collections import defaultdict
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -23,18 +31,69 @@ from tqdm import tqdm
 
 from ..ops.mxfp4 import mxfp4_decode, mxfp4_validate
 from .config import ModelConfig
+from .fused import prepare_model
 from .kimi import KimiForCausalLM
 
 log = logging.getLogger(__name__)
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\."
-                     r"(weight|weight_packed|weight_scale)$")
+_EXPERT = re.compile(
+    r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\."
+    r"(weight|weight_packed|weight_scale)$"
+)
 _SKIP_PREFIXES = ("vision_tower.", "mm_projector.")
 _MAX_LISTED = 20
+# problem kinds in the order the error lists them
+_PROBLEM_KINDS = (
+    "missing",
+    "unexpected",
+    "duplicated",
+    "mis-shaped",
+    "wrong-dtype",
+    "invalid expert",
+    "absent from their shard",
+)
+MOE_WEIGHTS = ("auto", "packed", "dequantized")
+
+Problems = dict[str, list[str]]  # kind -> offending tensors, in the order found
 
 
 class CheckpointError(ValueError):
     """The checkpoint does not match the model its config describes."""
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype | str = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    config: ModelConfig | None = None,
+    progress: bool = True,
+    moe_weights: str = "auto",
+) -> KimiForCausalLM:
+    """Build the model from `config.json` and load every text tensor. `moe_weights="packed"`
+    keeps MXFP4 routed experts packed (a projection whose experts are all MXFP4); "dequantized"
+    decodes them to `dtype` at load; "auto" packs for bf16 (where the native kernels decode in
+    registers) and dequantizes otherwise (the PyTorch decode per GEMM would dominate)."""
+    if moe_weights not in MOE_WEIGHTS:
+        raise ValueError(f"moe_weights must be one of {MOE_WEIGHTS}, got {moe_weights!r}")
+    model_dir = Path(model_dir)
+    dtype = resolve_dtype(dtype)
+    if moe_weights == "auto":
+        moe_weights = "packed" if dtype == torch.bfloat16 else "dequantized"
+    cfg = config or ModelConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = KimiForCausalLM(cfg)
+    expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    problems: Problems = {kind: [] for kind in _PROBLEM_KINDS}
+    tensors = _read_tensors(model_dir, cfg.family, progress, problems)
+    mapped = _map_tensors(tensors, expected, cfg.kda.num_heads, dtype, device, moe_weights, problems)
+    params = _validate(mapped, expected, cfg.tie_word_embeddings, problems, model_dir)
+    _install(model, params, mapped.packed, dtype)
+    model.train(False)  # inference mode
+    prepare_model(model)
+    return model
+
+
+# --- phase 1: read -------------------------------------------------------------------------------
 
 
 def checkpoint_files(model_dir: Path) -> dict[str, Path]:
@@ -65,10 +124,116 @@ def _text_name(name: str, family: str) -> str | None:
             return None
         if not name.startswith("language_model."):
             return ""
-        name = name[len("language_model."):]
+        name = name[len("language_model.") :]
         if name.startswith("layers."):  # older dumps drop the inner "model."
             name = "model." + name
     return name
+
+
+def _read_tensors(
+    model_dir: Path, family: str, progress: bool, problems: Problems
+) -> Iterator[tuple[str, str, Callable[[], torch.Tensor]]]:
+    """Yield (checkpoint name, text name, read) once per text name, shard by shard while its file
+    is open; `read()` memory-maps that tensor, so one nobody reads is never touched. Vision tensors
+    are counted and skipped unread; index entries their shard lacks, K3 names outside
+    `language_model.` and repeats of a text name go to `problems`. Index errors raise at once."""
+    files = checkpoint_files(model_dir)
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name, path in files.items():
+        by_file[path].append(name)
+    source: dict[str, str] = {}
+    skipped = 0
+    bar = tqdm(total=len(files), desc="loading weights", unit="tensor", disable=not progress)
+    for path, names in by_file.items():
+        with safe_open(path, framework="pt", device="cpu") as f:
+            held = set(f.keys())
+            for raw_name in names:
+                bar.update(1)
+                if raw_name not in held:
+                    problems["absent from their shard"].append(f"{raw_name} (index: {path.name})")
+                    continue
+                name = _text_name(raw_name, family)
+                if name is None:
+                    skipped += 1
+                elif not name:
+                    problems["unexpected"].append(raw_name)
+                elif name in source:
+                    problems["duplicated"].append(f"{raw_name} (same parameter as {source[name]})")
+                else:
+                    source[name] = raw_name
+                    yield raw_name, name, partial(f.get_tensor, raw_name)
+    bar.close()
+    if skipped:
+        log.info("skipped %d vision tensors (the vision tower is not served yet)", skipped)
+
+
+# --- phase 2: map --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Mapped:
+    """Parameter name -> tensor, as phase 2 leaves them (plain tensors not yet validated)."""
+
+    # (checkpoint name, tensor, A_log problem or ""): floating tensors in their load dtype on the
+    # device, anything else as read
+    plain: dict[str, tuple[str, torch.Tensor, str]] = field(default_factory=dict)
+    stacked: dict[str, torch.Tensor] = field(default_factory=dict)  # dense experts, checked
+    packed: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # MXFP4, checked
+    rejected: set[str] = field(default_factory=set)  # expert stacks whose problems are recorded
+
+
+def _map_tensors(
+    tensors: Iterator[tuple[str, str, Callable[[], torch.Tensor]]],
+    expected: dict[str, tuple],
+    heads: int,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    moe_weights: str,
+    problems: Problems,
+) -> _Mapped:
+    """Checkpoint tensors -> module parameters. Plain tensors are read and converted one at a time
+    as they stream in; routed expert tensors are gathered (still memory-mapped) and stacked per
+    projection once the stream ends (MXFP4 kept packed where `moe_weights` says so). Names with no
+    parameter go to problems["unexpected"] unread; stacking problems to "invalid expert"."""
+    mapped = _Mapped()
+    experts: dict[tuple[str, str], dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
+    for raw_name, name, read in tensors:
+        m = _EXPERT.match(name)
+        if m:
+            experts[(m.group(1), m.group(3))][int(m.group(2))][m.group(4)] = read()
+        elif name not in expected:
+            problems["unexpected"].append(raw_name)
+        else:
+            mapped.plain[name] = (raw_name, *_map_plain(read(), name, raw_name, heads, dtype, device))
+    for (prefix, proj), per_expert in experts.items():
+        name = f"{prefix}.{proj}"
+        if name not in expected:
+            problems["unexpected"].extend(f"{prefix}.{e}.{proj}" for e in sorted(per_expert))
+            continue
+        keep_packed = moe_weights == "packed" and all("weight_packed" in v for v in per_expert.values())
+        stack = _stack_packed if keep_packed else _stack_experts
+        stacked, found = stack(name, per_expert, expected[name], dtype, device)
+        problems["invalid expert"].extend(found)
+        if stacked is None:
+            mapped.rejected.add(name)
+        else:
+            (mapped.packed if keep_packed else mapped.stacked)[name] = stacked
+    return mapped
+
+
+def _map_plain(
+    t: torch.Tensor, name: str, raw_name: str, heads: int, dtype: torch.dtype, device: str | torch.device
+) -> tuple[torch.Tensor, str]:
+    """(the tensor as its parameter holds it, "") or (t as read, why its A_log is malformed).
+    Non-floating tensors pass through as read, for validation to reject."""
+    if not t.is_floating_point():
+        return t, ""
+    if name.endswith(".A_log"):
+        a_log, problem = _normalise_a_log(t, heads, raw_name)
+        if a_log is None:
+            return t, problem
+        t = a_log
+    return t.to(device=device, dtype=_target_dtype(t, dtype)), ""
 
 
 def _normalise_a_log(t: torch.Tensor, heads: int, name: str) -> tuple[torch.Tensor | None, str]:
@@ -86,121 +251,6 @@ def _target_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if t.dtype == torch.float32 else dtype
 
 
-MOE_WEIGHTS = ("auto", "packed", "dequantized")
-
-
-def load_model(model_dir: str | Path, dtype: torch.dtype | str = torch.bfloat16,
-               device: str | torch.device = "cpu", config: ModelConfig | None = None,
-               progress: bool = True, moe_weights: str = "auto") -> KimiForCausalLM:
-    """Build the model from `config.json` and load every text tensor. `moe_weights="packed"`
-    keeps MXFP4 routed experts packed (a projection whose experts are all MXFP4); "dequantized"
-    decodes them to `dtype` at load; "auto" packs for bf16 (where the native kernels decode in
-    registers) and dequantizes otherwise (the PyTorch decode per GEMM would dominate)."""
-    if moe_weights not in MOE_WEIGHTS:
-        raise ValueError(f"moe_weights must be one of {MOE_WEIGHTS}, got {moe_weights!r}")
-    model_dir = Path(model_dir)
-    dtype = resolve_dtype(dtype)
-    if moe_weights == "auto":
-        moe_weights = "packed" if dtype == torch.bfloat16 else "dequantized"
-    cfg = config or ModelConfig.from_pretrained(model_dir)
-    with torch.device("meta"):
-        model = KimiForCausalLM(cfg)
-    params = dict(model.named_parameters())
-    expected = {n: tuple(p.shape) for n, p in params.items()}
-    files = checkpoint_files(model_dir)
-
-    loaded: dict[str, torch.Tensor] = {}
-    packed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    experts: dict[tuple[str, str], dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
-    unexpected, bad_shape, bad_dtype, bad_expert, duplicate, absent = [], [], [], [], [], []
-    bad_names, skipped = set(), 0
-    source: dict[str, str] = {}
-    by_file: dict[Path, list[str]] = defaultdict(list)
-    for name, path in files.items():
-        by_file[path].append(name)
-    bar = tqdm(total=len(files), desc="loading weights", unit="tensor", disable=not progress)
-    for path, names in by_file.items():
-        with safe_open(path, framework="pt", device="cpu") as f:
-            held = set(f.keys())
-            for raw_name in names:
-                bar.update(1)
-                if raw_name not in held:
-                    absent.append(f"{raw_name} (index: {path.name})")
-                    continue
-                name = _text_name(raw_name, cfg.family)
-                if name is None:
-                    skipped += 1
-                    continue
-                if not name:
-                    unexpected.append(raw_name)
-                    continue
-                m = _EXPERT.match(name)
-                key = name if m is None else f"{m.group(1)}.{m.group(2)}.{m.group(3)}.{m.group(4)}"
-                if key in source:
-                    duplicate.append(f"{raw_name} (same parameter as {source[key]})")
-                    continue
-                source[key] = raw_name
-                if m:
-                    experts[(m.group(1), m.group(3))][int(m.group(2))][m.group(4)] = f.get_tensor(raw_name)
-                    continue
-                if name not in expected:
-                    unexpected.append(raw_name)
-                    continue
-                t = f.get_tensor(raw_name)
-                if not t.is_floating_point():
-                    bad_dtype.append(f"{raw_name}: {t.dtype} (expected a floating dtype)")
-                    bad_names.add(name)
-                    continue
-                if name.endswith(".A_log"):
-                    t, problem = _normalise_a_log(t, cfg.kda.num_heads, raw_name)
-                    if t is None:
-                        bad_shape.append(problem)
-                        bad_names.add(name)
-                        continue
-                if tuple(t.shape) != expected[name]:
-                    bad_shape.append(f"{raw_name}: {tuple(t.shape)} != expected {expected[name]}")
-                    bad_names.add(name)
-                    continue
-                loaded[name] = t.to(device=device, dtype=_target_dtype(t, dtype))
-    bar.close()
-    if skipped:
-        log.info("skipped %d vision tensors (the vision tower is not served yet)", skipped)
-
-    for (prefix, proj), per_expert in experts.items():
-        name = f"{prefix}.{proj}"
-        if name not in expected:
-            unexpected.extend(f"{prefix}.{e}.{proj}" for e in sorted(per_expert))
-            continue
-        keep_packed = moe_weights == "packed" and all("weight_packed" in v for v in per_expert.values())
-        stack = _stack_packed if keep_packed else _stack_experts
-        stacked, problems = stack(name, per_expert, expected[name], dtype, device)
-        bad_expert.extend(problems)
-        if stacked is None:
-            bad_names.add(name)
-        elif keep_packed:
-            packed[name] = stacked
-        else:
-            loaded[name] = stacked
-    if cfg.tie_word_embeddings and "lm_head.weight" not in loaded and "model.embed_tokens.weight" in loaded:
-        loaded["lm_head.weight"] = loaded["model.embed_tokens.weight"]
-
-    missing = sorted(set(expected) - set(loaded) - set(packed) - bad_names)
-    problems = (_report("missing", missing) + _report("unexpected", unexpected)
-                + _report("duplicated", duplicate) + _report("mis-shaped", bad_shape)
-                + _report("wrong-dtype", bad_dtype) + _report("invalid expert", bad_expert)
-                + _report("absent from their shard", absent))
-    if problems:
-        raise CheckpointError(f"checkpoint {model_dir} does not match its config:\n" + "\n".join(problems))
-    for name, tensor in loaded.items():
-        module_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(tensor, requires_grad=False))
-    for name, (codes, scales) in packed.items():
-        module_name, _, attr = name.rpartition(".")
-        model.get_submodule(module_name).set_packed(attr, codes, scales, dtype)
-    model.train(False)  # inference mode
-    return model
-
-
 def _stack_experts(name, per_expert, shape, dtype, device):
     """Stack `{prefix}.{e}.{proj}` tensors into `[E, O, I]`; problems name the expert tensors."""
     num, out_dim, in_dim = shape
@@ -214,8 +264,9 @@ def _stack_experts(name, per_expert, shape, dtype, device):
     for e in range(num):
         parts, where = per_expert[e], f"{prefix}.{e}.{proj}"
         if sorted(parts) not in (["weight"], ["weight_packed", "weight_scale"]):
-            problems.append(f"{where}: needs either 'weight' or both 'weight_packed' and 'weight_scale',"
-                            f" got {sorted(parts)}")
+            problems.append(
+                f"{where}: needs either 'weight' or both 'weight_packed' and 'weight_scale', got {sorted(parts)}"
+            )
             continue
         if "weight" in parts:
             w = parts["weight"]
@@ -261,11 +312,56 @@ def _stack_packed(name, per_expert, shape, dtype, device):
     return (None if problems else (codes, scales)), problems
 
 
+# --- phase 3: validate ---------------------------------------------------------------------------
+
+
+def _validate(
+    mapped: _Mapped, expected: dict[str, tuple], tie_word_embeddings: bool, problems: Problems, model_dir: Path
+) -> dict[str, torch.Tensor]:
+    """Each plain tensor must be floating, then (A_log) well-formed, then of its parameter's shape;
+    every parameter must be loaded or rejected (a tied `lm_head.weight` may take a valid
+    embedding). Returns the dense parameters to install; raises one `CheckpointError` naming
+    every problem of every phase, by kind, if there is any."""
+    params: dict[str, torch.Tensor] = {}
+    for name, (raw_name, t, problem) in mapped.plain.items():
+        if not t.is_floating_point():
+            problems["wrong-dtype"].append(f"{raw_name}: {t.dtype} (expected a floating dtype)")
+        elif problem:
+            problems["mis-shaped"].append(problem)
+        elif tuple(t.shape) != expected[name]:
+            problems["mis-shaped"].append(f"{raw_name}: {tuple(t.shape)} != expected {expected[name]}")
+        else:
+            params[name] = t
+    params.update(mapped.stacked)
+    if tie_word_embeddings and "lm_head.weight" not in params and "model.embed_tokens.weight" in params:
+        params["lm_head.weight"] = params["model.embed_tokens.weight"]
+    problems["missing"] = sorted(set(expected) - set(params) - set(mapped.packed) - set(mapped.plain) - mapped.rejected)
+    report = [line for kind in _PROBLEM_KINDS for line in _report(kind, problems[kind])]
+    if report:
+        raise CheckpointError(f"checkpoint {model_dir} does not match its config:\n" + "\n".join(report))
+    return params
+
+
 def _report(kind: str, items: list[str]) -> list[str]:
     if not items:
         return []
     more = f" (+{len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else ""
     return [f"{kind} tensors ({len(items)}): " + ", ".join(items[:_MAX_LISTED]) + more]
+
+
+def _install(
+    model: KimiForCausalLM,
+    params: dict[str, torch.Tensor],
+    packed: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    dtype: torch.dtype,
+) -> None:
+    """Replace the meta parameters with the validated tensors (packed experts via `set_packed`)."""
+    for name, tensor in params.items():
+        module_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(tensor, requires_grad=False))
+    for name, (codes, scales) in packed.items():
+        module_name, _, attr = name.rpartition(".")
+        model.get_submodule(module_name).set_packed(attr, codes, scales, dtype)
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -274,9 +370,16 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
         if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
             raise ValueError(f"unsupported dtype {dtype}")
         return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-             "float64": torch.float64, "auto": torch.bfloat16}
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+        "float64": torch.float64,
+        "auto": torch.bfloat16,
+    }
     if dtype not in names:
         raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(names)}")
     return names[dtype]

@@ -1,12 +1,12 @@
 """GLU activations (spec/model.md §10): SiTU (K3) and SwiGLU (Kimi-Linear)."""
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 
-def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float,
-                 linear_beta: float | None) -> torch.Tensor:
+def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
     """`[beta*tanh(gate/beta)*sigmoid(gate)] * [linear_beta*tanh(up/linear_beta)]`, computed in
     fp32, cast back to gate's dtype. With linear_beta None the up branch passes unchanged.
     (float64 inputs are computed in float64.)"""

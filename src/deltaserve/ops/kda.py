@@ -8,6 +8,7 @@ Conventions shared by every function here:
 - the recurrent state is `[B, H, K, V]` (key rows, value columns), fp32;
 - the conv tail holds the last `W-1` PRE-conv inputs of each sequence, `[B, W-1, C]`.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,14 +16,16 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..kernels.chunking import checked_cu_seqlens, chunk_plan, excl_cumsum as _excl_cumsum
+from ..kernels.chunking import checked_cu_seqlens, chunk_plan
+from ..kernels.chunking import excl_cumsum as _excl_cumsum
 
-_SLICE_ELEMS = 1 << 22   # cap on X*C*K elements of one batched intra-chunk call (memory bound)
-_FLUSH = 30.0            # decay factors below exp(-30) ~ 1e-13 are flushed to exactly 0
+_SLICE_ELEMS = 1 << 22  # cap on X*C*K elements of one batched intra-chunk call (memory bound)
+_FLUSH = 30.0  # decay factors below exp(-30) ~ 1e-13 are flushed to exactly 0
 
 
-def kda_gate_sigmoid(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                     lower_bound: float = -5.0) -> torch.Tensor:
+def kda_gate_sigmoid(
+    f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float = -5.0
+) -> torch.Tensor:
     """K3 gate: `g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias[h]))`.
     f: [N, H, K]; A_log: [H] (already sliced/flattened); dt_bias: [H*K]. Returns fp32 [N, H, K]."""
     h, k = f.shape[-2:]
@@ -43,8 +46,9 @@ def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
-                  initial_tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, initial_tail: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv + SiLU over packed sequences.
     x: [N, C] pre-conv inputs; weight: [C, W] (a checkpoint's [C, 1, W] squeezed);
     initial_tail: [B, W-1, C] (rows before each sequence's first token; zeros if None).
@@ -69,14 +73,19 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tenso
     wt = weight.float().reshape(c, w)
     acc = ext[: n + b * p - p] * wt[:, 0]
     for j in range(1, w):
-        acc += ext[j: j + acc.shape[0]] * wt[:, j]
+        acc += ext[j : j + acc.shape[0]] * wt[:, j]
     y = F.silu(acc[tok_pos - p])
     end_pos = (cu[1:] + torch.arange(b, device=x.device) * p)[:, None] + rows
     return y, ext[end_pos].to(x.dtype)
 
 
-def conv_tails_at(x: torch.Tensor, cu_seqlens: torch.Tensor, initial_tail: torch.Tensor | None,
-                  export_offsets: list[list[int]], width: int) -> torch.Tensor:
+def conv_tails_at(
+    x: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    initial_tail: torch.Tensor | None,
+    export_offsets: list[list[int]],
+    width: int,
+) -> torch.Tensor:
     """Conv tails at interior offsets: for each (b, o) in order, the W-1 pre-conv inputs before
     token o of sequence b (`0 < o <= len_b`), reaching into `initial_tail` (or zeros) when
     o < W-1. Equals `causal_conv1d`'s final tail of the prefix of length o. x: [N, C].
@@ -90,19 +99,21 @@ def conv_tails_at(x: torch.Tensor, cu_seqlens: torch.Tensor, initial_tail: torch
     lens = cu[1:] - cu[:-1]
     if bool((off < 1).any()) or bool((off > lens[seq]).any()):
         raise ValueError("conv export offsets must lie in 1..len of their sequence")
-    rel = off[:, None] - p + torch.arange(p)                       # positions within the sequence
-    prior = torch.zeros(len(export_offsets), p, c, dtype=x.dtype, device=x.device) \
-        if initial_tail is None else initial_tail.to(x.dtype)
+    rel = off[:, None] - p + torch.arange(p)  # positions within the sequence
+    prior = (
+        torch.zeros(len(export_offsets), p, c, dtype=x.dtype, device=x.device)
+        if initial_tail is None
+        else initial_tail.to(x.dtype)
+    )
     src = torch.cat([x, prior.reshape(-1, c)])
     idx = torch.where(rel >= 0, cu[seq][:, None] + rel, x.shape[0] + seq[:, None] * p + (rel + p))
     return src[idx.to(x.device).reshape(-1)].view(-1, p, c)
 
 
-def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor,
-                       tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token per sequence. x: [B, C]; tail: [B, W-1, C].
     Returns (y fp32 [B, C], new_tail [B, W-1, C]) where new_tail = tail[:, 1:] ++ x."""
-    window = torch.cat([tail, x.to(tail.dtype).unsqueeze(1)], dim=1)          # [B, W, C]
+    window = torch.cat([tail, x.to(tail.dtype).unsqueeze(1)], dim=1)  # [B, W, C]
     y = F.silu(torch.einsum("bwc,cw->bc", window.float(), weight.float().reshape(x.shape[1], -1)))
     return y, window[:, 1:].clone()
 
@@ -124,17 +135,17 @@ def _intra_chunk(q, k, v, g, beta):
     between them, exp(G_i - G_r) * exp(G_r - G_j), where both exponents are same-sign sums of
     g inside one half, so every exponent is <= 0 and has no cancellation."""
     x_, c, kd = k.shape
-    a = q.new_zeros(x_, 2, c, c)                   # [:, 0] = A_qk, [:, 1] = strict K K^T part
+    a = q.new_zeros(x_, 2, c, c)  # [:, 0] = A_qk, [:, 1] = strict K K^T part
     a[:, 0].diagonal(0, -2, -1).copy_((q * k).sum(-1))
     m = 1
     while m < c:
         p = c // (2 * m)
         gv = g.view(x_, p, 2, m, kd)
-        e_row = _decay(gv[:, :, 1].cumsum(2))                        # exp(G_i - G_r), i right
-        e_col = _decay(_excl_cumsum(gv[:, :, 0], 2, reverse=True))   # exp(G_r - G_j), j left
+        e_row = _decay(gv[:, :, 1].cumsum(2))  # exp(G_i - G_r), i right
+        e_col = _decay(_excl_cumsum(gv[:, :, 0], 2, reverse=True))  # exp(G_r - G_j), j left
         rows = torch.cat([q.view(x_, p, 2, m, kd)[:, :, 1], k.view(x_, p, 2, m, kd)[:, :, 1]], 2)
         cols = k.view(x_, p, 2, m, kd)[:, :, 0] * e_col
-        cross = (rows * e_row.repeat(1, 1, 2, 1)) @ cols.transpose(-1, -2)     # [X, p, 2m, m]
+        cross = (rows * e_row.repeat(1, 1, 2, 1)) @ cols.transpose(-1, -2)  # [X, p, 2m, m]
         blocks = a.view(x_, 2, p, 2, m, p, 2, m).diagonal(0, 2, 5)[:, :, 1, :, 0]
         blocks.copy_(cross.view(x_, p, 2, m, m).permute(0, 2, 3, 4, 1))
         m *= 2
@@ -146,11 +157,18 @@ def _intra_chunk(q, k, v, g, beta):
     return sol[..., :kd], sol[..., kd:], a[:, 0], q * eg, kdt, _decay(g.sum(1))
 
 
-def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                beta: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
-                initial_state: torch.Tensor | None = None, chunk_size: int = 64,
-                export_offsets: list[list[int]] | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def kda_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    export_offsets: list[list[int]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Chunked KDA prefill over packed sequences.
     q, k, g: [N, H, K]; v: [N, H, V]; beta: [N, H]; initial_state: [B, H, K, V] or None (zeros).
     export_offsets[b]: sorted token offsets `0 < o <= len_b` (relative to sequence b's start)
@@ -166,8 +184,11 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     start, length, seq_of, pos, n_chunks, ex_chunk = chunk_plan(cu, export_offsets, chunk_size)
     nc = start.numel()
     if nc == 0:
-        final = (torch.zeros(nseq, h, dk, dv, device=dev) if initial_state is None
-                 else initial_state.to(device=dev, dtype=torch.float32).clone())
+        final = (
+            torch.zeros(nseq, h, dk, dv, device=dev)
+            if initial_state is None
+            else initial_state.to(device=dev, dtype=torch.float32).clone()
+        )
         none = None if export_offsets is None else final.new_empty(0, h, dk, dv)
         return torch.zeros(n, h, dv, device=dev), final, none
     # step-major chunk order: step p holds chunk p of every sequence with > p chunks, in the
@@ -177,7 +198,7 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     rank[order] = torch.arange(nseq)
     perm = torch.argsort(pos * max(nseq, 1) + rank[seq_of])
     steps = torch.bincount(pos).tolist()
-    width = 1 << (chunk_size - 1).bit_length()      # chunks padded to a power of two
+    width = 1 << (chunk_size - 1).bit_length()  # chunks padded to a power of two
     i = torch.arange(width)
     tok = torch.where(i < length[perm, None], start[perm, None] + i, n).reshape(-1).to(dev)
 
@@ -188,8 +209,10 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     qc, kc, vc, gc = gather(q, dk) * scale, gather(k, dk), gather(v, dv), gather(g, dk)
     bc = gather(beta, 1).squeeze(-1)
     per = max(1, _SLICE_ELEMS // (width * dk))
-    parts = [_intra_chunk(qc[a:a + per], kc[a:a + per], vc[a:a + per], gc[a:a + per], bc[a:a + per])
-             for a in range(0, nc * h, per)]
+    parts = [
+        _intra_chunk(qc[a : a + per], kc[a : a + per], vc[a : a + per], gc[a : a + per], bc[a : a + per])
+        for a in range(0, nc * h, per)
+    ]
     w_, u_, aqk, qg, kdt, egc = (torch.cat(p) if len(p) > 1 else p[0] for p in zip(*parts))
     del qc, kc, vc, gc, bc, parts
 
@@ -207,16 +230,16 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         saved = state.new_empty(uniq.numel(), h, dk, dv)
     out = torch.empty(nc * h, width, dv, device=dev)
     c0 = 0
-    for na in steps:                 # heads and active sequences batched; rows = chunk*H + head
-        sl, s = slice(c0 * h, (c0 + na) * h), state[:na * h]
+    for na in steps:  # heads and active sequences batched; rows = chunk*H + head
+        sl, s = slice(c0 * h, (c0 + na) * h), state[: na * h]
         delta = torch.baddbmm(u_[sl], w_[sl], s, alpha=-1.0)
         out[sl] = torch.baddbmm(torch.bmm(aqk[sl], delta), qg[sl], s)
         s = torch.baddbmm(egc[sl].unsqueeze(-1) * s, kdt[sl], delta)
-        state[:na * h] = s
+        state[: na * h] = s
         if uniq is not None:
-            hit = torch.nonzero(slot[c0:c0 + na] >= 0).squeeze(1)
+            hit = torch.nonzero(slot[c0 : c0 + na] >= 0).squeeze(1)
             if hit.numel():
-                saved[slot[c0:c0 + na][hit].to(dev)] = s.view(na, h, dk, dv)[hit.to(dev)]
+                saved[slot[c0 : c0 + na][hit].to(dev)] = s.view(na, h, dk, dv)[hit.to(dev)]
         c0 += na
     state = state.view(nseq, h, dk, dv)
     final = torch.empty_like(state)
@@ -227,8 +250,15 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     return o[:n], final, exported
 
 
-def kda_recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                       beta: torch.Tensor, state: torch.Tensor, scale: float) -> torch.Tensor:
+def kda_recurrent_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """One decode token per sequence, updating `state` IN PLACE.
     q, k, g: [B, H, K]; v: [B, H, V]; beta: [B, H]; state: fp32 [B, H, K, V].
     S <- diag(exp(g)) S;  S <- S + beta k (v - S^T k)^T;  o = scale * S^T q.

@@ -10,22 +10,21 @@ rounding). The flash kernel needs equal q/k/v head dims, so v is zero-padded whe
 Sequences are grouped into length buckets (`length_buckets`) so that padding wastes at most
 about 2x the real attention work.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-_BUCKET_SLACK = 1 << 16     # padded work (query x key pairs) always tolerated per bucket
-_FOLD_LIMIT = 1 << 27       # max mask elements for the head-folded (MQA) absorbed path
+_BUCKET_SLACK = 1 << 16  # padded work (query x key pairs) always tolerated per bucket
+_FOLD_LIMIT = 1 << 27  # max mask elements for the head-folded (MQA) absorbed path
 
 
-def length_buckets(ns: list[int], cs: list[int], waste: float = 2.0,
-                   slack: int = _BUCKET_SLACK) -> list[list[int]]:
+def length_buckets(ns: list[int], cs: list[int], waste: float = 2.0, slack: int = _BUCKET_SLACK) -> list[list[int]]:
     """Group sequences (n_b queries over c_b keys each) into buckets padded to one batch.
     A bucket's padded work `len * max(n) * max(c)` stays within `waste * sum(n_b * c_b) + slack`.
     Sequences with no query are dropped. Returns lists of sequence indices."""
-    order = sorted((b for b in range(len(ns)) if ns[b] > 0),
-                   key=lambda b: (ns[b] * cs[b], ns[b]), reverse=True)
+    order = sorted((b for b in range(len(ns)) if ns[b] > 0), key=lambda b: (ns[b] * cs[b], ns[b]), reverse=True)
     buckets: list[list[int]] = []
     cur: list[int] = []
     max_n = max_c = work = 0
@@ -42,8 +41,7 @@ def length_buckets(ns: list[int], cs: list[int], waste: float = 2.0,
     return buckets
 
 
-def _pad_index(starts: torch.Tensor, lens: torch.Tensor, width: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def _pad_index(starts: torch.Tensor, lens: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(src rows in the packed tensor, dst rows in the [len(lens) * width] padded tensor)."""
     seg = torch.repeat_interleave(torch.arange(len(lens)), lens)
     first = torch.cumsum(lens, 0) - lens
@@ -62,8 +60,9 @@ def _lens(cu: torch.Tensor) -> tuple[list[int], list[int]]:
     return cu[:-1], [b - a for a, b in zip(cu[:-1], cu[1:])]
 
 
-def mla_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+def mla_prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Causal attention within each packed sequence (unabsorbed form).
     q, k: [N, H, Dqk]; v: [N, H, Dv]; returns [N, H, Dv] in q's dtype (softmax in fp32)."""
     n_tok, h, dqk = q.shape
@@ -88,17 +87,21 @@ def mla_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             out[sl] = o[0].transpose(0, 1)[..., :dv]
             continue
         src, dst = _pad_index(torch.tensor([starts[b] for b in bucket]), b_lens, width)
-        qp, kp, vp = (_padded(t, src, dst, nb * width).view(nb, width, h, d).transpose(1, 2)
-                      for t in (q, k, v))
+        qp, kp, vp = (_padded(t, src, dst, nb * width).view(nb, width, h, d).transpose(1, 2) for t in (q, k, v))
         # Left-aligned padding: the causal mask alone hides padded keys from real queries.
         o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
         out[src] = o.transpose(1, 2).reshape(nb * width, h, d)[dst, :, :dv]
     return out
 
 
-def mla_absorbed_attention(q_latent: torch.Tensor, kv_latent: torch.Tensor,
-                           cu_q: torch.Tensor, cu_kv: torch.Tensor, kv_lora_rank: int,
-                           scale: float) -> torch.Tensor:
+def mla_absorbed_attention(
+    q_latent: torch.Tensor,
+    kv_latent: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_kv: torch.Tensor,
+    kv_lora_rank: int,
+    scale: float,
+) -> torch.Tensor:
     """Absorbed (MQA over the latent) attention of new queries over each sequence's context.
     q_latent: [Nq, H, R + Dr] = [W_UK^T q_nope | q_rot] per head; kv_latent: [Nkv, R + Dr]
     latent rows of every sequence's full context (cached + new), packed by cu_kv.
@@ -126,15 +129,15 @@ def mla_absorbed_attention(q_latent: torch.Tensor, kv_latent: torch.Tensor,
         kp = _padded(kv, k_src, k_dst, nb * mc).view(nb, 1, mc, dk)
         # Padded query rows see padded (zero) keys: finite, and dropped below.
         last = (b_c - b_n).view(nb, 1, 1) + torch.arange(mq).view(1, mq, 1)
-        allowed = torch.arange(mc).view(1, 1, mc) <= last                      # [nb, mq, mc]
+        allowed = torch.arange(mc).view(1, 1, mc) <= last  # [nb, mq, mc]
         if nb * mq * h * mc <= _FOLD_LIMIT:
             mask = allowed[:, None, :, None, :].expand(nb, 1, mq, h, mc).reshape(nb, 1, mq * h, mc)
-            o = F.scaled_dot_product_attention(qp.view(nb, 1, mq * h, dk), kp, kp,
-                                               attn_mask=mask, scale=scale)
+            o = F.scaled_dot_product_attention(qp.view(nb, 1, mq * h, dk), kp, kp, attn_mask=mask, scale=scale)
             o = o.view(nb * mq, h, dk)
         else:
-            o = F.scaled_dot_product_attention(qp.transpose(1, 2), kp, kp, attn_mask=allowed[:, None],
-                                               scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(
+                qp.transpose(1, 2), kp, kp, attn_mask=allowed[:, None], scale=scale, enable_gqa=True
+            )
             o = o.transpose(1, 2).reshape(nb * mq, h, dk)
         out[q_src] = o[q_dst, :, :kv_lora_rank]
     return out

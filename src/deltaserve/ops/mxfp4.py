@@ -8,12 +8,13 @@ Decoding is exact: an E2M1 value has two significant bits, so `value * 2^(s-127)
 representable in fp32 and bf16 for every scale 0..254 (the top scales overflow to ±inf, as the
 formula itself does in those formats).
 """
+
 from __future__ import annotations
 
 import torch
 
 GROUP_SIZE = 32
-E2M1 = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0.0, -.5, -1, -1.5, -2, -3, -4, -6])
+E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
 
 # byte -> (value of the low nibble, value of the high nibble)
 _BYTE_LUT = torch.stack([E2M1[torch.arange(256) & 0x0F], E2M1[torch.arange(256) >> 4]], dim=-1)
@@ -23,8 +24,9 @@ _SCALE_LUT = torch.exp2(torch.arange(256, dtype=torch.float64) - 127).float()
 # a magnitude above threshold k takes a code > k. Where the tie goes up (k odd) the threshold is
 # the float just below the midpoint, so the midpoint itself rounds to the even code k + 1.
 _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-_THRESHOLDS = tuple(torch.nextafter(torch.tensor(m), torch.tensor(0.0)).item() if k % 2 else m
-                    for k, m in enumerate(_MIDPOINTS))
+_THRESHOLDS = tuple(
+    torch.nextafter(torch.tensor(m), torch.tensor(0.0)).item() if k % 2 else m for k, m in enumerate(_MIDPOINTS)
+)
 _EXACT_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 
 
@@ -33,20 +35,22 @@ def mxfp4_validate(packed: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]
     if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
         raise ValueError("MXFP4 weight_packed and weight_scale must be uint8")
     if packed.dim() != 2 or scale.dim() != 2:
-        raise ValueError(f"MXFP4 shapes disagree: packed {tuple(packed.shape)}, scale {tuple(scale.shape)}"
-                         " (both must be 2-D)")
+        raise ValueError(
+            f"MXFP4 shapes disagree: packed {tuple(packed.shape)}, scale {tuple(scale.shape)} (both must be 2-D)"
+        )
     rows, half = packed.shape
     cols = half * 2
     if cols % GROUP_SIZE or tuple(scale.shape) != (rows, cols // GROUP_SIZE):
-        raise ValueError(f"MXFP4 shapes disagree: packed {tuple(packed.shape)}, scale {tuple(scale.shape)}"
-                         f" (expected scale [{rows}, {cols}/{GROUP_SIZE}])")
+        raise ValueError(
+            f"MXFP4 shapes disagree: packed {tuple(packed.shape)}, scale {tuple(scale.shape)}"
+            f" (expected scale [{rows}, {cols}/{GROUP_SIZE}])"
+        )
     if bool((scale == 0xFF).any()):
         raise ValueError("MXFP4 scale holds 0xFF (NaN)")
     return rows, cols
 
 
-def mxfp4_decode(packed: torch.Tensor, scale: torch.Tensor,
-                 dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def mxfp4_decode(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Dequantise to `[O, I]` in dtype, exactly (bf16 holds every value of the format in the
     normal exponent range). Raises ValueError on a NaN scale (0xFF) or mismatched shapes."""
     rows, cols = mxfp4_validate(packed, scale)
@@ -76,7 +80,7 @@ def mxfp4_encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     g = w.float().reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
     amax = g.abs().amax(-1)
     # smallest e with amax / 2^e <= 6, i.e. ceil(log2(amax / 6)), without log2 rounding error
-    mant, e = torch.frexp(amax.double() / 6.0)          # amax/6 = mant * 2^e, mant in [0.5, 1)
+    mant, e = torch.frexp(amax.double() / 6.0)  # amax/6 = mant * 2^e, mant in [0.5, 1)
     exp = torch.where(mant == 0.5, e - 1, e)
     exp = torch.where(amax == 0, torch.full_like(exp, -127), exp).clamp(-127, 127)
     scaled = g / _SCALE_LUT.to(w.device)[exp + 127].unsqueeze(-1)  # exact: a power-of-two division
@@ -84,7 +88,7 @@ def mxfp4_encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     code = torch.zeros(mag.shape, dtype=torch.uint8, device=w.device)
     for threshold in _THRESHOLDS:
         code += mag > threshold
-    code |= ((scaled < 0) & (code > 0)).to(torch.uint8) << 3   # sign bit; zero is stored as +0
+    code |= ((scaled < 0) & (code > 0)).to(torch.uint8) << 3  # sign bit; zero is stored as +0
     code = code.view(rows, cols)
     packed = code[:, 0::2] | (code[:, 1::2] << 4)
     return packed.contiguous(), (exp + 127).to(torch.uint8)

@@ -2,6 +2,7 @@
 
 Inputs of at most fp32 precision are normalised in fp32; float64 inputs stay float64 (so the
 ops can be checked against float64 oracles)."""
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (weight * y).to(x.dtype)
 
 
-def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float,
-                   out_dtype: torch.dtype) -> torch.Tensor:
+def gated_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float, out_dtype: torch.dtype
+) -> torch.Tensor:
     """KDA output norm: `(x / sqrt(mean(x^2) + eps)) * weight * sigmoid(gate)`, all fp32,
     cast to out_dtype. x, gate: [..., K]; weight: [K]."""
     acc = _acc_dtype(x.dtype)

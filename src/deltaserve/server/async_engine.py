@@ -9,6 +9,7 @@ A structured request's grammar is compiled on a worker thread before it is queue
 neither the event loop nor the engine thread waits on a slow schema; a sequence the engine
 finishes with "error" (its grammar failed) makes its stream raise `GenerationError`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -52,6 +53,7 @@ class AbortRequest:
 @dataclass(frozen=True)
 class Call:
     """Run `fn(core)` on the engine thread between steps (stats, integrity checks)."""
+
     fn: Callable[[EngineCore], Any]
     result: Future
 
@@ -64,6 +66,7 @@ class Shutdown:
 @dataclass
 class RequestStream:
     """The outputs of one request: async-iterate for `SeqDelta`s until all `n` have finished."""
+
     engine: "AsyncEngine"
     request_id: str
     n: int
@@ -161,8 +164,7 @@ class AsyncEngine:
         self._inbox.put(Call(fn, fut))
         return fut
 
-    async def add(self, prompt_ids: list[int], params: SamplingParams,
-                  request_id: str | None = None) -> RequestStream:
+    async def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
         """Queue a request; raises the core's validation error (`InvalidRequestError`) before
         anything is queued, else returns its stream."""
         if not self.alive:

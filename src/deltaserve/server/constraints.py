@@ -18,26 +18,27 @@ in a think element (K3, thinking on), constrained or not, and is ignored otherwi
 A forced tool choice whose output ended ("stop") without the complete JSON call is an error
 (`missing_forced_call`), never content with finish "stop"; cut by max_tokens it stays "length".
 """
+
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
 from ..engine.structured import Special, StructuredOutput, StructuredOutputError, tool_call_schema
-from .chat import ChatFormatError, validate_tools
-from .chat_k3 import compact_json
+from .chat.common import ChatFormatError, validate_tools
+from .chat.k3 import compact_json
 from .errors import APIError
 from .parsers import ToolCall
 
-K3_THINK_END = (Special("<|close|>"), "think", Special("<|sep|>"), Special("<|open|>"), "response",
-                Special("<|sep|>"))
+K3_THINK_END = (Special("<|close|>"), "think", Special("<|sep|>"), Special("<|open|>"), "response", Special("<|sep|>"))
 
 
 @dataclass(frozen=True)
 class ChatConstraint:
     """What a chat request forces: `structured` for the engine, `tool` (None: no forced call,
     "" : any declared tool via `"required"`, else the named function), and the K3 control
-    messages `controls` (`[(type, body)]`, rendered by `chat_k3`)."""
+    messages `controls` (`[(type, body)]`, rendered by `chat/k3.py`)."""
+
     structured: StructuredOutput | None
     tool: str | None
     controls: tuple = ()
@@ -65,12 +66,10 @@ def chat_constraint(req, family: str, thinking: bool) -> ChatConstraint:
     elif choice is not None and not isinstance(choice, str):
         forced = choice.function.name
         if forced not in names:
-            raise APIError(400, f"tool_choice names function {forced!r}, which is not in tools",
-                           param="tool_choice")
+            raise APIError(400, f"tool_choice names function {forced!r}, which is not in tools", param="tool_choice")
     fmt = rf.type if rf is not None else "text"
     if forced is not None and fmt != "text":
-        raise APIError(400, "response_format cannot be combined with a forced tool_choice",
-                       param="response_format")
+        raise APIError(400, "response_format cannot be combined with a forced tool_choice", param="response_format")
     prefix = K3_THINK_END if family == "kimi_k3" and thinking else ()
     budget = _budget(req) if prefix else None
     try:
@@ -83,8 +82,9 @@ def chat_constraint(req, family: str, thinking: bool) -> ChatConstraint:
             structured = StructuredOutput.json(None, prefix)
         elif fmt == "json_schema":
             if rf.json_schema is None:
-                raise APIError(400, 'response_format "json_schema" needs a json_schema object',
-                               param="response_format.json_schema")
+                raise APIError(
+                    400, 'response_format "json_schema" needs a json_schema object', param="response_format.json_schema"
+                )
             structured = StructuredOutput.json(rf.json_schema.schema_, prefix)
         else:
             structured = None
@@ -96,15 +96,20 @@ def chat_constraint(req, family: str, thinking: bool) -> ChatConstraint:
 def _budget(req) -> int | None:
     a, b = req.thinking_token_budget, req.max_reasoning_tokens
     if a is not None and b is not None and a != b:
-        raise APIError(400, "thinking_token_budget and max_reasoning_tokens are aliases; give one "
-                       "(or the same value)", param="thinking_token_budget")
+        raise APIError(
+            400,
+            "thinking_token_budget and max_reasoning_tokens are aliases; give one (or the same value)",
+            param="thinking_token_budget",
+        )
     return a if a is not None else b
 
 
 def missing_forced_call(index: int) -> str:
     """The error message for choice `index` of a forced tool choice that made no call."""
-    return (f"tool_choice forces a tool call, but choice {index} ended without the complete call "
-            f"(e.g. a stop string cut it)")
+    return (
+        f"tool_choice forces a tool call, but choice {index} ended without the complete call "
+        f"(e.g. a stop string cut it)"
+    )
 
 
 def _controls(req, thinking: bool) -> tuple:
@@ -141,10 +146,12 @@ def forced_tool_calls(content: str, tool: str, family: str) -> list[ToolCall] | 
         return None
     calls = []
     for i, item in enumerate(value):
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str) \
-                or not isinstance(item.get("parameters"), dict):
+        if (
+            not isinstance(item, dict)
+            or not isinstance(item.get("name"), str)
+            or not isinstance(item.get("parameters"), dict)
+        ):
             return None
         name = item["name"]
-        calls.append(ToolCall(f"functions.{name}:{base + i}", name,
-                              json.dumps(item["parameters"], ensure_ascii=False)))
+        calls.append(ToolCall(f"functions.{name}:{base + i}", name, json.dumps(item["parameters"], ensure_ascii=False)))
     return calls

@@ -7,6 +7,7 @@ disconnect itself and cancels its body, whose `finally` aborts the request.
 Invariant: the ASGI receive channel is only read here once the body has been parsed, so nothing
 else competes for its messages; after the body, its only message is `http.disconnect`.
 """
+
 from __future__ import annotations
 
 import asyncio

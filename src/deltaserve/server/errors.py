@@ -1,6 +1,7 @@
 """HTTP-level errors: `APIError` (an OpenAI-style error response), the validation-message
 formatter, `public_message` (what a client may see of a failure) and the body-size middleware
 (413 for a body over the limit, declared or chunked)."""
+
 from __future__ import annotations
 
 import logging
@@ -17,15 +18,23 @@ INTERNAL_ERROR = "internal server error"
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers
 
     def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.type, self.param, self.code), self.status,
-                            headers=self.headers)
+        return JSONResponse(
+            error_body(self.message, self.type, self.param, self.code), self.status, headers=self.headers
+        )
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -81,11 +90,11 @@ class BodyLimit:
             size += len(chunks[-1])
             more = msg.get("more_body", False)
             if size > self.limit:
-                await JSONResponse(error_body(f"request body over {self.limit} bytes"), 413)(
-                    scope, receive, send)
+                await JSONResponse(error_body(f"request body over {self.limit} bytes"), 413)(scope, receive, send)
                 return
         replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
         async def replayed():
             return replay.pop() if replay else await receive()
+
         await self.app(scope, replayed, send)

@@ -7,6 +7,7 @@ MLA pages, KDA slots, prefix-cache counters) come from a `stats()` snapshot take
 thread through `AsyncEngine.call` when `/metrics` is scraped; the event loop never touches the
 `EngineCore`. If the engine does not answer, the last snapshot is served.
 """
+
 from __future__ import annotations
 
 import time
@@ -16,24 +17,84 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 P = "deltaserve:"
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0)
-TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-               120.0, 240.0, 480.0, 960.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+TPOT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+)
 
 # stats()["prefix_cache"] key -> (metric name without prefix, help); all cumulative counters
 PREFIX_COUNTERS = {
     "queries": ("prefix_cache_queries", "Prefix-cache lookups (one per admitted sequence)"),
     "hits": ("prefix_cache_hits", "Prefix-cache lookups that reused cached state"),
     "hit_tokens": ("prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache"),
-    "retention_misses": ("prefix_cache_retention_misses",
-                         "Prefix matches lost because the KDA checkpoint was evicted"),
+    "retention_misses": ("prefix_cache_retention_misses", "Prefix matches lost because the KDA checkpoint was evicted"),
     "checkpoints_stored": ("prefix_cache_checkpoints_stored", "KDA state checkpoints stored"),
     "checkpoints_evicted": ("prefix_cache_checkpoints_evicted", "KDA state checkpoints evicted"),
-    "restore_refused": ("prefix_cache_restore_refused",
-                        "KDA checkpoints refused at restore: their tag did not match (treated as misses)"),
+    "restore_refused": (
+        "prefix_cache_restore_refused",
+        "KDA checkpoints refused at restore: their tag did not match (treated as misses)",
+    ),
 }
 # stats() key -> (gauge name without prefix, help)
 ENGINE_GAUGES = {
@@ -124,20 +185,30 @@ class Metrics:
         self.registry = reg = CollectorRegistry()
         lab = {"labelnames": ["model_name"]}
         self.model_name = model_name
-        self._success = Counter(P + "request_success", "Finished sequences by finish reason",
-                                ["model_name", "finished_reason"], registry=reg)
-        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of admitted requests",
-                                     registry=reg, **lab).labels(model_name)
-        self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens",
-                                         registry=reg, **lab).labels(model_name)
-        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token",
-                              buckets=TTFT_BUCKETS, registry=reg, **lab).labels(model_name)
-        self.tpot = Histogram(P + "time_per_output_token_seconds", "Inter-token latency",
-                              buckets=TPOT_BUCKETS, registry=reg, **lab).labels(model_name)
-        self.e2e = Histogram(P + "e2e_request_latency_seconds", "End-to-end sequence latency",
-                             buckets=E2E_BUCKETS, registry=reg, **lab).labels(model_name)
-        self.rejected = Counter(P + "request_rejected", "Requests refused because the waiting "
-                                "queue was full", registry=reg, **lab).labels(model_name)
+        self._success = Counter(
+            P + "request_success",
+            "Finished sequences by finish reason",
+            ["model_name", "finished_reason"],
+            registry=reg,
+        )
+        self.prompt_tokens = Counter(
+            P + "prompt_tokens", "Prompt tokens of admitted requests", registry=reg, **lab
+        ).labels(model_name)
+        self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens", registry=reg, **lab).labels(
+            model_name
+        )
+        self.ttft = Histogram(
+            P + "time_to_first_token_seconds", "Time to first token", buckets=TTFT_BUCKETS, registry=reg, **lab
+        ).labels(model_name)
+        self.tpot = Histogram(
+            P + "time_per_output_token_seconds", "Inter-token latency", buckets=TPOT_BUCKETS, registry=reg, **lab
+        ).labels(model_name)
+        self.e2e = Histogram(
+            P + "e2e_request_latency_seconds", "End-to-end sequence latency", buckets=E2E_BUCKETS, registry=reg, **lab
+        ).labels(model_name)
+        self.rejected = Counter(
+            P + "request_rejected", "Requests refused because the waiting queue was full", registry=reg, **lab
+        ).labels(model_name)
         self.engine = _EngineCollector(model_name)
         reg.register(self.engine)
 
@@ -151,4 +222,3 @@ class Metrics:
         except Exception:
             pass  # serve the last snapshot (or none) rather than fail the scrape
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
-

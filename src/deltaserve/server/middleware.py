@@ -4,6 +4,7 @@
 Order, outermost first: `ErrorGuard`, `ApiKeyAuth`, `BodyLimit` (errors.py), the routes; so an
 unauthenticated request gets 401 whatever its body (malformed, oversized or half-sent).
 """
+
 from __future__ import annotations
 
 import asyncio

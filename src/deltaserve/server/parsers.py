@@ -27,6 +27,7 @@ off it ended inside a response element. Rules:
   <|tool_call_end|>` ... `<|tool_calls_section_end|>`; the function name is parsed from ids of the
   form `functions.NAME:IDX`, otherwise the whole id is the name.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,11 +65,11 @@ def control_token_ids(tokenizer, family: str) -> frozenset[int]:
     the `keep_special_token_ids` of a chat request, whose other specials are skipped."""
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; expected one of {FAMILIES}")
-    return frozenset(tokenizer.special_tokens[m] for m in CONTROL_MARKERS[family]
-                     if m in tokenizer.special_tokens)
+    return frozenset(tokenizer.special_tokens[m] for m in CONTROL_MARKERS[family] if m in tokenizer.special_tokens)
 
 
 # ---------------------------------------------------------------- argument decoding
+
 
 def _k3_call(name_attrs: dict, body: list, n: int) -> ToolCall | None:
     """Build a ToolCall from a K3 call element's inner tokens, or None if malformed."""
@@ -84,11 +85,15 @@ def _k3_call(name_attrs: dict, body: list, n: int) -> ToolCall | None:
             continue
         if t[0] != "tag" or t[1] != "open" or t[2] not in ("argument", "json"):
             return None
-        if i + 2 < len(body) and body[i + 1][0] == "tag" and body[i + 1][1] == "close" \
-                and body[i + 1][2] == t[2]:
+        if i + 2 < len(body) and body[i + 1][0] == "tag" and body[i + 1][1] == "close" and body[i + 1][2] == t[2]:
             value, i = "", i + 2
-        elif i + 2 < len(body) and body[i + 1][0] == "text" and body[i + 2][0] == "tag" \
-                and body[i + 2][1] == "close" and body[i + 2][2] == t[2]:
+        elif (
+            i + 2 < len(body)
+            and body[i + 1][0] == "text"
+            and body[i + 2][0] == "tag"
+            and body[i + 2][1] == "close"
+            and body[i + 2][2] == t[2]
+        ):
             value, i = body[i + 1][1], i + 3
         else:
             return None
@@ -109,9 +114,13 @@ def _k3_call(name_attrs: dict, body: list, n: int) -> ToolCall | None:
             v = json.loads(value)
         except ValueError:
             return None
-        ok = {"number": isinstance(v, (int, float)) and not isinstance(v, bool),
-              "boolean": isinstance(v, bool), "null": v is None, "object": isinstance(v, dict),
-              "array": isinstance(v, list)}.get(typ, False)
+        ok = {
+            "number": isinstance(v, (int, float)) and not isinstance(v, bool),
+            "boolean": isinstance(v, bool),
+            "null": v is None,
+            "object": isinstance(v, dict),
+            "array": isinstance(v, list),
+        }.get(typ, False)
         if not ok:
             return None
         args[t[3]["key"]] = v
@@ -142,6 +151,7 @@ def _kl_call(call_id: str, args: str) -> ToolCall | None:
 
 # ---------------------------------------------------------------- streaming parser
 
+
 class StreamingParser:
     """Incremental parser; see the module docstring. Not thread-safe."""
 
@@ -154,7 +164,7 @@ class StreamingParser:
         else:
             self.state = "response"
         self._buf = ""
-        self._call: list | None = None   # tokens of the call being collected (K3) / raw (KL)
+        self._call: list | None = None  # tokens of the call being collected (K3) / raw (KL)
         self._n_calls = 0
         self._done = False
 
@@ -204,8 +214,13 @@ class StreamingParser:
                 if call is None:
                     return self._emit("content", head[-1] + "".join(x[-1] for x in body) + raw)
                 return [Delta("tool_call", tool_call=call)]
-            if t[0] == "tag" and (t[1] == "close" and t[2] in ("tools", "message")
-                                  or t[2] == "end_of_msg" or t[1] == "open" and t[2] == "call"):
+            if t[0] == "tag" and (
+                t[1] == "close"
+                and t[2] in ("tools", "message")
+                or t[2] == "end_of_msg"
+                or t[1] == "open"
+                and t[2] == "call"
+            ):
                 pending = "".join(x[-1] for x in self._call)
                 self._call = None
                 return self._emit("content", pending) + self._k3(t)
@@ -237,8 +252,7 @@ class StreamingParser:
         if kind == "close" and name == st and st in ("think", "response"):
             self.state = "after"
             return []
-        if kind == "open" and name == "tools" and self.tools_declared \
-                and st in ("think", "response", "after"):
+        if kind == "open" and name == "tools" and self.tools_declared and st in ("think", "response", "after"):
             self.state = "tools"
             return []
         if kind == "close" and name == "message":  # st == "tools" without declared tools: n/a
@@ -258,13 +272,15 @@ class StreamingParser:
                 self._call = None
                 text = "".join(x[-1] for x in parts)
                 a = text.find("<|tool_call_argument_begin|>")
-                call = _kl_call(text[:a], text[a + len("<|tool_call_argument_begin|>"):]) \
-                    if a >= 0 and text.count("<|tool_call_argument_begin|>") == 1 else None
+                call = (
+                    _kl_call(text[:a], text[a + len("<|tool_call_argument_begin|>") :])
+                    if a >= 0 and text.count("<|tool_call_argument_begin|>") == 1
+                    else None
+                )
                 if call is None:
                     return self._emit("content", head[-1] + text + raw)
                 return [Delta("tool_call", tool_call=call)]
-            if t[0] == "tag" and t[2] in ("<|tool_calls_section_end|>", "<|im_end|>",
-                                           "<|tool_call_begin|>"):
+            if t[0] == "tag" and t[2] in ("<|tool_calls_section_end|>", "<|im_end|>", "<|tool_call_begin|>"):
                 pending = "".join(x[-1] for x in self._call)
                 self._call = None
                 return self._emit("content", pending) + self._kl(t)

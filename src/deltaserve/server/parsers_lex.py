@@ -5,6 +5,7 @@ Each lexer returns (tokens, rest): `rest` is a suffix that might still grow into
 wait for more text (nothing is held when `final`). Decisions depend only on the whole text, never
 on how it was split, so streaming and non-streaming parses agree.
 """
+
 from __future__ import annotations
 
 import html
@@ -13,8 +14,16 @@ import re
 MAX_TAG = 512  # an open/close tag whose <|sep|> is not found within this many chars is text
 
 K3_STARTS = ("<|open|>", "<|close|>", "<|end_of_msg|>")
-KL_MARKS = ("<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
-            "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|im_end|>")
+KL_MARKS = (
+    "<think>",
+    "</think>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    "<|im_end|>",
+)
 CONTROL_MARKERS = {"kimi_k3": (*K3_STARTS, "<|sep|>"), "kimi_linear": KL_MARKS}  # what the lexers read
 _ATTR = re.compile(r'\s+([A-Za-z_][\w-]*)="([^"]*)"')
 _HEAD = re.compile(r"([A-Za-z_][\w-]*)((?:\s+[A-Za-z_][\w-]*=\"[^\"]*\")*)\s*")
@@ -54,19 +63,23 @@ def lex_k3(buf: str, final: bool):
             pos = i + len(s)
             continue
         j = i + len(s)
-        window = buf[j:j + MAX_TAG + len("<|sep|>")]
+        window = buf[j : j + MAX_TAG + len("<|sep|>")]
         sep, nxt = window.find("<|sep|>"), window.find("<|")
         if sep < 0 or nxt < sep:
             # wait only while the tag could still close within MAX_TAG characters
-            if sep < 0 and not final and len(window) < MAX_TAG + len("<|sep|>") and (
-                    nxt < 0 or "<|sep|>".startswith(window[nxt:])):
+            if (
+                sep < 0
+                and not final
+                and len(window) < MAX_TAG + len("<|sep|>")
+                and (nxt < 0 or "<|sep|>".startswith(window[nxt:]))
+            ):
                 return toks, buf[i:]
             toks.append(("text", s))  # not a tag: the marker is text
             pos = j
             continue
         sep += j
         head = _parse_head(buf[j:sep])
-        raw = buf[i:sep + len("<|sep|>")]
+        raw = buf[i : sep + len("<|sep|>")]
         if head is None or (s == "<|close|>" and head[1]):
             toks.append(("text", raw))
         else:
@@ -75,8 +88,8 @@ def lex_k3(buf: str, final: bool):
     rest = buf[pos:]
     keep = 0 if final else _held_suffix(rest, K3_STARTS)
     if len(rest) > keep:
-        toks.append(("text", rest[:len(rest) - keep]))
-    return toks, rest[len(rest) - keep:] if keep else ""
+        toks.append(("text", rest[: len(rest) - keep]))
+    return toks, rest[len(rest) - keep :] if keep else ""
 
 
 def lex_kl(buf: str, final: bool):
@@ -84,11 +97,11 @@ def lex_kl(buf: str, final: bool):
     pat = re.compile("|".join(re.escape(m) for m in KL_MARKS))
     for m in pat.finditer(buf):
         if m.start() > pos:
-            toks.append(("text", buf[pos:m.start()]))
+            toks.append(("text", buf[pos : m.start()]))
         toks.append(("tag", "mark", m.group(0), {}, m.group(0)))
         pos = m.end()
     rest = buf[pos:]
     keep = 0 if final else _held_suffix(rest, KL_MARKS)
     if len(rest) > keep:
-        toks.append(("text", rest[:len(rest) - keep]))
-    return toks, rest[len(rest) - keep:] if keep else ""
+        toks.append(("text", rest[: len(rest) - keep]))
+    return toks, rest[len(rest) - keep :] if keep else ""

@@ -4,14 +4,24 @@ Fields are strict (no str -> int coercion, no NaN/inf); caps on `n`, `logprobs` 
 are checked here, before any work. Every string in a request (keys too, at any depth: prompts,
 messages, stop strings, tools, schemas) is valid Unicode: JSON's `\\ud800` escapes decode to
 lone surrogates, which the tokenizer would silently replace and a UTF-8 response cannot carry
-(echo), so such a field is a 400 here. Responses are built as plain dicts in `api.py`.
+(echo), so such a field is a 400 here. Responses are built as plain dicts in `routes/`.
 """
+
 from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
-                      ValidationInfo, field_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+)
 
 from ..engine.sampling_params import MAX_LOGPROBS
 
@@ -25,8 +35,9 @@ Number = Union[StrictInt, StrictFloat]
 Stop = Union[StrictStr, list[StrictStr], None]
 
 
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | int | None = None) -> dict:
+def error_body(
+    message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | int | None = None
+) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
@@ -119,10 +130,15 @@ class _Sampling(_Base):
 
     def sampling_kwargs(self) -> dict:
         """Keyword arguments for `SamplingParams` (OpenAI defaults where a field is absent)."""
-        kw: dict[str, Any] = dict(n=self.n, seed=self.seed, stop=self.stop_list(),
-                                  stop_token_ids=self.stop_token_ids, min_tokens=self.min_tokens,
-                                  ignore_eos=self.ignore_eos,
-                                  temperature=1.0 if self.temperature is None else float(self.temperature))
+        kw: dict[str, Any] = dict(
+            n=self.n,
+            seed=self.seed,
+            stop=self.stop_list(),
+            stop_token_ids=self.stop_token_ids,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            temperature=1.0 if self.temperature is None else float(self.temperature),
+        )
         for name in ("top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             v = getattr(self, name)
             if v is not None:

@@ -5,6 +5,7 @@ With no MODEL_DIR it serves the embedded default: a random-weight tiny Kimi K3 c
 the user cache directory. On SIGTERM (or Ctrl-C) in-flight requests are drained for at most
 `--shutdown-timeout` seconds, then what is left is cancelled; SIGTERM then exits 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,7 @@ def cache_dir() -> Path:
 
 def default_model_dir() -> Path:
     """The embedded default checkpoint, written atomically on first use."""
-    from ..model.tiny import make_tiny
+    from ..tiny import make_tiny
 
     out = cache_dir() / DEFAULT_NAME
     if (out / "config.json").is_file():
@@ -62,20 +63,35 @@ def _terminated(signum, frame) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..engine.config import add_engine_args
 
-    p.add_argument("model", nargs="?", type=Path, default=None,
-                   help="checkpoint directory (default: the embedded random-weight tiny K3)")
+    p.add_argument(
+        "model",
+        nargs="?",
+        type=Path,
+        default=None,
+        help="checkpoint directory (default: the embedded random-weight tiny K3)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the dir name)")
-    p.add_argument("--api-key", default=os.environ.get("DELTASERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("DELTASERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route but /health",
+    )
     add_engine_args(p)
-    p.add_argument("--max-waiting-requests", type=int, default=256,
-                   help="queue cap: a completion/chat request arriving while this many requests "
-                        "wait for the engine gets 429 with Retry-After (negative: no cap)")
-    p.add_argument("--shutdown-timeout", type=_seconds, default=5.0,
-                   help="on SIGTERM, drain in-flight requests for at most this many seconds, then "
-                        "cancel the rest and exit 0")
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=256,
+        help="queue cap: a completion/chat request arriving while this many requests "
+        "wait for the engine gets 429 with Retry-After (negative: no cap)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=_seconds,
+        default=5.0,
+        help="on SIGTERM, drain in-flight requests for at most this many seconds, then cancel the rest and exit 0",
+    )
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -83,29 +99,34 @@ def serve(args: argparse.Namespace) -> int:
 
     from ..engine.config import EngineConfig
     from ..engine.llm import LLM
-    from .api import build_app
+    from .app import build_app
     from .async_engine import AsyncEngine
-    from .chat import load_chat_template
+    from .chat.render import load_chat_template
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     model_dir, name = args.model, args.served_model_name
     if model_dir is None:
         model_dir = default_model_dir()
         name = name or DEFAULT_NAME
-        log.warning("no MODEL_DIR given: serving the embedded default, a RANDOM-WEIGHT tiny Kimi K3 "
-                    "(make_tiny seed 0) at %s; its text is gibberish, the machinery is real", model_dir)
+        log.warning(
+            "no MODEL_DIR given: serving the embedded default, a RANDOM-WEIGHT tiny Kimi K3 "
+            "(make_tiny seed 0) at %s; its text is gibberish, the machinery is real",
+            model_dir,
+        )
     name = name or Path(model_dir).resolve().name
     llm = LLM.from_config(EngineConfig.from_args(args, model=model_dir, progress=False))
     engine = AsyncEngine(llm.engine, llm.model.config.family, load_chat_template(model_dir))
     cap = args.max_waiting_requests
     app = build_app(engine, name, api_key=args.api_key, max_waiting_requests=cap if cap >= 0 else None)
-    log.info("serving %r on http://%s:%d (api key %s)", name, args.host, args.port,
-             "required" if args.api_key else "off")
+    log.info(
+        "serving %r on http://%s:%d (api key %s)", name, args.host, args.port, "required" if args.api_key else "off"
+    )
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminated)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info",
-                    timeout_graceful_shutdown=args.shutdown_timeout)
+        uvicorn.run(
+            app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=args.shutdown_timeout
+        )
     finally:
         engine.shutdown()
     return 0

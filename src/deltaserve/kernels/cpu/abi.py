@@ -7,6 +7,7 @@ or `ds_abi_sizeof(name)` disagrees with the parse (`AbiMismatch`; the loader the
 the PyTorch paths). A header line outside the parseable subset (see the header's comment) raises
 ValueError at import: that is a broken package, not a machine without the kernels.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -14,14 +15,40 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ACT_SILU", "ACT_SITU", "AMX_ROWS", "CONSTANTS", "FUNCTIONS", "GATE_SIGMOID", "GATE_SOFTPLUS", "GROUP_SIZE",
-           "HEADER", "KDA_MAX_CHUNK", "MAX_MIX", "MAX_MULTI", "MAX_ROWS", "MLA_MAX_HEADS", "MLA_MAX_RANK", "STRUCTS",
-           "VERSION", "AbiMismatch", "Signature", "check", "declare", "parse"]
+__all__ = [
+    "ACT_SILU",
+    "ACT_SITU",
+    "AMX_ROWS",
+    "CONSTANTS",
+    "FUNCTIONS",
+    "GATE_SIGMOID",
+    "GATE_SOFTPLUS",
+    "GROUP_SIZE",
+    "HEADER",
+    "KDA_MAX_CHUNK",
+    "MAX_MIX",
+    "MAX_MULTI",
+    "MAX_ROWS",
+    "MLA_MAX_HEADS",
+    "MLA_MAX_RANK",
+    "STRUCTS",
+    "VERSION",
+    "AbiMismatch",
+    "Signature",
+    "check",
+    "declare",
+    "parse",
+]
 
 HEADER = Path(__file__).with_name("csrc") / "ds_abi.h"
 
-_SCALARS = {"void": None, "int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float,
-            "size_t": ctypes.c_size_t}
+_SCALARS = {
+    "void": None,
+    "int": ctypes.c_int,
+    "int64_t": ctypes.c_int64,
+    "float": ctypes.c_float,
+    "size_t": ctypes.c_size_t,
+}
 _POINTEES = {"void", "char", "int", "int64_t", "float", "uint8_t", "uint16_t"}
 
 

@@ -6,6 +6,7 @@ feature flags; it is written to a temporary file and renamed into place under a 
 concurrent processes never load a half-written library, and a later process with the same key
 loads the cached one without compiling.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -24,8 +25,18 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 _SOURCES = sorted(CSRC.glob("*.c"))
 _HEADERS = sorted(CSRC.glob("*.h"))
-_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-Wall",
-          "-Werror=implicit-function-declaration", "-Werror=implicit-int"]
+_FLAGS = [
+    "-O3",
+    "-march=native",
+    "-mprefer-vector-width=512",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+    "-std=c11",
+    "-Wall",
+    "-Werror=implicit-function-declaration",
+    "-Werror=implicit-int",
+]
 _LIBS = ["-lm"]
 
 
@@ -53,8 +64,9 @@ def build(compiler: str) -> Path:
     """The library for this source, compiler and CPU, compiled if not cached yet. Raises OSError or
     subprocess.CalledProcessError (its stderr holds the compiler's messages)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([*(f.read_text() for f in _SOURCES + _HEADERS), version, " ".join(_FLAGS), _cpu_flags()])
-                         .encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        "\0".join([*(f.read_text() for f in _SOURCES + _HEADERS), version, " ".join(_FLAGS), _cpu_flags()]).encode()
+    ).hexdigest()[:16]
     out_dir = _cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     lib = out_dir / f"cpu_kernels-{key}.so"
@@ -65,8 +77,12 @@ def build(compiler: str) -> Path:
             fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so")
             os.close(fd)
             try:
-                subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", tmp, *_LIBS], capture_output=True,
-                               text=True, check=True)
+                subprocess.run(
+                    [compiler, *_FLAGS, *map(str, _SOURCES), "-o", tmp, *_LIBS],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
                 os.replace(tmp, lib)
             finally:
                 if os.path.exists(tmp):

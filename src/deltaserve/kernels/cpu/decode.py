@@ -1,13 +1,14 @@
-"""ctypes bindings of the decode-oriented native kernels (small-M GEMV, fused experts, KDA and
-MLA decode steps, norms, AttnRes): each method checks dtypes, shapes and contiguity, then calls
-`self.lib` (see `library.py`)."""
+"""ctypes bindings of the decode-oriented native kernels (small-M GEMV, fused experts, router,
+norms, AttnRes; the KDA and MLA decode steps are in `attention.py`): each method checks dtypes,
+shapes and contiguity, then calls `self.lib` (see `library.py`)."""
+
 from __future__ import annotations
 
 import ctypes
 
 import torch
 
-from .abi import AMX_ROWS, GROUP_SIZE, MAX_MIX, MAX_MULTI, MAX_ROWS, MLA_MAX_HEADS, MLA_MAX_RANK
+from .abi import AMX_ROWS, GROUP_SIZE, MAX_MIX, MAX_MULTI, MAX_ROWS
 
 
 def expert_operands(w1, w3, w2, d: int) -> tuple[int, int, bool, list[int]] | None:
@@ -17,15 +18,22 @@ def expert_operands(w1, w3, w2, d: int) -> tuple[int, int, bool, list[int]] | No
     if isinstance(w1, tuple):
         (p1, s1), (p3, s3), (p2, s2) = w1, w3, w2
         num, width = p1.shape[0], p1.shape[1]
-        ok = (tuple(p1.shape) == tuple(p3.shape) == (num, width, d // 2) and tuple(p2.shape) == (num, d, width // 2)
-              and tuple(s1.shape) == tuple(s3.shape) == (num, width, d // GROUP_SIZE)
-              and tuple(s2.shape) == (num, d, width // GROUP_SIZE) and d % GROUP_SIZE == 0
-              and width % GROUP_SIZE == 0
-              and all(t.dtype == torch.uint8 and t.is_contiguous() for t in (p1, s1, p3, s3, p2, s2)))
+        ok = (
+            tuple(p1.shape) == tuple(p3.shape) == (num, width, d // 2)
+            and tuple(p2.shape) == (num, d, width // 2)
+            and tuple(s1.shape) == tuple(s3.shape) == (num, width, d // GROUP_SIZE)
+            and tuple(s2.shape) == (num, d, width // GROUP_SIZE)
+            and d % GROUP_SIZE == 0
+            and width % GROUP_SIZE == 0
+            and all(t.dtype == torch.uint8 and t.is_contiguous() for t in (p1, s1, p3, s3, p2, s2))
+        )
         return (num, width, True, [t.data_ptr() for t in (p1, s1, p3, s3, p2, s2)]) if ok else None
     num, width = w1.shape[0], w1.shape[1]
-    ok = (tuple(w1.shape) == tuple(w3.shape) == (num, width, d) and tuple(w2.shape) == (num, d, width)
-          and all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in (w1, w3, w2)))
+    ok = (
+        tuple(w1.shape) == tuple(w3.shape) == (num, width, d)
+        and tuple(w2.shape) == (num, d, width)
+        and all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in (w1, w3, w2))
+    )
     return (num, width, False, [w1.data_ptr(), 0, w3.data_ptr(), 0, w2.data_ptr(), 0]) if ok else None
 
 
@@ -51,25 +59,39 @@ class DecodeBindings:
 
     MAX_MULTI = MAX_MULTI
 
-    def linear_bf16_multi(self, x: torch.Tensor, weights: list[torch.Tensor],
-                          f32: list[bool] | None = None) -> list[torch.Tensor]:
+    def linear_bf16_multi(
+        self, x: torch.Tensor, weights: list[torch.Tensor], f32: list[bool] | None = None
+    ) -> list[torch.Tensor]:
         """`[x @ w.T for w in weights]` in one native call: x [M, K] bf16 (M <= MAX_ROWS, or any M on
         AMX tiles, in passes of AMX_ROWS), each w [N_i, K] bf16 contiguous; output i is fp32 where
         f32[i] (the unrounded fp32 accumulation), else bf16."""
         m, k = x.shape
         f32 = f32 or [False] * len(weights)
-        if not (x.dtype == torch.bfloat16 and 0 < m and (m <= MAX_ROWS or self.multi_rows(k) > MAX_ROWS)
-                and 0 < len(weights) == len(f32) <= self.MAX_MULTI
-                and all(w.dtype == torch.bfloat16 and w.dim() == 2 and w.shape[1] == k and w.is_contiguous()
-                        for w in weights)):
+        if not (
+            x.dtype == torch.bfloat16
+            and 0 < m
+            and (m <= MAX_ROWS or self.multi_rows(k) > MAX_ROWS)
+            and 0 < len(weights) == len(f32) <= self.MAX_MULTI
+            and all(
+                w.dtype == torch.bfloat16 and w.dim() == 2 and w.shape[1] == k and w.is_contiguous() for w in weights
+            )
+        ):
             raise ValueError("linear_bf16_multi: bad operands")
         x = x.contiguous()
         ys = [torch.empty(m, w.shape[0], dtype=torch.float32 if f else torch.bfloat16) for w, f in zip(weights, f32)]
         nw = len(weights)
         fn = self.lib.ds_linear_bf16_multi if m <= MAX_ROWS else self.lib.ds_linear_amx_multi
-        rc = fn(x.data_ptr(), m, k, (ctypes.c_void_p * nw)(*[w.data_ptr() for w in weights]),
-                (ctypes.c_int * nw)(*[w.shape[0] for w in weights]), (ctypes.c_int * nw)(*[int(f) for f in f32]),
-                (ctypes.c_void_p * nw)(*[y.data_ptr() for y in ys]), nw, self._threads())
+        rc = fn(
+            x.data_ptr(),
+            m,
+            k,
+            (ctypes.c_void_p * nw)(*[w.data_ptr() for w in weights]),
+            (ctypes.c_int * nw)(*[w.shape[0] for w in weights]),
+            (ctypes.c_int * nw)(*[int(f) for f in f32]),
+            (ctypes.c_void_p * nw)(*[y.data_ptr() for y in ys]),
+            nw,
+            self._threads(),
+        )
         if rc != 0:
             raise MemoryError("linear_bf16_multi: scratch allocation failed")
         return ys
@@ -82,35 +104,50 @@ class DecodeBindings:
     def linear_bf16_heads(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Per-head `x[h] @ w[h].T`: x [H, M <= MAX_ROWS, K], w [H, N, K], both bf16 -> [H, M, N]."""
         h, m, k = x.shape
-        if not (x.dtype == w.dtype == torch.bfloat16 and w.dim() == 3 and w.shape[0] == h and w.shape[2] == k
-                and m <= MAX_ROWS):
+        if not (
+            x.dtype == w.dtype == torch.bfloat16
+            and w.dim() == 3
+            and w.shape[0] == h
+            and w.shape[2] == k
+            and m <= MAX_ROWS
+        ):
             raise ValueError(f"linear_bf16_heads: bad operands {tuple(x.shape)} @ {tuple(w.shape)}")
         x, w = x.contiguous(), w.contiguous()
         y = torch.empty(h, m, w.shape[1], dtype=torch.bfloat16)
         self.lib.ds_linear_bf16_heads(x.data_ptr(), h, m, k, w.data_ptr(), w.shape[1], y.data_ptr(), self._threads())
         return y
 
-    def mxfp4_to_bf16(self, packed: torch.Tensor, scale: torch.Tensor,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+    def mxfp4_to_bf16(self, packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """decode(packed [..., N, K/2], scale [..., N, K/32]) -> [..., N, K] bf16, exactly, into
         `out` (contiguous, that shape) or a new tensor. The caller has validated the scales (no 0xFF)."""
         k = packed.shape[-1] * 2
         shape = (*packed.shape[:-1], k)
-        if not (packed.dtype == scale.dtype == torch.uint8 and k % GROUP_SIZE == 0
-                and tuple(scale.shape) == (*packed.shape[:-1], k // GROUP_SIZE)
-                and (out is None or (out.dtype == torch.bfloat16 and tuple(out.shape) == shape
-                                     and out.is_contiguous()))):
+        if not (
+            packed.dtype == scale.dtype == torch.uint8
+            and k % GROUP_SIZE == 0
+            and tuple(scale.shape) == (*packed.shape[:-1], k // GROUP_SIZE)
+            and (out is None or (out.dtype == torch.bfloat16 and tuple(out.shape) == shape and out.is_contiguous()))
+        ):
             raise ValueError(f"mxfp4_to_bf16: bad operands packed {tuple(packed.shape)} scale {tuple(scale.shape)}")
         packed, scale = packed.contiguous(), scale.contiguous()
         out = torch.empty(shape, dtype=torch.bfloat16) if out is None else out
         rows = packed.numel() // packed.shape[-1] if packed.numel() else 0
         if rows:
-            self.lib.ds_mxfp4_to_bf16(packed.data_ptr(), scale.data_ptr(), rows, k, out.data_ptr(),
-                                      self._threads())
+            self.lib.ds_mxfp4_to_bf16(packed.data_ptr(), scale.data_ptr(), rows, k, out.data_ptr(), self._threads())
         return out
 
-    def moe_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                    w1, w3, w2, act: int, beta: float, linear_beta: float | None) -> torch.Tensor:
+    def moe_experts(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        w1,
+        w3,
+        w2,
+        act: int,
+        beta: float,
+        linear_beta: float | None,
+    ) -> torch.Tensor:
         """Fused routed experts for small batches (see `ds_moe_experts`). x [N, D] bf16, ids int64
         and weights fp32 [N, k]; w1/w3/w2 are bf16 tensors [E, I, D] / [E, D, I], or
         (packed, scale) pairs of uint8 tensors. Returns [N, D] bf16."""
@@ -124,113 +161,99 @@ class DecodeBindings:
         ids = ids.to(torch.int64).contiguous()
         weights = weights.to(torch.float32).contiguous()
         out = torch.empty(n, d, dtype=torch.bfloat16)
-        rc = self.lib.ds_moe_experts(x.data_ptr(), n, d, ids.data_ptr(), weights.data_ptr(), k, num, width,
-                                     int(packed), *ptrs, act, beta, linear_beta or 0.0, out.data_ptr(),
-                                     self._threads())
+        rc = self.lib.ds_moe_experts(
+            x.data_ptr(),
+            n,
+            d,
+            ids.data_ptr(),
+            weights.data_ptr(),
+            k,
+            num,
+            width,
+            int(packed),
+            *ptrs,
+            act,
+            beta,
+            linear_beta or 0.0,
+            out.data_ptr(),
+            self._threads(),
+        )
         if rc == -2:
             raise ValueError("moe_experts: expert id out of range")
         if rc != 0:
             raise MemoryError("moe_experts: scratch allocation failed")
         return out
 
-    def kda_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, conv_weight: torch.Tensor,
-                   tails: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, f: torch.Tensor,
-                   a_log: torch.Tensor, dt_bias: torch.Tensor, gate_kind: int, lower_bound: float,
-                   b_logit: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                   scale: float) -> torch.Tensor:
-        """One decode token per sequence of one KDA layer (see `ds_kda_decode`), updating
-        `tails` [S, W-1, 3P] bf16 and `states` [S, H, K, K] fp32 at `slots` IN PLACE.
-        q, k, v, f, gate: [B, P] bf16 projections; b_logit [B, H] bf16; conv_weight [3P, W],
-        a_log [H], dt_bias [P], norm_weight [K] fp32. Returns the normed, gated output [B, P] bf16."""
-        bsz, p = q.shape
-        _, h, kd, _ = states.shape
-        w = conv_weight.shape[1]
-        bf = (q, k, v, f, gate, b_logit)
-        ok = (p == h * kd and all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in bf)
-              and all(tuple(t.shape) == (bsz, p) for t in (k, v, f, gate)) and tuple(b_logit.shape) == (bsz, h)
-              and tails.dtype == torch.bfloat16 and tails.is_contiguous() and tuple(tails.shape[1:]) == (w - 1, 3 * p)
-              and states.dtype == torch.float32 and states.is_contiguous() and tuple(states.shape[2:]) == (kd, kd)
-              and tails.shape[0] == states.shape[0] and slots.dtype == torch.int64 and slots.numel() == bsz
-              and all(t.dtype == torch.float32 and t.is_contiguous() for t in (conv_weight, a_log, dt_bias, norm_weight))
-              and tuple(conv_weight.shape) == (3 * p, w) and a_log.numel() == h and dt_bias.numel() == p
-              and norm_weight.numel() == kd and w >= 1)
-        if not ok:
-            raise ValueError("kda_decode: operand shapes or dtypes disagree")
-        slots = slots.contiguous()
-        if bsz and (int(slots.min()) < 0 or int(slots.max()) >= states.shape[0]):
-            raise ValueError("kda_decode: slot out of range")
-        out = torch.empty(bsz, p, dtype=torch.bfloat16)
-        rc = self.lib.ds_kda_decode(bsz, h, kd, w, q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                                    conv_weight.data_ptr(), tails.data_ptr(), states.data_ptr(),
-                                    slots.data_ptr(), f.data_ptr(), a_log.data_ptr(), dt_bias.data_ptr(),
-                                    gate_kind, lower_bound, b_logit.data_ptr(), gate.data_ptr(),
-                                    norm_weight.data_ptr(), eps, scale, out.data_ptr(), self._threads())
-        if rc != 0:
-            raise MemoryError("kda_decode: scratch allocation failed")
-        return out
-
-    def mla_decode(self, q_latent: torch.Tensor, rows: torch.Tensor, read_rows: torch.Tensor,
-                   cu_kv: torch.Tensor, kv_lora_rank: int, scale: float) -> torch.Tensor:
-        """Absorbed MLA attention of one query per sequence over its paged context (see
-        `ds_mla_decode`): q_latent [B, H, R + Dr] bf16, rows [num_rows, R + Dr] bf16 (the pool),
-        read_rows int64 (each sequence's context rows, packed by cu_kv [B + 1]).
-        Returns [B, H, R] bf16; `ops.mla.mla_absorbed_attention` is the reference."""
-        bsz, h, d = q_latent.shape
-        ok = (q_latent.dtype == rows.dtype == torch.bfloat16 and rows.dim() == 2 and rows.shape[1] == d
-              and rows.is_contiguous() and read_rows.dtype == cu_kv.dtype == torch.int64
-              and cu_kv.numel() == bsz + 1 and 0 < kv_lora_rank <= min(d, MLA_MAX_RANK) and h <= MLA_MAX_HEADS)
-        if not ok:
-            raise ValueError("mla_decode: operand shapes or dtypes disagree")
-        q_latent, read_rows, cu_kv = q_latent.contiguous(), read_rows.contiguous(), cu_kv.contiguous()
-        lens = cu_kv[1:] - cu_kv[:-1]
-        if bsz and (int(cu_kv[0]) != 0 or int(cu_kv[-1]) != read_rows.numel() or bool((lens < 1).any())):
-            raise ValueError("mla_decode: every sequence needs at least one context row")
-        if read_rows.numel() and (int(read_rows.min()) < 0 or int(read_rows.max()) >= rows.shape[0]):
-            raise ValueError("mla_decode: row index out of range")
-        out = torch.empty(bsz, h, kv_lora_rank, dtype=torch.bfloat16)
-        rc = self.lib.ds_mla_decode(bsz, h, d, kv_lora_rank, q_latent.data_ptr(), rows.data_ptr(),
-                                    read_rows.data_ptr(), cu_kv.data_ptr(), scale, out.data_ptr(),
-                                    self._threads())
-        if rc != 0:
-            raise MemoryError("mla_decode: scratch allocation failed")
-        return out
-
     def rms_norm(self, x: torch.Tensor, weight_f32: torch.Tensor, eps: float) -> torch.Tensor:
         """`ops.norms.rms_norm` for bf16 x [N, D] (rows may be strided, columns contiguous) and
         an fp32 weight [D]. Returns a new contiguous [N, D] bf16 tensor."""
         n, d = x.shape
-        if not (x.dtype == torch.bfloat16 and (x.stride(1) == 1 or d == 1) and weight_f32.dtype == torch.float32
-                and weight_f32.is_contiguous() and weight_f32.numel() == d):
+        if not (
+            x.dtype == torch.bfloat16
+            and (x.stride(1) == 1 or d == 1)
+            and weight_f32.dtype == torch.float32
+            and weight_f32.is_contiguous()
+            and weight_f32.numel() == d
+        ):
             raise ValueError("rms_norm: operand shapes or dtypes disagree")
         out = torch.empty(n, d, dtype=torch.bfloat16)
-        self.lib.ds_rms_norm(x.data_ptr(), x.stride(0), n, d, weight_f32.data_ptr(), eps, out.data_ptr(), d,
-                             self._threads())
+        self.lib.ds_rms_norm(
+            x.data_ptr(), x.stride(0), n, d, weight_f32.data_ptr(), eps, out.data_ptr(), d, self._threads()
+        )
         return out
 
     MAX_MIX = MAX_MIX
 
-    def attn_res_mix(self, candidates: list[torch.Tensor], q_f32: torch.Tensor, eps: float,
-                     norm_f32: torch.Tensor | None = None, norm_eps: float = 0.0) -> torch.Tensor:
+    def attn_res_mix(
+        self,
+        candidates: list[torch.Tensor],
+        q_f32: torch.Tensor,
+        eps: float,
+        norm_f32: torch.Tensor | None = None,
+        norm_eps: float = 0.0,
+    ) -> torch.Tensor:
         """`ops.attn_res.attn_res_mix` over `candidates` (the bank, then cur; each [N, D] bf16)
         with the fp32 query q = norm * proj [D]. Returns the mix [N, D] bf16, or with `norm_f32`
         (an RMSNorm's fp32 weight [D]) that norm of the mix, bit-identical to `rms_norm` after it."""
         n, d = candidates[-1].shape
-        if not (0 < len(candidates) <= self.MAX_MIX and q_f32.dtype == torch.float32 and q_f32.numel() == d
-                and all(c.dtype == torch.bfloat16 and c.shape == candidates[-1].shape for c in candidates)
-                and (norm_f32 is None or (norm_f32.dtype == torch.float32 and norm_f32.numel() == d))):
+        if not (
+            0 < len(candidates) <= self.MAX_MIX
+            and q_f32.dtype == torch.float32
+            and q_f32.numel() == d
+            and all(c.dtype == torch.bfloat16 and c.shape == candidates[-1].shape for c in candidates)
+            and (norm_f32 is None or (norm_f32.dtype == torch.float32 and norm_f32.numel() == d))
+        ):
             raise ValueError("attn_res_mix: operand shapes or dtypes disagree")
         candidates = [c if c.is_contiguous() else c.contiguous() for c in candidates]
         ptrs = (ctypes.c_void_p * len(candidates))(*[c.data_ptr() for c in candidates])
         out = torch.empty(n, d, dtype=torch.bfloat16)
         normed = None if norm_f32 is None else torch.empty(n, d, dtype=torch.bfloat16)
-        self.lib.ds_attn_res_mix(ptrs, len(candidates), n, d, q_f32.contiguous().data_ptr(), eps, out.data_ptr(),
-                                 None if normed is None else norm_f32.contiguous().data_ptr(), norm_eps,
-                                 None if normed is None else normed.data_ptr(), self._threads())
+        self.lib.ds_attn_res_mix(
+            ptrs,
+            len(candidates),
+            n,
+            d,
+            q_f32.contiguous().data_ptr(),
+            eps,
+            out.data_ptr(),
+            None if normed is None else norm_f32.contiguous().data_ptr(),
+            norm_eps,
+            None if normed is None else normed.data_ptr(),
+            self._threads(),
+        )
         return out if normed is None else normed
 
-    def route(self, logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, num_expert_group: int,
-              topk_group: int, renormalize: bool, routed_scaling_factor: float,
-              bias_in_weights: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def route(
+        self,
+        logits: torch.Tensor,
+        correction_bias: torch.Tensor | None,
+        top_k: int,
+        num_expert_group: int,
+        topk_group: int,
+        renormalize: bool,
+        routed_scaling_factor: float,
+        bias_in_weights: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`ops.moe.route` after the logits (fp32 [N, E]; see `ds_route`): (weights fp32 [N, k],
         ids int64 [N, k]), or None where the kernel's limits do not hold (the caller falls back)."""
         n, e = logits.shape
@@ -240,7 +263,18 @@ class DecodeBindings:
         bias = None if correction_bias is None else correction_bias.float().contiguous()
         weights = torch.empty(n, top_k, dtype=torch.float32)
         ids = torch.empty(n, top_k, dtype=torch.int64)
-        rc = self.lib.ds_route(logits.data_ptr(), n, e, 0 if bias is None else bias.data_ptr(), top_k,
-                               num_expert_group, topk_group, int(renormalize), routed_scaling_factor,
-                               int(bias_in_weights), weights.data_ptr(), ids.data_ptr())
+        rc = self.lib.ds_route(
+            logits.data_ptr(),
+            n,
+            e,
+            0 if bias is None else bias.data_ptr(),
+            top_k,
+            num_expert_group,
+            topk_group,
+            int(renormalize),
+            routed_scaling_factor,
+            int(bias_in_weights),
+            weights.data_ptr(),
+            ids.data_ptr(),
+        )
         return (weights, ids) if rc == 0 else None

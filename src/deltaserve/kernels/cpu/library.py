@@ -1,12 +1,14 @@
 """The native CPU kernels, loaded: `native()` hands out the process's `NativeKernels` (the library
 built by `build.py` from `csrc/*.c`, with every binding), or None.
 
-The pure-PyTorch ops stay the default and the oracle: callers use `native()` and fall back when
-it returns None (no compiler, a failed build, a library that fails the ABI check of `abi.py`, a
-non-CPU device, or `DELTASERVE_NATIVE=0`); a missing compiler, a failed build or a refused
-library is logged as a warning, once per process. The engine (`LLM`) calls `native()` at
-start-up in bf16, so the build never lands on a request; `is_loaded()` says whether it happened.
+`ops.select.select_ops` asks once per model, when it is prepared after loading, and binds the
+native backend (`ops.cpu_native`) or the pure-PyTorch reference; nothing asks per call. None
+means: no compiler, a failed build, a library that fails the ABI check of `abi.py`, a non-CPU
+device, `set_enabled(False)` or `DELTASERVE_NATIVE=0`; a missing compiler, a failed build or a
+refused library is logged as a warning, once per process. `is_loaded()` says whether the build
+has happened (the engine's start-up does it, so it never lands on a request).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -18,21 +20,52 @@ import time
 
 import torch
 
-from .abi import ACT_SILU, ACT_SITU, AMX_ROWS, GATE_SIGMOID, GATE_SOFTPLUS, GROUP_SIZE, MAX_MIX, MAX_MULTI, MAX_ROWS, \
-    MLA_MAX_HEADS, MLA_MAX_RANK, AbiMismatch, check, declare
+from .abi import (
+    ACT_SILU,
+    ACT_SITU,
+    AMX_ROWS,
+    GATE_SIGMOID,
+    GATE_SOFTPLUS,
+    GROUP_SIZE,
+    MAX_MIX,
+    MAX_MULTI,
+    MAX_ROWS,
+    MLA_MAX_HEADS,
+    MLA_MAX_RANK,
+    AbiMismatch,
+    check,
+    declare,
+)
+from .attention import AttentionDecodeBindings
 from .blocks import BlockBindings
-from .build import build as _build, find_compiler
+from .build import build as _build
+from .build import find_compiler
 from .decode import DecodeBindings
 from .kda import KdaPrefillBindings
 from .prefill import PrefillBindings
 
-__all__ = ["ACT_SILU", "ACT_SITU", "AMX_ROWS", "GATE_SIGMOID", "GATE_SOFTPLUS", "GROUP_SIZE", "MAX_MIX", "MAX_MULTI",
-           "MAX_ROWS", "MLA_MAX_HEADS", "MLA_MAX_RANK", "NativeKernels", "is_loaded", "native", "set_enabled"]
+__all__ = [
+    "ACT_SILU",
+    "ACT_SITU",
+    "AMX_ROWS",
+    "GATE_SIGMOID",
+    "GATE_SOFTPLUS",
+    "GROUP_SIZE",
+    "MAX_MIX",
+    "MAX_MULTI",
+    "MAX_ROWS",
+    "MLA_MAX_HEADS",
+    "MLA_MAX_RANK",
+    "NativeKernels",
+    "is_loaded",
+    "native",
+    "set_enabled",
+]
 
 log = logging.getLogger(__name__)
 
 
-class NativeKernels(DecodeBindings, PrefillBindings, KdaPrefillBindings, BlockBindings):
+class NativeKernels(DecodeBindings, AttentionDecodeBindings, PrefillBindings, KdaPrefillBindings, BlockBindings):
     """The loaded library with every binding; `native()` hands out the process's instance."""
 
     def __init__(self, lib: ctypes.CDLL):
@@ -74,11 +107,19 @@ def _load() -> NativeKernels | None:
         log.warning("native CPU kernels unavailable (%s); using the PyTorch paths", detail.strip()[:500])
         return None
     except AbiMismatch as err:
-        log.warning("native CPU kernels refused: %s is not the library ds_abi.h declares (%s); using the PyTorch "
-                    "paths", lib, err)
+        log.warning(
+            "native CPU kernels refused: %s is not the library ds_abi.h declares (%s); using the PyTorch paths",
+            lib,
+            err,
+        )
         return None
-    log.info("native CPU kernels ready in %.1f s from %s (AVX512-BF16: %s, AMX: %s)",
-             time.perf_counter() - start, lib, kernels.avx512_bf16, kernels.amx)
+    log.info(
+        "native CPU kernels ready in %.1f s from %s (AVX512-BF16: %s, AMX: %s)",
+        time.perf_counter() - start,
+        lib,
+        kernels.avx512_bf16,
+        kernels.amx,
+    )
     return kernels
 
 
@@ -92,7 +133,8 @@ _enabled = True
 
 
 def set_enabled(flag: bool) -> bool:
-    """Turn the native paths on or off process-wide (tests compare both); returns the old value."""
+    """Let `native()` hand out the kernels or not (for models prepared from now on: tests compare
+    both backends); returns the old value."""
     global _enabled
     old, _enabled = _enabled, bool(flag)
     return old
@@ -102,7 +144,7 @@ def native(device: torch.device | str = "cpu") -> NativeKernels | None:
     """The kernels for tensors on `device`, or None where only the PyTorch path applies."""
     if not _enabled:
         return None
-    if device == "cpu" or getattr(device, "type", None) == "cpu":   # the per-call path: no device object
+    if device == "cpu" or getattr(device, "type", None) == "cpu":  # the per-call path: no device object
         return _load()
     kind = device.type if isinstance(device, torch.device) else torch.device(device).type
     return _load() if kind == "cpu" else None

@@ -4,6 +4,7 @@ Plain functions over ONE sequence, written as the spec's formulas with explicit 
 row loops. They compute in the dtype they are given (pass float64 for a tight oracle) and are
 never used in the serving path.
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,7 +43,7 @@ def naive_causal_conv1d(x, weight, initial_tail=None):
         for j in range(w):
             acc = acc + weight[:, j] * u[t + j]
         y[t] = acc * torch.sigmoid(acc)
-    return y, u[u.shape[0] - (w - 1):].clone()
+    return y, u[u.shape[0] - (w - 1) :].clone()
 
 
 def naive_recurrent_kda(q, k, v, g, beta, scale, initial_state=None):
@@ -79,13 +80,13 @@ def naive_chunk_kda(q, k, v, g, beta, scale, initial_state=None, chunk_size=64):
     out = []
     eye = torch.eye(c, dtype=q.dtype, device=q.device)
     for c0 in range(0, t_len + pad, c):
-        qc, kc, vc = qs[:, c0:c0 + c], ks[:, c0:c0 + c], vs[:, c0:c0 + c]
-        gcum, bc = gs[:, c0:c0 + c].cumsum(1), bs[:, c0:c0 + c]
+        qc, kc, vc = qs[:, c0 : c0 + c], ks[:, c0 : c0 + c], vs[:, c0 : c0 + c]
+        gcum, bc = gs[:, c0 : c0 + c].cumsum(1), bs[:, c0 : c0 + c]
         upper = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)[None, :, :, None]
         dec = torch.exp((gcum[:, :, None, :] - gcum[:, None, :, :]).masked_fill(upper, -torch.inf))
         lmat = bc[:, :, None] * torch.einsum("hid,hjd,hijd->hij", kc, kc, dec).tril(-1)
         a_qk = torch.einsum("hid,hjd,hijd->hij", qc, kc, dec).tril(0)
-        inv = torch.zeros_like(lmat)                                     # (I + L)^-1
+        inv = torch.zeros_like(lmat)  # (I + L)^-1
         for i in range(c):
             row = eye[i].expand(h, c).clone()
             for j in range(i):

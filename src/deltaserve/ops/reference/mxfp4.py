@@ -4,6 +4,7 @@ For every output element `W[o, j]`: byte `packed[o, j // 2]`, its LOW nibble whe
 its HIGH nibble when j is odd, looked up in the E2M1 table, times `2^(scale[o, j // 32] - 127)`.
 Computed in Python floats and returned as float64 (exact for every scale byte 0..254).
 """
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
-"""K3 "XTML" renderer (spec/model.md §14.1) producing `Special` / str pieces for `chat.encode_pieces`.
+"""K3 "XTML" renderer (spec/model.md §14.1): `k3_pieces` produces the `Special` / str pieces
+that `common.encode_pieces` turns into ids.
 
     <|open|>message ATTRS<|sep|> BODY <|close|>message<|sep|><|end_of_msg|>
 
@@ -23,15 +24,14 @@ Choices where §14.1 is silent (also in the module report):
   (exact upstream bodies and placement unverified).
 - no `[BOS]` (OQ-6 open).
 """
+
 from __future__ import annotations
 
 import json
 
-from deltaserve.server.chat import (ChatFormatError, Special, content_items, validate_tool_calls,
-                                    validate_tools)
+from .common import ChatFormatError, Special, content_items, validate_tool_calls, validate_tools
 
-OPEN, CLOSE, SEP, EOM = (Special("<|open|>"), Special("<|close|>"), Special("<|sep|>"),
-                         Special("<|end_of_msg|>"))
+OPEN, CLOSE, SEP, EOM = (Special("<|open|>"), Special("<|close|>"), Special("<|sep|>"), Special("<|end_of_msg|>"))
 IMAGE = Special("<|media_pad|>")
 TOOLS_HEADER = "# Tools\nHere are the available tools, described in JSONSchema.\n\n"
 NEW_TOOLS_HEADER = "## New Tools Available\nHere are the available tools, described in JSONSchema.\n\n"
@@ -89,8 +89,7 @@ def tool_declare(tools: list[dict], header: str = TOOLS_HEADER) -> list:
         listing = compact_json(tools)
     except (TypeError, ValueError) as e:
         raise ChatFormatError(f"tools are not JSON-serialisable: {e}") from e
-    return message([("role", "system"), ("type", "tool-declare")],
-                   [header + "```json\n" + listing + "\n```"])
+    return message([("role", "system"), ("type", "tool-declare")], [header + "```json\n" + listing + "\n```"])
 
 
 def tool_call(call: dict, index: int) -> list:
@@ -120,16 +119,26 @@ def control_messages(controls) -> list:
     """`[(type, body)]` -> internal system messages (see the module docstring)."""
     out: list = []
     for item in controls or ():
-        if not (isinstance(item, tuple) and len(item) == 2 and item[0] in CONTROL_TYPES
-                and isinstance(item[1], str) and item[1]):
-            raise ChatFormatError(f"a control message must be (type in {CONTROL_TYPES}, non-empty "
-                                  f"body), got {item!r}")
+        if not (
+            isinstance(item, tuple)
+            and len(item) == 2
+            and item[0] in CONTROL_TYPES
+            and isinstance(item[1], str)
+            and item[1]
+        ):
+            raise ChatFormatError(f"a control message must be (type in {CONTROL_TYPES}, non-empty body), got {item!r}")
         out += message([("role", "system"), ("type", item[0])], [item[1]])
     return out
 
 
-def k3_pieces(messages: list[dict], tools: list[dict], add_generation_prompt: bool,
-              thinking: bool, image_special=None, controls=()) -> list:
+def k3_pieces(
+    messages: list[dict],
+    tools: list[dict],
+    add_generation_prompt: bool,
+    thinking: bool,
+    image_special=None,
+    controls=(),
+) -> list:
     image_special = image_special or IMAGE
     out: list = []
     if tools:
@@ -167,8 +176,10 @@ def k3_pieces(messages: list[dict], tools: list[dict], add_generation_prompt: bo
                 raise ChatFormatError(f"{where} (tool) needs 'content'")
             name, index = call_info.get(m.get("tool_call_id"), (m.get("name"), m.get("index")))
             if not isinstance(name, str) or not name:
-                raise ChatFormatError(f"{where} (tool): tool_call_id {m.get('tool_call_id')!r} "
-                                      "matches no earlier assistant tool call and no 'name' given")
+                raise ChatFormatError(
+                    f"{where} (tool): tool_call_id {m.get('tool_call_id')!r} "
+                    "matches no earlier assistant tool call and no 'name' given"
+                )
             if isinstance(index, bool) or not isinstance(index, (int, str)):
                 index = 1
             out += message([("role", "tool"), ("tool", name), ("index", str(index))], items)

@@ -10,17 +10,16 @@ produce special ids. Empty strings are not wrapped (templates test their truthin
 Without a template the same format as the tiny checkpoint's template is
 written in code (`_code_pieces`).
 """
+
 from __future__ import annotations
 
 import json
 import re
 
-from deltaserve.server.chat import ChatFormatError, Special, content_items, encode_pieces, \
-    validate_tool_calls
+from .common import ChatFormatError, Special, content_items, encode_pieces, validate_tool_calls
 
 DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
-_SENTINEL_CANDIDATES = [("\ue000", "\ue001"), ("\ue002", "\ue003"), ("\uf8fe", "\uf8ff"),
-                        ("\U000f0000", "\U000f0001")]
+_SENTINEL_CANDIDATES = [("\ue000", "\ue001"), ("\ue002", "\ue003"), ("\uf8fe", "\uf8ff"), ("\U000f0000", "\U000f0001")]
 
 
 def _json(obj) -> str:
@@ -36,8 +35,12 @@ def _code_pieces(messages: list[dict], tools: list[dict], add_generation_prompt:
         role, where = m["role"], f"messages[{i}]"
         if i == 0 and role != "system":
             out += [S("<|im_system|>"), "system", S("<|im_middle|>"), DEFAULT_SYSTEM, S("<|im_end|>")]
-        head = {"system": ("<|im_system|>", "system"), "user": ("<|im_user|>", "user"),
-                "assistant": ("<|im_assistant|>", "assistant"), "tool": ("<|im_system|>", "tool")}[role]
+        head = {
+            "system": ("<|im_system|>", "system"),
+            "user": ("<|im_user|>", "user"),
+            "assistant": ("<|im_assistant|>", "assistant"),
+            "tool": ("<|im_system|>", "tool"),
+        }[role]
         out += [S(head[0]), head[1], S("<|im_middle|>")]
         if role == "tool":
             out.append(f"## Return of {m.get('tool_call_id') or ''}\n")
@@ -47,10 +50,12 @@ def _code_pieces(messages: list[dict], tools: list[dict], add_generation_prompt:
             out.append(S("<|tool_calls_section_begin|>"))
             for j, c in enumerate(calls):
                 cid = c["id"] or f"functions.{c['name']}:{j}"
-                args = c["arguments"] if isinstance(c["arguments"], str) else \
-                    json.dumps(c["arguments"], ensure_ascii=False)
-                out += [S("<|tool_call_begin|>"), cid, S("<|tool_call_argument_begin|>"), args,
-                        S("<|tool_call_end|>")]
+                args = (
+                    c["arguments"]
+                    if isinstance(c["arguments"], str)
+                    else json.dumps(c["arguments"], ensure_ascii=False)
+                )
+                out += [S("<|tool_call_begin|>"), cid, S("<|tool_call_argument_begin|>"), args, S("<|tool_call_end|>")]
             out.append(S("<|tool_calls_section_end|>"))
         out.append(S("<|im_end|>"))
     if add_generation_prompt:
@@ -74,9 +79,15 @@ def _wrap(obj, lo: str, hi: str, keys: tuple | None = None):
     if isinstance(obj, list):
         return [_wrap(v, lo, hi, keys) for v in obj]
     if isinstance(obj, dict):
-        return {k: _wrap(v, lo, hi, None if keys is None or (k in keys and not (
-                    k == "content" and isinstance(v, list))) else keys)
-                for k, v in obj.items()}
+        return {
+            k: _wrap(
+                v,
+                lo,
+                hi,
+                None if keys is None or (k in keys and not (k == "content" and isinstance(v, list))) else keys,
+            )
+            for k, v in obj.items()
+        }
     return obj
 
 
@@ -98,27 +109,29 @@ def _template_ids(tokenizer, template: str, messages, tools, add_generation_prom
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     blob = json.dumps([messages, tools], ensure_ascii=False)
-    lo, hi = next(((a, b) for a, b in _SENTINEL_CANDIDATES if a not in blob and b not in blob),
-                  (None, None))
+    lo, hi = next(((a, b) for a, b in _SENTINEL_CANDIDATES if a not in blob and b not in blob), (None, None))
     if lo is None:
         raise ChatFormatError("messages contain every private-use sentinel character; cannot render")
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         # transformers' chat-template tojson (no HTML escaping)
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     env.filters["tojson"] = tojson
-    bad = [k for k in _dict_keys([messages, tools]) if isinstance(k, str) and "<|" in k
-           and any(sp in k for sp in tokenizer.special_tokens)]
+    bad = [
+        k
+        for k in _dict_keys([messages, tools])
+        if isinstance(k, str) and "<|" in k and any(sp in k for sp in tokenizer.special_tokens)
+    ]
     if bad:
         raise ChatFormatError(f"object key {bad[0]!r} contains a special-token string")
     wmsgs = [_wrap(m, lo, hi, _USER_KEYS) for m in messages]
     wtools = _wrap(tools, lo, hi) if tools else None
     try:
-        text = env.from_string(template).render(messages=wmsgs, tools=wtools,
-                                                add_generation_prompt=add_generation_prompt)
+        text = env.from_string(template).render(
+            messages=wmsgs, tools=wtools, add_generation_prompt=add_generation_prompt
+        )
     except TemplateError as e:
         raise ChatFormatError(f"chat template failed: {e}") from e
     specials = sorted(tokenizer.special_tokens, key=len, reverse=True)
@@ -126,7 +139,7 @@ def _template_ids(tokenizer, template: str, messages, tools, add_generation_prom
     pieces: list = []
     pos = 0
     for m in re.finditer(re.escape(lo) + "(.*?)" + re.escape(hi), text, flags=re.S):
-        _split_specials(text[pos:m.start()], special_re, pieces)
+        _split_specials(text[pos : m.start()], special_re, pieces)
         pieces.append(m.group(1))
         pos = m.end()
     _split_specials(text[pos:], special_re, pieces)
@@ -139,7 +152,7 @@ def _split_specials(text: str, special_re, pieces: list) -> None:
     pos = 0
     for m in special_re.finditer(text):
         if m.start() > pos:
-            pieces.append(text[pos:m.start()])
+            pieces.append(text[pos : m.start()])
         pieces.append(Special(m.group(0)))
         pos = m.end()
     if pos < len(text):

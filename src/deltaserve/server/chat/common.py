@@ -1,25 +1,18 @@
-"""Chat rendering: OpenAI-style messages -> prompt token ids (spec/model.md §13-14).
+"""The pieces every chat format shares: `ChatFormatError`, `Special` (a control token by name),
+`encode_pieces` (the one place pieces become ids) and the validation of messages, content parts,
+tool calls and tool declarations. Imports nothing from the format modules.
 
-Public API: `render_chat(tokenizer, family, messages, tools=None, add_generation_prompt=True,
-thinking=True, chat_template=None, controls=(), accept_images=True) -> list[int]`,
-`ChatFormatError`, `load_chat_template(dir)`. With `accept_images=False` (the server, until
-vision is served) any image part (`IMAGE_PART_TYPES`) is refused rather than rendered as a pad.
-
-Invariant: control (special) tokens come only from the renderer. Every renderer produces a
+Invariant: control (special) tokens come only from a renderer. Every renderer produces a
 sequence of `Special(name)` and plain-text pieces; adjacent plain-text pieces are joined and
 encoded with specials *disallowed*, so a user typing `<|open|>` gets ordinary BPE ids. Joining
 first means the ids equal those of "render the string, tokenize it allowing specials only where
 the renderer put them" (no extra BPE boundaries at attribute / body seams).
-
-K3 "XTML" lives in `chat_k3.py`; Kimi-Linear `<|im_*|>` in `chat_kimi_linear.py` (the checkpoint's
-`chat_template.jinja` rendered in a sandbox when given, else the same format in code).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-FAMILIES = ("kimi_k3", "kimi_linear")
 ROLES = ("system", "user", "assistant", "tool")
 IMAGE_PART_TYPES = ("image_url", "image", "input_image", "image_file")
 
@@ -31,11 +24,12 @@ class ChatFormatError(ValueError):
 @dataclass(frozen=True)
 class Special:
     """A control token, resolved by name against the tokenizer at encode time."""
+
     name: str
 
 
 def encode_pieces(tokenizer, pieces) -> list[int]:
-    """Encode a sequence of `Special` / `str` pieces (see module docstring)."""
+    """Encode a sequence of `Special` / `str` pieces (see the module docstring)."""
     ids: list[int] = []
     buf: list[str] = []
 
@@ -49,8 +43,7 @@ def encode_pieces(tokenizer, pieces) -> list[int]:
             flush()
             tid = tokenizer.special_tokens.get(p.name)
             if tid is None:
-                raise ChatFormatError(f"the tokenizer has no special token {p.name!r}, which this "
-                                      "chat format needs")
+                raise ChatFormatError(f"the tokenizer has no special token {p.name!r}, which this chat format needs")
             ids.append(tid)
         else:
             buf.append(p)
@@ -58,7 +51,8 @@ def encode_pieces(tokenizer, pieces) -> list[int]:
     return ids
 
 
-# ---------------------------------------------------------------- validation (shared)
+# ---------------------------------------------------------------- validation
+
 
 def _text_of_parts(parts: list, where: str, allow_images: bool) -> list:
     """Validate a list of content parts; return a list of str / ("image",) items."""
@@ -93,8 +87,7 @@ def content_items(msg: dict, where: str, required: bool, allow_images: bool) -> 
     elif isinstance(content, list):
         items = _text_of_parts(content, where, allow_images)
     else:
-        raise ChatFormatError(f"{where}.content must be a string or a list of parts, got "
-                              f"{type(content).__name__}")
+        raise ChatFormatError(f"{where}.content must be a string or a list of parts, got {type(content).__name__}")
     if required and not any(isinstance(i, tuple) or i for i in items):
         raise ChatFormatError(f"{where} ({msg.get('role')}) has empty content")
     return items
@@ -157,8 +150,10 @@ def reject_images(messages) -> None:
         parts = m.get("content") if isinstance(m, dict) else None
         for j, part in enumerate(parts if isinstance(parts, list) else ()):
             if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
-                raise ChatFormatError(f"messages[{i}].content[{j}]: this server does not accept image "
-                                      f"input yet ({part['type']!r} part); send text only")
+                raise ChatFormatError(
+                    f"messages[{i}].content[{j}]: this server does not accept image "
+                    f"input yet ({part['type']!r} part); send text only"
+                )
 
 
 def validate_tools(tools) -> list[dict]:
@@ -173,40 +168,3 @@ def validate_tools(tools) -> list[dict]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise ChatFormatError(f"tools[{j}] needs a function with a non-empty string name")
     return tools
-
-
-# ---------------------------------------------------------------- entry point
-
-def load_chat_template(model_dir) -> str | None:
-    """The checkpoint's `chat_template.jinja` text, or None if it ships none."""
-    p = Path(model_dir) / "chat_template.jinja"
-    return p.read_text(encoding="utf-8") if p.is_file() else None
-
-
-def render_chat(tokenizer, family: str, messages: list[dict], tools: list[dict] | None = None,
-                add_generation_prompt: bool = True, thinking: bool = True,
-                chat_template: str | None = None, controls=(), accept_images: bool = True) -> list[int]:
-    """Prompt token ids for `messages` (+ `tools`) in `family`'s chat format.
-
-    `thinking` selects K3's thinking (`<|open|>think<|sep|>`) or non-thinking
-    (`<|open|>response<|sep|>`) generation prompt; Kimi-Linear (an instruct model) ignores it.
-    `chat_template` (Kimi-Linear only) is a jinja template, e.g. from `load_chat_template`.
-    `controls` (K3 only; Kimi-Linear has no such messages) are `(type, body)` control messages.
-    `accept_images=False` refuses image parts. Raises `ChatFormatError` for malformed input.
-    """
-    if family not in FAMILIES:
-        raise ChatFormatError(f"unknown model family {family!r}; expected one of {FAMILIES}")
-    if not accept_images:
-        reject_images(messages)
-    validate_messages(messages)
-    tools = validate_tools(tools)
-    if not isinstance(thinking, bool) or not isinstance(add_generation_prompt, bool):
-        raise ChatFormatError("thinking and add_generation_prompt must be booleans")
-    if family == "kimi_k3":
-        from deltaserve.server.chat_k3 import k3_pieces
-        image = "<|kimi_image_placeholder|>" if "<|kimi_image_placeholder|>" in \
-            tokenizer.special_tokens else "<|media_pad|>"
-        return encode_pieces(tokenizer, k3_pieces(messages, tools, add_generation_prompt, thinking,
-                                                  Special(image), controls))
-    from deltaserve.server.chat_kimi_linear import kimi_linear_ids
-    return kimi_linear_ids(tokenizer, messages, tools, add_generation_prompt, chat_template)

@@ -15,6 +15,7 @@
   the format's description (OQ-6: the shipped template is unverified). K3 gets none (its XTML
   renderer lives in code, §14.1).
 """
+
 from __future__ import annotations
 
 import gzip
@@ -26,17 +27,43 @@ NUM_RESERVED = 256
 
 # offset from n_base -> name
 K3_SPECIALS = {
-    0: "[BOS]", 1: "[EOS]", 2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>", 5: "<|sep|>",
-    18: "<|media_begin|>", 19: "<|media_content|>", 20: "<|media_end|>", 21: "<|media_pad|>",
-    254: "[UNK]", 255: "[PAD]",
+    0: "[BOS]",
+    1: "[EOS]",
+    2: "<|end_of_msg|>",
+    3: "<|open|>",
+    4: "<|close|>",
+    5: "<|sep|>",
+    18: "<|media_begin|>",
+    19: "<|media_content|>",
+    20: "<|media_end|>",
+    21: "<|media_pad|>",
+    254: "[UNK]",
+    255: "[PAD]",
 }
 KIMI_LINEAR_SPECIALS = {
-    0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>",
-    6: "<|start_header_id|>", 7: "<|end_header_id|>", 9: "[EOT]", 10: "<|im_system|>",
-    11: "<|tool_calls_section_begin|>", 12: "<|tool_calls_section_end|>", 13: "<|tool_call_begin|>",
-    14: "<|tool_call_argument_begin|>", 15: "<|tool_call_end|>", 17: "<|im_middle|>",
-    18: "<|media_begin|>", 19: "<|media_content|>", 20: "<|media_end|>", 21: "<|media_pad|>",
-    22: "<think>", 23: "</think>", 254: "[UNK]", 255: "[PAD]",
+    0: "[BOS]",
+    1: "[EOS]",
+    2: "<|im_end|>",
+    3: "<|im_user|>",
+    4: "<|im_assistant|>",
+    6: "<|start_header_id|>",
+    7: "<|end_header_id|>",
+    9: "[EOT]",
+    10: "<|im_system|>",
+    11: "<|tool_calls_section_begin|>",
+    12: "<|tool_calls_section_end|>",
+    13: "<|tool_call_begin|>",
+    14: "<|tool_call_argument_begin|>",
+    15: "<|tool_call_end|>",
+    17: "<|im_middle|>",
+    18: "<|media_begin|>",
+    19: "<|media_content|>",
+    20: "<|media_end|>",
+    21: "<|media_pad|>",
+    22: "<think>",
+    23: "</think>",
+    254: "[UNK]",
+    255: "[PAD]",
 }
 EOS_NAME = {"kimi_k3": "<|end_of_msg|>", "kimi_linear": "<|im_end|>"}
 
@@ -114,9 +141,17 @@ def write_tokenizer(out: Path, family: str, vocab_size: int, model_max_length: i
         raise ValueError(f"vocab_size {vocab_size} leaves fewer than 256 BPE ranks")
     (out / "tiktoken.model").write_text("".join(base_ranks_lines(n_base)), encoding="ascii")
     specials = special_tokens(family, n_base)
-    decoder = {str(i): {"content": name, "lstrip": False, "normalized": False, "rstrip": False,
-                        "single_word": False, "special": True}
-               for name, i in sorted(specials.items(), key=lambda kv: kv[1])}
+    decoder = {
+        str(i): {
+            "content": name,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for name, i in sorted(specials.items(), key=lambda kv: kv[1])
+    }
     config = {
         "added_tokens_decoder": decoder,
         "additional_special_tokens": [n for n in specials if n not in ("[BOS]", "[EOS]", "[UNK]", "[PAD]")],

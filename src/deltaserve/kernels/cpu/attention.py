@@ -1,0 +1,151 @@
+"""ctypes bindings of the attention decode kernels: the in-place KDA decode step over the slot
+pool and the absorbed MLA decode over the paged latent rows. Each method checks dtypes, shapes and
+contiguity, then calls `self.lib` (see `library.py`)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .abi import MLA_MAX_HEADS, MLA_MAX_RANK
+
+
+class AttentionDecodeBindings:
+    """Mixin of `NativeKernels` (`self.lib`: the library, its signatures declared from ds_abi.h)."""
+
+    lib: ctypes.CDLL
+
+    def kda_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        conv_weight: torch.Tensor,
+        tails: torch.Tensor,
+        states: torch.Tensor,
+        slots: torch.Tensor,
+        f: torch.Tensor,
+        a_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        gate_kind: int,
+        lower_bound: float,
+        b_logit: torch.Tensor,
+        gate: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        scale: float,
+    ) -> torch.Tensor:
+        """One decode token per sequence of one KDA layer (see `ds_kda_decode`), updating
+        `tails` [S, W-1, 3P] bf16 and `states` [S, H, K, K] fp32 at `slots` IN PLACE.
+        q, k, v, f, gate: [B, P] bf16 projections; b_logit [B, H] bf16; conv_weight [3P, W],
+        a_log [H], dt_bias [P], norm_weight [K] fp32. Returns the normed, gated output [B, P] bf16."""
+        bsz, p = q.shape
+        _, h, kd, _ = states.shape
+        w = conv_weight.shape[1]
+        bf = (q, k, v, f, gate, b_logit)
+        ok = (
+            p == h * kd
+            and all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in bf)
+            and all(tuple(t.shape) == (bsz, p) for t in (k, v, f, gate))
+            and tuple(b_logit.shape) == (bsz, h)
+            and tails.dtype == torch.bfloat16
+            and tails.is_contiguous()
+            and tuple(tails.shape[1:]) == (w - 1, 3 * p)
+            and states.dtype == torch.float32
+            and states.is_contiguous()
+            and tuple(states.shape[2:]) == (kd, kd)
+            and tails.shape[0] == states.shape[0]
+            and slots.dtype == torch.int64
+            and slots.numel() == bsz
+            and all(t.dtype == torch.float32 and t.is_contiguous() for t in (conv_weight, a_log, dt_bias, norm_weight))
+            and tuple(conv_weight.shape) == (3 * p, w)
+            and a_log.numel() == h
+            and dt_bias.numel() == p
+            and norm_weight.numel() == kd
+            and w >= 1
+        )
+        if not ok:
+            raise ValueError("kda_decode: operand shapes or dtypes disagree")
+        slots = slots.contiguous()
+        if bsz and (int(slots.min()) < 0 or int(slots.max()) >= states.shape[0]):
+            raise ValueError("kda_decode: slot out of range")
+        out = torch.empty(bsz, p, dtype=torch.bfloat16)
+        rc = self.lib.ds_kda_decode(
+            bsz,
+            h,
+            kd,
+            w,
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            conv_weight.data_ptr(),
+            tails.data_ptr(),
+            states.data_ptr(),
+            slots.data_ptr(),
+            f.data_ptr(),
+            a_log.data_ptr(),
+            dt_bias.data_ptr(),
+            gate_kind,
+            lower_bound,
+            b_logit.data_ptr(),
+            gate.data_ptr(),
+            norm_weight.data_ptr(),
+            eps,
+            scale,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise MemoryError("kda_decode: scratch allocation failed")
+        return out
+
+    def mla_decode(
+        self,
+        q_latent: torch.Tensor,
+        rows: torch.Tensor,
+        read_rows: torch.Tensor,
+        cu_kv: torch.Tensor,
+        kv_lora_rank: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Absorbed MLA attention of one query per sequence over its paged context (see
+        `ds_mla_decode`): q_latent [B, H, R + Dr] bf16, rows [num_rows, R + Dr] bf16 (the pool),
+        read_rows int64 (each sequence's context rows, packed by cu_kv [B + 1]).
+        Returns [B, H, R] bf16; `ops.mla.mla_absorbed_attention` is the reference."""
+        bsz, h, d = q_latent.shape
+        ok = (
+            q_latent.dtype == rows.dtype == torch.bfloat16
+            and rows.dim() == 2
+            and rows.shape[1] == d
+            and rows.is_contiguous()
+            and read_rows.dtype == cu_kv.dtype == torch.int64
+            and cu_kv.numel() == bsz + 1
+            and 0 < kv_lora_rank <= min(d, MLA_MAX_RANK)
+            and h <= MLA_MAX_HEADS
+        )
+        if not ok:
+            raise ValueError("mla_decode: operand shapes or dtypes disagree")
+        q_latent, read_rows, cu_kv = q_latent.contiguous(), read_rows.contiguous(), cu_kv.contiguous()
+        lens = cu_kv[1:] - cu_kv[:-1]
+        if bsz and (int(cu_kv[0]) != 0 or int(cu_kv[-1]) != read_rows.numel() or bool((lens < 1).any())):
+            raise ValueError("mla_decode: every sequence needs at least one context row")
+        if read_rows.numel() and (int(read_rows.min()) < 0 or int(read_rows.max()) >= rows.shape[0]):
+            raise ValueError("mla_decode: row index out of range")
+        out = torch.empty(bsz, h, kv_lora_rank, dtype=torch.bfloat16)
+        rc = self.lib.ds_mla_decode(
+            bsz,
+            h,
+            d,
+            kv_lora_rank,
+            q_latent.data_ptr(),
+            rows.data_ptr(),
+            read_rows.data_ptr(),
+            cu_kv.data_ptr(),
+            scale,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise MemoryError("mla_decode: scratch allocation failed")
+        return out

@@ -1,0 +1,145 @@
+"""`prepare_model`: bind a model to its op backend and build, once, what the backend derives
+from the weights (fp32 copies of small tensors, absorbed MLA weights, whole-block decode plans),
+the way vLLM processes weights after loading.
+
+Invariant: a model's forward reads only what the last `prepare_model` built. Call it again after
+any change to the weights (a reload, an in-place edit): the plans hold raw pointers into the
+weight tensors and the fp32 copies are snapshots.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from ..ops.backend import KdaWeights, MlaWeights, MoeWeights, TorchOps
+from ..ops.select import select_ops
+from .decoder import DecoderLayer, DecoderStack
+from .kda_layer import KdaAttention
+from .mla_layer import MlaAttention
+from .modules import OpsModule, RMSNorm, WeightVector
+from .moe_layer import MoeBlock
+
+_ATTN_RES_PAIRS = (
+    ("self_attention_res_proj", "self_attention_res_norm"),
+    ("mlp_res_proj", "mlp_res_norm"),
+    ("output_attn_res_proj", "output_attn_res_norm"),
+)
+
+
+def _model_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
+    """The device and compute dtype of `model` (its output head's, else its first floating tensor's)."""
+    head = getattr(model, "lm_head", None)
+    if head is not None:
+        return head.weight.device, head.weight.dtype
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.is_floating_point():
+            return t.device, t.dtype
+    return torch.device("cpu"), torch.float32
+
+
+def _kda(m: KdaAttention, ops: TorchOps):
+    full = hasattr(m, "g_proj")
+    w = KdaWeights(
+        m.q_proj.weight,
+        m.k_proj.weight,
+        m.v_proj.weight,
+        m.f_a_proj.weight,
+        m.f_b_proj.weight,
+        m.b_proj.weight,
+        (m.g_proj if full else m.g_a_proj).weight,
+        None if full else m.g_b_proj.weight,
+        m.o_proj.weight,
+        conv=m.conv_weight(),
+        a_log=m.A_log,
+        dt_bias=m.dt_bias,
+        norm=m.o_norm.weight,
+    )
+    return ops.prepare_kda(w, m.spec)
+
+
+def _mla(m: MlaAttention, ops: TorchOps):
+    low_rank = hasattr(m, "q_a_proj")
+    w = MlaWeights(
+        (m.q_a_proj if low_rank else m.q_proj).weight,
+        m.q_b_proj.weight if low_rank else None,
+        m.q_a_layernorm.weight if low_rank else None,
+        m.kv_a_proj_with_mqa.weight,
+        m.kv_a_layernorm.weight,
+        m.g_proj.weight if hasattr(m, "g_proj") else None,
+        *m.kv_b_split(),
+        heads=m.num_heads,
+        nope=m.nope,
+        rope=m.rope,
+        q_eps=m.q_a_layernorm.eps if low_rank else 0.0,
+        kv_eps=m.kv_a_layernorm.eps,
+        scale=m.scale,
+    )
+    return ops.prepare_mla(w)
+
+
+def _moe(m: MoeBlock, ops: TorchOps):
+    latent = hasattr(m, "routed_expert_down_proj")
+    norm = getattr(m, "routed_expert_norm", None)
+    shared = getattr(m, "shared_experts", None)
+    w = MoeWeights(
+        m.gate.weight,
+        m.gate.e_score_correction_bias,
+        m.experts.weights(),
+        m.act,
+        m.route_spec,
+        down=m.routed_expert_down_proj.weight if latent else None,
+        up=m.routed_expert_up_proj.weight if latent else None,
+        norm=None if norm is None else norm.weight,
+        norm_eps=0.0 if norm is None else norm.eps,
+        shared=None if shared is None else (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight),
+        shared_act=None if shared is None else shared.act,
+    )
+    return ops.prepare_moe(w)
+
+
+def _attn_res(owner: nn.Module, ops: TorchOps) -> None:
+    """The mix operand of each AttnRes site, kept on its projection (`modules.attn_res` reads it)."""
+    for proj_name, norm_name in _ATTN_RES_PAIRS:
+        proj: WeightVector | None = getattr(owner, proj_name, None)
+        if proj is not None:
+            proj.prepared = ops.prepare_attn_res(proj.weight, getattr(owner, norm_name).weight)
+
+
+@torch.no_grad()
+def prepare_model(model: nn.Module, ops: TorchOps | None = None, fuse_blocks: bool = True) -> TorchOps:
+    """Bind every `OpsModule` of `model` to `ops` (default: `select_ops` for the model's device and
+    dtype) and build their prepared operands; returns the backend (also kept as `model.ops`)."""
+    if ops is None:
+        ops = select_ops(*_model_dtype(model), fuse_blocks=fuse_blocks)
+    for m in model.modules():
+        if isinstance(m, OpsModule):
+            m.ops, m.prepared = ops, None
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            m.prepared = ops.prepare_norm(m.weight)
+        elif isinstance(m, (DecoderLayer, DecoderStack)):
+            _attn_res(m, ops)
+    for m in model.modules():
+        if isinstance(m, KdaAttention):
+            m.prepared = _kda(m, ops)
+        elif isinstance(m, MlaAttention):
+            m.prepared = _mla(m, ops)
+        elif isinstance(m, MoeBlock):
+            m.prepared = _moe(m, ops)
+    model.ops = ops
+    return ops
+
+
+@contextmanager
+def bound_ops(model: nn.Module, ops: TorchOps):
+    """Run `model` on `ops` inside the block (e.g. the reference, to compare against), then
+    prepare it again for the backend it had."""
+    old = getattr(model, "ops", None)
+    prepare_model(model, ops)
+    try:
+        yield model
+    finally:
+        prepare_model(model, old)

@@ -1,0 +1,328 @@
+"""The op seam: one method per op family, bound once per model (`ops.select.select_ops`).
+
+`TorchOps` is the reference implementation of every family in pure PyTorch (the default for
+any device and dtype, and the oracle of the others); a backend (`ops.cpu_native.CpuNativeOps`,
+later Triton) subclasses it and overrides what it runs faster. Model layers call only these
+methods on their bound backend and never choose kernels themselves.
+
+Whole-block decode plans are built once after loading (`prepare_*`, called by
+`model.fused.prepare_model`) from the weight bundles below; the reference builds none. A
+method that takes `prepared` accepts None (nothing prepared) and must then give the reference
+result. A `*_block` or `*_decode` method returns None where it does not apply, and the layer
+runs its module-by-module math instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from . import kda as kda_ops
+from .activations import silu_and_mul, situ_and_mul
+from .attn_res import attn_res_mix
+from .moe import grouped_experts, route
+from .mxfp4 import mxfp4_decode
+from .norms import gated_rms_norm, rms_norm
+
+
+@dataclass(frozen=True)
+class GluAct:
+    """A GLU activation: SiTU with (beta, linear_beta) for K3, SwiGLU (`silu`) for Kimi-Linear."""
+
+    kind: str  # "situ" | "silu"
+    beta: float = 0.0
+    linear_beta: float | None = None
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.kind == "situ":
+            return situ_and_mul(gate, up, self.beta, self.linear_beta)
+        return silu_and_mul(gate, up)
+
+
+@dataclass(frozen=True)
+class RouteSpec:
+    """The router's constants (`ops.moe.route` arguments after the bias)."""
+
+    top_k: int
+    num_expert_group: int = 1
+    topk_group: int = 1
+    renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+    bias_in_weights: bool = False
+
+    def args(self) -> tuple:
+        return (
+            self.top_k,
+            self.num_expert_group,
+            self.topk_group,
+            self.renormalize,
+            self.routed_scaling_factor,
+            self.bias_in_weights,
+        )
+
+
+@dataclass(frozen=True)
+class KdaSpec:
+    """A KDA layer's constants."""
+
+    heads: int
+    head_dim: int
+    lower_bound: float | None  # K3's sigmoid gate bound; None: Kimi-Linear's softplus gate
+    eps: float  # output norm
+    scale: float
+
+
+@dataclass
+class ExpertWeights:
+    """Routed experts: dense `w1, w3 [E, I, Din]`, `w2 [E, Din, I]`, or MXFP4 `(packed, scale)` pairs
+    decoded on the fly to `dtype`."""
+
+    w1: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    w3: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    w2: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    dtype: torch.dtype | None = None
+
+    @property
+    def packed(self) -> bool:
+        return isinstance(self.w1, tuple)
+
+    def operands(self) -> tuple:
+        return self.w1, self.w3, self.w2
+
+
+class PackedExpertView:
+    """`[E, O, I]`-shaped read access to packed experts: `view[e]` decodes expert e with `decode`."""
+
+    def __init__(self, pair: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype, decode: Callable):
+        self.packed, self.scale = pair
+        self.dtype, self.decode = dtype, decode
+        self.shape = torch.Size((*self.packed.shape[:2], self.packed.shape[2] * 2))
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        return self.decode(self.packed[e], self.scale[e], self.dtype)
+
+
+@dataclass
+class KdaWeights:
+    """One KDA layer's tensors as loaded (the bundle `prepare_kda` reads)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    f_a: torch.Tensor
+    f_b: torch.Tensor
+    b: torch.Tensor
+    g: torch.Tensor  # g_proj (full-rank gate) or g_a_proj
+    g_b: torch.Tensor | None  # g_b_proj (low-rank gate)
+    o: torch.Tensor
+    conv: torch.Tensor  # fused depthwise weight [3P, W]
+    a_log: torch.Tensor
+    dt_bias: torch.Tensor
+    norm: torch.Tensor  # output norm weight [K]
+
+
+@dataclass
+class MlaWeights:
+    """One MLA layer's tensors as loaded (the bundle `prepare_mla` reads)."""
+
+    q_first: torch.Tensor  # q_a_proj or q_proj
+    q_b: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    kv_a: torch.Tensor
+    kv_norm: torch.Tensor
+    g: torch.Tensor | None
+    w_uk: torch.Tensor  # [H, nope, R] view of kv_b_proj
+    w_uv: torch.Tensor  # [H, v, R] view of kv_b_proj
+    heads: int
+    nope: int
+    rope: int
+    q_eps: float
+    kv_eps: float
+    scale: float
+
+
+@dataclass
+class MoeWeights:
+    """One MoE block's tensors as loaded (the bundle `prepare_moe` reads)."""
+
+    gate: torch.Tensor
+    bias: torch.Tensor | None
+    experts: ExpertWeights
+    act: GluAct
+    route: RouteSpec
+    down: torch.Tensor | None = None
+    up: torch.Tensor | None = None
+    norm: torch.Tensor | None = None
+    norm_eps: float = 0.0
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    shared_act: GluAct | None = None
+
+
+class TorchOps:
+    """Every op family in pure PyTorch: the reference (see the module docstring)."""
+
+    name = "torch"
+    families = ("linear", "norms", "attn_res", "glu", "moe", "kda", "mla")
+
+    def describe(self) -> dict[str, str]:
+        """Op family -> what implements it (logged at start-up)."""
+        return {family: "torch" for family in self.families}
+
+    # dense -------------------------------------------------------------------------------------
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """`x @ w.T` (bias-free, as every linear of this family)."""
+        return F.linear(x, w)
+
+    def linears(
+        self, x: torch.Tensor, ws: list[torch.Tensor], f32: tuple[bool, ...] | None = None
+    ) -> list[torch.Tensor]:
+        """`[linear(x, w) for w in ws]`, or the fp32 `x.float() @ w.float().T` where `f32[i]`."""
+        f32 = f32 or (False,) * len(ws)
+        return [x.float() @ w.float().T if f else self.linear(x, w) for w, f in zip(ws, f32)]
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float, prepared=None) -> torch.Tensor:
+        return rms_norm(x, w, eps)
+
+    def attn_res(
+        self,
+        cur: torch.Tensor,
+        bank: list[torch.Tensor],
+        proj: torch.Tensor,
+        norm: torch.Tensor,
+        prepared=None,
+        then: tuple | None = None,
+    ) -> torch.Tensor:
+        """`attn_res_mix(cur, bank, proj, norm)`, then `rms_norm(., *then)` if `then` = (w, eps, prepared)."""
+        mixed = attn_res_mix(cur, bank, proj, norm)
+        return mixed if then is None else self.rms_norm(mixed, *then)
+
+    def glu_mlp(
+        self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act: GluAct
+    ) -> torch.Tensor:
+        """`down(act(gate(x), up(x)))`."""
+        return self.linear(act(self.linear(x, gate), self.linear(x, up)), down)
+
+    # MoE ---------------------------------------------------------------------------------------
+    def route(
+        self,
+        x: torch.Tensor,
+        gate: torch.Tensor,
+        bias: torch.Tensor | None,
+        spec: RouteSpec,
+        down: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weights, ids) of `ops.moe.route` and the routed experts' input (`x @ down.T`, or x)."""
+        weights, ids = route(x, gate, bias, *spec.args())
+        return weights, ids, x if down is None else self.linear(x, down)
+
+    def expert_views(self, ex: ExpertWeights) -> tuple:
+        """`[E, O, I]`-indexable experts for `grouped_experts` (packed ones decoded per expert)."""
+        if not ex.packed:
+            return ex.operands()
+        return tuple(PackedExpertView(pair, ex.dtype, mxfp4_decode) for pair in ex.operands())
+
+    def experts(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex: ExpertWeights, act: GluAct
+    ) -> torch.Tensor:
+        """`ops.moe.grouped_experts` semantics: x [N, Din] -> [N, Din] in x's dtype."""
+        return grouped_experts(x, ids, weights, *self.expert_views(ex), act, linear=self.linear)
+
+    def moe_block(self, x: torch.Tensor, prepared) -> torch.Tensor | None:
+        """A whole MoE block in one call, or None (the layer runs route, experts, shared)."""
+        return None
+
+    # KDA ---------------------------------------------------------------------------------------
+    def kda_decode(self, x: torch.Tensor, prepared, slot_view) -> torch.Tensor | None:
+        """A decode step of a KDA layer over the pool's slots in place (its output after o_proj),
+        or None (the layer runs `kda_attend`)."""
+        return None
+
+    def kda_attend(
+        self,
+        pre: torch.Tensor,
+        f: torch.Tensor,
+        beta: torch.Tensor,
+        gate: torch.Tensor,
+        conv: torch.Tensor,
+        a_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        norm: torch.Tensor,
+        spec: KdaSpec,
+        cu_seqlens: torch.Tensor,
+        prior,
+        export_offsets,
+        step: bool,
+        prepared=None,
+    ):
+        """KDA from the projections: pre = [q|k|v] pre-conv [N, 3P], f [N, P] gate input, beta [N, H]
+        (post-sigmoid, fp32), gate [N, H, K] output-gate logits. `prior` = (tails, states) or None;
+        `step`: one token per sequence from `prior` (the recurrent form, states updated in place).
+        Returns (normed output [N, H, V] in pre's dtype, final tails, final states,
+        (tails_at, states_at) at `export_offsets` or None)."""
+        n, h, dk = pre.shape[0], spec.heads, spec.head_dim
+        if step:
+            mixed, tail = kda_ops.causal_conv1d_step(pre, conv, prior[0])
+        else:
+            mixed, tail = kda_ops.causal_conv1d(pre, conv, cu_seqlens, prior[0] if prior is not None else None)
+        q, k, v = mixed.view(n, 3, h, dk).unbind(1)
+        q, k = kda_ops.l2_norm(q), kda_ops.l2_norm(k)
+        g = self._kda_gate(f.view(n, h, dk), a_log, dt_bias, spec)
+        state = prior[1] if prior is not None else None
+        if step:
+            o = kda_ops.kda_recurrent_step(q, k, v, g, beta, state, spec.scale)
+            exported = None
+        else:
+            o, state, states_at = kda_ops.kda_chunked(
+                q, k, v, g, beta, cu_seqlens, spec.scale, initial_state=state, export_offsets=export_offsets
+            )
+            exported = self._exports(pre, cu_seqlens, prior, export_offsets, conv.shape[-1], states_at)
+        return gated_rms_norm(o, norm, gate, spec.eps, pre.dtype), tail, state, exported
+
+    @staticmethod
+    def _kda_gate(f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, spec: KdaSpec) -> torch.Tensor:
+        if spec.lower_bound is not None:
+            return kda_ops.kda_gate_sigmoid(f, a_log, dt_bias, spec.lower_bound)
+        return kda_ops.kda_gate_softplus(f, a_log, dt_bias)
+
+    @staticmethod
+    def _exports(pre, cu_seqlens, prior, offsets, width, states_at):
+        """(conv tails, states) at the export offsets, or None when none were asked for."""
+        if offsets is None:
+            return None
+        tails_at = kda_ops.conv_tails_at(pre, cu_seqlens, prior[0] if prior is not None else None, offsets, width)
+        return tails_at, states_at
+
+    # MLA ---------------------------------------------------------------------------------------
+    def mla_block(self, x: torch.Tensor, prepared, pool_view) -> tuple | None:
+        """(o [N, H, v], gate or None) of an MLA decode step in one call (projections, norms, the pool
+        write, absorbed attention), or None (the layer runs its modules)."""
+        return None
+
+    def mla_decode(
+        self, q: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, rows_view, rank: int, scale: float, prepared=None
+    ) -> torch.Tensor | None:
+        """Absorbed decode attention reading the pool's rows in place ([N, H, v]), or None (the layer
+        gathers its context and runs `ops.mla`)."""
+        return None
+
+    # plans -------------------------------------------------------------------------------------
+    def prepare_norm(self, w: torch.Tensor):
+        return None
+
+    def prepare_attn_res(self, proj: torch.Tensor, norm: torch.Tensor):
+        return None
+
+    def prepare_kda(self, w: KdaWeights, spec: KdaSpec):
+        return None
+
+    def prepare_mla(self, w: MlaWeights):
+        return None
+
+    def prepare_moe(self, w: MoeWeights):
+        return None
+
+
+REFERENCE = TorchOps()

@@ -1,0 +1,227 @@
+"""`CpuNativeOps`: every op family on the native CPU kernels (`kernels.cpu`), for bf16 models.
+
+Bound once per model by `ops.select.select_ops` when the model is bf16 on CPU and the library
+loaded; `CpuDenseOps` holds the dense and MoE families, this class adds KDA and MLA: the fused
+decode steps over the pools in place, the whole-block plans, and the KDA prefill kernels (fused
+conv + q/k L2 norm, the sigmoid gate, chunked prefill, the gated output norm).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels.cpu import GATE_SIGMOID, GATE_SOFTPLUS, MAX_ROWS, MLA_MAX_HEADS, MLA_MAX_RANK
+from ..kernels.cpu.blocks import KdaBlockWeights, MlaBlockWeights
+from .backend import KdaSpec, KdaWeights, MlaWeights
+from .cpu_dense import CpuDenseOps
+from .norms import gated_rms_norm
+
+
+@dataclass
+class KdaPrepared:
+    """A KDA layer's operands for the native kernels: its weights, their fp32 copies and the
+    block plan (None where the block kernel does not apply; `block` keeps its tensors alive)."""
+
+    w: KdaWeights
+    spec: KdaSpec
+    conv: torch.Tensor
+    a_log: torch.Tensor
+    dt_bias: torch.Tensor
+    norm: torch.Tensor
+    plan: object = None
+    block: KdaBlockWeights | None = None
+
+    def gate_args(self) -> tuple[int, float]:
+        sigmoid = self.spec.lower_bound is not None
+        return (GATE_SIGMOID, self.spec.lower_bound) if sigmoid else (GATE_SOFTPLUS, 0.0)
+
+
+@dataclass
+class MlaPrepared:
+    """An MLA layer's operands for the native decode kernels: W_UK^T [H, R, nope] and W_UV
+    [H, v, R] as contiguous copies, the views they came from, and the block plan (or None)."""
+
+    w: MlaWeights
+    w_uk_t: torch.Tensor
+    w_uv: torch.Tensor
+    plan: object = None
+    block: MlaBlockWeights | None = None
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().float().contiguous()
+
+
+class CpuNativeOps(CpuDenseOps):
+    """See the module docstring. `fuse_blocks=False` builds no whole-block plans (the
+    module-by-module native path, which tests compare the blocks against)."""
+
+    def __init__(self, kernels, fuse_blocks: bool = True):
+        super().__init__(kernels)
+        self.fuse_blocks = fuse_blocks
+
+    # KDA ---------------------------------------------------------------------------------------
+    def prepare_kda(self, w: KdaWeights, spec: KdaSpec) -> KdaPrepared:
+        p = KdaPrepared(w, spec, _f32(w.conv), _f32(w.a_log), _f32(w.dt_bias), _f32(w.norm))
+        if self.fuse_blocks:
+            p.block = KdaBlockWeights(
+                w.q,
+                w.k,
+                w.v,
+                w.f_a,
+                w.f_b,
+                w.b,
+                w.g,
+                w.g_b,
+                w.o,
+                conv_w=p.conv,
+                a_log=p.a_log,
+                dt_bias=p.dt_bias,
+                norm_w=p.norm,
+            )
+            p.plan = self.k.kda_block_plan(p.block, spec.heads, *p.gate_args(), spec.eps, spec.scale)
+        return p
+
+    def kda_decode(self, x, prepared: KdaPrepared | None, slot_view):
+        """The whole step in one call (the block plan) where it fits, else the fused decode kernel
+        between the native projections; None for non-bf16 activations or pools."""
+        if prepared is None or slot_view is None or x.dtype != torch.bfloat16:
+            return None
+        tails, states, slots = slot_view
+        if tails.dtype != torch.bfloat16 or states.dtype != torch.float32:
+            return None
+        if prepared.plan is not None and x.shape[0] <= self.k.kda_block_rows(prepared.plan):
+            return self.k.kda_block(prepared.plan, x, tails, states, slots)
+        w, spec = prepared.w, prepared.spec
+        q, k, v, f_a, b, g = self.linears(x, [w.q, w.k, w.v, w.f_a, w.b, w.g])
+        gate = g if w.g_b is None else self.linear(g, w.g_b)
+        kind, bound = prepared.gate_args()
+        o = self.k.kda_decode(
+            q,
+            k,
+            v,
+            prepared.conv,
+            tails,
+            states,
+            slots,
+            self.linear(f_a, w.f_b),
+            prepared.a_log,
+            prepared.dt_bias,
+            kind,
+            bound,
+            b,
+            gate,
+            prepared.norm,
+            spec.eps,
+            spec.scale,
+        )
+        return self.linear(o, w.o)
+
+    def kda_attend(
+        self,
+        pre,
+        f,
+        beta,
+        gate,
+        conv,
+        a_log,
+        dt_bias,
+        norm,
+        spec,
+        cu_seqlens,
+        prior,
+        export_offsets,
+        step,
+        prepared: KdaPrepared | None = None,
+    ):
+        """Prefill of bf16 activations (and bf16 cached tails): the conv kernel also L2-normalises
+        q and k, then the sigmoid gate, chunked prefill and gated output norm kernels."""
+        if (
+            step
+            or prepared is None
+            or pre.dtype != torch.bfloat16
+            or (prior is not None and prior[0].dtype != torch.bfloat16)
+        ):
+            return super().kda_attend(
+                pre, f, beta, gate, conv, a_log, dt_bias, norm, spec, cu_seqlens, prior, export_offsets, step, prepared
+            )
+        n, h, dk = pre.shape[0], spec.heads, spec.head_dim
+        mixed, tail = self.k.causal_conv1d(
+            pre, prepared.conv, cu_seqlens, prior[0] if prior is not None else None, l2_groups=2 * h, group=dk
+        )
+        q, k, v = mixed.view(n, 3, h, dk).unbind(1)
+        f = f.view(n, h, dk)
+        if spec.lower_bound is not None:
+            g = self.k.kda_gate_sigmoid(f, prepared.a_log, prepared.dt_bias, spec.lower_bound)
+        else:
+            g = self._kda_gate(f, a_log, dt_bias, spec)
+        o, state, states_at = self.k.kda_chunked(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            cu_seqlens,
+            spec.scale,
+            initial_state=prior[1] if prior is not None else None,
+            export_offsets=export_offsets,
+        )
+        exported = self._exports(pre, cu_seqlens, prior, export_offsets, conv.shape[-1], states_at)
+        if gate.dtype == torch.bfloat16:
+            o = self.k.gated_rms_norm(o, prepared.norm, gate, spec.eps)
+        else:
+            o = gated_rms_norm(o, norm, gate, spec.eps, pre.dtype)
+        return o, tail, state, exported
+
+    # MLA ---------------------------------------------------------------------------------------
+    def prepare_mla(self, w: MlaWeights) -> MlaPrepared:
+        p = MlaPrepared(w, w.w_uk.detach().transpose(1, 2).contiguous(), w.w_uv.detach().contiguous())
+        if self.fuse_blocks:
+            p.block = MlaBlockWeights(
+                w.q_first,
+                w.q_b,
+                None if w.q_norm is None else _f32(w.q_norm),
+                w.kv_a,
+                _f32(w.kv_norm),
+                w.g,
+                p.w_uk_t,
+                p.w_uv,
+            )
+            p.plan = self.k.mla_block_plan(p.block, w.heads, w.nope, w.rope, w.q_eps, w.kv_eps, w.scale)
+        return p
+
+    def mla_block(self, x, prepared: MlaPrepared | None, pool_view):
+        if (
+            prepared is None
+            or prepared.plan is None
+            or pool_view is None
+            or x.dtype != torch.bfloat16
+            or x.shape[0] > MAX_ROWS
+            or pool_view[0].dtype != torch.bfloat16
+        ):
+            return None
+        return self.k.mla_block(prepared.plan, x, *pool_view)
+
+    def mla_decode(self, q, w_uk, w_uv, rows_view, rank, scale, prepared: MlaPrepared | None = None):
+        """The paged decode kernel reading the pool's rows in place; up to MAX_ROWS queries also
+        absorb W_UK and W_UV with the per-head GEMV kernel."""
+        if (
+            prepared is None
+            or rows_view is None
+            or q.dtype != torch.bfloat16
+            or q.shape[1] > MLA_MAX_HEADS
+            or rank > MLA_MAX_RANK
+            or rows_view[0].dtype != torch.bfloat16
+        ):
+            return None
+        rows, read_rows, cu_kv = rows_view
+        nope = w_uk.shape[1]
+        if q.shape[0] > MAX_ROWS:
+            q_hat = torch.einsum("nhd,hdr->nhr", q[..., :nope], w_uk)
+            o_lat = self.k.mla_decode(torch.cat([q_hat, q[..., nope:]], dim=-1), rows, read_rows, cu_kv, rank, scale)
+            return torch.einsum("nhr,hvr->nhv", o_lat, w_uv)
+        q_hat = self.k.linear_bf16_heads(q[..., :nope].transpose(0, 1), prepared.w_uk_t).transpose(0, 1)
+        o_lat = self.k.mla_decode(torch.cat([q_hat, q[..., nope:]], dim=-1), rows, read_rows, cu_kv, rank, scale)
+        return self.k.linear_bf16_heads(o_lat.transpose(0, 1), prepared.w_uv).transpose(0, 1)

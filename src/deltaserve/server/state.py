@@ -1,0 +1,117 @@
+"""`ServerState`: what the routes share (the engine, the served model's name, its metrics and the
+queue cap), stored on `app.state.server` by `app.build_app` and handed to a route through the
+`State` dependency. Its methods are the steps every generation route takes: admission (429 over
+the queue cap, before any work), the model check, sampling params, submission, and the
+CPU-bound prompt work (chat rendering, encoding, decoding) run on a worker thread so the event
+loop keeps serving other requests meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from ..engine.sampling_params import SamplingParams, SamplingParamsError
+from ..engine.sequence import InvalidRequestError
+from ..model.tokenizer import TokenizerError
+from .async_engine import AsyncEngine, EngineDeadError, RequestStream
+from .chat.common import ChatFormatError
+from .chat.render import render_chat
+from .errors import APIError
+from .metrics import Metrics
+
+
+@dataclass(frozen=True)
+class ServerState:
+    engine: AsyncEngine
+    model_name: str
+    metrics: Metrics
+    max_waiting_requests: int | None = None  # None: no queue cap
+    retry_after_s: int = 1
+
+    def admit(self) -> None:
+        """429 with `Retry-After` while `max_waiting_requests` requests are queued."""
+        if self.max_waiting_requests is not None and self.engine.queue_load() >= self.max_waiting_requests:
+            self.metrics.rejected.inc()
+            raise APIError(
+                429,
+                "the server is overloaded: too many waiting requests; retry later",
+                "rate_limit_error",
+                code="too_many_waiting_requests",
+                headers={"Retry-After": str(self.retry_after_s)},
+            )
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"the model {name!r} does not exist", "not_found_error", "model", "model_not_found")
+
+    def require_tokenizer(self):
+        if self.engine.tokenizer is None:
+            raise APIError(400, "this model was loaded without a tokenizer")
+        return self.engine.tokenizer
+
+    def model_card(self) -> dict:
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "deltaserve",
+            "max_model_len": self.engine.max_model_len,
+        }
+
+    @staticmethod
+    def make_params(kw: dict, **extra) -> SamplingParams:
+        try:
+            return SamplingParams(**kw, **extra)
+        except SamplingParamsError as e:
+            raise APIError(400, str(e)) from None
+
+    async def submit(self, ids: list[int], params: SamplingParams) -> RequestStream:
+        try:
+            stream = await self.engine.add(ids, params)
+        except (InvalidRequestError, SamplingParamsError) as e:
+            raise APIError(400, str(e)) from None
+        except EngineDeadError:
+            raise APIError(503, "the engine is not running", "service_unavailable") from None
+        stream.observer = self.metrics.track(len(ids), params.n)
+        return stream
+
+    async def chat_prompt(self, messages, tools, thinking: bool, controls=()) -> list[int]:
+        """The rendered chat prompt's ids (on a worker thread); a `ChatFormatError` is a 400."""
+        tok, engine = self.require_tokenizer(), self.engine
+        try:
+            return await asyncio.to_thread(
+                render_chat,
+                tok,
+                engine.family,
+                messages,
+                tools=tools,
+                thinking=thinking,
+                chat_template=engine.chat_template,
+                controls=controls,
+                accept_images=False,
+            )
+        except ChatFormatError as e:
+            raise APIError(400, str(e), param="messages") from None
+
+    async def encode(self, text: str) -> list[int]:
+        """`text`'s ids, specials disallowed (on a worker thread)."""
+        return await asyncio.to_thread(self.require_tokenizer().encode, text)
+
+    async def decode(self, ids: list[int]) -> str:
+        """The text of `ids` (on a worker thread); a `TokenizerError` is a 400."""
+        tok = self.require_tokenizer()
+        try:
+            return await asyncio.to_thread(tok.decode, ids)
+        except TokenizerError as e:
+            raise APIError(400, str(e), param="tokens") from None
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+State = Annotated[ServerState, Depends(get_state)]
