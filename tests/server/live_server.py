@@ -101,3 +101,17 @@ def wait_healthy(proc, port: int, timeout: float, poll: float = 0.2) -> None:
             pass
         assert time.time() < deadline, "server did not come up"
         time.sleep(poll)
+
+
+CHAT = "/v1/chat/completions"
+CMPL = "/v1/completions"
+USER = [{"role": "user", "content": "hi"}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]

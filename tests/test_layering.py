@@ -1,0 +1,108 @@
+"""The house's layering, read from the source: no import cycles between modules, and every
+package imports only from the layers below it (kernels, parallel < ops < model < tiny, cache <
+engine < server, disagg < bench, cli), lazy imports inside functions included."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import deltaserve
+
+ROOT = Path(deltaserve.__file__).parent
+LEVEL = {
+    "kernels": 0,
+    "parallel": 0,
+    "ops": 1,
+    "model": 2,
+    "tiny": 3,
+    "cache": 3,
+    "engine": 4,
+    "server": 5,
+    "disagg": 5,
+    "bench": 6,
+    "cli": 6,
+    "__init__": 6,
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts) or "__init__"] = path
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Modules of this package that `name` imports (relative imports resolved)."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif (node.module or "").startswith("deltaserve."):
+                target = node.module.removeprefix("deltaserve.")
+            else:
+                continue
+            for candidate in (target, *(f"{target}.{a.name}" if target else a.name for a in node.names)):
+                if candidate in modules and candidate != name:
+                    found.add(candidate)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from a higher layer (a package missing from LEVEL counts as the highest)."""
+    wrong = []
+    for name, deps in graph.items():
+        for dep in deps:
+            here, there = name.split(".")[0], dep.split(".")[0]
+            if here != there and LEVEL.get(there, 99) > LEVEL.get(here, -1):
+                wrong.append(f"{name} -> {dep}")
+    return wrong
+
+
+def test_layers_import_downward_only():
+    assert not _upward(_graph())
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[str]:
+    """Import cycles (a package importing its own submodules through its __init__ excepted)."""
+    state, cycles = {}, []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        stack.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == "open":
+                cycle = stack[stack.index(dep) :]
+                if not all(dep.startswith(m) or m.startswith(dep) for m in cycle):  # a package's own __init__
+                    cycles.append(" -> ".join([*cycle, dep]))
+            elif dep not in state:
+                visit(dep, stack)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    return cycles
+
+
+def test_no_import_cycles():
+    assert not _cycles(_graph())
+
+
+def test_the_checks_can_fail():
+    graph = _graph()
+    assert "ops.backend" in graph["model.kda_layer"]  # relative imports are resolved
+    graph["ops.backend"] = graph["ops.backend"] | {"model.kda_layer"}
+    assert _upward(graph) == ["ops.backend -> model.kda_layer"]
+    assert _cycles({"server.a": {"server.b"}, "server.b": {"server.a"}}) == ["server.a -> server.b -> server.a"]
