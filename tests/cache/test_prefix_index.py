@@ -52,6 +52,27 @@ def test_shared_pages_are_never_evicted():
     assert h[0] in idx.units and mla.refcount[pages[0]] == 2
 
 
+def test_eviction_that_cannot_make_room_takes_nothing():
+    """Every cached page is shared by a running sequence: no eviction can free 2 pages, so the
+    checkpoints (useful to the next request) stay; with room to win, they go as before."""
+    mla = MlaPagePool([0], num_pages=3, page_size=2, row_dim=3, dtype=torch.float32)
+    ck = KdaStatePool([1], num_slots=2, tail_shape=(1, 2), state_shape=(1, 2, 2), tail_dtype=torch.float32)
+    idx = PrefixIndex(mla, ck)
+    hs = extend_hashes([], root_hash("m"), list(range(4)), 2)
+    pages = mla.allocate(3)
+    idx.add_unit(hs[0], None, pages[:1])
+    idx.add_unit(hs[1], hs[0], pages[1:2])  # both still held by their running sequence
+    idx.add_checkpoint(hs[1], ck.allocate())
+    assert idx.reclaimable_pages() == 0
+    idx.evict_pages(2)
+    assert hs[1] in idx.ckpts and idx.evicted_checkpoints == 0 and mla.num_free == 0
+    mla.release(pages)  # the sequence finished: the index's pages are reclaimable again
+    assert idx.reclaimable_pages() == 2
+    idx.evict_pages(3)
+    assert not idx.ckpts and mla.num_free == 3 and idx.evicted_checkpoints == 1
+    idx.check_integrity()
+
+
 def test_pinned_checkpoints_survive_eviction():
     """An admission pins the checkpoint its hit copies: eviction takes the next LRU one instead,
     and once every checkpoint is pinned, none is taken."""

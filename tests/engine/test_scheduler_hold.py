@@ -91,10 +91,11 @@ def test_abort_of_the_holder_releases_the_hold(committed, rest):
 
 
 def test_preemption_of_the_holder_does_not_strand_the_held():
-    """7 pages. Step 1: `b` is held on `a`. Step 2: `x` grows, `a` (newest) is preempted; the
-    failed growth evicted `a`'s checkpoint, and a preempting step admits nothing. Step 3: `a` is
-    re-admitted from 0 (prompt and its first output) and `b` is held on it again. Step 4: `b` is
-    admitted with the hit and computes only its 6-token tail."""
+    """7 pages. Step 1: `b` is held on `a`, which checkpoints the shared 8 tokens. Step 2: `x`
+    grows, `a` (newest) is preempted; the failed growth could not have made room by eviction, so
+    it evicted nothing and `a`'s checkpoint survives; a preempting step admits nothing. Step 3: `a`
+    is re-admitted with that 8-token hit and computes only its 3-token tail (prompt and first
+    output). Step 4: `b` is admitted with the same hit and computes only its 6-token tail."""
     sim = Sim(num_pages=7, budget=16, unit=4)
     sim.add("x", [200, 201], max_tokens=2)
     sim.add("a", A, max_tokens=2)
@@ -103,11 +104,11 @@ def test_preemption_of_the_holder_does_not_strand_the_held():
     assert sim.names(sim.sched.waiting) == ["b"]
     assert sim.step() == [("x", 1)]
     assert sim.names(sim.sched.waiting) == ["a", "b"] and sim.sched.num_preemptions == 1
-    assert not sim.cache.index.ckpts
-    assert sim.step() == [("a", 11)] and sim.names(sim.sched.waiting) == ["b"]
+    assert len(sim.cache.index.ckpts) == 1 and sim.cache.index.evicted_checkpoints == 0
+    assert sim.step() == [("a", 3)] and sim.names(sim.sched.waiting) == ["b"]
     assert sim.run() == [[("b", 6)]]
     stats = sim.cache.prefix_stats()
-    assert (stats["hit_tokens"], stats["inflight_waits"]) == (8, 2)
+    assert (stats["hit_tokens"], stats["inflight_waits"]) == (16, 1)
 
 
 def test_inflight_hit_boundaries():

@@ -100,11 +100,18 @@ class PrefixIndex:
     def _evictable(self, e: UnitEntry) -> bool:
         return e.children == 0 and e.pins == 0 and all(self.mla.refcount[p] == 1 for p in e.pages)
 
+    def reclaimable_pages(self) -> int:
+        """Pages only the index holds: the most that eviction can free."""
+        return sum(1 for e in self.units.values() for p in e.pages if self.mla.refcount[p] == 1)
+
     def evict_pages(self, needed: int) -> None:
         """Evict LRU evictable units until `needed` pages are free; evicting a leaf may make
         its parent a leaf, so sweep until no progress, then unpin units by evicting the LRU
         checkpoint and sweep again. Only pages that running sequences share survive, so the
-        index can always give back everything else."""
+        index can always give back everything else. Where even that would not make `needed`
+        pages free, nothing is evicted (the caller waits or preempts; the cache stays useful)."""
+        if self.mla.num_free + self.reclaimable_pages() < needed:
+            return
         while self.mla.num_free < needed:
             if not self._sweep(needed) and not self.evict_checkpoint():
                 return
