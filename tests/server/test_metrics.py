@@ -91,6 +91,7 @@ def test_prefix_cache_hits(server):
         "checkpoints_stored",
         "checkpoints_evicted",
         "restore_refused",
+        "inflight_waits",
     ):
         assert ("deltaserve:prefix_cache_" + name + "_total", frozenset({("model_name", MODEL)})) in before
     assert val(before, "deltaserve:prefix_cache_checkpoint_slots_total") > 0
@@ -107,6 +108,11 @@ def test_prefix_cache_hits(server):
         before, "deltaserve:prefix_cache_hit_tokens_total"
     )
     assert val(after, "deltaserve:prefix_cache_checkpoints_stored_total") > 0
+    together = [(11 * i) % 700 + 5 for i in range(150)]  # two prompts sharing 150 tokens, one request
+    r = post(server, {"model": MODEL, "prompt": [together + [1], together + [2, 3]], "max_tokens": 1})
+    assert r.status_code == 200
+    held = server["engine"].call_sync(lambda core: core.cache.prefix_stats()["inflight_waits"])
+    assert val(scrape(server), "deltaserve:prefix_cache_inflight_waits_total") == held  # engaged: tests/engine
 
 
 def test_refused_restores_are_counted(server):

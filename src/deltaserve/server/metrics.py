@@ -95,6 +95,10 @@ PREFIX_COUNTERS = {
         "prefix_cache_restore_refused",
         "KDA checkpoints refused at restore: their tag did not match (treated as misses)",
     ),
+    "inflight_waits": (
+        "prefix_cache_inflight_waits",
+        "Scheduling steps a request was held while an older one prefilled the prefix they share",
+    ),
 }
 # stats() key -> (gauge name without prefix, help)
 ENGINE_GAUGES = {
