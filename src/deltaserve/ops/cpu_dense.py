@@ -42,8 +42,8 @@ class CpuDenseOps(TorchOps):
         self.k = kernels
 
     def describe(self) -> dict[str, str]:
-        isa = "amx" if self.k.amx else ("avx512-bf16" if self.k.avx512_bf16 else "avx2")
-        return {family: f"cpu-native ({isa})" for family in self.families}
+        """Each family as `cpu-native (<isa>)`, the ISA the kernels were loaded for (`NativeKernels.isa`)."""
+        return {family: f"cpu-native ({self.k.isa})" for family in self.families}
 
     # dense -------------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

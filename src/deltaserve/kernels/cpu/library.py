@@ -1,5 +1,6 @@
 """The native CPU kernels, loaded: `native()` hands out the process's `NativeKernels` (the library
-built by `build.py` from `csrc/*.c`, with every binding), or None.
+built by `build.py` from `csrc/*.c` for the ISA `$DELTASERVE_ISA` names or the best the CPU has,
+with every binding), or None; `load(isa)` builds and loads one ISA's variant on its own (tests).
 
 `ops.select.select_ops` asks once per model, when it is prepared after loading, and binds the
 native backend (`ops.cpu_native`) or the pure-PyTorch reference; nothing asks per call. None
@@ -39,7 +40,7 @@ from .abi import (
 from .attention import AttentionDecodeBindings
 from .blocks import BlockBindings
 from .build import build as _build
-from .build import find_compiler
+from .build import choose_isa, find_compiler
 from .decode import DecodeBindings
 from .kda import KdaPrefillBindings
 from .prefill import PrefillBindings
@@ -58,6 +59,7 @@ __all__ = [
     "MLA_MAX_RANK",
     "NativeKernels",
     "is_loaded",
+    "load",
     "native",
     "set_enabled",
 ]
@@ -68,8 +70,10 @@ log = logging.getLogger(__name__)
 class NativeKernels(DecodeBindings, AttentionDecodeBindings, PrefillBindings, KdaPrefillBindings, BlockBindings):
     """The loaded library with every binding; `native()` hands out the process's instance."""
 
-    def __init__(self, lib: ctypes.CDLL):
-        """Declares every `ds_abi.h` function on `lib` and checks its ABI (AbiMismatch) before any call."""
+    def __init__(self, lib: ctypes.CDLL, built_for: str = "avx2"):
+        """Declares every `ds_abi.h` function on `lib` and checks its ABI (AbiMismatch) before any
+        call. `isa` is what runs, fixed here: `built_for` (`build.choose_isa`) lowered to what the
+        library reports (`amx` without tiles granted or with `DELTASERVE_AMX=0` runs `avx512`)."""
         self.lib = lib
         declare(lib)
         check(lib)
@@ -77,6 +81,10 @@ class NativeKernels(DecodeBindings, AttentionDecodeBindings, PrefillBindings, Kd
         self.avx512_bf16 = bool(lib.ds_has_avx512bf16())
         self.amx = False
         self.set_amx(os.environ.get("DELTASERVE_AMX", "1") != "0")
+        lowest = "generic" if built_for == "generic" else "avx2"
+        self.isa = "amx" if self.amx else ("avx512" if self.avx512_bf16 else lowest)
+        if self.isa != built_for:
+            log.info("native CPU kernels built for %s run %s", built_for, self.isa)
 
     def set_amx(self, flag: bool) -> bool:
         """Use AMX tiles (where the CPU and kernel allow them) for batched decode; returns the old value."""
@@ -90,6 +98,22 @@ class NativeKernels(DecodeBindings, AttentionDecodeBindings, PrefillBindings, Kd
         return int(self.lib.ds_amx_uses())
 
 
+def load(isa: str | None = None, compiler: str | None = None) -> NativeKernels:
+    """The library for `isa` (`build.choose_isa`: None = `$DELTASERVE_ISA`, else the best the CPU
+    has), built if not cached, with its own bindings (the same file as `native()`'s shares that
+    library's state). Raises OSError (no compiler, or the loader's), subprocess.CalledProcessError
+    (a failed build) or AbiMismatch."""
+    compiler = compiler or find_compiler()
+    if compiler is None:
+        raise OSError("no C compiler found")
+    chosen = choose_isa(os.environ.get("DELTASERVE_ISA") if isa is None else isa)
+    path = _build(compiler, chosen)
+    try:
+        return NativeKernels(ctypes.CDLL(str(path)), chosen)
+    except AbiMismatch as err:
+        raise AbiMismatch(f"{path} is not the library ds_abi.h declares ({err})") from err
+
+
 @functools.lru_cache(maxsize=1)
 def _load() -> NativeKernels | None:
     if os.environ.get("DELTASERVE_NATIVE", "1") == "0":
@@ -100,25 +124,16 @@ def _load() -> NativeKernels | None:
         return None
     start = time.perf_counter()
     try:
-        lib = _build(compiler)
-        kernels = NativeKernels(ctypes.CDLL(str(lib)))
+        kernels = load(compiler=compiler)
     except (OSError, subprocess.CalledProcessError) as err:
         detail = getattr(err, "stderr", "") or str(err)
         log.warning("native CPU kernels unavailable (%s); using the PyTorch paths", detail.strip()[:500])
         return None
     except AbiMismatch as err:
-        log.warning(
-            "native CPU kernels refused: %s is not the library ds_abi.h declares (%s); using the PyTorch paths",
-            lib,
-            err,
-        )
+        log.warning("native CPU kernels refused: %s; using the PyTorch paths", err)
         return None
     log.info(
-        "native CPU kernels ready in %.1f s from %s (AVX512-BF16: %s, AMX: %s)",
-        time.perf_counter() - start,
-        lib,
-        kernels.avx512_bf16,
-        kernels.amx,
+        "native CPU kernels (%s) ready in %.1f s from %s", kernels.isa, time.perf_counter() - start, kernels.lib._name
     )
     return kernels
 

@@ -1,0 +1,171 @@
+"""Selection of the kernels' instruction set at load (`DELTASERVE_ISA`, `build.choose_isa`): each
+variant this CPU runs (avx2, avx512, amx), built and loaded on its own handle by `library.load(isa)`
+(the process's `native()` is untouched), against the reference ops with the tolerances of
+tests/ops/test_cpu_kernels.py and test_kda_native.py; and the engine on a tiny bf16 model with
+`DELTASERVE_ISA=avx2` in a subprocess, its greedy tokens within bf16 noise of the reference.
+Variants the CPU lacks are skipped; the selection logic itself is checked on simulated CPUs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deltaserve.kernels.cpu import build
+from deltaserve.kernels.cpu import library as cpu_kernels
+from deltaserve.ops import kda as K
+from deltaserve.ops.activations import situ_and_mul
+from deltaserve.ops.mla import mla_absorbed_attention
+from deltaserve.ops.moe import grouped_experts
+from deltaserve.ops.norms import rms_norm
+
+from ..engine.test_native_decode import TIE
+from ..ops.test_cpu_kernels import routed_case, ulps
+from ..ops.test_kda_native import _close, _cu, _inputs
+from ..ops.test_native_small_ops import _bf16_close
+
+BF = torch.bfloat16
+pytestmark = pytest.mark.skipif(build.find_compiler() is None, reason="no C compiler")
+
+
+@pytest.fixture(scope="module", params=build.ISAS)
+def kernels(request):
+    """The variant for one ISA, loaded on its own (skipped where the CPU or the OS lacks it)."""
+    if request.param not in build.cpu_isas():
+        pytest.skip(f"this CPU lacks {request.param}")
+    k = cpu_kernels.load(request.param)
+    if k.isa != request.param:
+        pytest.skip(f"{request.param} built but not granted ({k.isa} runs; DELTASERVE_AMX=0?)")
+    return k
+
+
+def test_variant_has_exactly_its_isa(kernels):
+    assert bool(kernels.lib.ds_has_avx512bf16()) == (kernels.isa != "avx2")
+    assert bool(kernels.lib.ds_amx_ready()) == (kernels.isa == "amx")
+    assert f"-{kernels.isa}-" in Path(kernels.lib._name).name
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 40])
+def test_linear(kernels, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 1024, generator=gen).to(BF)
+    w = torch.randn(300, 1024, generator=gen).to(BF)
+    if rows > kernels.multi_rows(1024):
+        pytest.skip("more rows than the GEMV kernels take (AMX only)")
+    ref = F.linear(x, w)
+    got = kernels.linear_bf16_multi(x, [w])[0]
+    assert ulps(got, ref, ref) <= 2.0
+    if rows <= cpu_kernels.MAX_ROWS:
+        assert ulps(kernels.linear_bf16(x, w), ref, ref) <= 2.0
+
+
+@pytest.mark.parametrize("n", [3, 40])
+def test_moe_experts_dense_and_mxfp4(kernels, n):
+    (w1, w3, w2), dense, x, ids, wts = routed_case(n, torch.Generator().manual_seed(n))
+    ref = grouped_experts(x, ids, wts, *dense, lambda g, u: situ_and_mul(g, u, 4.0, 25.0))
+    for weights in ((w1, w3, w2), dense):
+        got = kernels.moe_experts(x, ids, wts, *weights, cpu_kernels.ACT_SITU, 4.0, 25.0)
+        assert ulps(got, ref, ref) <= 2.0
+
+
+@pytest.mark.parametrize("n,d", [(3, 40), (300, 1040)])
+def test_rms_norm(kernels, n, d):
+    gen = torch.Generator().manual_seed(d)
+    x = (3 * torch.randn(n, d, generator=gen)).bfloat16()
+    w = torch.randn(d, generator=gen)
+    _bf16_close(kernels.rms_norm(x, w, 1e-5), rms_norm(x, w.bfloat16(), 1e-5))
+
+
+@pytest.mark.parametrize("h,dk,dv", [(3, 24, 40), (1, 128, 128)])
+def test_kda_chunked_prefill(kernels, h, dk, dv):
+    lens = [1, 64, 130]
+    q, k, v, g, beta, s0 = _inputs(lens, h, dk, dv, seed=dk)
+    args = (q, k, v, g, beta, _cu(lens), dk**-0.5)
+    o, s, _ = kernels.kda_chunked(*args, initial_state=s0)
+    o_t, s_t, _ = K.kda_chunked(*args, initial_state=s0)
+    _close(o, o_t)
+    _close(s, s_t)
+
+
+def test_mla_decode(kernels):
+    gen = torch.Generator().manual_seed(5)
+    heads, rank, rope, lens = 4, 64, 16, [1, 300, 700]
+    pool = torch.randn(2048, rank + rope, generator=gen).to(BF)
+    rows = torch.randperm(2048, generator=gen)[: sum(lens)]
+    cu_kv = torch.tensor([0, *lens]).cumsum(0)
+    q = torch.randn(len(lens), heads, rank + rope, generator=gen).to(BF)
+    scale = (rank + rope) ** -0.5
+    got = kernels.mla_decode(q, pool, rows, cu_kv, rank, scale)
+    ref = mla_absorbed_attention(q, pool[rows], torch.arange(len(lens) + 1), cu_kv, rank, scale)
+    assert ulps(got, ref, ref) <= 2.0
+
+
+_AVX2 = "flags\t: fpu sse2 avx avx2 fma f16c bmi1 bmi2 movbe abm"
+_SPR = _AVX2 + " avx512f avx512bw avx512vl avx512_bf16 amx_tile amx_bf16 amx_int8"
+
+
+@pytest.mark.parametrize(
+    "flags, requested, chosen, warns",
+    [
+        (_SPR, None, "amx", False),
+        (_SPR, "avx2", "avx2", False),
+        (_SPR, "avx512", "avx512", False),
+        (_AVX2, "", "avx2", False),
+        (_AVX2, "amx", "avx2", True),
+        (_AVX2, "sse9", "avx2", True),
+        ("flags\t: fp asimd", "avx512", "generic", True),
+        ("", None, "generic", False),
+    ],
+)
+def test_choose_isa_refuses_what_the_cpu_lacks(monkeypatch, caplog, flags, requested, chosen, warns):
+    monkeypatch.setattr(build, "_cpu_flags", lambda: flags)
+    with caplog.at_level(logging.WARNING, logger=build.log.name):
+        assert build.choose_isa(requested) == chosen
+    assert ("DELTASERVE_ISA" in caplog.text) == warns
+
+
+def test_isa_flags(monkeypatch):
+    assert "-march=x86-64-v3" in build.isa_flags("avx2") and not any("512" in f for f in build.isa_flags("avx2"))
+    monkeypatch.setattr(build, "_cpu_flags", lambda: _SPR)
+    assert "-mno-amx-tile" in build.isa_flags("avx512") and "-mno-amx-tile" not in build.isa_flags("amx")
+
+
+_ENGINE = """
+import json, logging, sys, torch
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from deltaserve import LLM, SamplingParams
+from deltaserve.tiny import make_tiny
+from deltaserve.ops.select import describe
+from tests.engine.test_native_decode import gaps_to_oracle
+llm = LLM(make_tiny(sys.argv[1], "kimi_k3", mxfp4=True, seed=4), dtype="bfloat16", max_num_seqs=2, page_size=4,
+          kv_cache_memory=32 * 2**20, max_model_len=128, progress=False)
+prompts = [list(range(300, 321)), list(range(700, 705))]
+outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), use_tqdm=False)
+toks = [o.outputs[0].token_ids for o in outs]
+print(json.dumps({"describe": describe(llm.model.ops), "isa": llm.model.ops.k.isa,
+                  "gaps": [max(gaps_to_oracle(llm, p, t)) for p, t in zip(prompts, toks)],
+                  "reversed": max(gaps_to_oracle(llm, prompts[0], toks[0][::-1]))}))
+"""
+
+
+def test_engine_on_avx2_within_bf16_noise_of_reference(tmp_path):
+    if "avx2" not in build.cpu_isas():
+        pytest.skip("this CPU lacks avx2")
+    env = {**os.environ, "DELTASERVE_ISA": "avx2", "DELTASERVE_NATIVE": "1"}
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run(
+        [sys.executable, "-c", _ENGINE, str(tmp_path / "k3")], cwd=root, env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["isa"] == "avx2" and "cpu-native (avx2)" in out["describe"]
+    assert "kernel backend: cpu-native" in run.stderr and "cpu-native (avx2): linear" in run.stderr
+    assert max(out["gaps"]) < TIE
+    assert out["reversed"] > 10 * TIE  # the check can fail
