@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..parallel import SINGLE, ParallelContext, VocabParallelEmbedding
 from .config import ModelConfig
 from .context import ForwardContext
 from .kda_layer import KdaAttention
@@ -15,18 +16,18 @@ from .moe_layer import GluMlp, MoeBlock
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: ParallelContext = SINGLE):
         super().__init__()
         d = cfg.hidden_size
         self.layer_id = layer_id
         self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
         attn_cls = KdaAttention if cfg.layer_types[layer_id] == "kda" else MlaAttention
-        self.self_attn = attn_cls(cfg, layer_id)
+        self.self_attn = attn_cls(cfg, layer_id, tp)
         if cfg.moe_layers[layer_id]:
-            self.block_sparse_moe = MoeBlock(cfg)
+            self.block_sparse_moe = MoeBlock(cfg, tp)
         else:
-            self.mlp = GluMlp(cfg, d, cfg.intermediate_size)
+            self.mlp = GluMlp(cfg, d, cfg.intermediate_size, tp)
         if cfg.attn_res_block_size is not None:
             self.self_attention_res_proj = WeightVector(1, d)
             self.self_attention_res_norm = WeightVector(d)
@@ -62,13 +63,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderStack(nn.Module):
-    """`model.*`: embeddings, layers, final norm (and K3's output AttnRes mix)."""
+    """`model.*`: embeddings (vocab-parallel under `tp`), layers, final norm (and K3's output
+    AttnRes mix); every rank holds the full hidden states."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: ParallelContext = SINGLE):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.attn_res_block_size is not None:
             self.output_attn_res_proj = WeightVector(1, cfg.hidden_size)

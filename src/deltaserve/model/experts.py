@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..ops.backend import ExpertWeights, GluAct
+from ..parallel import shard
 from .modules import OpsModule
 
 PROJECTIONS = ("w1", "w3", "w2")
@@ -20,13 +21,17 @@ PROJECTIONS = ("w1", "w3", "w2")
 
 class StackedExperts(OpsModule):
     """All routed experts of a layer. The loader fills either the dense parameters or, through
-    `set_packed`, the packed buffers `{w1,w3,w2}_packed` / `_scale` (validated MXFP4)."""
+    `set_packed`, the packed buffers `{w1,w3,w2}_packed` / `_scale` (validated MXFP4). `width` is
+    this rank's share of the intermediate dim: w1/w3 are split by rows, w2 by columns (packed:
+    by whole 32-element groups)."""
 
     def __init__(self, num_experts: int, width: int, d_in: int):
         super().__init__()
         self.w1 = nn.Parameter(torch.zeros(num_experts, width, d_in))
         self.w3 = nn.Parameter(torch.zeros(num_experts, width, d_in))
         self.w2 = nn.Parameter(torch.zeros(num_experts, d_in, width))
+        for param, dim in ((self.w1, 1), (self.w3, 1), (self.w2, 2)):
+            shard(param, dim)
         self.num_experts, self.width, self.d_in = num_experts, width, d_in
         self.packed = False
         self.compute_dtype = None

@@ -96,6 +96,7 @@ def _moe(m: MoeBlock, ops: TorchOps):
         norm_eps=0.0 if norm is None else norm.eps,
         shared=None if shared is None else (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight),
         shared_act=None if shared is None else shared.act,
+        partial=m.tp.world > 1,
     )
     return ops.prepare_moe(w)
 

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ..ops.backend import KdaSpec
+from ..parallel import SINGLE, ParallelContext, shard
 from .config import ModelConfig
 from .context import ForwardContext
 from .modules import OpsModule, WeightVector, empty_linear
@@ -13,14 +14,20 @@ from .modules import OpsModule, WeightVector, empty_linear
 
 class KdaAttention(OpsModule):
     """Parameters carry the checkpoint names. `A_log` is stored flat `[H]` (the loader strips
-    K3's padding and Kimi-Linear's 4-D form); conv weights stay `[P, 1, W]` fp32."""
+    K3's padding and Kimi-Linear's 4-D form); conv weights stay `[P, 1, W]` fp32.
 
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    Under tensor parallelism (`tp`) each rank holds H/W heads: q/k/v, the convs, f_b_proj,
+    b_proj, the output gate's last projection, dt_bias and A_log by head rows, o_proj by head
+    columns (its output all-reduced); f_a_proj, g_a_proj and o_norm are replicated."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: ParallelContext = SINGLE):
         super().__init__()
         k = cfg.kda
-        d, p = cfg.hidden_size, k.proj_dim
+        self.tp = tp
+        heads = tp.split(k.num_heads, "KDA heads")
+        d, p = cfg.hidden_size, heads * k.head_dim
         self.layer_id = layer_id
-        self.num_heads, self.head_dim, self.kernel = k.num_heads, k.head_dim, k.conv_kernel
+        self.num_heads, self.head_dim, self.kernel = heads, k.head_dim, k.conv_kernel
         self.lower_bound = k.gate_lower_bound
         self.eps = cfg.rms_norm_eps
         self.scale = k.head_dim**-0.5
@@ -30,8 +37,8 @@ class KdaAttention(OpsModule):
         self.f_a_proj = empty_linear(d, k.head_dim)
         self.f_b_proj = empty_linear(k.head_dim, p)
         self.dt_bias = nn.Parameter(torch.zeros(p))
-        self.A_log = nn.Parameter(torch.zeros(k.num_heads))
-        self.b_proj = empty_linear(d, k.num_heads)
+        self.A_log = nn.Parameter(torch.zeros(heads))
+        self.b_proj = empty_linear(d, heads)
         if k.full_rank_gate:
             self.g_proj = empty_linear(d, p)
         else:
@@ -39,7 +46,16 @@ class KdaAttention(OpsModule):
             self.g_b_proj = empty_linear(k.head_dim, p)
         self.o_norm = WeightVector(k.head_dim)
         self.o_proj = empty_linear(p, d)
-        self.spec = KdaSpec(k.num_heads, k.head_dim, k.gate_lower_bound, cfg.rms_norm_eps, k.head_dim**-0.5)
+        self._mark_shards()
+        self.spec = KdaSpec(heads, k.head_dim, k.gate_lower_bound, cfg.rms_norm_eps, k.head_dim**-0.5)
+
+    def _mark_shards(self) -> None:
+        gate = self.g_proj if hasattr(self, "g_proj") else self.g_b_proj
+        by_head = (self.q_proj, self.k_proj, self.v_proj, self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        for m in (*by_head, self.f_b_proj, self.b_proj, gate):
+            shard(m.weight, 0)
+        for param, dim in ((self.dt_bias, 0), (self.A_log, 0), (self.o_proj.weight, 1)):
+            shard(param, dim)
 
     def conv_weight(self) -> torch.Tensor:
         """Fused depthwise weight [3P, W] over the concatenated (q, k, v) channels."""
@@ -57,7 +73,7 @@ class KdaAttention(OpsModule):
             view = getattr(cache, "kda_slot_view", None)
             fast = self.ops.kda_decode(x, self.prepared, None if view is None else view(self.layer_id))
             if fast is not None:
-                return fast
+                return self.tp.all_reduce(fast)
         prior = cache.kda_state(self.layer_id) if cache is not None else None
         pre = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         f = self.f_b_proj(self.f_a_proj(x))
@@ -83,7 +99,7 @@ class KdaAttention(OpsModule):
         )
         if cache is not None:
             cache.store_kda(self.layer_id, tail, state, exported)
-        return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
+        return self.tp.all_reduce(self.o_proj(o.reshape(n, self.num_heads * self.head_dim)))
 
 
 __all__ = ["KdaAttention"]

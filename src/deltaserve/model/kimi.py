@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..parallel import SINGLE, ParallelContext, shard
 from .config import ModelConfig
 from .context import ForwardContext
 from .decoder import DecoderStack
@@ -13,13 +14,17 @@ from .modules import empty_linear
 
 class KimiForCausalLM(nn.Module):
     """Parameter names equal the checkpoint's text names (`model.…`, `lm_head.weight`), with
-    routed experts stacked per layer (`…experts.w1 [E, I, Din]`)."""
+    routed experts stacked per layer (`…experts.w1 [E, I, Din]`). Built with a tensor-parallel
+    context `tp`, the parameters are this rank's shards (`parallel.context`), the lm_head split
+    by vocab rows; the logits are gathered, so every rank returns the full logits."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: ParallelContext | None = None):
         super().__init__()
         self.config = cfg
-        self.model = DecoderStack(cfg)
-        self.lm_head = empty_linear(cfg.hidden_size, cfg.vocab_size)
+        self.tp = tp = tp or SINGLE
+        self.model = DecoderStack(cfg, tp)
+        self.lm_head = empty_linear(cfg.hidden_size, tp.split(cfg.vocab_size, "vocab_size"))
+        shard(self.lm_head.weight, 0)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -35,7 +40,7 @@ class KimiForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits (no soft-cap, no scale: spec §2)."""
-        return self.lm_head(hidden).float()
+        return self.tp.all_gather(self.lm_head(hidden)).float()
 
     @torch.inference_mode()
     def forward_full(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -9,18 +9,24 @@ from __future__ import annotations
 import torch
 
 from ..ops import mla as mla_ops
+from ..parallel import SINGLE, ParallelContext, shard
 from .config import ModelConfig
 from .context import ForwardContext
 from .modules import OpsModule, RMSNorm, empty_linear, project
 
 
 class MlaAttention(OpsModule):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    """Under tensor parallelism (`tp`) each rank holds H/W heads: q_proj / q_b_proj, kv_b_proj
+    and g_proj by head rows, o_proj by head columns (its output all-reduced); q_a_proj,
+    kv_a_proj_with_mqa and their norms are replicated (every rank caches the same latent rows)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: ParallelContext = SINGLE):
         super().__init__()
         m = cfg.mla
         d = cfg.hidden_size
         self.layer_id = layer_id
-        self.num_heads = m.num_heads
+        self.tp = tp
+        self.num_heads = h = tp.split(m.num_heads, "MLA heads")
         self.nope, self.rope, self.v_dim, self.rank = (
             m.qk_nope_head_dim,
             m.qk_rope_head_dim,
@@ -31,15 +37,19 @@ class MlaAttention(OpsModule):
         if m.q_lora_rank is not None:
             self.q_a_proj = empty_linear(d, m.q_lora_rank)
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, m.latent_norm_eps)
-            self.q_b_proj = empty_linear(m.q_lora_rank, m.num_heads * m.qk_head_dim)
+            self.q_b_proj = empty_linear(m.q_lora_rank, h * m.qk_head_dim)
         else:
-            self.q_proj = empty_linear(d, m.num_heads * m.qk_head_dim)
+            self.q_proj = empty_linear(d, h * m.qk_head_dim)
         self.kv_a_proj_with_mqa = empty_linear(d, m.latent_dim)
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, m.latent_norm_eps)
-        self.kv_b_proj = empty_linear(m.kv_lora_rank, m.num_heads * (m.qk_nope_head_dim + m.v_head_dim))
+        self.kv_b_proj = empty_linear(m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim))
         if m.output_gate:
-            self.g_proj = empty_linear(d, m.num_heads * m.v_head_dim)
-        self.o_proj = empty_linear(m.num_heads * m.v_head_dim, d)
+            self.g_proj = empty_linear(d, h * m.v_head_dim)
+        self.o_proj = empty_linear(h * m.v_head_dim, d)
+        for name in ("q_b_proj", "q_proj", "kv_b_proj", "g_proj"):
+            if hasattr(self, name):
+                shard(getattr(self, name).weight, 0)
+        shard(self.o_proj.weight, 1)
 
     def input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(q_a_proj(x) or q_proj(x), kv_a_proj_with_mqa(x), g_proj(x) or None), in one pass."""
@@ -77,7 +87,7 @@ class MlaAttention(OpsModule):
         o = o.reshape(n, h * self.v_dim)
         if gate is not None:
             o = o * torch.sigmoid(gate)
-        return self.o_proj(o)
+        return self.tp.all_reduce(self.o_proj(o))
 
     def _attend(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(o [N, H, v], gate or None): projections, the cache write and attention, module by module."""

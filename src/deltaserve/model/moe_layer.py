@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ..ops.backend import GluAct, RouteSpec
+from ..parallel import SINGLE, ParallelContext, shard
 from .config import ModelConfig
 from .experts import StackedExperts
 from .modules import OpsModule, RMSNorm, empty_linear
@@ -19,17 +20,24 @@ def glu_activation(cfg: ModelConfig) -> GluAct:
 
 
 class GluMlp(OpsModule):
-    """`down(act(gate(x), up(x)))`; names gate_proj / up_proj / down_proj."""
+    """`down(act(gate(x), up(x)))`; names gate_proj / up_proj / down_proj. Under tensor
+    parallelism the width is split (gate/up by rows, down by columns): the output is all-reduced
+    when `reduce`, else left partial for the caller to reduce (the MoE's shared experts)."""
 
-    def __init__(self, cfg: ModelConfig, hidden: int, width: int):
+    def __init__(self, cfg: ModelConfig, hidden: int, width: int, tp: ParallelContext = SINGLE, reduce: bool = True):
         super().__init__()
+        width = tp.split(width, "GLU width")
+        self.tp, self.reduce = tp, reduce
         self.gate_proj = empty_linear(hidden, width)
         self.up_proj = empty_linear(hidden, width)
         self.down_proj = empty_linear(width, hidden)
+        for param, dim in ((self.gate_proj.weight, 0), (self.up_proj.weight, 0), (self.down_proj.weight, 1)):
+            shard(param, dim)
         self.act = glu_activation(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.glu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, self.act)
+        y = self.ops.glu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, self.act)
+        return self.tp.all_reduce(y) if self.reduce else y
 
 
 class Router(nn.Module):
@@ -44,12 +52,18 @@ class Router(nn.Module):
 class MoeBlock(OpsModule):
     """K3 latent MoE: router and shared experts read x, the routed experts read
     z = routed_expert_down_proj(x); the weighted sum is normalised, then up-projected.
-    Kimi-Linear: routed experts read x directly."""
+    Kimi-Linear: routed experts read x directly.
 
-    def __init__(self, cfg: ModelConfig):
+    Under tensor parallelism the router, the latent projections and their norm are replicated;
+    routed and shared experts are split by their intermediate dim, so their sums are partial:
+    the routed sum is all-reduced before the latent norm (where there is one), everything else
+    once at the end."""
+
+    def __init__(self, cfg: ModelConfig, tp: ParallelContext = SINGLE):
         super().__init__()
         m = cfg.moe
         self.cfg = m
+        self.tp = tp
         self.gate = Router(cfg)
         d_in = m.latent_size or cfg.hidden_size
         if m.latent_size is not None:
@@ -57,9 +71,10 @@ class MoeBlock(OpsModule):
             self.routed_expert_up_proj = empty_linear(m.latent_size, cfg.hidden_size)
             if m.latent_norm:
                 self.routed_expert_norm = RMSNorm(m.latent_size, cfg.rms_norm_eps)
-        self.experts = StackedExperts(m.num_experts, m.intermediate_size, d_in)
+        self.experts = StackedExperts(m.num_experts, tp.split(m.intermediate_size, "expert width"), d_in)
         if m.num_shared_experts:
-            self.shared_experts = GluMlp(cfg, cfg.hidden_size, m.num_shared_experts * m.intermediate_size)
+            width = m.num_shared_experts * m.intermediate_size
+            self.shared_experts = GluMlp(cfg, cfg.hidden_size, width, tp, reduce=False)
         self.act = glu_activation(cfg)
         self.route_spec = RouteSpec(
             m.top_k, m.num_expert_group, m.topk_group, m.renormalize, m.routed_scaling_factor, m.bias_in_weights
@@ -68,7 +83,7 @@ class MoeBlock(OpsModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = self.ops.moe_block(x, self.prepared)
         if fused is not None:
-            return fused
+            return self.tp.all_reduce(fused)
         latent = hasattr(self, "routed_expert_down_proj")
         weights, ids, z = self.ops.route(
             x,
@@ -78,10 +93,10 @@ class MoeBlock(OpsModule):
             self.routed_expert_down_proj.weight if latent else None,
         )
         r = self.experts(z, ids, weights, self.act)
+        shared = self.shared_experts(x) if hasattr(self, "shared_experts") else None
+        if hasattr(self, "routed_expert_norm"):
+            r = self.routed_expert_up_proj(self.routed_expert_norm(self.tp.all_reduce(r)))
+            return r if shared is None else self.tp.reduce_sum(shared, r)
         if latent:
-            if hasattr(self, "routed_expert_norm"):
-                r = self.routed_expert_norm(r)
             r = self.routed_expert_up_proj(r)
-        if hasattr(self, "shared_experts"):
-            r = r + self.shared_experts(x)
-        return r
+        return self.tp.all_reduce(r if shared is None else r + shared)

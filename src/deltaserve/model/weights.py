@@ -9,6 +9,9 @@ stream one tensor at a time (memory-mapped; the checkpoint is never held twice):
    `experts.w{1,2,3}`; `A_log` arrives padded (K3, `[>=H]`, tail must be zero) or 4-D
    (`[1, 1, H, 1]`), stored `[H]`; tensors saved in fp32 stay fp32; every other floating tensor
    takes the requested dtype.
+   Under tensor parallelism (`tp`) each rank reads only its chunk of every sharded tensor through
+   `safe_open(...).get_slice` (A_log, H floats, is read whole and cut after its padding is
+   stripped); expected shapes are the rank's (the model is built sharded).
 3. validate (`_validate`): missing, unexpected, duplicated, mis-shaped or non-floating tensors
    (and index entries whose shard lacks them) raise one `CheckpointError` listing all of them,
    whichever phase found them; the model receives nothing before this passes.
@@ -21,7 +24,6 @@ import logging
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -29,8 +31,10 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from ..ops.mxfp4 import mxfp4_decode, mxfp4_validate
+from ..parallel import SINGLE, ParallelContext
+from ..parallel.loading import ShardError, ShardReader
 from .config import ModelConfig
+from .expert_stacking import stack_experts, stack_packed
 from .fused import prepare_model
 from .kimi import KimiForCausalLM
 
@@ -68,11 +72,13 @@ def load_model(
     config: ModelConfig | None = None,
     progress: bool = True,
     moe_weights: str = "auto",
+    tp: ParallelContext | None = None,
 ) -> KimiForCausalLM:
     """Build the model from `config.json` and load every text tensor. `moe_weights="packed"`
     keeps MXFP4 routed experts packed (a projection whose experts are all MXFP4); "dequantized"
     decodes them to `dtype` at load; "auto" packs for bf16 (where the native kernels decode in
-    registers) and dequantizes otherwise (the PyTorch decode per GEMM would dominate)."""
+    registers) and dequantizes otherwise (the PyTorch decode per GEMM would dominate). `tp`:
+    build and load this tensor-parallel rank's shard (None: the whole model, as one process)."""
     if moe_weights not in MOE_WEIGHTS:
         raise ValueError(f"moe_weights must be one of {MOE_WEIGHTS}, got {moe_weights!r}")
     model_dir = Path(model_dir)
@@ -81,16 +87,26 @@ def load_model(
         moe_weights = "packed" if dtype == torch.bfloat16 else "dequantized"
     cfg = config or ModelConfig.from_pretrained(model_dir)
     with torch.device("meta"):
-        model = KimiForCausalLM(cfg)
+        model = KimiForCausalLM(cfg, tp)
     expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    shards = ShardReader.of(model, tp or SINGLE, _expert_stack)
     problems: Problems = {kind: [] for kind in _PROBLEM_KINDS}
-    tensors = _read_tensors(model_dir, cfg.family, progress, problems)
-    mapped = _map_tensors(tensors, expected, cfg.kda.num_heads, dtype, device, moe_weights, problems)
+    tensors = _read_tensors(model_dir, cfg.family, progress, problems, shards)
+    try:
+        mapped = _map_tensors(tensors, expected, cfg.kda.num_heads, dtype, device, moe_weights, problems, shards)
+    except ShardError as err:
+        raise CheckpointError(str(err)) from None
     params = _validate(mapped, expected, cfg.tie_word_embeddings, problems, model_dir)
     _install(model, params, mapped.packed, dtype)
     model.train(False)  # inference mode
     prepare_model(model)
     return model
+
+
+def _expert_stack(name: str) -> str | None:
+    """The stacked parameter (`…experts.w1`) one routed expert's tensor joins, else None."""
+    m = _EXPERT.match(name)
+    return None if m is None else f"{m.group(1)}.{m.group(3)}"
 
 
 # --- phase 1: read -------------------------------------------------------------------------------
@@ -130,8 +146,11 @@ def _text_name(name: str, family: str) -> str | None:
     return name
 
 
+_WHOLE = ShardReader()
+
+
 def _read_tensors(
-    model_dir: Path, family: str, progress: bool, problems: Problems
+    model_dir: Path, family: str, progress: bool, problems: Problems, shards: ShardReader = _WHOLE
 ) -> Iterator[tuple[str, str, Callable[[], torch.Tensor]]]:
     """Yield (checkpoint name, text name, read) once per text name, shard by shard while its file
     is open; `read()` memory-maps that tensor, so one nobody reads is never touched. Vision tensors
@@ -161,7 +180,7 @@ def _read_tensors(
                     problems["duplicated"].append(f"{raw_name} (same parameter as {source[name]})")
                 else:
                     source[name] = raw_name
-                    yield raw_name, name, partial(f.get_tensor, raw_name)
+                    yield raw_name, name, shards.reader(f, raw_name, name)
     bar.close()
     if skipped:
         log.info("skipped %d vision tensors (the vision tower is not served yet)", skipped)
@@ -190,6 +209,7 @@ def _map_tensors(
     device: str | torch.device,
     moe_weights: str,
     problems: Problems,
+    shards: ShardReader = _WHOLE,
 ) -> _Mapped:
     """Checkpoint tensors -> module parameters. Plain tensors are read and converted one at a time
     as they stream in; routed expert tensors are gathered (still memory-mapped) and stacked per
@@ -204,14 +224,14 @@ def _map_tensors(
         elif name not in expected:
             problems["unexpected"].append(raw_name)
         else:
-            mapped.plain[name] = (raw_name, *_map_plain(read(), name, raw_name, heads, dtype, device))
+            mapped.plain[name] = (raw_name, *_map_plain(read(), name, raw_name, heads, dtype, device, shards))
     for (prefix, proj), per_expert in experts.items():
         name = f"{prefix}.{proj}"
         if name not in expected:
             problems["unexpected"].extend(f"{prefix}.{e}.{proj}" for e in sorted(per_expert))
             continue
         keep_packed = moe_weights == "packed" and all("weight_packed" in v for v in per_expert.values())
-        stack = _stack_packed if keep_packed else _stack_experts
+        stack = stack_packed if keep_packed else stack_experts
         stacked, found = stack(name, per_expert, expected[name], dtype, device)
         problems["invalid expert"].extend(found)
         if stacked is None:
@@ -222,17 +242,24 @@ def _map_tensors(
 
 
 def _map_plain(
-    t: torch.Tensor, name: str, raw_name: str, heads: int, dtype: torch.dtype, device: str | torch.device
+    t: torch.Tensor,
+    name: str,
+    raw_name: str,
+    heads: int,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    shards: ShardReader = _WHOLE,
 ) -> tuple[torch.Tensor, str]:
     """(the tensor as its parameter holds it, "") or (t as read, why its A_log is malformed).
-    Non-floating tensors pass through as read, for validation to reject."""
+    Non-floating tensors pass through as read, for validation to reject. `heads` is the model's
+    whole KDA head count (an A_log is checked whole, then cut to this rank's heads)."""
     if not t.is_floating_point():
         return t, ""
     if name.endswith(".A_log"):
         a_log, problem = _normalise_a_log(t, heads, raw_name)
         if a_log is None:
             return t, problem
-        t = a_log
+        t = shards.local(name, a_log)
     return t.to(device=device, dtype=_target_dtype(t, dtype)), ""
 
 
@@ -249,67 +276,6 @@ def _normalise_a_log(t: torch.Tensor, heads: int, name: str) -> tuple[torch.Tens
 
 def _target_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if t.dtype == torch.float32 else dtype
-
-
-def _stack_experts(name, per_expert, shape, dtype, device):
-    """Stack `{prefix}.{e}.{proj}` tensors into `[E, O, I]`; problems name the expert tensors."""
-    num, out_dim, in_dim = shape
-    prefix, _, proj = name.rpartition(".")
-    problems = []
-    if sorted(per_expert) != list(range(num)):
-        absent = [f"{prefix}.{e}.{proj} (missing)" for e in sorted(set(range(num)) - set(per_expert))]
-        extra = [f"{prefix}.{e}.{proj} (unexpected)" for e in sorted(set(per_expert) - set(range(num)))]
-        return None, absent + extra
-    out = torch.empty(shape, dtype=dtype, device=device)
-    for e in range(num):
-        parts, where = per_expert[e], f"{prefix}.{e}.{proj}"
-        if sorted(parts) not in (["weight"], ["weight_packed", "weight_scale"]):
-            problems.append(
-                f"{where}: needs either 'weight' or both 'weight_packed' and 'weight_scale', got {sorted(parts)}"
-            )
-            continue
-        if "weight" in parts:
-            w = parts["weight"]
-            if not w.is_floating_point():
-                problems.append(f"{where}.weight: {w.dtype} (expected a floating dtype)")
-                continue
-        else:
-            try:
-                w = mxfp4_decode(parts["weight_packed"], parts["weight_scale"], dtype)
-            except ValueError as err:
-                problems.append(f"{where}: {err}")
-                continue
-        if tuple(w.shape) != (out_dim, in_dim):
-            problems.append(f"{where}: {tuple(w.shape)} != expected {(out_dim, in_dim)}")
-            continue
-        out[e] = w
-    return (None if problems else out), problems
-
-
-def _stack_packed(name, per_expert, shape, dtype, device):
-    """Stack MXFP4 experts into (packed [E, O, I/2], scale [E, O, I/32]) uint8, validated."""
-    num, out_dim, in_dim = shape
-    prefix, _, proj = name.rpartition(".")
-    if sorted(per_expert) != list(range(num)):
-        return _stack_experts(name, per_expert, shape, dtype, device)
-    codes = torch.empty(num, out_dim, in_dim // 2, dtype=torch.uint8, device=device)
-    scales = torch.empty(num, out_dim, in_dim // 32, dtype=torch.uint8, device=device)
-    problems = []
-    for e in range(num):
-        parts, where = per_expert[e], f"{prefix}.{e}.{proj}"
-        if sorted(parts) != ["weight_packed", "weight_scale"]:
-            problems.append(f"{where}: needs both 'weight_packed' and 'weight_scale', got {sorted(parts)}")
-            continue
-        try:
-            rows, cols = mxfp4_validate(parts["weight_packed"], parts["weight_scale"])
-        except ValueError as err:
-            problems.append(f"{where}: {err}")
-            continue
-        if (rows, cols) != (out_dim, in_dim):
-            problems.append(f"{where}: {(rows, cols)} != expected {(out_dim, in_dim)}")
-            continue
-        codes[e], scales[e] = parts["weight_packed"], parts["weight_scale"]
-    return (None if problems else (codes, scales)), problems
 
 
 # --- phase 3: validate ---------------------------------------------------------------------------

@@ -159,6 +159,9 @@ class MoeWeights:
     norm_eps: float = 0.0
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     shared_act: GluAct | None = None
+    # experts (and shared experts) hold one tensor-parallel shard of their intermediate dim: the
+    # routed sum is partial, so a block that applies `norm` to it would be wrong
+    partial: bool = False
 
 
 class TorchOps:

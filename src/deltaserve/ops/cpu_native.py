@@ -14,7 +14,7 @@ import torch
 
 from ..kernels.cpu import GATE_SIGMOID, GATE_SOFTPLUS, MAX_ROWS, MLA_MAX_HEADS, MLA_MAX_RANK
 from ..kernels.cpu.blocks import KdaBlockWeights, MlaBlockWeights
-from .backend import KdaSpec, KdaWeights, MlaWeights
+from .backend import KdaSpec, KdaWeights, MlaWeights, MoeWeights
 from .cpu_dense import CpuDenseOps
 from .norms import gated_rms_norm
 
@@ -61,6 +61,15 @@ class CpuNativeOps(CpuDenseOps):
     def __init__(self, kernels, fuse_blocks: bool = True):
         super().__init__(kernels)
         self.fuse_blocks = fuse_blocks
+
+    # MoE ---------------------------------------------------------------------------------------
+    def prepare_moe(self, w: MoeWeights):
+        """No whole-block plan where the block would normalise a tensor-parallel partial sum (K3's
+        latent norm under TP > 1): the layer all-reduces before its norm instead. Elsewhere a
+        block's output is linear in the shards' sums and the layer all-reduces it."""
+        if w.partial and w.norm is not None:
+            return None
+        return super().prepare_moe(w)
 
     # KDA ---------------------------------------------------------------------------------------
     def prepare_kda(self, w: KdaWeights, spec: KdaSpec) -> KdaPrepared:

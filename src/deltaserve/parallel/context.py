@@ -1,0 +1,87 @@
+"""`ParallelContext`: which tensor-parallel rank a model is built for, and the collectives its
+layers call.
+
+Invariants:
+- A parameter marked with `shard(p, dim)` holds, on rank r of W, the contiguous chunk r of W equal
+  chunks of the checkpoint tensor along `dim` (heads, the intermediate dim or the vocab); every
+  other parameter is replicated.
+- A layer's forward returns the full, unsharded result on every rank: a row-parallel projection's
+  partial sum is all-reduced (once) before anything nonlinear reads it.
+- `SINGLE` (world 1) makes every collective the identity, so an unsharded model computes exactly
+  what it computed before tensor parallelism existed.
+- Only tensor collectives are used: nothing is pickled between ranks.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """Rank `rank` of a tensor-parallel group of `world` processes (`group`: a torch.distributed
+    process group, None for the default one)."""
+
+    rank: int = 0
+    world: int = 1
+    group: object = None
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.world:
+            raise ValueError(f"rank {self.rank} outside a tensor-parallel group of {self.world}")
+
+    def split(self, n: int, what: str) -> int:
+        """This rank's share of `n` (heads, a width, the vocab); `n` must divide evenly."""
+        if n % self.world:
+            raise ValueError(f"{what} ({n}) does not divide by the tensor-parallel size {self.world}")
+        return n // self.world
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's `x` (in place: `x` must be a fresh tensor the caller owns)."""
+        if self.world > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def reduce_sum(self, partial: torch.Tensor, replicated: torch.Tensor) -> torch.Tensor:
+        """`replicated + all_reduce(partial)` in one collective: the replicated term (equal on every
+        rank) joins the sum on rank 0 only."""
+        if self.world == 1:
+            return replicated + partial
+        return self.all_reduce(replicated + partial if self.rank == 0 else partial)
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's `x` concatenated along `dim`, in rank order."""
+        if self.world == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=dim)
+
+
+SINGLE = ParallelContext()
+
+
+def shard(p: nn.Parameter, dim: int) -> nn.Parameter:
+    """Mark `p` as split along `dim` across the tensor-parallel ranks (the loader reads only this
+    rank's chunk of the checkpoint tensor); returns `p`."""
+    p.tp_dim = dim
+    return p
+
+
+def init_tensor_parallel(
+    rank: int, world: int, init_method: str, device: str | torch.device = "cpu", timeout_s: float = 120.0
+) -> ParallelContext:
+    """Join the default process group (gloo for CPU, nccl for CUDA) as `rank` of `world` and
+    return the context a model is built with."""
+    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend, init_method=init_method, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+        )
+    return ParallelContext(rank, world)

@@ -1,0 +1,89 @@
+"""Reading one tensor-parallel rank's chunk of a checkpoint tensor without materialising the rest."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .context import SINGLE, ParallelContext
+
+
+class ShardError(ValueError):
+    """A checkpoint tensor does not split into the tensor-parallel size along its shard dim."""
+
+
+def chunk_bounds(size: int, dim: int, tp: ParallelContext, name: str) -> slice:
+    """This rank's rows of a dim of `size` (MXFP4 scales: the intermediate size must then be a
+    multiple of 32 * world, since a rank's chunk must hold whole 32-element groups)."""
+    if size % tp.world:
+        hint = " (MXFP4 experts split by whole 32-element groups)" if name.endswith("_scale") else ""
+        raise ShardError(
+            f"{name}: dim {dim} of size {size} does not split into {tp.world} tensor-parallel shards{hint}"
+        )
+    n = size // tp.world
+    return slice(tp.rank * n, (tp.rank + 1) * n)
+
+
+def read_shard(f, name: str, dim: int, tp: ParallelContext) -> torch.Tensor:
+    """Rank `tp.rank`'s chunk along `dim` of tensor `name` in the open safetensors file `f`,
+    read through `get_slice` (the file is memory-mapped: only the chunk is copied, into its own
+    contiguous storage). A tensor with fewer dims is read whole, for validation to report its
+    shape."""
+    part = f.get_slice(name)
+    shape = part.get_shape()
+    if dim >= len(shape):
+        return f.get_tensor(name)
+    return part[(slice(None),) * dim + (chunk_bounds(shape[dim], dim, tp, name),)].contiguous()
+
+
+def take_shard(t: torch.Tensor, dim: int, tp: ParallelContext, name: str) -> torch.Tensor:
+    """Rank `tp.rank`'s chunk along `dim` of a tensor already read, as its own storage."""
+    return t[(slice(None),) * dim + (chunk_bounds(t.shape[dim], dim, tp, name),)].clone()
+
+
+def _no_stack(name: str) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class ShardReader:
+    """Which chunk of each checkpoint tensor (by text name) this rank reads. `dims`: parameter
+    name -> the dim its shard splits (empty: every tensor whole). `stack_of(name)`: the stacked
+    parameter one routed expert's tensor joins (its split dim is the stack's less the expert
+    dim), else None. Names ending in `read_whole` are read whole and cut by `local` after mapping
+    (A_log: H floats, stored padded or 4-D)."""
+
+    tp: ParallelContext = SINGLE
+    dims: dict[str, int] = field(default_factory=dict)
+    stack_of: Callable[[str], str | None] = _no_stack
+    read_whole: tuple[str, ...] = (".A_log",)
+
+    @classmethod
+    def of(cls, model: nn.Module, tp: ParallelContext, stack_of: Callable[[str], str | None]) -> ShardReader:
+        """The reader of `model` built for `tp` (its parameters marked by `context.shard`)."""
+        if tp.world == 1:
+            return cls()
+        return cls(tp, {n: p.tp_dim for n, p in model.named_parameters() if hasattr(p, "tp_dim")}, stack_of)
+
+    def dim(self, name: str) -> int | None:
+        stack = self.stack_of(name)
+        if stack is None:
+            return self.dims.get(name)
+        stacked = self.dims.get(stack)
+        return None if stacked is None else stacked - 1
+
+    def reader(self, f, raw_name: str, name: str) -> Callable[[], torch.Tensor]:
+        """A thunk reading this rank's part of `raw_name` from the open file `f`."""
+        dim = self.dim(name)
+        if dim is None or name.endswith(self.read_whole):
+            return partial(f.get_tensor, raw_name)
+        return partial(read_shard, f, raw_name, dim, self.tp)
+
+    def local(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of `t`, a tensor `reader` read whole (`t` itself if unsharded)."""
+        dim = self.dim(name)
+        return t if dim is None else take_shard(t, dim, self.tp, name)
