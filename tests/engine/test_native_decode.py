@@ -96,7 +96,7 @@ def test_native_decode_matches_torch_paths_and_engages(tmp_path, monkeypatch, mx
     without_blocks(monkeypatch)
     _, per_module, module_calls = run(ckpt, prompts, monkeypatch, True)
     assert module_calls["kda_decode"] > 0 and module_calls["route"] > 0 and module_calls["mla_decode"] > 0
-    assert module_calls["kda_block"] == module_calls["mla_block"] == 0
+    assert module_calls["kda_block"] == module_calls["mla_block"] == module_calls["moe_block"] == 0
     assert per_module == native  # the block kernels compose the same kernels in the same order
 
 
@@ -123,5 +123,5 @@ def test_block_kernels_match_per_module_path_on_kimi_linear(tmp_path, monkeypatc
     assert calls["kda_block"] > 0 and calls["moe_block"] > 0 and calls["mla_block"] > 0
     without_blocks(monkeypatch)
     _, per_module, module_calls = run(ckpt, prompts, monkeypatch, True)
-    assert module_calls["kda_decode"] > 0 and module_calls["kda_block"] == 0
+    assert module_calls["kda_decode"] > 0 and module_calls["kda_block"] == module_calls["moe_block"] == 0
     assert per_module == fused

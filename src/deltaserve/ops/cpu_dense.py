@@ -38,8 +38,11 @@ class CpuDenseOps(TorchOps):
 
     name = "cpu-native"
 
-    def __init__(self, kernels: NativeKernels):
+    def __init__(self, kernels: NativeKernels, fuse_blocks: bool = True):
+        """`fuse_blocks=False` builds no whole-block plans (the module-by-module native path,
+        which tests compare the blocks against)."""
         self.k = kernels
+        self.fuse_blocks = fuse_blocks
 
     def describe(self) -> dict[str, str]:
         """Each family as `cpu-native (<isa>)`, the ISA the kernels were loaded for (`NativeKernels.isa`)."""
@@ -196,8 +199,12 @@ class CpuDenseOps(TorchOps):
         return (norm.detach().reshape(-1).float() * proj.detach().reshape(-1).float()).contiguous()
 
     def prepare_moe(self, w: MoeWeights):
-        """(plan, the kernel's weight bundle that keeps its tensors alive), or None (bf16 weights
-        only; a shared expert with another activation runs the modules)."""
+        """(plan, the kernel's weight bundle that keeps its tensors alive), or None: bf16 weights
+        only; none where a shared expert has another activation, or where the block would
+        normalise a tensor-parallel partial sum (K3's latent norm under TP > 1; elsewhere the
+        block's output is linear in the shards and the layer all-reduces it)."""
+        if not self.fuse_blocks or (w.partial and w.norm is not None):
+            return None  # a tensor-parallel partial sum must be all-reduced before the latent norm
         if w.shared is not None and act_spec(w.shared_act) != act_spec(w.act):
             return None
         kw = MoeBlockWeights(

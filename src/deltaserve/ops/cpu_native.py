@@ -14,7 +14,7 @@ import torch
 
 from ..kernels.cpu import GATE_SIGMOID, GATE_SOFTPLUS, MAX_ROWS, MLA_MAX_HEADS, MLA_MAX_RANK
 from ..kernels.cpu.blocks import KdaBlockWeights, MlaBlockWeights
-from .backend import KdaSpec, KdaWeights, MlaWeights, MoeWeights
+from .backend import KdaSpec, KdaWeights, MlaWeights
 from .cpu_dense import CpuDenseOps
 from .norms import gated_rms_norm
 
@@ -55,21 +55,7 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 
 class CpuNativeOps(CpuDenseOps):
-    """See the module docstring. `fuse_blocks=False` builds no whole-block plans (the
-    module-by-module native path, which tests compare the blocks against)."""
-
-    def __init__(self, kernels, fuse_blocks: bool = True):
-        super().__init__(kernels)
-        self.fuse_blocks = fuse_blocks
-
-    # MoE ---------------------------------------------------------------------------------------
-    def prepare_moe(self, w: MoeWeights):
-        """No whole-block plan where the block would normalise a tensor-parallel partial sum (K3's
-        latent norm under TP > 1): the layer all-reduces before its norm instead. Elsewhere a
-        block's output is linear in the shards' sums and the layer all-reduces it."""
-        if w.partial and w.norm is not None:
-            return None
-        return super().prepare_moe(w)
+    """See the module docstring (`fuse_blocks`: see `CpuDenseOps`)."""
 
     # KDA ---------------------------------------------------------------------------------------
     def prepare_kda(self, w: KdaWeights, spec: KdaSpec) -> KdaPrepared:
