@@ -8,9 +8,10 @@ ranks (the DCP ranks act as the attention data-parallel group: ceil(E / (TP x DC
 
 Weights are counted from the model's own parameter shapes (`KimiForCausalLM` built on the meta
 device: no checkpoint needed): bf16 (2 B), routed experts MXFP4 at 4.25 bits per weight
-(packed nibbles + one E8M0 scale per 32) when `quantization_config` says so. Replicated under
-TP: norms, AttnRes projections, the router, the low-rank `*_a` projections whose outputs every
-rank needs, and K3's latent MoE projections; everything else splits evenly.
+(packed nibbles + one E8M0 scale per 32) when `quantization_config` says so. What splits under
+TP is what the tensor-parallel model itself shards (`parallel.shard` marks); the rest (norms,
+AttnRes projections, the router, the low-rank `*_a` projections, K3's latent MoE projections)
+is replicated.
 
 KDA state per request: `budget.unit_bytes` on the per-rank head count, conv tail in bf16 (the
 activation dtype, whatever `--kv-cache-dtype`). Incumbents (vLLM, SGLang) shard KDA heads by TP
@@ -44,18 +45,6 @@ CONV_DTYPE = torch.bfloat16
 WEIGHT_BYTES = 2  # bf16
 MXFP4_BITS_PER_WEIGHT = Fraction(4 * 32 + 8, 32)  # E2M1 nibbles + one E8M0 byte per 32: 4.25
 SHORT_LENGTHS = (8192, 32768, 131072)
-REPLICATED = (
-    "norm.weight",
-    "_res_proj.weight",
-    "q_a_proj.weight",
-    "kv_a_proj_with_mqa.weight",
-    "f_a_proj.weight",
-    "g_a_proj.weight",
-    ".gate.weight",
-    "e_score_correction_bias",
-    "routed_expert_down_proj.weight",
-    "routed_expert_up_proj.weight",
-)
 _UNITS = {
     "": 1,
     "B": 1,
@@ -109,13 +98,14 @@ def load_config(path: str | Path) -> ModelConfig:
 
 @functools.lru_cache(maxsize=4)
 def weight_census(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """Group -> (elements split under TP, elements replicated), from the meta-device model."""
+    """Group -> (elements split under TP, elements replicated), from the meta-device model: a
+    parameter the model marks with `parallel.shard` splits, every other one is replicated."""
     from ..model.kimi import KimiForCausalLM
 
     with torch.device("meta"):
         model = KimiForCausalLM(cfg)
     out = {g: [0, 0] for g in GROUPS}
-    for name, t in model.state_dict().items():
+    for name, t in model.named_parameters():
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue
         group = (
@@ -127,7 +117,7 @@ def weight_census(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
             if name in ("model.embed_tokens.weight", "lm_head.weight")
             else "attention_dense"
         )
-        out[group][1 if name.endswith(REPLICATED) else 0] += t.numel()
+        out[group][0 if hasattr(t, "tp_dim") else 1] += t.numel()
     return {g: (split, rep) for g, (split, rep) in out.items()}
 
 
