@@ -9,8 +9,6 @@ row gives tokens a whole logit or more below the max)."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 
@@ -21,30 +19,15 @@ from deltaserve.model.fused import bound_ops
 from deltaserve.ops.backend import REFERENCE
 from deltaserve.ops.cpu_native import CpuNativeOps
 from deltaserve.tiny import make_tiny
+from tests.kernel_calls import count_kernel_calls
 
 pytestmark = pytest.mark.skipif(cpu_kernels.native() is None, reason="native CPU kernels unavailable")
+COUNTED = ("kda_decode", "mla_decode", "moe_experts", "linear_bf16", "route", "kda_block", "moe_block", "mla_block")
 TIE = 0.1  # logits within this of the max count as the argmax (bf16 noise; wrong tokens: > 1)
 
 
 def run(ckpt, prompts, monkeypatch, enabled: bool, max_num_seqs: int = 3):
-    calls = Counter()
-    for name in (
-        "kda_decode",
-        "mla_decode",
-        "moe_experts",
-        "linear_bf16",
-        "route",
-        "kda_block",
-        "moe_block",
-        "mla_block",
-    ):
-        real = getattr(cpu_kernels.NativeKernels, name)
-
-        def counted(self, *a, _real=real, _name=name, **k):
-            calls[_name] += 1
-            return _real(self, *a, **k)
-
-        monkeypatch.setattr(cpu_kernels.NativeKernels, name, counted)
+    calls = count_kernel_calls(monkeypatch, COUNTED)
     old = cpu_kernels.set_enabled(enabled)
     try:
         llm = LLM(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ast
 import logging
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from deltaserve.model.modules import OpsModule
 from deltaserve.ops.backend import REFERENCE
 from deltaserve.ops.cpu_native import CpuNativeOps
 from deltaserve.tiny import make_tiny
+from tests.kernel_calls import count_kernel_calls
 
 NK = cpu_kernels.native()
 needs_kernels = pytest.mark.skipif(NK is None, reason="native CPU kernels unavailable")
@@ -31,19 +31,6 @@ BLOCKS = ("kda_block", "mla_block", "moe_block")
 @pytest.fixture(scope="module")
 def k3(tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp("k3"), "kimi_k3", mxfp4=True, seed=4)
-
-
-def _count(monkeypatch, names) -> Counter:
-    calls = Counter()
-    for name in names:
-        real = getattr(cpu_kernels.NativeKernels, name)
-
-        def counted(self, *a, _real=real, _name=name, **k):
-            calls[_name] += 1
-            return _real(self, *a, **k)
-
-        monkeypatch.setattr(cpu_kernels.NativeKernels, name, counted)
-    return calls
 
 
 def test_model_selects_no_kernels():
@@ -65,7 +52,7 @@ def test_fp32_models_bind_the_reference(k3):
 
 @needs_kernels
 def test_plans_built_at_load_never_per_step(k3, monkeypatch, caplog):
-    plans = _count(monkeypatch, PLANS)
+    plans = count_kernel_calls(monkeypatch, PLANS)
     with caplog.at_level(logging.INFO, logger="deltaserve.engine.builder"):
         llm = LLM(
             k3,
@@ -81,7 +68,7 @@ def test_plans_built_at_load_never_per_step(k3, monkeypatch, caplog):
     assert "kernel backend: cpu-native" in caplog.text and "moe" in caplog.text
     built = sum(plans.values())
     assert built > 0 and plans["moe_block_plan"] > 0
-    blocks = _count(monkeypatch, BLOCKS)
+    blocks = count_kernel_calls(monkeypatch, BLOCKS)
     llm.generate(
         [list(range(300, 320)), list(range(40, 47))],
         SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),

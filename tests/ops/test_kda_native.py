@@ -8,8 +8,6 @@ tails are copies and must match exactly. Skipped only where the kernels cannot b
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 
@@ -21,6 +19,7 @@ from deltaserve.ops import kda as K
 from deltaserve.ops.backend import REFERENCE
 from deltaserve.ops.reference import kda as R
 from deltaserve.tiny import make_tiny
+from tests.kernel_calls import count_kernel_calls
 
 NK = cpu_kernels.native()
 pytestmark = pytest.mark.skipif(NK is None, reason="native CPU kernels unavailable (no C compiler)")
@@ -209,16 +208,7 @@ def tiny_dir(request, tmp_path_factory):
 
 
 def _count_native(monkeypatch):
-    calls = Counter()
-    for name in ("kda_chunked", "causal_conv1d", "kda_gate_sigmoid", "gated_rms_norm"):
-        real = getattr(cpu_kernels.NativeKernels, name)
-
-        def counted(self, *a, _real=real, _name=name, **kw):
-            calls[_name] += 1
-            return _real(self, *a, **kw)
-
-        monkeypatch.setattr(cpu_kernels.NativeKernels, name, counted)
-    return calls
+    return count_kernel_calls(monkeypatch, ("kda_chunked", "causal_conv1d", "kda_gate_sigmoid", "gated_rms_norm"))
 
 
 @torch.inference_mode()
