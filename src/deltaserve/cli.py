@@ -54,10 +54,10 @@ def _generate(args: argparse.Namespace) -> int:
     from .engine.sampling_params import SamplingParams
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    llm = LLM.from_config(EngineConfig.from_args(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    for out in llm.generate(args.prompt, params):
-        print(f"{out.prompt!r} -> {out.outputs[0].text!r} ({out.outputs[0].finish_reason})")
+    with LLM.from_config(EngineConfig.from_args(args)) as llm:
+        for out in llm.generate(args.prompt, params):
+            print(f"{out.prompt!r} -> {out.outputs[0].text!r} ({out.outputs[0].finish_reason})")
     print(llm.stats())
     return 0
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from deltaserve.cache.plan import Layout, parse_bytes, plan
+from deltaserve.cache.plan import Layout, PlanError, check, parse_bytes, plan
 from deltaserve.cli import main
 from deltaserve.model.config import ModelConfig
 from deltaserve.tiny.hf_config import hf_config
@@ -130,13 +130,18 @@ def test_spec_one_million_token_fp8_request(k3):
     assert round(plan(k3, Layout(tp=8, dcp=8, kv_dtype="fp8"))["fits"][-1]["mla_bytes"] / 1e9, 1) == 1.8
 
 
-@pytest.mark.parametrize("tp, dcp, shards", [(8, 4, 32), (2, 8, 16), (8, 8, 32), (8, 1, 8)])
-def test_kda_heads_shard_across_dcp_and_incumbents_replicate(k3, tp, dcp, shards):
-    """TP8 x DCP8: 64 does not divide 96 heads, so gcd(8, 12) = 4 of the DCP ranks split them."""
+@pytest.mark.parametrize("tp, dcp", [(8, 4), (8, 8), (16, 8), (8, 1)])
+def test_kda_state_falls_with_tp_only(k3, tp, dcp):
+    """DCP ranks come out of TP and already hold different KDA heads: DCP shrinks MLA only."""
     k = plan(k3, Layout(tp=tp, dcp=dcp))["kda_state_per_request"]
-    assert (k["shards"], k["heads_per_rank"]) == (shards, 96 // shards)
-    assert k["bytes"] == 449_372_160 // shards
-    assert k["replicated_across_dcp_bytes"] == 449_372_160 // tp
+    assert k == {"bytes": 449_372_160 // tp, "heads_per_rank": 96 // tp}
+
+
+def test_dcp_must_divide_tp_and_ep_the_experts(k3):
+    with pytest.raises(PlanError, match="must divide --tensor-parallel-size 2"):
+        plan(k3, Layout(tp=2, dcp=8))
+    with pytest.raises(PlanError, match="896 experts do not split over TP3"):
+        check(k3, Layout(tp=3, ep=True))
 
 
 def test_kimi_linear_per_request(kl):
@@ -156,7 +161,7 @@ def test_k3_weights_match_the_checkpoint_and_shard(k3):
     # spec/model.md §15.1: 1453.7 GiB on disk, of which the vision tower is 0.447B bf16 params
     text = 1453.7 * 2**30 - 0.447e9 * 2
     assert abs(w["total"]["total"] / text - 1) < 1e-3
-    ep = plan(k3, Layout(tp=8, dcp=4, ep=True))
+    ep = plan(k3, Layout(tp=32, dcp=4, ep=True))
     assert ep["layout"]["experts_per_rank"] == 28
     assert ep["weights"]["routed_experts"]["per_rank"] == w["routed_experts"]["total"] * 28 // 896
 
@@ -191,15 +196,11 @@ def test_cli_json_carries_the_same_numbers(k3, k3_dir, capsys):
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out == json.loads(json.dumps(plan(k3, Layout(8, 8, False, "fp8"), 288 * 10**9)))
-    assert (
-        out["mla_bytes_per_token"] == 1_728
-        and out["kda_state_per_request"]["replicated_across_dcp_bytes"] == 56_171_520
-        and out["fits_replicated_kda"] is not None
-    )
+    assert out["mla_bytes_per_token"] == 1_728 and out["kda_state_per_request"]["bytes"] == 56_171_520
     assert main(args[:-1]) == 0
     text = capsys.readouterr().out
-    assert "1,728 B per token per rank" in text and "13.4 MiB per request per rank" in text
-    assert "replicated across DCP: 53.6 MiB per request per rank" in text
+    assert "1,728 B per token per rank" in text and "53.6 MiB per request per rank" in text
+    assert "TP8 = 8 ranks, DCP8 within" in text and "DCP8 splits MLA positions only" in text
 
 
 @pytest.mark.parametrize(
@@ -218,7 +219,7 @@ def test_bad_layouts_exit_2_with_a_message(k3_dir, capsys, extra, message):
 
 def test_dcp_without_mla_layers_is_refused(tmp_path, capsys):
     d = _write(tmp_path / "all_kda", "kimi_linear", KL, kda_layers=list(range(1, 28)), full_attn_layers=[])
-    assert main(["plan", str(d), "--decode-context-parallel-size", "2"]) == 2
+    assert main(["plan", str(d), "-tp", "2", "--decode-context-parallel-size", "2"]) == 2
     assert "this model has no MLA layers" in capsys.readouterr().err
 
 

@@ -32,6 +32,13 @@ NON_DEFAULT = {
     "checkpoint_fraction": (["--checkpoint-fraction", "0.5"], 0.5),
     "moe_weights": (["--moe-weights", "packed"], "packed"),
     "structured_thinking_budget": (["--structured-thinking-budget", "-1"], None),
+    "tensor_parallel_size": (["--tensor-parallel-size", "4"], 4),
+    "enable_expert_parallel": (["--enable-expert-parallel"], True),
+    "decode_context_parallel_size": (["--decode-context-parallel-size", "2"], 2),
+    "distributed_init_method": (["--distributed-init-method", "tcp://h:1"], "tcp://h:1"),
+    "nnodes": (["--nnodes", "2"], 2),
+    "node_rank": (["--node-rank", "1"], 1),
+    "distributed_timeout": (["--distributed-timeout", "5"], 5.0),
 }
 
 # the parsed defaults of the engine flags, written out: what the CLI has always defaulted to
@@ -54,6 +61,13 @@ CLI_DEFAULTS = dict(
     engine_seed=0,
     device="cpu",
     checkpoint_fraction=0.25,
+    tensor_parallel_size=1,
+    enable_expert_parallel=False,
+    decode_context_parallel_size=1,
+    distributed_init_method=None,
+    nnodes=1,
+    node_rank=0,
+    distributed_timeout=60.0,
 )
 
 

@@ -69,6 +69,33 @@ def make_llm(args: argparse.Namespace, **overrides):
     return LLM.from_config(EngineConfig.from_args(args, model=str(model_dir(args)), progress=False, **overrides))
 
 
+def with_tp_baseline(args: argparse.Namespace, run: Callable[[argparse.Namespace], dict], keys: list[str]) -> dict:
+    """`run(args)`; under `--tensor-parallel-size N > 1` also rank 0's wall time inside collectives
+    per engine step (the step broadcast included; waiting for a slower rank counts too) and
+    `<key>_vs_tp1`: each of `keys` divided by the same run on one process, measured right after
+    in this run (ratios, never absolute thresholds)."""
+    if args.tensor_parallel_size == 1:
+        return run(args)
+    from ..parallel import COMM
+
+    COMM.reset()
+    result = run(args)
+    seconds, calls = COMM.seconds, COMM.calls
+    one = argparse.Namespace(**vars(args))
+    one.tensor_parallel_size, one.enable_expert_parallel, one.decode_context_parallel_size = 1, False, 1
+    base = run(one)
+    result["parallel"] = {
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "expert_parallel": args.enable_expert_parallel,
+        "decode_context_parallel_size": args.decode_context_parallel_size,
+        "comm_s": seconds,
+        "comm_calls": calls,
+        "comm_ms_per_step": 1e3 * seconds / max(1, result["steps"]),
+        **{f"{k}_vs_tp1": result[k] / base[k] for k in keys},
+    }
+    return result
+
+
 def avoid_ids(llm) -> set[int]:
     """Stop and special token ids: random prompts never contain them."""
     tok = llm.tokenizer

@@ -10,6 +10,8 @@ each set beside this machine's roofline measured in the same run.
   the mean decode context L + output_len / 2);
 - `prefill_vs_gemm_roofline` = prefill tok/s ÷ (GEMM FLOP/s of the run's dtype ÷ FLOPs per
   prefill token). Both denominators come from `bench.accounting`.
+- with `--tensor-parallel-size N`: `parallel.comm_ms_per_step` (rank 0 inside collectives) and
+  `parallel.<key>_vs_tp1` (decode and prefill tok/s over the same run on one process).
 """
 
 from __future__ import annotations
@@ -18,7 +20,19 @@ import argparse
 import time
 
 from . import accounting
-from .common import add_common, apply_threads, avoid_ids, emit, greedy, make_llm, meta, model_dir, random_prompts, timed
+from .common import (
+    add_common,
+    apply_threads,
+    avoid_ids,
+    emit,
+    greedy,
+    make_llm,
+    meta,
+    model_dir,
+    random_prompts,
+    timed,
+    with_tp_baseline,
+)
 from .roofline import add_roofline_args, gemm_gflops, measure
 
 
@@ -59,6 +73,8 @@ def run(args: argparse.Namespace) -> dict:
     ttft = min(timed(lambda: llm.generate([prompt], greedy(1), use_tqdm=False))[0] for _ in range(max(1, args.reps)))
     decode_s = min(_decode_seconds(llm, f"latency-{i}", prompt, n_out) for i in range(max(1, args.reps)))
     full = ttft + decode_s
+    steps = llm.stats()["steps"]
+    llm.shutdown()
     roof = measure(args)
     sizes = accounting.cache_itemsizes(llm)
     dbytes = accounting.decode_bytes(llm.model, L + n_out // 2, **sizes)
@@ -78,6 +94,7 @@ def run(args: argparse.Namespace) -> dict:
         "prefill_flops_per_token": flops["total_flops"],
         "decode_s": decode_s,
         "end_to_end_s": full,
+        "steps": steps,
         "prompt_len": L,
         "output_len": n_out,
         "bandwidth_gb_s": roof["bandwidth_gb_s"],
@@ -91,7 +108,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     apply_threads(args)
-    r = run(args)
+    r = with_tp_baseline(args, run, ["decode_tok_s", "prefill_tok_s"])
     rows = [
         {
             "phase": "prefill (TTFT)",

@@ -6,6 +6,8 @@ The engine is built once with `max_num_seqs` = the largest concurrency (cache si
 the scheduler's cap is lowered per run, so every run shares weights and cache layout. Each run
 gets fresh prompts (no prefix-cache hits across runs). Tokens/s are wall-clock over one
 `generate` call holding all requests; ratios are to the smallest concurrency (1 by default).
+With `--tensor-parallel-size N`: `parallel.comm_ms_per_step` and `parallel.<key>_vs_tp1` (output tok/s
+at the top concurrency over the same run on one process).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .common import (
     model_dir,
     random_prompts,
     timed,
+    with_tp_baseline,
 )
 
 
@@ -62,6 +65,8 @@ def run(args: argparse.Namespace) -> dict:
                 "preemptions": sched.num_preemptions - pre,
             }
         )
+    steps = llm.stats()["steps"]
+    llm.shutdown()
     base = rows[0]
     for r in rows:
         r["output_vs_base"] = r["output_tok_s"] / base["output_tok_s"]
@@ -77,13 +82,14 @@ def run(args: argparse.Namespace) -> dict:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "num_prompts": args.num_prompts,
+        "steps": steps,
         "meta": meta(args, model_dir(args)),
     }
 
 
 def main(args: argparse.Namespace) -> int:
     apply_threads(args)
-    r = run(args)
+    r = with_tp_baseline(args, run, ["output_tok_s_at_max"])
     cols = [
         "concurrency",
         "num_prompts",

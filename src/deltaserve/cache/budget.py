@@ -8,6 +8,11 @@ pages, otherwise a lone long request could never run (it would re-prefill foreve
 `size_layout` picks the budget: an explicit `kv_cache_memory` as given; by default the smaller of
 `DEFAULT_RAM_FRACTION` of RAM and `workload_layout`, what `max_num_seqs` sequences of
 `max_model_len` tokens can use (a tiny model never reserves gigabytes it cannot fill).
+
+Under tensor parallelism (`tp`) every figure is per rank: a slot holds only the rank's KDA heads
+(H/W heads, 3P/W conv channels) and, under decode context parallelism, a page only the rank's
+S/D positions. Every rank has the same slot and page counts (rank 0 sizes them and the others
+build pools of that size), so a slot or page id means the same thing on every rank.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from fractions import Fraction
 import torch
 
 from ..model.config import ModelConfig
+from ..parallel import SINGLE, ParallelContext
 from .kda_pool import KdaStatePool
 from .mla_pool import MlaPagePool
+from .slot_journal import CHECKPOINT, LIVE
 
 log = logging.getLogger(__name__)
 
@@ -67,17 +74,21 @@ class CacheLayout:
         return self.num_pages * self.page_bytes + (self.num_slots + self.num_checkpoint_slots) * self.slot_bytes
 
 
-def kda_shapes(cfg: ModelConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:
+def kda_shapes(cfg: ModelConfig, tp: ParallelContext = SINGLE) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """(conv tail [W-1, 3P/world], state [H/world, K, V]) of one layer's slot on a rank of `tp`."""
     k = cfg.kda
-    return (k.conv_kernel - 1, 3 * k.proj_dim), (k.num_heads, k.head_dim, k.head_dim)
+    heads = tp.split(k.num_heads, "KDA heads")
+    return (k.conv_kernel - 1, 3 * heads * k.head_dim), (heads, k.head_dim, k.head_dim)
 
 
-def unit_bytes(cfg: ModelConfig, page_size: int, kv_dtype: torch.dtype, state_dtype: torch.dtype) -> tuple[int, int]:
-    """(bytes of one KDA state slot, bytes of one MLA page) across all layers."""
-    tail, state = kda_shapes(cfg)
+def unit_bytes(
+    cfg: ModelConfig, page_size: int, kv_dtype: torch.dtype, state_dtype: torch.dtype, tp: ParallelContext = SINGLE
+) -> tuple[int, int]:
+    """(bytes of one KDA state slot, bytes of one MLA page) across all layers, on one rank of `tp`."""
+    tail, state = kda_shapes(cfg, tp)
     return (
         KdaStatePool.bytes_per_slot(len(cfg.kda_layer_ids), tail, state, kv_dtype, state_dtype),
-        MlaPagePool.bytes_per_page(len(cfg.mla_layer_ids), page_size, cfg.mla.latent_dim, kv_dtype),
+        MlaPagePool.bytes_per_page(len(cfg.mla_layer_ids), page_size, cfg.mla.latent_dim, kv_dtype, tp.dcp_world),
     )
 
 
@@ -97,10 +108,11 @@ def plan_layout(
     kv_dtype: torch.dtype,
     state_dtype: torch.dtype = torch.float32,
     checkpoint_fraction: float = 0.0,
+    tp: ParallelContext = SINGLE,
 ) -> CacheLayout:
     """Split `budget_bytes` as the module docstring says; `total_bytes <= budget_bytes`."""
     _check_sizes(page_size, max_num_seqs, checkpoint_fraction)
-    slot_bytes, page_bytes = unit_bytes(cfg, page_size, kv_dtype, state_dtype)
+    slot_bytes, page_bytes = unit_bytes(cfg, page_size, kv_dtype, state_dtype, tp)
     n_ckpt = max(1, int(checkpoint_fraction * budget_bytes) // slot_bytes) if checkpoint_fraction else 0
     left = budget_bytes - (max_num_seqs + n_ckpt) * slot_bytes
     num_pages = left // page_bytes if page_bytes and left > 0 else 0
@@ -122,6 +134,7 @@ def workload_layout(
     kv_dtype: torch.dtype,
     state_dtype: torch.dtype = torch.float32,
     checkpoint_fraction: float = 0.0,
+    tp: ParallelContext = SINGLE,
 ) -> CacheLayout:
     """The pools `max_num_seqs` sequences of `max_model_len` tokens can use at once: their MLA
     pages and live slots. With prefix caching (`checkpoint_fraction > 0`) the MLA pages are
@@ -131,7 +144,7 @@ def workload_layout(
     _check_sizes(page_size, max_num_seqs, checkpoint_fraction)
     if max_model_len < 1:
         raise ValueError("max_model_len must be positive")
-    slot_bytes, page_bytes = unit_bytes(cfg, page_size, kv_dtype, state_dtype)
+    slot_bytes, page_bytes = unit_bytes(cfg, page_size, kv_dtype, state_dtype, tp)
     headroom = PREFIX_HEADROOM if checkpoint_fraction else 1
     num_pages = max_num_seqs * -(-max_model_len // page_size) * headroom
     live = num_pages * page_bytes + max_num_seqs * slot_bytes
@@ -149,10 +162,11 @@ def size_layout(
     kv_dtype: torch.dtype,
     state_dtype: torch.dtype = torch.float32,
     checkpoint_fraction: float = 0.0,
+    tp: ParallelContext = SINGLE,
 ) -> CacheLayout:
     """The layout for `kv_cache_memory` (bytes, a RAM fraction, or None for the default: the
     smaller of `DEFAULT_RAM_FRACTION` of RAM and `workload_layout`); logs the sizes and why."""
-    args = (max_num_seqs, max_model_len, page_size, kv_dtype, state_dtype, checkpoint_fraction)
+    args = (max_num_seqs, max_model_len, page_size, kv_dtype, state_dtype, checkpoint_fraction, tp)
     if kv_cache_memory is not None:
         layout = plan_layout(cfg, resolve_budget(kv_cache_memory), *args)
         why = f"kv_cache_memory={kv_cache_memory!r} as given"
@@ -169,9 +183,10 @@ def size_layout(
             why = f"default: {pct}, less than the {fit.total_bytes / 2**20:.1f} MiB {use}"
     slots = max_num_seqs + layout.num_checkpoint_slots
     log.info(
-        "KV cache %.1f MiB (%s): %d MLA pages x %d tokens = %d tokens (%.1f MiB), %d live KDA slots "
+        "KV cache %.1f MiB%s (%s): %d MLA pages x %d tokens = %d tokens (%.1f MiB), %d live KDA slots "
         "+ %d checkpoint slots (%.1f MiB)",
         layout.total_bytes / 2**20,
+        f" per rank of {tp.world}" if tp.world > 1 else "",
         why,
         layout.num_pages,
         page_size,
@@ -185,17 +200,18 @@ def size_layout(
 
 
 def build_pools(
-    cfg: ModelConfig, layout: CacheLayout, device: torch.device | str = "cpu"
+    cfg: ModelConfig, layout: CacheLayout, device: torch.device | str = "cpu", tp: ParallelContext = SINGLE
 ) -> tuple[MlaPagePool, KdaStatePool, KdaStatePool | None]:
-    tail, state = kda_shapes(cfg)
+    """The live MLA and KDA pools and the checkpoint pool (None without checkpoint slots) of one
+    rank of `tp`, `layout`'s counts with the rank's shapes."""
+    tail, state = kda_shapes(cfg, tp)
     mla = MlaPagePool(
-        cfg.mla_layer_ids, layout.num_pages, layout.page_size, cfg.mla.latent_dim, layout.kv_dtype, device
+        cfg.mla_layer_ids, layout.num_pages, layout.page_size, cfg.mla.latent_dim, layout.kv_dtype, device, tp.dcp_world
     )
-    kda = KdaStatePool(cfg.kda_layer_ids, layout.num_slots, tail, state, layout.kv_dtype, layout.state_dtype, device)
+    dtypes = (layout.kv_dtype, layout.state_dtype, device)
+    kda = KdaStatePool(cfg.kda_layer_ids, layout.num_slots, tail, state, *dtypes, name=LIVE)
     ckpt = (
-        KdaStatePool(
-            cfg.kda_layer_ids, layout.num_checkpoint_slots, tail, state, layout.kv_dtype, layout.state_dtype, device
-        )
+        KdaStatePool(cfg.kda_layer_ids, layout.num_checkpoint_slots, tail, state, *dtypes, name=CHECKPOINT)
         if layout.num_checkpoint_slots
         else None
     )

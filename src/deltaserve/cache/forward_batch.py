@@ -4,6 +4,12 @@ Sequence b of the step has `context_lens[b]` tokens already cached and `new_lens
 at rows `cu_seqlens[b]:cu_seqlens[b+1]` of the packed input. Token position t of sequence b lives
 at MLA row `pages[b][t // S] * S + t % S`. All index tensors are built once per step and shared by
 every layer; layers never loop over sequences.
+
+Under decode context parallelism (`tp.dcp_world` D > 1) this rank holds only the positions t with
+t % D == `tp.dcp_rank`, at local row `pages[b][t // S] * (S // D) + (t % S) // D`: it writes the
+step's tokens at its positions and reads (`mla_dcp_context`) only its positions of each context,
+with their global positions for the causal mask. The other MLA views are for unsharded layers and
+refuse a DCP batch.
 """
 
 from __future__ import annotations
@@ -11,8 +17,17 @@ from __future__ import annotations
 import torch
 
 from ..model.context import ForwardContext
+from ..parallel import SINGLE, ParallelContext
 from .kda_pool import KdaStatePool
 from .mla_pool import MlaPagePool
+
+_DCP_VIEW = "this ForwardBatch is context-parallel: its MLA rows are read through mla_dcp_context"
+
+
+def _page_table(page_tables: list[list[int]]) -> torch.Tensor:
+    """[B, max pages] page ids, zero-padded."""
+    width = max((len(p) for p in page_tables), default=0)
+    return torch.tensor([p + [0] * (max(width, 1) - len(p)) for p in page_tables], dtype=torch.long)
 
 
 def _flat_rows(
@@ -20,12 +35,22 @@ def _flat_rows(
 ) -> torch.Tensor:
     """Flat MLA row of every position in [starts[b], ends[b]) for each b, concatenated."""
     lens = torch.tensor([e - s for s, e in zip(starts, ends)], dtype=torch.long)
-    width = max((len(p) for p in page_tables), default=0)
-    table = torch.tensor([p + [0] * (max(width, 1) - len(p)) for p in page_tables], dtype=torch.long)
+    table = _page_table(page_tables)
     seq = torch.repeat_interleave(torch.arange(len(page_tables)), lens)
     first = torch.cumsum(lens, 0) - lens
     pos = torch.arange(int(lens.sum())) - first[seq] + torch.tensor(starts, dtype=torch.long)[seq]
     return (table[seq, pos // page_size] * page_size + pos % page_size).to(device)
+
+
+def _strided_positions(starts: list[int], ends: list[int], d: int, dcp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence, position) of every position t in [starts[b], ends[b]) with t % dcp == d, by
+    sequence then position."""
+    firsts = [s + (d - s) % dcp for s in starts]
+    lens = torch.tensor([max(0, -(-(e - f) // dcp)) for f, e in zip(firsts, ends)], dtype=torch.long)
+    seq = torch.repeat_interleave(torch.arange(len(starts)), lens)
+    first = torch.cumsum(lens, 0) - lens
+    pos = (torch.arange(int(lens.sum())) - first[seq]) * dcp + torch.tensor(firsts, dtype=torch.long)[seq]
+    return seq, pos
 
 
 class ForwardBatch:
@@ -41,9 +66,11 @@ class ForwardBatch:
         export_offsets: list[list[int]] | None = None,
         export_slots: list[int] = (),
         checkpoints: KdaStatePool | None = None,
+        tp: ParallelContext = SINGLE,
     ):
         """`export_offsets[b]`: interior offsets of sequence b's chunk whose KDA state the
-        forward pass writes into `checkpoints` slots `export_slots` (flattened (b, offset) order)."""
+        forward pass writes into `checkpoints` slots `export_slots` (flattened (b, offset) order).
+        `tp`: the rank's context; with `tp.dcp_world` > 1, `mla` must be built with that dcp_world."""
         if not (len(context_lens) == len(new_lens) == len(page_tables) == len(slots)) or min(new_lens) < 1:
             raise ValueError("ForwardBatch: one entry per sequence and at least one new token each")
         device = input_ids.device
@@ -53,6 +80,8 @@ class ForwardBatch:
         n_exports = sum(len(e) for e in export_offsets) if export_offsets else 0
         if n_exports != len(export_slots) or (n_exports and checkpoints is None):
             raise ValueError("ForwardBatch: one checkpoint slot per export offset is required")
+        if mla.dcp_world != tp.dcp_world:
+            raise ValueError(f"ForwardBatch: MLA pool built for dcp_world {mla.dcp_world}, rank has {tp.dcp_world}")
         self.export_offsets = export_offsets if n_exports else None
         self.export_slots = torch.tensor(list(export_slots), dtype=torch.long, device=device)
         self.cu_seqlens = torch.tensor([0, *new_lens], dtype=torch.long).cumsum(0).to(device)
@@ -60,10 +89,31 @@ class ForwardBatch:
         self.any_context = max(context_lens) > 0
         self.decode_only = all(n == 1 for n in new_lens) and min(context_lens) > 0
         ends = [c + n for c, n in zip(context_lens, new_lens)]
+        self.dcp = tp if tp.dcp_world > 1 else None
+        self.write_src = None
+        if self.dcp is not None:
+            self._dcp_rows(page_tables, ends, device)
+            return
         self.write_rows = _flat_rows(page_tables, context_lens, ends, mla.page_size, device)
         if self.any_context:
             self.read_rows = _flat_rows(page_tables, [0] * len(ends), ends, mla.page_size, device)
             self.cu_kv = torch.tensor([0, *ends], dtype=torch.long).cumsum(0).to(device)
+
+    def _dcp_rows(self, page_tables: list[list[int]], ends: list[int], device) -> None:
+        """This DCP rank's write rows (and which step tokens they take), read rows, the global
+        position of each read row (`kv_pos`) and of each step token (`q_pos`), and local `cu_kv`."""
+        dcp, d = self.dcp.dcp_world, self.dcp.dcp_rank
+        table, size, local = _page_table(page_tables), self.mla.page_size, self.mla.rows_per_page
+        starts = torch.tensor(self.context_lens, dtype=torch.long)
+        cu = torch.tensor([0, *self.new_lens], dtype=torch.long).cumsum(0)
+        seq, pos = _strided_positions(self.context_lens, ends, d, dcp)
+        self.write_rows = (table[seq, pos // size] * local + pos % size // dcp).to(device)
+        self.write_src = (cu[seq] + pos - starts[seq]).to(device)
+        seq, pos = _strided_positions([0] * len(ends), ends, d, dcp)
+        self.read_rows = (table[seq, pos // size] * local + pos % size // dcp).to(device)
+        self.kv_pos = pos.to(device)
+        self.cu_kv = torch.cat([cu.new_zeros(1), torch.bincount(seq, minlength=len(ends)).cumsum(0)]).to(device)
+        self.q_pos = _strided_positions(self.context_lens, ends, 0, 1)[1].to(device)
 
     @property
     def num_seqs(self) -> int:
@@ -94,11 +144,15 @@ class ForwardBatch:
             self.checkpoints.write(layer, self.export_slots, *exported)
 
     def store_mla(self, layer, latent):
+        if self.write_src is not None:
+            latent = latent.index_select(0, self.write_src)
         self.mla.rows(layer).index_copy_(0, self.write_rows, latent.to(self.mla.storage.dtype))
 
     def mla_rows_view(self, layer: int):
         """(the layer's pool rows [num_rows, R + Dr], read_rows, cu_kv): the context addressed in
         place, for kernels that read the pages directly; None without earlier context."""
+        if self.dcp is not None:
+            raise RuntimeError(_DCP_VIEW)
         if not self.any_context:
             return None
         return self.mla.rows(layer), self.read_rows, self.cu_kv
@@ -106,11 +160,23 @@ class ForwardBatch:
     def mla_pool_view(self, layer: int):
         """(the layer's pool rows, write_rows, read_rows, cu_kv) for kernels that write this step's
         rows and read the context in place; None without earlier context."""
+        if self.dcp is not None:
+            raise RuntimeError(_DCP_VIEW)
         if not self.any_context:
             return None
         return self.mla.rows(layer), self.write_rows, self.read_rows, self.cu_kv
 
     def mla_context(self, layer):
+        if self.dcp is not None:
+            raise RuntimeError(_DCP_VIEW)
         if not self.any_context:
             return None
         return self.mla.rows(layer).index_select(0, self.read_rows), self.cu_kv
+
+    def mla_dcp_context(self, layer: int):
+        """(local rows [Nkv, R + Dr], their global positions kv_pos [Nkv], local cu_kv [B+1], global
+        position q_pos [N] of each step token): this rank's positions of every sequence's context
+        including the step's own rows (store them first). DCP batches only."""
+        if self.dcp is None:
+            raise RuntimeError("mla_dcp_context needs a context-parallel ForwardBatch (tp.dcp_world > 1)")
+        return self.mla.rows(layer).index_select(0, self.read_rows), self.kv_pos, self.cu_kv, self.q_pos

@@ -4,7 +4,8 @@ inputs `[W-1, 3P]` and the recurrent state `[H, K, V]` at one token boundary.
 Invariant: a slot is on the free list iff it is unowned; `allocate` hands out zeroed slots, so a
 sequence that starts from an empty context reads zeros (the same as no cache). `tags[slot]` names
 what a checkpoint slot holds (`checkpoint_tag.CheckpointTag`); it is None from `allocate` until
-its owner tags it, and cleared on `release`.
+its owner tags it, and cleared on `release`. With a `journal` (`slot_journal.SlotJournal`) the
+pool records each zeroing under its `name`, for other tensor-parallel ranks to replay.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class KdaStatePool:
         tail_dtype: torch.dtype,
         state_dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        name: str = "live",
     ):
         if num_slots < 1:
             raise ValueError("KdaStatePool needs at least one slot")
@@ -42,6 +44,8 @@ class KdaStatePool:
         self.owned = [False] * num_slots
         self.tags: list[CheckpointTag | None] = [None] * num_slots
         self._free: deque[int] = deque(range(num_slots))
+        self.name = name
+        self.journal = None
 
     @staticmethod
     def bytes_per_slot(
@@ -69,9 +73,22 @@ class KdaStatePool:
         slot = self._free.popleft()
         self.owned[slot] = True
         self.tags[slot] = None
+        self.zero(slot)
+        return slot
+
+    def zero(self, slot: int) -> None:
+        """Zero every layer's tail and state of `slot` (recorded in the journal, if any)."""
         self.tails[:, slot].zero_()
         self.states[:, slot].zero_()
-        return slot
+        if self.journal is not None:
+            self.journal.zero(self.name, slot)
+
+    def copy_from(self, src: "KdaStatePool", s: int, d: int) -> None:
+        """Copy every layer's tail and state of `src` slot `s` into slot `d` (recorded, if any)."""
+        self.tails[:, d].copy_(src.tails[:, s])
+        self.states[:, d].copy_(src.states[:, s])
+        if self.journal is not None:
+            self.journal.copy(src.name, s, self.name, d)
 
     def release(self, slot: int) -> None:
         if not self.owned[slot]:

@@ -34,6 +34,7 @@ from .hashing import common_units, extend_hashes, root_hash
 from .kda_pool import KdaStatePool
 from .mla_pool import MlaPagePool
 from .prefix_index import PrefixIndex
+from .slot_journal import SlotJournal
 
 
 @dataclass
@@ -278,8 +279,13 @@ class CacheManager:
 
     @staticmethod
     def _copy(src: KdaStatePool, s: int, dst: KdaStatePool, d: int) -> None:
-        dst.tails[:, d].copy_(src.tails[:, s])
-        dst.states[:, d].copy_(src.states[:, s])
+        dst.copy_from(src, s, d)
+
+    def record(self, journal: SlotJournal) -> None:
+        """Record every slot write this manager makes in `journal` (for other ranks to replay)."""
+        for pool in (self.kda, self.ckpt_pool):
+            if pool is not None:
+                pool.journal = journal
 
     def free(self, seq_id: int, finished: bool = False) -> None:
         """Release a sequence's cache. `finished=True` (a completed turn, not an abort or

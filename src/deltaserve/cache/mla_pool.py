@@ -1,7 +1,10 @@
-"""Paged MLA latent storage: one `[num_pages, page_size, R + Dr]` tensor per MLA layer.
+"""Paged MLA latent storage: one `[num_pages, page_size // dcp_world, R + Dr]` tensor per MLA layer.
 
 Pages are ref-counted so that the prefix cache can later share full pages between requests.
 Invariant: a page is on the free list iff its refcount is 0; page ids are 0..num_pages-1.
+Under decode context parallelism (`dcp_world` D > 1) a page still covers `page_size` token
+positions (page ids are equal on every rank of a DCP group), but this rank stores only the
+positions t with t % D == its DCP rank: position t of the page sits at local row (t % S) // D.
 """
 
 from __future__ import annotations
@@ -15,6 +18,12 @@ class OutOfPages(RuntimeError):
     """Raised by `allocate` when fewer pages are free than requested (nothing is taken)."""
 
 
+def _rows_per_page(page_size: int, dcp_world: int) -> int:
+    if dcp_world < 1 or page_size % dcp_world:
+        raise ValueError(f"page_size {page_size} must be a multiple of the decode-context-parallel size {dcp_world}")
+    return page_size // dcp_world
+
+
 class MlaPagePool:
     def __init__(
         self,
@@ -24,19 +33,25 @@ class MlaPagePool:
         row_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        dcp_world: int = 1,
     ):
         if num_pages < 1 or page_size < 1:
             raise ValueError("MlaPagePool needs at least one page of at least one token")
         self.layer_ids = list(layer_ids)
         self.num_pages, self.page_size, self.row_dim = num_pages, page_size, row_dim
+        self.dcp_world = dcp_world
+        self.rows_per_page = _rows_per_page(page_size, dcp_world)
         self._index = {lid: i for i, lid in enumerate(self.layer_ids)}
-        self.storage = torch.zeros(len(self.layer_ids), num_pages, page_size, row_dim, dtype=dtype, device=device)
+        self.storage = torch.zeros(
+            len(self.layer_ids), num_pages, self.rows_per_page, row_dim, dtype=dtype, device=device
+        )
         self.refcount = [0] * num_pages
         self._free: deque[int] = deque(range(num_pages))
 
     @staticmethod
-    def bytes_per_page(num_layers: int, page_size: int, row_dim: int, dtype: torch.dtype) -> int:
-        return num_layers * page_size * row_dim * dtype.itemsize
+    def bytes_per_page(num_layers: int, page_size: int, row_dim: int, dtype: torch.dtype, dcp_world: int = 1) -> int:
+        """Bytes one page takes on one rank (1/dcp_world of the page's rows)."""
+        return num_layers * _rows_per_page(page_size, dcp_world) * row_dim * dtype.itemsize
 
     @property
     def num_free(self) -> int:
@@ -50,7 +65,7 @@ class MlaPagePool:
         return -(-num_tokens // self.page_size)
 
     def rows(self, layer_id: int) -> torch.Tensor:
-        """Flat `[num_pages * page_size, R + Dr]` view of one layer; row = page * S + offset."""
+        """Flat `[num_pages * rows_per_page, R + Dr]` view of one layer; row = page * rows_per_page + local row."""
         return self.storage[self._index[layer_id]].view(-1, self.row_dim)
 
     def allocate(self, n: int) -> list[int]:

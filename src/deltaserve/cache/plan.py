@@ -1,10 +1,10 @@
 """Memory plan per rank for a parallel layout, from `config.json` alone (spec/serving.md §1.1-1.3).
 
-Layout: a replica spans TP x DCP ranks. Attention and KDA heads, the dense MLP, shared experts
-and the vocabulary (embedding, `lm_head`) split TP-ways and are replicated across DCP; MLA
-latent KV is sharded by position across DCP (a rank holds ceil(L / DCP) of L tokens). Routed
-experts split by width TP-ways, or with expert parallelism by whole experts across all TP x DCP
-ranks (the DCP ranks act as the attention data-parallel group: ceil(E / (TP x DCP)) per rank).
+Layout: the engine's (vLLM's): a replica spans TP ranks and the DCP group is carved out of them
+(DCP divides TP). Attention and KDA heads, the dense MLP, shared experts and the vocabulary
+(embedding, `lm_head`) split TP-ways; MLA latent KV, which plain TP replicates, is sharded by
+position across DCP (a rank holds ceil(L / DCP) of L tokens). Routed experts split by width
+TP-ways, or with expert parallelism by whole experts (E / TP per rank).
 
 Weights are counted from the model's own parameter shapes (`KimiForCausalLM` built on the meta
 device: no checkpoint needed): bf16 (2 B), routed experts MXFP4 at 4.25 bits per weight
@@ -13,10 +13,9 @@ TP is what the tensor-parallel model itself shards (`parallel.shard` marks); the
 AttnRes projections, the router, the low-rank `*_a` projections, K3's latent MoE projections)
 is replicated.
 
-KDA state per request: `budget.unit_bytes` on the per-rank head count, conv tail in bf16 (the
-activation dtype, whatever `--kv-cache-dtype`). Incumbents (vLLM, SGLang) shard KDA heads by TP
-only and replicate them across DCP; deltaserve shards them across TP x DCP, or across TP x g with
-g = gcd(DCP, H / TP) when TP x DCP does not divide the H heads. Both figures are reported.
+KDA state per request: `budget.unit_bytes` on the per-rank head count (H / TP: the DCP group's
+ranks hold different heads, so DCP shrinks the MLA part of a request only), conv tail in bf16 (the
+activation dtype, whatever `--kv-cache-dtype`).
 
 A request of L tokens costs one KDA slot plus ceil(ceil(L / DCP) / page) MLA pages per rank; the
 pool is memory per rank - weights - a reserve (activations, graphs, allocator: a fraction).
@@ -74,7 +73,7 @@ class Layout:
 
     @property
     def ranks(self) -> int:
-        return self.tp * self.dcp
+        return self.tp
 
 
 def parse_bytes(text: str) -> int:
@@ -136,6 +135,10 @@ def check(cfg: ModelConfig, lay: Layout) -> None:
     for what, heads in (("KDA", cfg.kda.num_heads), ("MLA", cfg.mla.num_heads)):
         if heads % lay.tp:
             raise PlanError(f"--tensor-parallel-size {lay.tp} does not divide the {heads} {what} heads")
+    if lay.tp % lay.dcp:
+        raise PlanError(f"--decode-context-parallel-size {lay.dcp} must divide --tensor-parallel-size {lay.tp}")
+    if lay.ep and cfg.moe.num_experts % lay.tp:
+        raise PlanError(f"--enable-expert-parallel: {cfg.moe.num_experts} experts do not split over TP{lay.tp}")
     if lay.dcp > 1 and not cfg.mla_layer_ids:
         raise PlanError("--decode-context-parallel-size shards MLA KV by position, and this model has no MLA layers")
     if lay.kv_dtype not in KV_DTYPES or lay.state_dtype not in STATE_DTYPES:
@@ -156,17 +159,12 @@ def weight_bytes(cfg: ModelConfig, lay: Layout) -> dict[str, dict[str, int]]:
         if group != "routed_experts":
             per_rank = _ceil_div(split * WEIGHT_BYTES, lay.tp) + rep * WEIGHT_BYTES
         elif lay.ep:
-            per_rank = _ceil_div(total * _ceil_div(cfg.moe.num_experts, lay.ranks), cfg.moe.num_experts)
+            per_rank = total // lay.tp
         else:
             per_rank = _ceil_div(total, lay.tp)
         out[group] = {"per_rank": per_rank, "total": total}
     out["total"] = {k: sum(v[k] for v in out.values()) for k in ("per_rank", "total")}
     return out
-
-
-def kda_shards(cfg: ModelConfig, lay: Layout) -> int:
-    """Ranks that split one request's KDA heads: TP x gcd(DCP, H / TP)."""
-    return lay.tp * math.gcd(lay.dcp, cfg.kda.num_heads // lay.tp)
 
 
 def _slot_bytes(cfg: ModelConfig, shards: int, lay: Layout) -> int:
@@ -210,8 +208,7 @@ def plan(
     weights = weight_bytes(cfg, lay)
     kv, state = KV_DTYPES[lay.kv_dtype], STATE_DTYPES[lay.state_dtype]
     token, page = (unit_bytes(cfg, n, kv, state)[1] for n in (1, lay.page_size))
-    shards = kda_shards(cfg, lay)
-    slot, slot_rep = _slot_bytes(cfg, shards, lay), _slot_bytes(cfg, lay.tp, lay)
+    slot = _slot_bytes(cfg, lay.tp, lay)
     memory = None
     if memory_per_rank is not None:
         reserve = int(memory_per_rank * reserve_fraction)
@@ -243,7 +240,7 @@ def plan(
             "decode_context_parallel_size": lay.dcp,
             "expert_parallel": lay.ep,
             "ranks": lay.ranks,
-            "experts_per_rank": _ceil_div(cfg.moe.num_experts, lay.ranks) if lay.ep else None,
+            "experts_per_rank": cfg.moe.num_experts // lay.tp if lay.ep else None,
             "kv_cache_dtype": lay.kv_dtype,
             "kv_state_dtype": lay.state_dtype,
             "conv_state_dtype": "bfloat16",
@@ -252,13 +249,7 @@ def plan(
         },
         "weights": weights,
         "mla_bytes_per_token": _number(token / lay.dcp),
-        "kda_state_per_request": {
-            "bytes": slot,
-            "heads_per_rank": cfg.kda.num_heads // shards,
-            "shards": shards,
-            "replicated_across_dcp_bytes": slot_rep,
-        },
+        "kda_state_per_request": {"bytes": slot, "heads_per_rank": cfg.kda.num_heads // lay.tp},
         "memory": memory,
         "fits": _fits(lengths, pool, slot, page, lay),
-        "fits_replicated_kda": _fits(lengths, pool, slot_rep, page, lay) if shards != lay.tp else None,
     }

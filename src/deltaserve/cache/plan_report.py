@@ -28,7 +28,7 @@ def _sharding(group: str, p: dict) -> str:
     if group == "routed_experts":
         fmt = "MXFP4 4.25 b/w" if m["routed_experts_quantization"] == "mxfp4" else "bf16"
         if lay["expert_parallel"]:
-            return f"{fmt}; {lay['experts_per_rank']} of {m['experts']} experts per rank (EP over {lay['ranks']})"
+            return f"{fmt}; {lay['experts_per_rank']} of {m['experts']} experts per rank (EP over {tp})"
         return f"{fmt}; width split {tp}"
     return {
         "attention_dense": f"heads/width split {tp}; norms, router, low-rank, latent MoE replicated",
@@ -45,7 +45,7 @@ def render(p: dict) -> str:
         f"{m['family']}: {m['layers']} layers = {m['kda_layers']} KDA + {m['mla_layers']} MLA; KDA {m['kda_heads']}"
         f" heads x {m['kda_head_dim']}; MLA latent {m['mla_latent_dim']}; {m['experts']} experts (top-{m['top_k']},"
         f" {m['shared_experts']} shared)",
-        f"layout: TP{lay['tensor_parallel_size']} x DCP{dcp} = {lay['ranks']} rank{'s' * (lay['ranks'] > 1)};"
+        f"layout: TP{lay['tensor_parallel_size']} = {lay['ranks']} rank{'s' * (lay['ranks'] > 1)}, DCP{dcp} within;"
         f" expert parallel "
         f"{'on' if lay['expert_parallel'] else 'off'}; KV cache {lay['kv_cache_dtype']}, KDA state "
         f"{lay['kv_state_dtype']} (conv tail {lay['conv_state_dtype']}); MLA page {lay['page_size']} tokens",
@@ -65,17 +65,10 @@ def render(p: dict) -> str:
         f"{kda['heads_per_rank']} of {m['kda_heads']} heads per rank)",
     ]
     if dcp > 1:
-        note = (
-            "heads split over TP x DCP"
-            if kda["shards"] == lay["ranks"]
-            else f"heads split over {kda['shards']} ranks = TP x gcd(DCP, heads / TP) (TP x DCP does not "
-            "divide the heads)"
+        lines.append(
+            f"  DCP{dcp} splits MLA positions only: the DCP group's ranks already hold different KDA heads"
+            " (raise TP to shrink the KDA state per rank)"
         )
-        lines += [
-            f"  deltaserve: {note}",
-            f"  incumbents (vLLM, SGLang) shard KDA heads by TP only, replicated across DCP: "
-            f"{_size(kda['replicated_across_dcp_bytes'])} per request per rank",
-        ]
     mem = p["memory"]
     if mem is not None:
         tail = f"pool {_size(mem['pool'])}" if mem["pool"] > 0 else f"short by {_size(-mem['pool'])}: nothing fits"
@@ -84,14 +77,13 @@ def render(p: dict) -> str:
             f"memory per rank {_size(mem['per_rank'])} - weights {_size(mem['weights'])} - reserve "
             f"{_size(mem['reserve'])} ({mem['reserve_fraction']:.0%}, activations/overhead) = {tail}",
         ]
-    rep = p["fits_replicated_kda"]
     head = f"{'tokens':>11}{'MLA per rank':>15}{'+ KDA state':>15}"
-    head += "" if mem is None else f"{'requests':>10}" + ("" if rep is None else f"{'(replicated KDA)':>18}")
+    head += "" if mem is None else f"{'requests':>10}"
     lines += ["", "per request" + ("" if mem is None else " and requests that fit in the pool") + ":", head]
-    for i, row in enumerate(p["fits"]):
+    for row in p["fits"]:
         line = f"{row['tokens']:>11,}{_size(row['mla_bytes']):>15}{_size(row['request_bytes']):>15}"
         if mem is not None:
-            line += f"{row['requests']:>10,}" + ("" if rep is None else f"{rep[i]['requests']:>18,}")
+            line += f"{row['requests']:>10,}"
         lines.append(line)
     return "\n".join(lines)
 
@@ -105,10 +97,10 @@ def add_parser(sub) -> None:
         "-dcp",
         type=int,
         default=1,
-        help="ranks that split MLA KV by position (and here KDA heads too)",
+        help="of the TP ranks, how many split MLA KV by position (divides TP)",
     )
     p.add_argument(
-        "--enable-expert-parallel", action="store_true", help="routed experts split by expert over all TP x DCP ranks"
+        "--enable-expert-parallel", action="store_true", help="routed experts split by expert over the TP ranks"
     )
     p.add_argument(
         "--max-model-len", type=int, default=None, help="default (or 0): the config's max_position_embeddings"

@@ -4,6 +4,11 @@
 Invariants: the native CPU kernels (bf16 only) are built and loaded before the pools are sized,
 so no request pays for the compile; the cache's producer fingerprint names the kernel backend
 ("cpu-native" or "torch"), so checkpoints made by one backend never restore into the other.
+
+Under tensor parallelism (`ranks.plan_ranks`) the workers are started first, every rank loads its
+shard at the same time, and rank 0 sizes the pools and sends their counts (`Hello`) before any
+step. A process whose rank is not 0 (torchrun, a node other than 0) serves its rank inside
+`build_engine` and exits when rank 0 shuts down: it never returns an engine.
 """
 
 from __future__ import annotations
@@ -16,11 +21,17 @@ import torch
 
 from ..cache import CacheLayout, CacheManager, build_pools, size_layout
 from ..cache.checkpoint_policy import CheckpointPolicy
-from ..model import KimiForCausalLM, load_model, resolve_dtype
+from ..cache.slot_journal import SlotJournal
+from ..model import KimiForCausalLM, resolve_dtype
 from ..model.tokenizer import Tokenizer
 from ..ops.select import describe
+from ..parallel import SINGLE
+from .channel import ControlChannel
 from .config import EngineConfig
 from .core import EngineCore
+from .messages import PROTOCOL_VERSION, Hello, Shutdown
+from .ranks import RankGroup, plan_ranks
+from .worker import load_rank_model, run_worker
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +48,21 @@ class Engine:
     core: EngineCore
     max_model_len: int
     kernel: str
+    ranks: RankGroup | None = None
+    rank_memory: list[dict[str, int]] | None = None  # per rank: RSS before / peak at load, weights
+    channel: ControlChannel | None = None
+
+    def shutdown(self) -> None:
+        """Stop the other ranks (idempotent); a failed group's workers are killed instead."""
+        ranks, self.ranks = self.ranks, None
+        if ranks is None:
+            return
+        if ranks.failure is None:
+            try:
+                self.channel.send(Shutdown("engine shut down"))
+            except Exception:
+                ranks.kill()
+        ranks.close()
 
 
 def build_engine(config: EngineConfig) -> Engine:
@@ -44,7 +70,28 @@ def build_engine(config: EngineConfig) -> Engine:
     if c.num_threads is not None:
         torch.set_num_threads(c.num_threads)
     dtype = resolve_dtype(c.dtype)
-    model = load_model(c.model, dtype=dtype, device=c.device, progress=c.progress, moe_weights=c.moe_weights)
+    plan = plan_ranks(c)
+    ranks, tp, control = None, SINGLE, None
+    if plan is not None:
+        ranks = RankGroup(plan, c)
+        ranks.launch()
+        tp, control = ranks.join()
+        if tp.rank != 0:
+            try:
+                run_worker(c, tp, control)
+            finally:
+                ranks.close()
+            raise SystemExit(0)
+    try:
+        return _build_rank0(c, dtype, ranks, tp, control)
+    except BaseException:
+        if ranks is not None:
+            ranks.kill()
+        raise
+
+
+def _build_rank0(c: EngineConfig, dtype, ranks, tp, control) -> Engine:
+    model, memory = load_rank_model(c, tp)
     tokenizer = None if c.skip_tokenizer_init else Tokenizer.from_pretrained(c.model)
     cfg = model.config
     max_model_len = c.max_model_len or cfg.max_position_embeddings
@@ -60,11 +107,12 @@ def build_engine(config: EngineConfig) -> Engine:
         dtype,
         resolve_dtype(c.kv_state_dtype),
         c.checkpoint_fraction if c.enable_prefix_caching else 0.0,
+        tp,
     )
     model_id = f"{Path(c.model).resolve()}:{dtype}"
     kernel = model.ops.name  # load_model bound the backend (and built the native kernels) once
     log.info("kernel backend: %s (%s on %s): %s", kernel, dtype, c.device, describe(model.ops))
-    cache = CacheManager(*build_pools(cfg, layout, c.device), policy=policy, model_id=model_id, kernel=kernel)
+    cache = CacheManager(*build_pools(cfg, layout, c.device, tp), policy=policy, model_id=model_id, kernel=kernel)
     core = EngineCore(
         model,
         tokenizer,
@@ -75,4 +123,33 @@ def build_engine(config: EngineConfig) -> Engine:
         seed=c.seed,
         structured_thinking_budget=c.structured_thinking_budget,
     )
-    return Engine(c, model, tokenizer, layout, cache, core, max_model_len, kernel)
+    channel = None
+    if tp.world > 1:
+        channel = ControlChannel(control)
+        names = [str(d).removeprefix("torch.") for d in (layout.kv_dtype, layout.state_dtype)]
+        channel.send(
+            Hello(
+                PROTOCOL_VERSION,
+                layout.num_pages,
+                layout.page_size,
+                layout.num_slots,
+                layout.num_checkpoint_slots,
+                *names,
+            )
+        )
+        journal = SlotJournal()
+        cache.record(journal)
+        core.runner.attach(channel, journal, ranks)
+    return Engine(
+        c,
+        model,
+        tokenizer,
+        layout,
+        cache,
+        core,
+        max_model_len,
+        kernel,
+        ranks,
+        memory,
+        channel,
+    )

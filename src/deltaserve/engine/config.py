@@ -94,7 +94,39 @@ class EngineConfig:
         from_cli=_budget_from_cli,
     )
 
+    tensor_parallel_size: int = _opt(1, "processes the model is split across (heads, widths, vocab)", type=int)
+    enable_expert_parallel: bool = _opt(
+        False, "split routed experts by expert across the tensor-parallel ranks", action="store_true"
+    )
+    decode_context_parallel_size: int = _opt(
+        1, "split the MLA latent cache by position across this many of the tensor-parallel ranks", type=int
+    )
+    distributed_init_method: str | None = _opt(
+        None, "tcp://HOST:PORT rank 0 listens on (default: a free loopback port; required with --nnodes > 1)"
+    )
+    nnodes: int = _opt(1, "machines the tensor-parallel ranks span (ranks split evenly)", type=int)
+    node_rank: int = _opt(0, "this machine's index; node 0 runs the scheduler and the API", type=int)
+    distributed_timeout: float = _opt(
+        60.0, "seconds a model collective may wait for a rank before the engine is declared failed", type=float
+    )
+
+    def check_parallel(self) -> None:
+        """The parallel fields fit together (checked when the engine starts, since single flags
+        may be given in any order)."""
+        tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
+        if tp % dcp:
+            raise ValueError(f"decode_context_parallel_size={dcp} must divide tensor_parallel_size={tp}")
+        if tp % self.nnodes or self.node_rank >= self.nnodes:
+            raise ValueError(
+                f"{self.nnodes} nodes must split tensor_parallel_size={tp} evenly "
+                f"and node_rank={self.node_rank} lie in [0, {self.nnodes})"
+            )
+
     def __post_init__(self):
+        if min(self.tensor_parallel_size, self.decode_context_parallel_size, self.nnodes) < 1 or self.node_rank < 0:
+            raise ValueError(
+                "tensor_parallel_size, decode_context_parallel_size, nnodes must be positive, node_rank >= 0"
+            )
         if self.max_num_seqs < 1 or self.page_size < 1:
             raise ValueError("page_size and max_num_seqs must be positive")
         if self.max_model_len is not None and self.max_model_len < 0:

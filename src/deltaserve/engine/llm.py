@@ -26,6 +26,8 @@ class LLM:
     them and their defaults) as keyword arguments; `LLM.from_config(config)` takes the config.
     Both start the engine with `build_engine` (engine/builder.py): in bfloat16 the native CPU
     kernels are built and loaded there, so no request pays for the compile. With
+    `tensor_parallel_size > 1` it also starts the worker processes; `shutdown()` (or leaving a
+    `with LLM(...)` block) stops them. With
     `skip_tokenizer_init=True` no tokenizer is loaded: prompts must be token ids and outputs
     carry no text.
     """
@@ -41,10 +43,26 @@ class LLM:
 
     def _start(self, config: EngineConfig) -> None:
         parts = build_engine(config)
+        self._parts = parts
         self.config = config
         self.model, self.tokenizer, self.layout = parts.model, parts.tokenizer, parts.layout
         self.cache, self.engine, self.max_model_len = parts.cache, parts.core, parts.max_model_len
         self._ids = itertools.count()
+
+    @property
+    def rank_memory(self) -> list[dict[str, int]] | None:
+        """Every rank's weight bytes and RSS before / at its peak during load (one entry per rank)."""
+        return self._parts.rank_memory
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a tensor-parallel engine (idempotent; no-op for one process)."""
+        self._parts.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
@@ -121,3 +139,7 @@ class LLM:
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()
+
+    def pool_snapshot(self) -> dict[str, torch.Tensor]:
+        """The pools of every rank gathered in the one-process layout (see engine/pool_snapshot.py)."""
+        return self.engine.runner.pool_snapshot()

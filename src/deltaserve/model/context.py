@@ -22,7 +22,12 @@ class LayerCache(Protocol):
     for them with getattr and otherwise use the methods below (`DenseCache` has neither):
     `kda_slot_view(layer)` -> (tails [S, W-1, 3P], states [S, H, K, V], slots [B]) and
     `mla_rows_view(layer)` -> (pool rows [num_rows, R + Dr], read_rows [Nkv], cu_kv [B+1]) or
-    None without earlier context."""
+    None without earlier context.
+
+    A cache for a decode-context-parallel rank (`ParallelContext.dcp_world` D > 1) keeps only the
+    positions t with t % D == its DCP rank: `store_mla` still receives all N rows and keeps its own,
+    the unsharded MLA views above are unavailable, and `mla_dcp_context` (below) is the one read
+    (`DenseCache` has none; `DcpMlaAttention` needs it)."""
 
     decode_only: bool  # every sequence has one new token and an existing state
 
@@ -49,6 +54,12 @@ class LayerCache(Protocol):
     def mla_context(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows [Nkv, R + Dr], cu_kv [B+1]) of each sequence's whole context including this
         step's rows, or None when no sequence has rows before this step."""
+
+    def mla_dcp_context(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """DCP caches only: (rows [Nkv, R + Dr], kv_pos int64 [Nkv], cu_kv [B+1], q_pos int64 [N]):
+        this rank's rows of each sequence's context including this step's (after `store_mla`),
+        packed by cu_kv in position order, the global position of each row, and the global
+        position of each of the step's N tokens (query i sees the rows with kv_pos <= q_pos[i])."""
 
 
 @dataclass

@@ -10,7 +10,7 @@ from ..parallel import SINGLE, ParallelContext, VocabParallelEmbedding
 from .config import ModelConfig
 from .context import ForwardContext
 from .kda_layer import KdaAttention
-from .mla_layer import MlaAttention
+from .mla_layer import DcpMlaAttention, MlaAttention
 from .modules import RMSNorm, WeightVector, attn_res
 from .moe_layer import GluMlp, MoeBlock
 
@@ -22,7 +22,8 @@ class DecoderLayer(nn.Module):
         self.layer_id = layer_id
         self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
-        attn_cls = KdaAttention if cfg.layer_types[layer_id] == "kda" else MlaAttention
+        mla_cls = DcpMlaAttention if tp.dcp_world > 1 else MlaAttention
+        attn_cls = KdaAttention if cfg.layer_types[layer_id] == "kda" else mla_cls
         self.self_attn = attn_cls(cfg, layer_id, tp)
         if cfg.moe_layers[layer_id]:
             self.block_sparse_moe = MoeBlock(cfg, tp)

@@ -4,7 +4,8 @@ Dense: `w1` (gate), `w3` (up) `[E, I, Din]` and `w2` `[E, Din, I]` parameters. P
 (`--moe-weights packed`, the default for MXFP4 checkpoints in bf16): the checkpoint's `weight_packed`
 `[E, O, I/2]` and `weight_scale` `[E, O, I/32]` uint8 tensors kept as they are, about 4.25 bits
 per weight; each GEMM decodes its expert on the fly (exactly, so both modes compute the same
-products). Execution is the backend's `experts` op (`ops.backend.TorchOps.experts`).
+products). Execution is the backend's `experts` op (`ops.backend.TorchOps.experts`), or
+`local_experts` on a rank holding a slice of the experts.
 """
 
 from __future__ import annotations
@@ -13,28 +14,45 @@ import torch
 from torch import nn
 
 from ..ops.backend import ExpertWeights, GluAct
-from ..parallel import shard
+from ..parallel import SINGLE, ParallelContext, shard
 from .modules import OpsModule
 
 PROJECTIONS = ("w1", "w3", "w2")
 
 
 class StackedExperts(OpsModule):
-    """All routed experts of a layer. The loader fills either the dense parameters or, through
-    `set_packed`, the packed buffers `{w1,w3,w2}_packed` / `_scale` (validated MXFP4). `width` is
-    this rank's share of the intermediate dim: w1/w3 are split by rows, w2 by columns (packed:
-    by whole 32-element groups)."""
+    """The routed experts of a layer this rank holds. The loader fills either the dense parameters
+    or, through `set_packed`, the packed buffers `{w1,w3,w2}_packed` / `_scale` (validated MXFP4).
 
-    def __init__(self, num_experts: int, width: int, d_in: int):
+    `num_experts` and `width` are the model's; `tp` decides the split (world W > 1). Tensor
+    parallel: every expert, w1/w3 split by rows and w2 by columns (`width` / W each; packed: by
+    whole 32-element groups). Expert parallel (`tp.expert_parallel`): the contiguous experts
+    [first, first + E/W) whole, split along the expert dim; E % W must be 0. Either way the
+    output is this rank's partial sum of the routed output (the full output at W = 1)."""
+
+    def __init__(self, num_experts: int, width: int, d_in: int, tp: ParallelContext = SINGLE):
         super().__init__()
-        self.w1 = nn.Parameter(torch.zeros(num_experts, width, d_in))
-        self.w3 = nn.Parameter(torch.zeros(num_experts, width, d_in))
-        self.w2 = nn.Parameter(torch.zeros(num_experts, d_in, width))
-        for param, dim in ((self.w1, 1), (self.w3, 1), (self.w2, 2)):
+        by_expert = tp.expert_parallel and tp.world > 1
+        if by_expert and num_experts % tp.world:
+            raise ValueError(
+                f"expert parallelism: {num_experts} routed experts do not split evenly over {tp.world} ranks"
+            )
+        local = num_experts // tp.world if by_expert else num_experts
+        width = width if by_expert else tp.split(width, "expert width")
+        self.w1 = nn.Parameter(torch.zeros(local, width, d_in))
+        self.w3 = nn.Parameter(torch.zeros(local, width, d_in))
+        self.w2 = nn.Parameter(torch.zeros(local, d_in, width))
+        for param, dim in zip((self.w1, self.w3, self.w2), (0, 0, 0) if by_expert else (1, 1, 2)):
             shard(param, dim)
-        self.num_experts, self.width, self.d_in = num_experts, width, d_in
+        self.num_experts, self.width, self.d_in = local, width, d_in
+        self.total, self.first = num_experts, tp.rank * local if by_expert else 0
         self.packed = False
         self.compute_dtype = None
+
+    @property
+    def sliced(self) -> bool:
+        """True where this rank holds only some of the experts (expert parallelism)."""
+        return self.num_experts != self.total
 
     def set_packed(self, proj: str, packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
         """Replace dense `proj` by its packed form; activations run in `dtype`."""
@@ -53,5 +71,8 @@ class StackedExperts(OpsModule):
         )
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, act: GluAct) -> torch.Tensor:
-        """`ops.moe.grouped_experts` semantics: x [N, Din] -> [N, Din] in x's dtype."""
+        """`ops.moe.grouped_experts` semantics over the experts held: x [N, Din] -> [N, Din] in x's
+        dtype; `ids` are the router's (global) expert ids."""
+        if self.sliced:
+            return self.ops.local_experts(x, ids, weights, self.weights(), act, self.first)
         return self.ops.experts(x, ids, weights, self.weights(), act)

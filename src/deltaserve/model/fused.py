@@ -81,6 +81,8 @@ def _mla(m: MlaAttention, ops: TorchOps):
 
 
 def _moe(m: MoeBlock, ops: TorchOps):
+    if m.experts.sliced:
+        return None  # a whole-block plan routes over every expert; this rank holds a slice of them
     latent = hasattr(m, "routed_expert_down_proj")
     norm = getattr(m, "routed_expert_norm", None)
     shared = getattr(m, "shared_experts", None)
@@ -127,7 +129,7 @@ def prepare_model(model: nn.Module, ops: TorchOps | None = None, fuse_blocks: bo
         if isinstance(m, KdaAttention):
             m.prepared = _kda(m, ops)
         elif isinstance(m, MlaAttention):
-            m.prepared = _mla(m, ops)
+            m.prepared = _mla(m, ops) if m.native_kernels else None
         elif isinstance(m, MoeBlock):
             m.prepared = _moe(m, ops)
     model.ops = ops

@@ -2,6 +2,7 @@
 
 Without earlier context the plain (unabsorbed) form runs over the new tokens; with a cached
 context the absorbed form attends over the latent rows `[c_hat | k_rot]` directly.
+`DcpMlaAttention` is the layer built under decode context parallelism (`tp.dcp_world` > 1).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ class MlaAttention(OpsModule):
     """Under tensor parallelism (`tp`) each rank holds H/W heads: q_proj / q_b_proj, kv_b_proj
     and g_proj by head rows, o_proj by head columns (its output all-reduced); q_a_proj,
     kv_a_proj_with_mqa and their norms are replicated (every rank caches the same latent rows)."""
+
+    native_kernels = True  # `prepare_model` builds the backend's decode plans for this layer
 
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: ParallelContext = SINGLE):
         super().__init__()
@@ -84,7 +87,10 @@ class MlaAttention(OpsModule):
             o, gate = fast
         else:
             o, gate = self._attend(x, ctx)
-        o = o.reshape(n, h * self.v_dim)
+        return self._output(o.reshape(n, h * self.v_dim), gate)
+
+    def _output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """o_proj(o * sigmoid(gate)) of o [N, H * v], all-reduced over the TP group."""
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self.tp.all_reduce(self.o_proj(o))
@@ -137,3 +143,43 @@ class MlaAttention(OpsModule):
         """The pool view `name` of this layer (`context.LayerCache`), or None where the cache has none."""
         view = getattr(cache, name, None)
         return None if view is None else view(self.layer_id)
+
+
+class DcpMlaAttention(MlaAttention):
+    """MLA under decode context parallelism: the TP heads and weights of `MlaAttention`, but this
+    rank caches only the positions t with t % D == `tp.dcp_rank` (D = `tp.dcp_world`).
+
+    Per step (prefill chunk or decode, the same exact path): every rank computes its heads' latent
+    queries and the latent rows of all new tokens, stores its own positions, all-gathers the
+    queries over the DCP group (its D ranks' heads), attends with every gathered head over its
+    local rows (`ops.mla.mla_absorbed_partial`, causal by global position), all-gathers the
+    (partial output, LSE) pairs, merges its own heads' parts (`ops.mla.lse_combine`), then W_UV,
+    gate and the row-parallel o_proj as under TP. The native decode kernels read whole contexts:
+    this layer never calls them and has no prepared plan (`native_kernels`). Without a cache
+    (`forward_full`) every position is local and the plain TP attention runs."""
+
+    native_kernels = False
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        o, gate = self._attend(x, ctx)
+        return self._output(o.reshape(x.shape[0], self.num_heads * self.v_dim), gate)
+
+    def _attend(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+        q_first, kv, gate = self.input_projections(x)
+        q = self.queries(q_first)
+        latent = self.latents(kv)
+        cache = ctx.cache
+        if cache is None:
+            return self._plain(q, latent, ctx.cu_seqlens), gate
+        view = getattr(cache, "mla_dcp_context", None)
+        if view is None:
+            raise TypeError(f"{type(cache).__name__} has no mla_dcp_context: it cannot serve a DCP MLA layer")
+        cache.store_mla(self.layer_id, latent)
+        rows, kv_pos, cu_kv, q_pos = view(self.layer_id)
+        q_all = self.tp.dcp_all_gather(self._latent_queries(q), dim=1)
+        o, lse = mla_ops.mla_absorbed_partial(q_all, rows, q_pos, kv_pos, ctx.cu_seqlens, cu_kv, self.rank, self.scale)
+        h, d = self.num_heads, self.tp.dcp_rank
+        parts = self.tp.dcp_all_gather(torch.cat([o, lse[..., None]], dim=-1)[None], dim=0)
+        parts = parts[:, :, d * h : (d + 1) * h]
+        o_lat, _ = mla_ops.lse_combine(parts[..., : self.rank], parts[..., self.rank])
+        return self._values(o_lat.to(q.dtype)), gate

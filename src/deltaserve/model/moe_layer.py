@@ -57,7 +57,14 @@ class MoeBlock(OpsModule):
     Under tensor parallelism the router, the latent projections and their norm are replicated;
     routed and shared experts are split by their intermediate dim, so their sums are partial:
     the routed sum is all-reduced before the latent norm (where there is one), everything else
-    once at the end."""
+    once at the end.
+
+    Under expert parallelism (`tp.expert_parallel`) routed experts are split by expert instead
+    (`StackedExperts`), shared experts stay split by width. Attention is tensor-parallel, so every
+    rank already holds every token's x and routes it identically: dispatch is free. Each rank runs
+    only the (token, expert) pairs routed to its own experts (`ops.local_experts`) and the combine
+    is the same all-reduce as above (before the latent norm); a reduce-scatter / all-to-all
+    would only pay with data-parallel attention. No whole-block plan is built then."""
 
     def __init__(self, cfg: ModelConfig, tp: ParallelContext = SINGLE):
         super().__init__()
@@ -71,7 +78,7 @@ class MoeBlock(OpsModule):
             self.routed_expert_up_proj = empty_linear(m.latent_size, cfg.hidden_size)
             if m.latent_norm:
                 self.routed_expert_norm = RMSNorm(m.latent_size, cfg.rms_norm_eps)
-        self.experts = StackedExperts(m.num_experts, tp.split(m.intermediate_size, "expert width"), d_in)
+        self.experts = StackedExperts(m.num_experts, m.intermediate_size, d_in, tp)
         if m.num_shared_experts:
             width = m.num_shared_experts * m.intermediate_size
             self.shared_experts = GluMlp(cfg, cfg.hidden_size, width, tp, reduce=False)

@@ -11,7 +11,8 @@ stream one tensor at a time (memory-mapped; the checkpoint is never held twice):
    takes the requested dtype.
    Under tensor parallelism (`tp`) each rank reads only its chunk of every sharded tensor through
    `safe_open(...).get_slice` (A_log, H floats, is read whole and cut after its padding is
-   stripped); expected shapes are the rank's (the model is built sharded).
+   stripped); expected shapes are the rank's (the model is built sharded). Under expert
+   parallelism a rank reads only its own experts' tensors, whole, stacked by local index.
 3. validate (`_validate`): missing, unexpected, duplicated, mis-shaped or non-floating tensors
    (and index entries whose shard lacks them) raise one `CheckpointError` listing all of them,
    whichever phase found them; the model receives nothing before this passes.
@@ -220,7 +221,9 @@ def _map_tensors(
     for raw_name, name, read in tensors:
         m = _EXPERT.match(name)
         if m:
-            experts[(m.group(1), m.group(3))][int(m.group(2))][m.group(4)] = read()
+            e = int(m.group(2))
+            if not shards.held_elsewhere(f"{m.group(1)}.{m.group(3)}", e):
+                experts[(m.group(1), m.group(3))][e][m.group(4)] = read()
         elif name not in expected:
             problems["unexpected"].append(raw_name)
         else:
@@ -232,7 +235,8 @@ def _map_tensors(
             continue
         keep_packed = moe_weights == "packed" and all("weight_packed" in v for v in per_expert.values())
         stack = stack_packed if keep_packed else stack_experts
-        stacked, found = stack(name, per_expert, expected[name], dtype, device)
+        held = shards.experts_held(name)
+        stacked, found = stack(name, per_expert, expected[name], dtype, device, first=held.start if held else 0)
         problems["invalid expert"].extend(found)
         if stacked is None:
             mapped.rejected.add(name)

@@ -89,6 +89,11 @@ class ExpertWeights:
     def packed(self) -> bool:
         return isinstance(self.w1, tuple)
 
+    @property
+    def num(self) -> int:
+        """How many experts the tensors hold."""
+        return (self.w1[0] if self.packed else self.w1).shape[0]
+
     def operands(self) -> tuple:
         return self.w1, self.w3, self.w2
 
@@ -233,6 +238,24 @@ class TorchOps:
         """`ops.moe.grouped_experts` semantics: x [N, Din] -> [N, Din] in x's dtype."""
         return grouped_experts(x, ids, weights, *self.expert_views(ex), act, linear=self.linear)
 
+    def local_experts(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ex: ExpertWeights, act: GluAct, first: int
+    ) -> torch.Tensor:
+        """`experts` for a rank holding the experts [first, first + ex.num) of the router's `ids`:
+        the (token, slot) pairs routed there run as one `experts` call on the gathered rows (one slot
+        each, weight 1, so each expert output comes back exactly); pairs routed elsewhere are
+        dropped, never computed. Returns x.dtype(sum over the local pairs of w * y) with the
+        weighted sum in fp32 (slot order on CPU): this rank's partial sum of the full `experts`."""
+        local = ids - first
+        tok, slot = ((local >= 0) & (local < ex.num)).nonzero(as_tuple=True)
+        acc = torch.promote_types(x.dtype, torch.float32)
+        out = torch.zeros(x.shape, dtype=acc, device=x.device)
+        if tok.numel():
+            ones = torch.ones(tok.numel(), 1, dtype=weights.dtype, device=weights.device)
+            ys = self.experts(x[tok], local[tok, slot, None], ones, ex, act)
+            out.index_add_(0, tok, weights[tok, slot, None].to(acc) * ys.to(acc))
+        return out.to(x.dtype)
+
     def moe_block(self, x: torch.Tensor, prepared) -> torch.Tensor | None:
         """A whole MoE block in one call, or None (the layer runs route, experts, shared)."""
         return None
@@ -301,7 +324,8 @@ class TorchOps:
     # MLA ---------------------------------------------------------------------------------------
     def mla_block(self, x: torch.Tensor, prepared, pool_view) -> tuple | None:
         """(o [N, H, v], gate or None) of an MLA decode step in one call (projections, norms, the pool
-        write, absorbed attention), or None (the layer runs its modules)."""
+        write, absorbed attention), or None (the layer runs its modules). Reads whole contexts: not
+        DCP-aware (a `DcpMlaAttention` layer never calls it, nor `mla_decode`, nor `prepare_mla`)."""
         return None
 
     def mla_decode(

@@ -9,6 +9,10 @@ bf16 inputs (measured: bf16 output error equals that of an fp32 upcast, i.e. the
 rounding). The flash kernel needs equal q/k/v head dims, so v is zero-padded where narrower.
 Sequences are grouped into length buckets (`length_buckets`) so that padding wastes at most
 about 2x the real attention work.
+
+Decode context parallelism splits a context's rows across ranks: `mla_absorbed_partial` attends
+over one rank's share (masked by global position) and returns its log-sum-exp, and
+`lse_combine` merges the shares into the attention over the whole context.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch.nn.functional as F
 
 _BUCKET_SLACK = 1 << 16  # padded work (query x key pairs) always tolerated per bucket
 _FOLD_LIMIT = 1 << 27  # max mask elements for the head-folded (MQA) absorbed path
+_SCORE_LIMIT = 1 << 24  # max fp32 score elements per block of the partial (explicit-softmax) path
 
 
 def length_buckets(ns: list[int], cs: list[int], waste: float = 2.0, slack: int = _BUCKET_SLACK) -> list[list[int]]:
@@ -141,3 +146,72 @@ def mla_absorbed_attention(
             o = o.transpose(1, 2).reshape(nb * mq, h, dk)
         out[q_src] = o[q_dst, :, :kv_lora_rank]
     return out
+
+
+def mla_absorbed_partial(
+    q_latent: torch.Tensor,
+    kv_latent: torch.Tensor,
+    q_pos: torch.Tensor,
+    kv_pos: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_kv: torch.Tensor,
+    kv_lora_rank: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed attention of new queries over a share of each sequence's latent rows (one DCP
+    rank's), masked causally by global position: query i of sequence b sees the rows of sequence
+    b (packed by cu_kv) with kv_pos <= q_pos[i]. Shapes as `mla_absorbed_attention`; q_pos [Nq] and
+    kv_pos [Nkv] are int64. Returns (o [Nq, H, R], the softmax over the visible rows only, and
+    lse [Nq, H], the log-sum-exp of their scaled scores), both fp32; a query that sees no row gets
+    o = 0 and lse = -inf. `lse_combine` of every share is the attention over their union."""
+    nq, h, dk = q_latent.shape
+    q_starts, ns = _lens(cu_q)
+    kv_starts, cs = _lens(cu_kv)
+    if len(ns) != len(cs):
+        raise ValueError("cu_q and cu_kv must describe the same sequences")
+    q, kv = q_latent.float(), kv_latent.float()
+    out = q.new_zeros(nq, h, kv_lora_rank)
+    lse_out = q.new_full((nq, h), float("-inf"))
+    for bucket in length_buckets(ns, cs):
+        b_n = torch.tensor([ns[b] for b in bucket])
+        b_c = torch.tensor([cs[b] for b in bucket])
+        nb, mq, mc = len(bucket), int(b_n.max()), max(int(b_c.max()), 1)
+        q_src, q_dst = _pad_index(torch.tensor([q_starts[b] for b in bucket]), b_n, mq)
+        k_src, k_dst = _pad_index(torch.tensor([kv_starts[b] for b in bucket]), b_c, mc)
+        q_src, k_src = q_src.to(q.device), k_src.to(q.device)
+        q_dst, k_dst = q_dst.to(q.device), k_dst.to(q.device)
+        qp = _padded(q, q_src, q_dst, nb * mq).view(nb, mq, h, dk)
+        kp = _padded(kv, k_src, k_dst, nb * mc).view(nb, mc, dk)
+        # padded queries see nothing (position -1); padded keys are never seen (position max)
+        qpos = torch.full((nb * mq,), -1, dtype=torch.long, device=q.device)
+        qpos[q_dst] = q_pos[q_src]
+        kpos = torch.full((nb * mc,), torch.iinfo(torch.long).max, dtype=torch.long, device=q.device)
+        kpos[k_dst] = kv_pos[k_src]
+        qpos, kpos = qpos.view(nb, mq), kpos.view(nb, 1, mc)
+        o = q.new_empty(nb, mq, h, kv_lora_rank)
+        lse = q.new_empty(nb, mq, h)
+        step = max(1, _SCORE_LIMIT // (nb * h * mc))
+        for lo in range(0, mq, step):
+            hi = min(mq, lo + step)
+            s = torch.einsum("bqhd,bkd->bqhk", qp[:, lo:hi], kp) * scale
+            s.masked_fill_((kpos > qpos[:, lo:hi, None])[:, :, None], float("-inf"))
+            m = torch.logsumexp(s, dim=-1)
+            p = torch.exp(s - torch.where(torch.isfinite(m), m, 0.0)[..., None])
+            o[:, lo:hi] = torch.einsum("bqhk,bkr->bqhr", p, kp[..., :kv_lora_rank])
+            lse[:, lo:hi] = m
+        out[q_src] = o.view(nb * mq, h, kv_lora_rank)[q_dst]
+        lse_out[q_src] = lse.view(nb * mq, h)[q_dst]
+    return out, lse_out
+
+
+def lse_combine(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge P partial attentions over disjoint key sets: o [P, N, H, R] (each normalised over its
+    own keys), lse [P, N, H] (-inf where a part saw no key) -> (o [N, H, R], lse [N, H]) of the
+    attention over all their keys, in fp32 (o = 0, lse = -inf where no part saw a key)."""
+    o, lse = o.float(), lse.float()
+    top = lse.amax(dim=0)
+    top = torch.where(torch.isfinite(top), top, 0.0)
+    w = torch.exp(lse - top)  # [P, N, H]; 0 for empty parts
+    total = w.sum(dim=0)
+    merged = (w[..., None] * o).sum(dim=0) / total.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+    return merged, top + torch.log(total)

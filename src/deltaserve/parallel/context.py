@@ -9,17 +9,46 @@ Invariants:
   partial sum is all-reduced (once) before anything nonlinear reads it.
 - `SINGLE` (world 1) makes every collective the identity, so an unsharded model computes exactly
   what it computed before tensor parallelism existed.
+- Under expert parallelism (`expert_parallel`) routed experts split by expert across the whole
+  group instead of by their intermediate dim; everything else is as under plain TP.
+- Decode context parallelism (`dcp_world` D, dividing `world`) splits the MLA latent cache by
+  position: the DCP group of a rank is the D consecutive ranks sharing `rank // D`, and token
+  position t lives on DCP rank `t % D` of it.
 - Only tensor collectives are used: nothing is pickled between ranks.
 """
 
 from __future__ import annotations
 
 import datetime
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+
+class CommClock:
+    """Wall time this process spent inside collectives (world > 1 only), for the benchmarks."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+    @contextmanager
+    def timed(self):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+
+
+COMM = CommClock()
 
 
 @dataclass(frozen=True)
@@ -30,10 +59,26 @@ class ParallelContext:
     rank: int = 0
     world: int = 1
     group: object = None
+    expert_parallel: bool = False
+    dcp_world: int = 1
+    dcp_group: object = None
 
     def __post_init__(self):
         if not 0 <= self.rank < self.world:
             raise ValueError(f"rank {self.rank} outside a tensor-parallel group of {self.world}")
+        if self.dcp_world < 1 or self.world % self.dcp_world:
+            raise ValueError(
+                f"decode-context-parallel size {self.dcp_world} must divide the tensor-parallel size {self.world}"
+            )
+
+    @property
+    def dcp_rank(self) -> int:
+        """This rank's index in its DCP group (the positions t with t % dcp_world == dcp_rank)."""
+        return self.rank % self.dcp_world
+
+    def dcp_all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Every DCP-group rank's `x` concatenated along `dim`, in DCP-rank order."""
+        return _gather(x, dim, self.dcp_world, self.dcp_group)
 
     def split(self, n: int, what: str) -> int:
         """This rank's share of `n` (heads, a width, the vocab); `n` must divide evenly."""
@@ -44,7 +89,8 @@ class ParallelContext:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `x` (in place: `x` must be a fresh tensor the caller owns)."""
         if self.world > 1:
-            dist.all_reduce(x, group=self.group)
+            with COMM.timed():
+                dist.all_reduce(x, group=self.group)
         return x
 
     def reduce_sum(self, partial: torch.Tensor, replicated: torch.Tensor) -> torch.Tensor:
@@ -56,12 +102,17 @@ class ParallelContext:
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's `x` concatenated along `dim`, in rank order."""
-        if self.world == 1:
-            return x
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.world)]
-        dist.all_gather(parts, x, group=self.group)
-        return torch.cat(parts, dim=dim)
+        return _gather(x, dim, self.world, self.group)
+
+
+def _gather(x: torch.Tensor, dim: int, n: int, group) -> torch.Tensor:
+    if n == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(n)]
+    with COMM.timed():
+        dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=dim)
 
 
 SINGLE = ParallelContext()
@@ -75,13 +126,27 @@ def shard(p: nn.Parameter, dim: int) -> nn.Parameter:
 
 
 def init_tensor_parallel(
-    rank: int, world: int, init_method: str, device: str | torch.device = "cpu", timeout_s: float = 120.0
+    rank: int,
+    world: int,
+    init_method: str,
+    device: str | torch.device = "cpu",
+    timeout_s: float = 120.0,
+    expert_parallel: bool = False,
+    dcp_world: int = 1,
 ) -> ParallelContext:
     """Join the default process group (gloo for CPU, nccl for CUDA) as `rank` of `world` and
-    return the context a model is built with."""
+    return the context a model is built with (its DCP subgroups created on every rank)."""
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(
             backend, init_method=init_method, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
         )
-    return ParallelContext(rank, world)
+    dcp_group = None
+    if 1 < dcp_world < world:
+        if world % dcp_world:
+            raise ValueError(f"decode-context-parallel size {dcp_world} must divide the tensor-parallel size {world}")
+        for first in range(0, world, dcp_world):
+            g = dist.new_group(list(range(first, first + dcp_world)))
+            if first == rank - rank % dcp_world:
+                dcp_group = g
+    return ParallelContext(rank, world, None, expert_parallel, dcp_world, dcp_group)

@@ -52,29 +52,48 @@ def _no_stack(name: str) -> str | None:
 @dataclass(frozen=True)
 class ShardReader:
     """Which chunk of each checkpoint tensor (by text name) this rank reads. `dims`: parameter
-    name -> the dim its shard splits (empty: every tensor whole). `stack_of(name)`: the stacked
-    parameter one routed expert's tensor joins (its split dim is the stack's less the expert
-    dim), else None. Names ending in `read_whole` are read whole and cut by `local` after mapping
-    (A_log: H floats, stored padded or 4-D)."""
+    name -> the dim its shard splits (empty: every tensor whole); `sizes`: its size along that dim
+    on this rank. `stack_of(name)`: the stacked parameter one routed expert's tensor joins (its
+    split dim is the stack's less the expert dim), else None. A stack split along dim 0 is split
+    by expert: this rank holds its experts `experts_held(stack)` whole, and the per-expert tensors
+    of other ranks' experts are never read. Names ending in `read_whole` are read whole and cut by
+    `local` after mapping (A_log: H floats, stored padded or 4-D)."""
 
     tp: ParallelContext = SINGLE
     dims: dict[str, int] = field(default_factory=dict)
     stack_of: Callable[[str], str | None] = _no_stack
     read_whole: tuple[str, ...] = (".A_log",)
+    sizes: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, model: nn.Module, tp: ParallelContext, stack_of: Callable[[str], str | None]) -> ShardReader:
         """The reader of `model` built for `tp` (its parameters marked by `context.shard`)."""
         if tp.world == 1:
             return cls()
-        return cls(tp, {n: p.tp_dim for n, p in model.named_parameters() if hasattr(p, "tp_dim")}, stack_of)
+        marked = [(n, p) for n, p in model.named_parameters() if hasattr(p, "tp_dim")]
+        dims = {n: p.tp_dim for n, p in marked}
+        return cls(tp, dims, stack_of, sizes={n: p.shape[p.tp_dim] for n, p in marked})
 
     def dim(self, name: str) -> int | None:
         stack = self.stack_of(name)
         if stack is None:
             return self.dims.get(name)
         stacked = self.dims.get(stack)
-        return None if stacked is None else stacked - 1
+        return None if not stacked else stacked - 1  # split by expert (0): each expert read whole
+
+    def experts_held(self, stack: str) -> range | None:
+        """The experts of stacked parameter `stack` this rank holds where it is split by expert
+        (rank r of W: [r * E/W, (r + 1) * E/W)), else None (every expert)."""
+        if self.dims.get(stack) != 0:
+            return None
+        n = self.sizes[stack]
+        return range(self.tp.rank * n, (self.tp.rank + 1) * n)
+
+    def held_elsewhere(self, stack: str, expert: int) -> bool:
+        """True for an expert of `stack` another rank holds (its tensors are skipped unread); an
+        index beyond every rank's experts is not, so validation reports it."""
+        held = self.experts_held(stack)
+        return held is not None and expert not in held and 0 <= expert < len(held) * self.tp.world
 
     def reader(self, f, raw_name: str, name: str) -> Callable[[], torch.Tensor]:
         """A thunk reading this rank's part of `raw_name` from the open file `f`."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..engine.core import EngineCore, SeqDelta
+from ..engine.ranks import RankFailure
 from ..engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,13 @@ class Call:
 @dataclass(frozen=True)
 class Shutdown:
     pass
+
+
+@dataclass(frozen=True)
+class Fatal:
+    """The engine cannot go on (a tensor-parallel rank failed): stop, failing every request."""
+
+    reason: str
 
 
 @dataclass
@@ -120,7 +128,8 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Callable] = {}
         self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self.failure: str | None = None  # why the engine stopped on its own, if it did
+        self._on_failure: list[Callable[[str], None]] = []
         # queue-size estimate readable from the event loop without touching the core: the
         # engine thread publishes len(scheduler.waiting) (an int store is atomic); `pending`
         # counts adds sent but not yet accepted (event-loop side only)
@@ -129,7 +138,14 @@ class AsyncEngine:
 
     # ------------------------------------------------------------ control (any thread)
 
+    def on_failure(self, fn: Callable[[str], None]) -> None:
+        """Call `fn(reason)` (from the engine thread) if the engine stops on a fatal error."""
+        self._on_failure.append(fn)
+
     def start(self) -> None:
+        ranks = getattr(self.core.runner, "ranks", None)
+        if ranks is not None:
+            ranks.on_failure(lambda reason: self._inbox.put(Fatal(reason)))
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="deltaserve-engine", daemon=True)
             self._thread.start()
@@ -212,7 +228,17 @@ class AsyncEngine:
                 msg.result.set_exception(e)
         elif isinstance(msg, Shutdown):
             return False
+        elif isinstance(msg, Fatal):
+            self._fatal(msg.reason)
+            return False
         return True
+
+    def _fatal(self, reason: str) -> None:
+        if self.failure is None:
+            self.failure = reason
+            log.error("engine stopped: %s", reason)
+            for fn in self._on_failure:
+                fn(reason)
 
     def _fail_all(self, err: BaseException) -> None:
         for rid, sink in list(self._sinks.items()):
@@ -243,6 +269,9 @@ class AsyncEngine:
                 continue
             try:
                 deltas = self.core.step_deltas()
+            except RankFailure as e:
+                self._fatal(str(e))
+                break
             except Exception:
                 log.exception("engine step failed; aborting the running requests")
                 self._fail_all(RuntimeError("internal engine error"))
@@ -254,4 +283,6 @@ class AsyncEngine:
             for rid in [r for r in self._sinks if r not in self.core.requests]:
                 del self._sinks[rid]
             self.num_waiting = len(self.core.scheduler.waiting)
-        self._fail_all(EngineDeadError("the engine was shut down"))
+        self._fail_all(
+            EngineDeadError(f"the engine failed: {self.failure}" if self.failure else "the engine was shut down")
+        )

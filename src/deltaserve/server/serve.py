@@ -3,7 +3,9 @@
 With no MODEL_DIR it serves the embedded default: a random-weight tiny Kimi K3 checkpoint
 (`make_tiny(..., family="kimi_k3", preset="tiny", seed=0)`) generated once, reproducibly, under
 the user cache directory. On SIGTERM (or Ctrl-C) in-flight requests are drained for at most
-`--shutdown-timeout` seconds, then what is left is cancelled; SIGTERM then exits 0.
+`--shutdown-timeout` seconds, then what is left is cancelled; SIGTERM then exits 0. If the engine
+fails (a tensor-parallel rank died or hung), `/ready` answers 503 at once and the server exits 1
+`FAILURE_GRACE_S` later, after the same drain.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 log = logging.getLogger("deltaserve.serve")
 
 DEFAULT_NAME = "default-kimi_k3-tiny-seed0"
+FAILURE_GRACE_S = 1.0  # a failed engine answers /ready 503 this long before the server exits
 
 
 def cache_dir() -> Path:
@@ -123,10 +126,22 @@ def serve(args: argparse.Namespace) -> int:
     )
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminated)
-    try:
-        uvicorn.run(
+    server = uvicorn.Server(
+        uvicorn.Config(
             app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=args.shutdown_timeout
         )
+    )
+    engine.on_failure(lambda reason: threading.Timer(FAILURE_GRACE_S, _stop, (server,)).start())
+    try:
+        server.run()
     finally:
         engine.shutdown()
+        llm.shutdown()
+    if engine.failure is not None:
+        log.error("exiting: %s", engine.failure)
+        return 1
     return 0
+
+
+def _stop(server) -> None:
+    server.should_exit = True

@@ -59,6 +59,8 @@ async def prometheus(state: State):
 
 @router.get("/ready")
 async def ready(state: State):
+    if state.engine.failure is not None:
+        raise APIError(503, f"the engine failed: {state.engine.failure}", "service_unavailable")
     try:
         stats = await state.engine.call(lambda core: core.stats(), timeout=5.0)
     except Exception:

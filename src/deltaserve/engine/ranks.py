@@ -1,0 +1,234 @@
+"""`RankGroup`: the processes a tensor-parallel engine runs on, how they start, meet and stop.
+
+Launch modes (`plan_ranks`):
+- single node (default): this process is rank 0; it spawns ranks 1..W-1 as `python -m
+  deltaserve.engine.worker` subprocesses (the config travels as JSON in their environment) and
+  tears them down with it;
+- several nodes: every node runs the same command with `--nnodes M --node-rank R
+  --distributed-init-method tcp://HOST:PORT`; node R's process is rank R*W/M and spawns the other
+  ranks of its node; node 0 holds rank 0 (scheduler and API), other nodes only work;
+- an external launcher (`torchrun`: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set): each process
+  is the rank it is given and spawns nothing.
+
+Every rank joins the default group (gloo on CPU, NCCL on CUDA; model collectives, bounded by
+`distributed_timeout`) and a gloo control group for the step messages, whose wait is unbounded
+(an idle server sends nothing). A spawned worker that exits marks the group failed
+(`failure`, `on_failure` callbacks); a collective that fails or times out does the same through
+the runner. Nothing is pickled: workers get JSON, steps are msgspec (`messages`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import resource
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..parallel import ParallelContext, init_tensor_parallel
+from .config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+WORKER_ENV = "DELTASERVE_WORKER"
+CONTROL_TIMEOUT = datetime.timedelta(days=30)
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class RankFailure(RuntimeError):
+    """A rank died, hung past `distributed_timeout`, or a collective failed: the engine cannot
+    go on and the process should exit."""
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    world: int
+    rank: int  # this process's rank
+    init_method: str
+    spawn: tuple[int, ...]  # ranks this process starts as local subprocesses
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def plan_ranks(config: EngineConfig, env: dict | None = None) -> RankPlan | None:
+    """How this process takes part in `config`'s tensor-parallel group; None for one process."""
+    env = os.environ if env is None else env
+    config.check_parallel()
+    world = config.tensor_parallel_size
+    if world == 1:
+        return None
+    if WORKER_ENV in env:
+        raise RuntimeError("a deltaserve worker process must not start an engine of its own")
+    if all(k in env for k in TORCHRUN_ENV):
+        if int(env["WORLD_SIZE"]) != world:
+            raise ValueError(f"torchrun started {env['WORLD_SIZE']} processes for tensor_parallel_size={world}")
+        return RankPlan(world, int(env["RANK"]), "env://", ())
+    per_node = world // config.nnodes
+    init = config.distributed_init_method
+    if config.nnodes > 1 and not init:
+        raise ValueError("--nnodes > 1 needs --distributed-init-method tcp://HOST:PORT (node 0's address)")
+    first = config.node_rank * per_node
+    return RankPlan(world, first, init or f"tcp://127.0.0.1:{_free_port()}", tuple(range(first + 1, first + per_node)))
+
+
+def config_json(config: EngineConfig) -> str:
+    values = dataclasses.asdict(config)
+    values["model"] = str(config.model)
+    for k in ("dtype", "kv_state_dtype"):
+        if isinstance(values[k], torch.dtype):
+            values[k] = str(values[k]).removeprefix("torch.")
+    return json.dumps(values)
+
+
+def config_from_json(text: str) -> EngineConfig:
+    return EngineConfig(**json.loads(text))
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_rss() -> int:
+    """Start a new peak-RSS window (Linux: /proc/self/clear_refs); returns the RSS now, bytes."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+    now = _status_kib("VmRSS")
+    return (now if now is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def peak_rss_bytes() -> int:
+    """Peak RSS since the last `reset_peak_rss` (VmHWM; where unreadable, the process's peak)."""
+    peak = _status_kib("VmHWM")
+    return (peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def join(config: EngineConfig, rank: int, init_method: str) -> tuple[ParallelContext, object]:
+    """Join the default and control groups as `rank`; returns (model context, control group)."""
+    tp = init_tensor_parallel(
+        rank,
+        config.tensor_parallel_size,
+        init_method,
+        config.device,
+        config.distributed_timeout,
+        config.enable_expert_parallel,
+        config.decode_context_parallel_size,
+    )
+    return tp, dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+
+
+def memory_report(tp: ParallelContext, before: int, weights: int) -> list[dict[str, int]]:
+    """Every rank's peak RSS before and after loading and its weight bytes, gathered with a
+    tensor collective; every rank calls it right after loading (rank 0 logs it)."""
+    mine = torch.tensor([[before, peak_rss_bytes(), weights]], dtype=torch.long)
+    rows = tp.all_gather(mine, dim=0)
+    report = [dict(zip(("rss_before_load", "rss_peak_load", "weight_bytes"), r.tolist())) for r in rows]
+    if tp.rank == 0:
+        for r, m in enumerate(report):
+            log.info(
+                "rank %d: weights %.1f MiB, peak RSS %.1f MiB at load (%.1f MiB before)",
+                r,
+                m["weight_bytes"] / 2**20,
+                m["rss_peak_load"] / 2**20,
+                m["rss_before_load"] / 2**20,
+            )
+    return report
+
+
+class RankGroup:
+    """The local worker processes this process spawned, its membership, and their health."""
+
+    def __init__(self, plan: RankPlan, config: EngineConfig):
+        self.plan, self.config = plan, config
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.failure: str | None = None
+        self._callbacks: list[Callable[[str], None]] = []
+        self._closing = False
+        self._lock = threading.Lock()
+
+    def launch(self) -> None:
+        """Start the local worker subprocesses (they join the group themselves)."""
+        spec = config_json(self.config)
+        for r in self.plan.spawn:
+            env = dict(os.environ)
+            env[WORKER_ENV] = json.dumps({"config": spec, "rank": r, "init_method": self.plan.init_method})
+            self.procs[r] = subprocess.Popen([sys.executable, "-m", "deltaserve.engine.worker"], env=env)
+        atexit.register(self.kill)
+        threading.Thread(target=self._watch, name="deltaserve-ranks", daemon=True).start()
+
+    def join(self) -> tuple[ParallelContext, object]:
+        try:
+            return join(self.config, self.plan.rank, self.plan.init_method)
+        except Exception:
+            self.kill()
+            raise
+
+    def on_failure(self, fn: Callable[[str], None]) -> None:
+        """Call `fn(message)` once if the group fails (at once if it already has)."""
+        with self._lock:
+            self._callbacks.append(fn)
+            failed = self.failure
+        if failed is not None:
+            fn(failed)
+
+    def fail(self, message: str) -> None:
+        with self._lock:
+            if self.failure is not None or self._closing:
+                return
+            self.failure = message
+            callbacks = list(self._callbacks)
+        log.error("tensor-parallel group failed: %s", message)
+        for fn in callbacks:
+            fn(message)
+
+    def _watch(self) -> None:
+        while not self._closing:
+            for r, p in self.procs.items():
+                code = p.poll()
+                if code is not None and not self._closing:
+                    self.fail(f"worker rank {r} (pid {p.pid}) exited with code {code}")
+                    return
+            time.sleep(0.2)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Wait for the local workers to exit (after a `Shutdown` was sent), kill stragglers,
+        and leave the process group unless the group failed (a dead peer would hang it)."""
+        self._closing = True
+        deadline = time.monotonic() + timeout
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if self.failure is None and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def kill(self) -> None:
+        self._closing = True
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
