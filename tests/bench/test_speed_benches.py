@@ -163,3 +163,11 @@ def test_vs_reference_agrees_in_fp32(capsys, ckpts, family):
         assert out["transformers_available"], out["transformers_reason"]
         positive(out, ["transformers_s", "transformers_tok_s", "speedup_vs_transformers"])
         assert out["agreement_vs_transformers"] == 1.0
+
+
+def test_throughput_under_tensor_parallelism_reports_comm_and_ratio(capsys, ckpts):
+    args = ["--num-prompts", "2", "--input-len", "16", "--output-len", "3", "--concurrency", "2"]
+    out = bench(capsys, "throughput", "--model", ckpts["kimi_k3"], *args, *ENGINE, "--tensor-parallel-size", "2")
+    par = out["parallel"]
+    assert par["tensor_parallel_size"] == 2 and par["tp1_threads"] == 2 and par["comm_calls"] > out["steps"] > 0
+    positive(par, ["comm_s", "comm_ms_per_step", "output_tok_s_at_max_vs_tp1"])

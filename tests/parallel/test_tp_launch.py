@@ -1,8 +1,9 @@
 """Launching a tensor-parallel engine: `deltaserve serve --tensor-parallel-size 2` answers the
 official openai client, and when its worker is killed `/ready` turns 503 and the server exits 1
-within seconds; two "nodes" on loopback (torchrun, and the explicit --nnodes/--node-rank flags)
-generate what one process does; a hung worker fails the engine within `--distributed-timeout`;
-the launch plan and the config refuse what cannot work."""
+within seconds; a hung worker fails it within `--distributed-timeout`; two "nodes" on loopback
+(the explicit --nnodes/--node-rank flags with expert parallelism, torchrun with decode context
+parallelism) generate what one process does; the launch plan and the config refuse what cannot
+work."""
 
 from __future__ import annotations
 
@@ -133,7 +134,8 @@ def test_two_nodes_on_loopback_generate_what_one_process_does(k3):
     one = _generate(k3)
     want = _answer(one.communicate(timeout=120)[0])
     port = _port()
-    explicit = ["--tensor-parallel-size", "2", "--nnodes", "2", "--distributed-init-method", f"tcp://127.0.0.1:{port}"]
+    explicit = ["--tensor-parallel-size", "2", "--enable-expert-parallel", "--nnodes", "2"]
+    explicit += ["--distributed-init-method", f"tcp://127.0.0.1:{port}"]
     nodes = [_generate(k3, *explicit, "--node-rank", str(r)) for r in (1, 0)]
     outs = [p.communicate(timeout=180)[0] for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], outs
@@ -142,7 +144,15 @@ def test_two_nodes_on_loopback_generate_what_one_process_does(k3):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
     torchrun += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
     nodes = [
-        _generate(k3, "--tensor-parallel-size", "2", launcher=[*torchrun, "--node-rank", str(r), "-m"]) for r in (1, 0)
+        _generate(
+            k3,
+            "--tensor-parallel-size",
+            "2",
+            "--decode-context-parallel-size",
+            "2",
+            launcher=[*torchrun, "--node-rank", str(r), "-m"],
+        )
+        for r in (1, 0)
     ]
     outs = [p.communicate(timeout=180)[0] for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], outs

@@ -72,8 +72,8 @@ def make_llm(args: argparse.Namespace, **overrides):
 def with_tp_baseline(args: argparse.Namespace, run: Callable[[argparse.Namespace], dict], keys: list[str]) -> dict:
     """`run(args)`; under `--tensor-parallel-size N > 1` also rank 0's wall time inside collectives
     per engine step (the step broadcast included; waiting for a slower rank counts too) and
-    `<key>_vs_tp1`: each of `keys` divided by the same run on one process, measured right after
-    in this run (ratios, never absolute thresholds)."""
+    `<key>_vs_tp1`: each of `keys` divided by the same run on one process with as many threads as
+    the ranks had together, measured right after in this run (ratios, never absolute thresholds)."""
     if args.tensor_parallel_size == 1:
         return run(args)
     from ..parallel import COMM
@@ -83,6 +83,8 @@ def with_tp_baseline(args: argparse.Namespace, run: Callable[[argparse.Namespace
     seconds, calls = COMM.seconds, COMM.calls
     one = argparse.Namespace(**vars(args))
     one.tensor_parallel_size, one.enable_expert_parallel, one.decode_context_parallel_size = 1, False, 1
+    if args.threads is not None:  # the same cores: N ranks of T threads against one process of N x T
+        one.threads = args.threads * args.tensor_parallel_size
     base = run(one)
     result["parallel"] = {
         "tensor_parallel_size": args.tensor_parallel_size,
@@ -91,6 +93,7 @@ def with_tp_baseline(args: argparse.Namespace, run: Callable[[argparse.Namespace
         "comm_s": seconds,
         "comm_calls": calls,
         "comm_ms_per_step": 1e3 * seconds / max(1, result["steps"]),
+        "tp1_threads": one.threads,
         **{f"{k}_vs_tp1": result[k] / base[k] for k in keys},
     }
     return result

@@ -11,8 +11,9 @@ Launch modes (`plan_ranks`):
   is the rank it is given and spawns nothing.
 
 Every rank joins the default group (gloo on CPU, NCCL on CUDA; model collectives, bounded by
-`distributed_timeout`) and a gloo control group for the step messages, whose wait is unbounded
-(an idle server sends nothing). A spawned worker that exits marks the group failed
+`distributed_timeout`; on one machine the CPU ranks reduce through shared memory instead,
+`parallel.shm`) and a gloo control group for the step messages, whose wait is unbounded (an
+idle server sends nothing). A spawned worker that exits marks the group failed
 (`failure`, `on_failure` callbacks); a collective that fails or times out does the same through
 the runner. Nothing is pickled: workers get JSON, steps are msgspec (`messages`).
 """
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 
 WORKER_ENV = "DELTASERVE_WORKER"
 CONTROL_TIMEOUT = datetime.timedelta(days=30)
+SHM_SLOT_BYTES = 16 << 20  # largest tensor a shared-memory collective takes (larger: gloo)
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -137,6 +139,7 @@ def join(config: EngineConfig, rank: int, init_method: str) -> tuple[ParallelCon
         config.distributed_timeout,
         config.enable_expert_parallel,
         config.decode_context_parallel_size,
+        SHM_SLOT_BYTES,
     )
     return tp, dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
 
@@ -182,10 +185,13 @@ class RankGroup:
 
     def join(self) -> tuple[ParallelContext, object]:
         try:
-            return join(self.config, self.plan.rank, self.plan.init_method)
+            tp, control = join(self.config, self.plan.rank, self.plan.init_method)
         except Exception:
             self.kill()
             raise
+        if tp.shm is not None:  # a dead rank ends a shared-memory wait at once
+            self.on_failure(tp.shm.abort)
+        return tp, control
 
     def on_failure(self, fn: Callable[[str], None]) -> None:
         """Call `fn(message)` once if the group fails (at once if it already has)."""

@@ -14,7 +14,9 @@ Invariants:
 - Decode context parallelism (`dcp_world` D, dividing `world`) splits the MLA latent cache by
   position: the DCP group of a rank is the D consecutive ranks sharing `rank // D`, and token
   position t lives on DCP rank `t % D` of it.
-- Only tensor collectives are used: nothing is pickled between ranks.
+- Only tensor collectives are used: nothing is pickled between ranks. Ranks on one machine
+  reduce and gather through shared memory (`shm`), falling back to the process group for
+  tensors larger than its slots.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .shm import ShmCollectives
 
 
 class CommClock:
@@ -62,6 +66,7 @@ class ParallelContext:
     expert_parallel: bool = False
     dcp_world: int = 1
     dcp_group: object = None
+    shm: object = None  # `shm.ShmCollectives` when every rank is on this machine
 
     def __post_init__(self):
         if not 0 <= self.rank < self.world:
@@ -90,7 +95,10 @@ class ParallelContext:
         """The sum of every rank's `x` (in place: `x` must be a fresh tensor the caller owns)."""
         if self.world > 1:
             with COMM.timed():
-                dist.all_reduce(x, group=self.group)
+                if self.shm is not None and self.shm.fits(x):
+                    self.shm.all_reduce(x)
+                else:
+                    dist.all_reduce(x, group=self.group)
         return x
 
     def reduce_sum(self, partial: torch.Tensor, replicated: torch.Tensor) -> torch.Tensor:
@@ -102,6 +110,9 @@ class ParallelContext:
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's `x` concatenated along `dim`, in rank order."""
+        if self.world > 1 and self.shm is not None and self.shm.fits(x):
+            with COMM.timed():
+                return self.shm.all_gather(x, dim)
         return _gather(x, dim, self.world, self.group)
 
 
@@ -133,9 +144,12 @@ def init_tensor_parallel(
     timeout_s: float = 120.0,
     expert_parallel: bool = False,
     dcp_world: int = 1,
+    shm_slot_bytes: int = 0,
 ) -> ParallelContext:
     """Join the default process group (gloo for CPU, nccl for CUDA) as `rank` of `world` and
-    return the context a model is built with (its DCP subgroups created on every rank)."""
+    return the context a model is built with (its DCP subgroups created on every rank). With
+    `shm_slot_bytes` > 0, CPU ranks that all run on this machine reduce and gather tensors up to
+    that size through shared memory (`shm.ShmCollectives`)."""
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(
@@ -149,4 +163,7 @@ def init_tensor_parallel(
             g = dist.new_group(list(range(first, first + dcp_world)))
             if first == rank - rank % dcp_world:
                 dcp_group = g
-    return ParallelContext(rank, world, None, expert_parallel, dcp_world, dcp_group)
+    shm = None
+    if shm_slot_bytes and world > 1 and backend == "gloo":
+        shm = ShmCollectives.create(rank, world, shm_slot_bytes, timeout_s)
+    return ParallelContext(rank, world, None, expert_parallel, dcp_world, dcp_group, shm)
