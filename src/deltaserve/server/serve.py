@@ -83,6 +83,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_engine_args(p)
     p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine replicas behind this server, each with its own caches and tensor-parallel ranks; "
+        "requests are routed by prompt prefix so a conversation stays where it is cached",
+    )
+    p.add_argument(
         "--max-waiting-requests",
         type=int,
         default=256,
@@ -107,6 +114,8 @@ def serve(args: argparse.Namespace) -> int:
     from .chat.render import load_chat_template
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.data_parallel_size < 1:
+        raise SystemExit("--data-parallel-size must be >= 1")
     model_dir, name = args.model, args.served_model_name
     if model_dir is None:
         model_dir = default_model_dir()
@@ -117,6 +126,8 @@ def serve(args: argparse.Namespace) -> int:
             model_dir,
         )
     name = name or Path(model_dir).resolve().name
+    if args.data_parallel_size > 1:
+        return _serve_replicas(args, model_dir, name)
     llm = LLM.from_config(EngineConfig.from_args(args, model=model_dir, progress=False))
     engine = AsyncEngine(llm.engine, llm.model.config.family, load_chat_template(model_dir))
     cap = args.max_waiting_requests
@@ -145,3 +156,40 @@ def serve(args: argparse.Namespace) -> int:
 
 def _stop(server) -> None:
     server.should_exit = True
+
+
+def _serve_replicas(args: argparse.Namespace, model_dir: Path, name: str) -> int:
+    """`--data-parallel-size N`: N replica servers behind the front (`replica_front`)."""
+    import uvicorn
+
+    from . import replica_front as rf
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = rf.replica_argv(args, parser, str(model_dir))
+    if "--served-model-name" not in argv:
+        argv += ["--served-model-name", name]
+    replicas = rf.start_replicas(args.data_parallel_size, argv)
+    front = rf.Front(replicas)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            rf.build_front_app(front, args.api_key),
+            host=args.host,
+            port=args.port,
+            log_level="info",
+            timeout_graceful_shutdown=args.shutdown_timeout,
+        )
+    )
+    rf.watch(front, lambda reason: threading.Timer(FAILURE_GRACE_S, _stop, (server,)).start())
+    log.info("serving %r on http://%s:%d over %d replicas", name, args.host, args.port, len(replicas))
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminated)
+    try:
+        server.run()
+    finally:
+        front.closing = True
+        rf.stop_replicas(replicas, args.shutdown_timeout + 10)
+    if front.failure is not None:
+        log.error("exiting: %s", front.failure)
+        return 1
+    return 0
