@@ -22,7 +22,7 @@ import pytest
 
 from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.ranks import WORKER_ENV, plan_ranks
-from tests.server.live_server import wait_healthy
+from tests.server.live_server import ready_codes_until_exit, wait_healthy
 
 from .engine_fixtures import write_checkpoints
 
@@ -68,13 +68,7 @@ def test_serve_tp2_answers_openai_then_fails_closed_when_a_worker_dies(k3, tmp_p
         (worker,) = _children(proc.pid)
         t0 = time.time()
         os.kill(worker, signal.SIGKILL)
-        codes = []
-        while proc.poll() is None and time.time() - t0 < 20:
-            try:
-                codes.append(httpx.get(f"{base}/ready", timeout=2).status_code)
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        codes = ready_codes_until_exit(proc, base)
         rc = proc.wait(5)
         elapsed = time.time() - t0
         log = proc.stdout.read()

@@ -103,6 +103,18 @@ def wait_healthy(proc, port: int, timeout: float, poll: float = 0.2) -> None:
         time.sleep(poll)
 
 
+def ready_codes_until_exit(proc, base: str, timeout: float = 20.0) -> list[int]:
+    """The `/ready` status codes `base` answers (every 0.1 s) until `proc` exits or `timeout` s pass."""
+    codes, t0 = [], time.time()
+    while proc.poll() is None and time.time() - t0 < timeout:
+        try:
+            codes.append(httpx.get(f"{base}/ready", timeout=2).status_code)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    return codes
+
+
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
 USER = [{"role": "user", "content": "hi"}]

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from deltaserve.tiny import make_tiny
-from tests.server.live_server import wait_healthy
+from tests.server.live_server import ready_codes_until_exit, wait_healthy
 
 
 def _port() -> int:
@@ -88,15 +88,8 @@ def test_two_replicas_behind_one_front(model):
         assert sorted(moved) == [0, 3], moved
         home = moved.index(3)
         assert _hits(base, home) > 0 and _hits(base, 1 - home) == 0
-        t0 = time.time()
         os.kill(replicas[home], signal.SIGKILL)
-        codes = []
-        while proc.poll() is None and time.time() - t0 < 20:
-            try:
-                codes.append(httpx.get(f"{base}/ready", timeout=2).status_code)
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        codes = ready_codes_until_exit(proc, base)
         rc = proc.wait(10)
         assert 503 in codes and rc == 1, (codes, rc, proc.stdout.read()[-2000:])
         time.sleep(0.5)
