@@ -115,7 +115,7 @@ def test_k3_names_dtypes_shapes(ckpts):
         K3 + "1.block_sparse_moe.routed_expert_up_proj.weight": ((64, 32), torch.bfloat16),
         K3 + "1.block_sparse_moe.experts.7.w1.weight": ((32, 32), torch.bfloat16),
         K3 + "4.block_sparse_moe.shared_experts.down_proj.weight": ((64, 64), torch.bfloat16),
-        "vision_tower.encoder.blocks.0.wqkv.weight": ((96, 32), torch.bfloat16),
+        "vision_tower.encoder.blocks.1.wqkv.weight": ((144, 32), torch.bfloat16),  # q, k, v of 48 each
         "mm_projector.proj.2.weight": ((64, 128), torch.bfloat16),
     }
     for name, (shape, dtype) in shapes.items():

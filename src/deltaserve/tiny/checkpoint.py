@@ -1,6 +1,6 @@
 """`make_tiny`: a random-weight checkpoint in the real Hugging Face layout (spec/model.md §15-16):
 `config.json`, `generation_config.json`, safetensors shards with `model.safetensors.index.json`,
-and the tokenizer files. Invariants:
+the tokenizer files and (K3) `preprocessor_config.json` (§12.1). Invariants:
 
 - Deterministic in `seed`: one generator, tensors drawn in `tensor_plan` order, independent of
   sharding; at least two shards, split at about equal byte counts.
@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..model.image_processor import PROCESSOR_FILE
 from ..ops.mxfp4 import GROUP_SIZE, mxfp4_decode, mxfp4_encode
 from .hf_config import hf_config
 from .plan import Entry, tensor_plan
-from .presets import FAMILIES, PRESETS
+from .presets import FAMILIES, MEDIA_PROC_CFG, PRESETS
 from .tokenizer import EOS_NAME, write_tokenizer
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
@@ -55,6 +56,8 @@ def make_tiny(
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     gen_cfg = {"bos_token_id": ids["[BOS]"], "eos_token_id": ids[EOS_NAME[family]], "pad_token_id": ids["[PAD]"]}
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
+    if family == "kimi_k3":
+        (out / PROCESSOR_FILE).write_text(json.dumps({"media_proc_cfg": MEDIA_PROC_CFG}, indent=2) + "\n")
     _write_shards(out, tensor_plan(family, d), d.shard_bytes, seed, dtype, mxfp4)
     return out
 

@@ -150,9 +150,9 @@ PRESETS = {
 VISION = dict(
     vt_hidden_size=32,
     mm_hidden_size=32,
-    vt_num_hidden_layers=1,
+    vt_num_hidden_layers=2,
     vt_num_attention_heads=2,
-    qkv_hidden_size=32,
+    qkv_hidden_size=48,
     vt_intermediate_size=64,
     patch_size=14,
     merge_kernel_size=[2, 2],
@@ -165,4 +165,24 @@ VISION = dict(
     init_pos_emb_height=4,
     init_pos_emb_width=4,
     pos_emb_interpolation_mode="bilinear",
+)
+
+# K3's `preprocessor_config.json` `media_proc_cfg` at the spec's values (§12.1; OQ-7), the same
+# for every preset; patch and merge sizes agree with VISION
+MEDIA_PROC_CFG = dict(
+    patch_size=VISION["patch_size"],
+    merge_kernel_size=VISION["merge_kernel_size"][0],
+    in_patch_limit=65536,
+    patch_limit_on_one_side=512,
+    fixed_output_tokens=None,
+    image_mean=[0.5, 0.5, 0.5],
+    image_std=[0.5, 0.5, 0.5],
+    transparent_bg_config=dict(
+        pattern="chessboard",
+        chessboard_square_size=8,
+        chessboard_square_on_top_left=True,
+        chessboard_white_value=255,
+        chessboard_gray_value=180,
+    ),
+    transparent_bg_fill_stage="after_resize",
 )
