@@ -83,6 +83,8 @@ class ParallelContext:
 
     def dcp_all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Every DCP-group rank's `x` concatenated along `dim`, in DCP-rank order."""
+        if self.dcp_world == self.world:  # the DCP group is the whole group
+            return self.all_gather(x, dim)
         return _gather(x, dim, self.dcp_world, self.dcp_group)
 
     def split(self, n: int, what: str) -> int:
