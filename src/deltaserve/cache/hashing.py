@@ -3,6 +3,11 @@
 `h_k = sha256(h_{k-1} || tokens[(k-1)u : ku] as little-endian int64)`, with
 `h_0 = sha256(namespace || model id || cache salt || extra keys)`. Two prefixes share `h_k` iff
 they share the first k·u tokens (and the root keys), so a hash names an exact token boundary.
+
+Per-unit extra keys (`spans`: `(start, end, key)` token ranges, e.g. an image's `<|media_pad|>`
+positions and its content digest): a unit overlapping a span hashes that span's key after its
+tokens, and every later unit inherits it through the chain. A unit overlapping no span hashes
+exactly as without spans, so text-only chains are unchanged.
 """
 
 from __future__ import annotations
@@ -22,13 +27,21 @@ def root_hash(model_id: str, cache_salt: str | None = None, extra: tuple[str, ..
     return h.digest()
 
 
-def extend_hashes(hashes: list[bytes], root: bytes, tokens: list[int], unit: int) -> list[bytes]:
-    """Append to `hashes` (the chain so far over `tokens`) the hashes of every further unit
-    that `tokens` completes; returns `hashes`."""
+def extend_hashes(
+    hashes: list[bytes],
+    root: bytes,
+    tokens: list[int],
+    unit: int,
+    spans: tuple[tuple[int, int, bytes], ...] = (),
+) -> list[bytes]:
+    """Append to `hashes` (the chain so far over `tokens`, with the same `spans`) the hashes of
+    every further unit that `tokens` completes; returns `hashes`."""
     for k in range(len(hashes), len(tokens) // unit):
         parent = hashes[-1] if hashes else root
-        chunk = tokens[k * unit : (k + 1) * unit]
-        hashes.append(hashlib.sha256(parent + struct.pack(f"<{unit}q", *chunk)).digest())
+        lo, hi = k * unit, (k + 1) * unit
+        data = parent + struct.pack(f"<{unit}q", *tokens[lo:hi])
+        data += b"".join(key for start, end, key in spans if start < hi and end > lo)
+        hashes.append(hashlib.sha256(data).digest())
     return hashes
 
 

@@ -87,18 +87,25 @@ class CacheManager:
     def prefix_enabled(self) -> bool:
         return self.index is not None
 
-    def lookup(self, tokens: list[int], cache_salt: str | None = None, memo: list[bytes] | None = None) -> PrefixHit:
+    def lookup(
+        self,
+        tokens: list[int],
+        cache_salt: str | None = None,
+        memo: list[bytes] | None = None,
+        spans: tuple[tuple[int, int, bytes], ...] = (),
+    ) -> PrefixHit:
         """Longest usable hit (L < len(tokens)). Its only effect on the cache: a checkpoint on the
         path whose tag does not match is refused (counted, dropped) and a shorter one is tried.
-        `memo`, kept by the caller for one sequence (fixed salt, tokens only ever appended),
-        holds the unit hashes computed so far and is extended in place, so a waiting request is
-        not re-hashed every step."""
+        `memo`, kept by the caller for one sequence (fixed salt and `spans`, tokens only ever
+        appended), holds the unit hashes computed so far and is extended in place, so a waiting
+        request is not re-hashed every step. `spans`: the per-unit extra keys
+        (`hashing.extend_hashes`), the same the sequence later commits with."""
         if self.index is None:
             return PrefixHit()
         u = self.policy.unit
         root = root_hash(self.model_id, cache_salt)
         limit = (len(tokens) - 1) // u
-        hashes = extend_hashes(memo if memo is not None else [], root, tokens[: limit * u], u)[:limit]
+        hashes = extend_hashes(memo if memo is not None else [], root, tokens[: limit * u], u, spans)[:limit]
         k_mla, k_hit = self.index.match(hashes)
         while k_hit and not self._restorable(hashes, k_hit):
             k_mla, k_hit = self.index.match(hashes)
@@ -231,13 +238,16 @@ class CacheManager:
                 slots.append(slot)
         return offsets, slots
 
-    def commit(self, seq_id: int, tokens: list[int], num_computed: int) -> None:
+    def commit(
+        self, seq_id: int, tokens: list[int], num_computed: int, spans: tuple[tuple[int, int, bytes], ...] = ()
+    ) -> None:
         """After a step: snapshot a chunk-end boundary, register completed units and the step's
-        checkpoints, and keep the latest decode-side boundary state for the end of the turn."""
+        checkpoints, and keep the latest decode-side boundary state for the end of the turn.
+        `spans` are the sequence's extra keys, as given to `lookup`."""
         if self.index is None:
             return
         sc, u = self.seqs[seq_id], self.policy.unit
-        extend_hashes(sc.hashes, sc.root, tokens[:num_computed], u)
+        extend_hashes(sc.hashes, sc.root, tokens[:num_computed], u, spans)
         if num_computed in sc.pending:
             self._copy(self.kda, sc.slot, self.ckpt_pool, sc.pending[num_computed])
         elif num_computed % u == 0 and num_computed > sc.prompt_len and self.policy.turn_end:

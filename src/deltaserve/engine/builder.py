@@ -7,7 +7,9 @@ so no request pays for the compile; the cache's producer fingerprint names the k
 
 Under tensor parallelism (`ranks.plan_ranks`) the workers are started first, every rank loads its
 shard at the same time, and rank 0 sizes the pools and sends their counts (`Hello`) before any
-step. A process whose rank is not 0 (torchrun, a node other than 0) serves its rank inside
+step. K3 checkpoints with `vision_tower.*` tensors get their vision model (tower + projector, the
+model dtype) on rank 0 only: rank 0 encodes images and sends the rows in each `Step`. A process
+whose rank is not 0 (torchrun, a node other than 0) serves its rank inside
 `build_engine` and exits when rank 0 shuts down: it never returns an engine.
 """
 
@@ -24,6 +26,9 @@ from ..cache.checkpoint_policy import CheckpointPolicy
 from ..cache.slot_journal import SlotJournal
 from ..model import KimiForCausalLM, resolve_dtype
 from ..model.tokenizer import Tokenizer
+from ..model.vision import VisionModel
+from ..model.vision_weights import PREFIXES, load_vision_model
+from ..model.weights import checkpoint_files
 from ..ops.select import describe
 from ..parallel import SINGLE
 from .channel import ControlChannel
@@ -90,8 +95,18 @@ def build_engine(config: EngineConfig) -> Engine:
         raise
 
 
+def load_vision(c: EngineConfig, model: KimiForCausalLM, dtype: torch.dtype) -> VisionModel | None:
+    """The checkpoint's vision model (K3 with vision tensors), else None."""
+    if model.config.family != "kimi_k3" or not any(n.startswith(PREFIXES) for n in checkpoint_files(Path(c.model))):
+        return None
+    vision = load_vision_model(c.model, dtype, c.device)
+    log.info("vision model loaded: %d layers, %d-wide", vision.cfg.num_layers, vision.cfg.hidden_size)
+    return vision
+
+
 def _build_rank0(c: EngineConfig, dtype, ranks, tp, control) -> Engine:
     model, memory = load_rank_model(c, tp)
+    vision = load_vision(c, model, dtype)
     tokenizer = None if c.skip_tokenizer_init else Tokenizer.from_pretrained(c.model)
     cfg = model.config
     max_model_len = c.max_model_len or cfg.max_position_embeddings
@@ -122,6 +137,7 @@ def _build_rank0(c: EngineConfig, dtype, ranks, tp, control) -> Engine:
         max_model_len=max_model_len,
         seed=c.seed,
         structured_thinking_budget=c.structured_thinking_budget,
+        vision=vision,
     )
     channel = None
     if tp.world > 1:

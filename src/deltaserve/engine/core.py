@@ -9,6 +9,12 @@ message) if its grammar rejects a token or fails. A request whose output starts 
 reasoning section gets a `ReasoningBudget` per sequence (engine/reasoning.py): its
 `thinking_token_budget`, or `structured_thinking_budget` when a structured output starts after
 the reasoning and the request sets none (None: unlimited).
+
+Images (`add_request(..., images=...)`, engine/mm_inputs.py): the prompt's `<|media_pad|>` runs
+(and K3's `<|kimi_image_placeholder|>`, if the tokenizer has it, read as a lone pad) are matched
+to the images in order and lone pads expanded; the request's `prompt_token_ids`
+are the expanded ids. Only a model loaded with its vision tower (`vision`) accepts images; their
+projector rows come from the runner's encoder cache.
 """
 
 from __future__ import annotations
@@ -21,9 +27,14 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.manager import CacheManager
+from ..model.image_processor import MEDIA_PAD, ImageProcessorError
 from ..model.kimi import KimiForCausalLM
+from ..model.vision import VisionModel
 from .config import DEFAULT_STRUCTURED_THINKING_BUDGET
 from .detokenizer import IncrementalDetokenizer
+from .encoder_cache import DEFAULT_ENCODER_CACHE_BYTES, EncoderCache, encoder_stats
+from .mm_inputs import IMAGE_PLACEHOLDER, MmPrompt, expand_prompt, placeholders_to_pads
+from .multimodal import ImageInput
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .reasoning import ReasoningBudget, piece_ids
 from .runner import ModelRunner
@@ -71,6 +82,8 @@ class EngineCore:
         max_model_len: int,
         seed: int = 0,
         structured_thinking_budget: int | None = DEFAULT_STRUCTURED_THINKING_BUDGET,
+        vision: VisionModel | None = None,
+        encoder_cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES,
     ):
         self.model, self.tokenizer, self.cache = model, tokenizer, cache
         self.max_model_len = max_model_len
@@ -89,8 +102,22 @@ class EngineCore:
         self._compiler_lock = threading.Lock()
         self.structured_thinking_budget = structured_thinking_budget
         self.budgets: dict[int, ReasoningBudget] = {}  # seq_id -> reasoning budget state
+        if vision is not None:
+            self.runner.encoder = EncoderCache(vision, encoder_cache_bytes)
+        special = tokenizer.special_tokens if tokenizer is not None else {}
+        pad = special.get(MEDIA_PAD)
+        self.media_pad_id = pad if pad is not None else model.config.media_placeholder_token_id
+        self.image_placeholder_id = special.get(IMAGE_PLACEHOLDER)
 
-    def validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def validate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, images: list[ImageInput] | None = None
+    ) -> None:
+        """Raise `InvalidRequestError` if `add_request` would refuse the request."""
+        self._check(request_id, prompt_ids, params, images)
+
+    def _check(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, images: list[ImageInput] | None
+    ) -> MmPrompt | None:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:
@@ -111,6 +138,31 @@ class EngineCore:
             raise InvalidRequestError(f"stop_token_ids outside [0, {vocab}): {bad}")
         if params.structured is not None and self.tokenizer is None:
             raise InvalidRequestError("structured outputs need a tokenizer (skip_tokenizer_init=True)")
+        return self._images(prompt_ids, images) if images else None
+
+    def _images(self, prompt_ids: list[int], images: list[ImageInput]) -> MmPrompt:
+        if self.runner.encoder is None:
+            raise InvalidRequestError("this model has no vision tower: requests with images are refused")
+        if not isinstance(images, list | tuple):
+            raise InvalidRequestError(f"images must be a list of ImageInput, got {type(images).__name__}")
+        if self.media_pad_id is None:
+            raise InvalidRequestError("neither the tokenizer nor config.json names the <|media_pad|> id")
+        block = None if self.tokenizer is None else (lambda im: im.image.prompt_ids(self.tokenizer))
+        try:
+            ids = placeholders_to_pads(list(prompt_ids), self.image_placeholder_id, self.media_pad_id)
+            mm = expand_prompt(ids, images, self.media_pad_id, block)
+        except ImageProcessorError as e:
+            raise InvalidRequestError(str(e)) from None
+        for i, im in enumerate(mm.images):
+            try:
+                self.runner.encoder.check(im)
+            except ValueError as e:
+                raise InvalidRequestError(f"image {i}: {e}") from None
+        if len(mm.ids) > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt of {len(mm.ids)} tokens with its images is longer than max_model_len={self.max_model_len}"
+            )
+        return mm
 
     def precompile(self, params: SamplingParams) -> None:
         """Compile (and cache) `params.structured`, raising `InvalidRequestError` if it is refused.
@@ -151,8 +203,11 @@ class EngineCore:
         params: SamplingParams,
         prompt: str | None = None,
         cache_salt: str | None = None,
+        images: list[ImageInput] | None = None,
     ) -> None:
-        self.validate(request_id, prompt_ids, params)
+        mm = self._check(request_id, prompt_ids, params, images)
+        if mm is not None:
+            prompt_ids = mm.ids
         grammar = self._compile(params)
         budget = self._budget(params)
         seqs = []
@@ -170,6 +225,8 @@ class EngineCore:
                     detok,
                     logprobs=[] if params.logprobs is not None else None,
                     cache_salt=cache_salt,
+                    images=mm.images if mm is not None else (),
+                    image_starts=mm.starts if mm is not None else (),
                 )
             )
             if grammar is not None:
@@ -231,7 +288,7 @@ class EngineCore:
         for s, row in zip(scheduled, rows):
             s.seq.num_computed += s.num_new
             if self.cache.prefix_enabled:
-                self.cache.commit(s.seq.seq_id, s.seq.all_ids(), s.seq.num_computed)
+                self.cache.commit(s.seq.seq_id, s.seq.all_ids(), s.seq.num_computed, s.seq.image_spans)
             if row is None:
                 continue
             self._append(s.seq, sampled.token_ids[j], sampled.logprobs[j])
@@ -349,6 +406,7 @@ class EngineCore:
         out["num_running"] = len(self.scheduler.running)
         out["num_waiting"] = len(self.scheduler.waiting)
         out.update(self.cache.usage())
+        out.update(encoder_stats(self.runner.encoder))
         if self.cache.prefix_enabled:
             out["prefix_cache"] = self.cache.prefix_stats()
         return out

@@ -7,11 +7,14 @@ import logging
 from pathlib import Path
 
 import torch
+from PIL import Image
 from tqdm.auto import tqdm
 
+from ..model.image_processor import ImageProcessor, ImageProcessorError
 from ..model.tokenizer import Tokenizer
 from .builder import build_engine
 from .config import EngineConfig
+from .multimodal import ImageInput, image_input
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 from .sequence import InvalidRequestError
@@ -30,6 +33,12 @@ class LLM:
     `with LLM(...)` block) stops them. With
     `skip_tokenizer_init=True` no tokenizer is loaded: prompts must be token ids and outputs
     carry no text.
+
+    Images (K3 checkpoints with a vision tower), as in vLLM: a dict prompt with
+    `multi_modal_data={"image": PIL image or list of them}`; its text holds one `<|media_pad|>`
+    (or `<|kimi_image_placeholder|>` where the tokenizer has it) per image, its
+    `prompt_token_ids` one pad or the expanded block per image. The processor is the checkpoint's
+    `preprocessor_config.json`, read on first use.
     """
 
     def __init__(self, model: str | Path, dtype: torch.dtype | str = "bfloat16", **kwargs):
@@ -48,6 +57,7 @@ class LLM:
         self.model, self.tokenizer, self.layout = parts.model, parts.tokenizer, parts.layout
         self.cache, self.engine, self.max_model_len = parts.cache, parts.core, parts.max_model_len
         self._ids = itertools.count()
+        self._processor: ImageProcessor | None = None
 
     @property
     def rank_memory(self) -> list[dict[str, int]] | None:
@@ -67,12 +77,12 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
 
-    def _prompt_ids(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int], str | None]:
+    def _prompt_ids(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int], str | None, list | None]:
         """A prompt is text, token ids, or (as in vLLM) a dict with `prompt` or
-        `prompt_token_ids` and an optional `cache_salt` (requests with different salts never
-        share cached prefixes)."""
+        `prompt_token_ids`, an optional `cache_salt` (requests with different salts never share
+        cached prefixes) and optional `multi_modal_data`. Returns (text, ids, salt, images)."""
         if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt", "multi_modal_data"}
             salt = prompt.get("cache_salt")
             if (
                 unknown
@@ -81,17 +91,40 @@ class LLM:
             ):
                 raise InvalidRequestError(
                     "a dict prompt holds exactly one of 'prompt' / 'prompt_token_ids' "
-                    "and optionally a string 'cache_salt'"
+                    "and optionally a string 'cache_salt' and 'multi_modal_data'"
                 )
             text, ids = self._prompt_ids(prompt.get("prompt", prompt.get("prompt_token_ids")))[:2]
-            return text, ids, salt
+            return text, ids, salt, self._images(prompt.get("multi_modal_data"))
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("text prompts need a tokenizer (skip_tokenizer_init=True)")
-            return prompt, self.tokenizer.encode(prompt, allow_special=True), None
+            return prompt, self.tokenizer.encode(prompt, allow_special=True), None, None
         if isinstance(prompt, (list, tuple)):
-            return None, list(prompt), None
+            return None, list(prompt), None, None
         raise InvalidRequestError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__}")
+
+    def _images(self, data) -> list[ImageInput] | None:
+        """`multi_modal_data` -> preprocessed images (PIL images, or `ImageInput`s as they are)."""
+        if data is None:
+            return None
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise InvalidRequestError("multi_modal_data is a dict with one key, 'image'")
+        items = data.get("image", [])
+        items = items if isinstance(items, (list, tuple)) else [items]
+        out = []
+        for item in items:
+            if isinstance(item, ImageInput):
+                out.append(item)
+            elif isinstance(item, Image.Image):
+                try:
+                    if self._processor is None:
+                        self._processor = ImageProcessor.from_pretrained(self.config.model)
+                    out.append(image_input(item, self._processor))
+                except (ImageProcessorError, OSError) as e:  # OSError: PIL could not read the pixels
+                    raise InvalidRequestError(f"image: {e}") from None
+            else:
+                raise InvalidRequestError(f"an image is a PIL image, got {type(item).__name__}")
+        return out
 
     def generate(
         self,
@@ -109,14 +142,14 @@ class LLM:
             raise InvalidRequestError(f"{len(params)} sampling params for {len(prompts)} prompts")
         staged = []
         for prompt, p in zip(prompts, params):
-            text, ids, salt = self._prompt_ids(prompt)
+            text, ids, salt, images = self._prompt_ids(prompt)
             rid = str(next(self._ids))
-            self.engine.validate(rid, ids, p)
-            staged.append((rid, ids, p, text, salt))
+            self.engine.validate(rid, ids, p, images)
+            staged.append((rid, ids, p, text, salt, images))
         results: dict[str, RequestOutput] = {}
         try:
-            for rid, ids, p, text, salt in staged:
-                self.engine.add_request(rid, ids, p, prompt=text, cache_salt=salt)
+            for rid, ids, p, text, salt, images in staged:
+                self.engine.add_request(rid, ids, p, prompt=text, cache_salt=salt, images=images)
             with tqdm(total=len(staged), disable=not use_tqdm, desc="generate") as bar:
                 while len(results) < len(staged):
                     if not self.engine.scheduler.has_work():

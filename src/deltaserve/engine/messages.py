@@ -4,17 +4,21 @@ Typed, versioned msgspec structs encoded as msgpack; nothing is pickled. `Hello`
 (protocol version, pool sizes, the start-up memory each rank reports back through a tensor
 collective); then one `Step` per forward pass: the slot writes the cache manager made since the
 last step (`cache.slot_journal`), the packed batch layout and which rows need logits (the
-vocab-parallel lm_head's all-gather needs every rank); `Snapshot` gathers every rank's pools (a
+vocab-parallel lm_head's all-gather needs every rank) and the image embedding rows rank 0's
+vision model made for the step (`EmbedRows`, raw tensor bytes with explicit dtype and shape);
+`Snapshot` gathers every rank's pools (a
 check); `Shutdown` ends it.
 """
 
 from __future__ import annotations
 
 import msgspec
+import torch
 
 from ..cache.slot_journal import CopyOp, ZeroOp
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Hello(msgspec.Struct, tag="hello", frozen=True):
@@ -27,9 +31,50 @@ class Hello(msgspec.Struct, tag="hello", frozen=True):
     state_dtype: str
 
 
+class TensorBytes(msgspec.Struct, frozen=True):
+    """A tensor as raw little-endian bytes: `dtype` (a name in `_DTYPES`), `shape`, row-major `data`."""
+
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "TensorBytes":
+        name = str(t.dtype).removeprefix("torch.")
+        if name not in _DTYPES:
+            raise ValueError(f"cannot send a {t.dtype} tensor")
+        raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        return cls(name, list(t.shape), raw.numpy().tobytes())
+
+    def tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The tensor; raises `ValueError` on an unknown dtype or a size that does not match."""
+        dtype = _DTYPES.get(self.dtype)
+        if dtype is None:
+            raise ValueError(f"unknown tensor dtype {self.dtype!r}")
+        numel = 1
+        for n in self.shape:
+            numel *= n
+        if len(self.data) != numel * dtype.itemsize:
+            raise ValueError(f"{len(self.data)} bytes for a {self.dtype} tensor of shape {self.shape}")
+        flat = (
+            torch.frombuffer(bytearray(self.data), dtype=torch.uint8)
+            if self.data
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        return flat.view(dtype).reshape(self.shape).to(device)
+
+
+class EmbedRows(msgspec.Struct, frozen=True):
+    """Input embeddings that replace the token embeddings at packed positions `index`
+    (`KimiForCausalLM.forward`'s `embeds`): `rows` is `[len(index), hidden]`."""
+
+    index: list[int]
+    rows: TensorBytes
+
+
 class Step(msgspec.Struct, tag="step", frozen=True):
-    """One forward pass: `ForwardBatch`'s arguments, the slot writes to replay before it, and the
-    packed rows whose logits are computed after it."""
+    """One forward pass: `ForwardBatch`'s arguments, the slot writes to replay before it, the
+    packed rows whose logits are computed after it, and the image rows it injects (if any)."""
 
     ops: list[ZeroOp | CopyOp]
     input_ids: list[int]
@@ -40,6 +85,7 @@ class Step(msgspec.Struct, tag="step", frozen=True):
     export_offsets: list[list[int]] | None
     export_slots: list[int]
     logit_rows: list[int]
+    embeds: EmbedRows | None = None
 
 
 class Snapshot(msgspec.Struct, tag="snapshot", frozen=True):

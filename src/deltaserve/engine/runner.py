@@ -5,6 +5,10 @@ Under tensor parallelism (`attach`) the step is first broadcast to the other ran
 message carrying the slot writes the cache manager journaled since the last one; every rank
 then runs the same forward pass (and, for the vocab-parallel lm_head, the same logits rows).
 Any failure there is fatal: the group is marked failed and `RankFailure` raised.
+
+With a vision model (`encoder`), a step whose chunks cover `<|media_pad|>` positions gets those
+images' projector rows from the encoder cache (misses encoded in one packed call, on rank 0 only)
+and injects the rows of exactly the covered positions; other ranks receive them in the `Step`.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from ..cache.slot_journal import SlotJournal
 from ..model.kimi import KimiForCausalLM
 from ..parallel import SINGLE
 from .channel import ControlChannel
-from .messages import Snapshot
+from .encoder_cache import EncoderCache
+from .messages import EmbedRows, Snapshot, TensorBytes
+from .mm_inputs import chunk_rows, gather_rows
 from .pool_snapshot import pool_snapshot
 from .ranks import RankFailure, RankGroup
 from .sampler import Sampler, SamplerOutput, SamplingRow
@@ -35,6 +41,7 @@ class ModelRunner:
         self.channel: ControlChannel | None = None
         self.journal: SlotJournal | None = None
         self.ranks: RankGroup | None = None
+        self.encoder: EncoderCache | None = None
 
     def attach(self, channel: ControlChannel, journal: SlotJournal, ranks: RankGroup | None) -> None:
         """Drive the other ranks: send each step on `channel` with `journal`'s slot writes."""
@@ -47,18 +54,36 @@ class ModelRunner:
         ends = list(itertools.accumulate(s.num_new for s in scheduled))
         pick = [i for i, r in enumerate(rows) if r is not None]
         step = step_of(scheduled, self.cache, [ends[i] - 1 for i in pick])
+        embeds = self._image_rows(scheduled, ends)
         if self.channel is None:
-            return self._run(step, rows, pick)
+            return self._run(step, rows, pick, embeds)
         # taken after step_of: its checkpoint slots' zeroing must replay before this forward pass
-        step = msgspec.structs.replace(step, ops=self.journal.take())
+        sent = None if embeds is None else EmbedRows(embeds[0].tolist(), TensorBytes.of(embeds[1]))
+        step = msgspec.structs.replace(step, ops=self.journal.take(), embeds=sent)
         try:
             self.channel.send(step)
-            return self._run(step, rows, pick)
+            return self._run(step, rows, pick, embeds)
         except Exception as e:
             message = f"a tensor-parallel step failed: {type(e).__name__}: {e}"
             if self.ranks is not None:
                 self.ranks.fail(message)
             raise RankFailure(message) from e
+
+    def _image_rows(self, scheduled: list[ScheduledSeq], ends: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(packed positions, projector rows) of the image pad positions this step covers."""
+        if self.encoder is None:
+            return None
+        needed = [
+            c
+            for s, end in zip(scheduled, ends)
+            if s.seq.images
+            for c in chunk_rows(
+                s.seq.images, s.seq.image_starts, s.seq.num_computed, s.seq.num_computed + s.num_new, end - s.num_new
+            )
+        ]
+        if not needed:
+            return None
+        return gather_rows(needed, self.encoder.rows(c.image for c in needed))
 
     def pool_snapshot(self) -> dict[str, torch.Tensor]:
         """Every rank's pools in the one-process layout (`pool_snapshot`), between steps."""
@@ -66,9 +91,10 @@ class ModelRunner:
             self.channel.send(Snapshot())
         return pool_snapshot(self.tp, self.cache.mla, self.cache.kda, self.cache.ckpt_pool)
 
-    def _run(self, step, rows: list[SamplingRow | None], pick: list[int]) -> SamplerOutput | None:
+    def _run(self, step, rows: list[SamplingRow | None], pick: list[int], embeds=None) -> SamplerOutput | None:
         batch = forward_batch(step, self.cache.mla, self.cache.kda, self.cache.ckpt_pool, self.model.device, self.tp)
-        hidden = self.model(batch.input_ids, batch.context())
+        ctx = batch.context()
+        hidden = self.model(batch.input_ids, ctx) if embeds is None else self.model(batch.input_ids, ctx, embeds)
         if not pick:
             return None
         last = torch.tensor(step.logit_rows, dtype=torch.long, device=hidden.device)

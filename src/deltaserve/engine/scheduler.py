@@ -111,7 +111,7 @@ class Scheduler:
             seq = self.waiting[i]
             hit = None
             if self.cache.prefix_enabled:
-                hit = self.cache.lookup(seq.all_ids(), seq.cache_salt, seq.prefix_hashes)
+                hit = self.cache.lookup(seq.all_ids(), seq.cache_salt, seq.prefix_hashes, seq.image_spans)
                 if self.cache.inflight_hit(hit, seq.seq_id):
                     i += 1
                     continue

@@ -4,17 +4,25 @@ Invariant: tokens `all_ids[:num_computed]` are in the cache (KDA slot state and 
 the scheduler feeds `all_ids[num_computed:]` next. Preemption by recompute resets
 `num_computed` to 0 and keeps `output_ids`, so the resumed sequence re-prefills prompt plus
 outputs and carries on with the same tokens (its generator is not reset).
+
+Image i of `images` owns the prompt's pad positions `[image_starts[i], image_starts[i] + N_i)`
+(engine/mm_inputs.py); `image_spans` are those ranges with each image's digest, the extra keys of
+the sequence's prefix hash chain.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .outputs import Logprob
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .multimodal import ImageInput
 
 
 class SeqStatus(enum.Enum):
@@ -46,6 +54,12 @@ class Sequence:
     final_delta: str = ""
     cache_salt: str | None = None
     prefix_hashes: list[bytes] = field(default_factory=list)  # memo for CacheManager.lookup
+    images: tuple[ImageInput, ...] = ()
+    image_starts: tuple[int, ...] = ()
+
+    @property
+    def image_spans(self) -> tuple[tuple[int, int, bytes], ...]:
+        return tuple((s, s + im.image.num_tokens, im.digest) for s, im in zip(self.image_starts, self.images))
 
     @property
     def num_tokens(self) -> int:

@@ -1,6 +1,7 @@
 """A tensor-parallel rank other than 0: load its shard, then run the forward passes rank 0
-sends until `Shutdown`. `python -m deltaserve.engine.worker` is how a spawned rank starts (its
-config, rank and rendezvous in the `DELTASERVE_WORKER` environment variable, as JSON).
+sends (with the image rows rank 0's vision model made, `Step.embeds`) until `Shutdown`.
+`python -m deltaserve.engine.worker` is how a spawned rank starts (its config, rank and
+rendezvous in the `DELTASERVE_WORKER` environment variable, as JSON).
 
 The worker holds the same pools as rank 0 over its own heads (and, under DCP, positions), but no
 cache manager: it replays rank 0's slot writes (`Step.ops`) and computes. Any error exits the
@@ -76,7 +77,11 @@ def run_worker(config: EngineConfig, tp: ParallelContext, control) -> None:
             raise RankFailure(f"rank {tp.rank}: unexpected message {type(msg).__name__}")
         replay(msg.ops, pools)
         batch = forward_batch(msg, mla, kda, ckpt, model.device, tp)
-        hidden = model(batch.input_ids, batch.context())
+        if msg.embeds is None:
+            hidden = model(batch.input_ids, batch.context())
+        else:
+            index = torch.tensor(msg.embeds.index, dtype=torch.long, device=model.device)
+            hidden = model(batch.input_ids, batch.context(), (index, msg.embeds.rows.tensor(model.device)))
         if msg.logit_rows:
             rows = torch.tensor(msg.logit_rows, dtype=torch.long, device=hidden.device)
             model.compute_logits(hidden.index_select(0, rows))

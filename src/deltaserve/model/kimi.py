@@ -34,9 +34,22 @@ class KimiForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Final-normed hidden states [N, D] for packed `input_ids` [N]."""
-        return self.model(input_ids, ctx)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        ctx: ForwardContext,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Final-normed hidden states [N, D] for packed `input_ids` [N]. `embeds` = (index [M]
+        long, rows [M, D]) replaces the input embedding of packed positions `index` with `rows`
+        (image projector rows at `<|media_pad|>` positions, spec §12.6); under tensor parallelism
+        after the vocab-parallel lookup's all-reduce, so every rank must pass the same rows."""
+        if embeds is None:
+            return self.model(input_ids, ctx)
+        index, rows = embeds
+        h = self.model.embed_tokens(input_ids)
+        h = h.index_copy(0, index.to(h.device), rows.to(device=h.device, dtype=h.dtype))
+        return self.model(input_ids, ctx, inputs_embeds=h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits (no soft-cap, no scale: spec §2)."""

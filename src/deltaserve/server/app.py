@@ -1,5 +1,6 @@
 """The OpenAI-compatible app: `build_app(engine, served_model_name, api_key=None,
-max_body_bytes=MAX_BODY_BYTES, max_waiting_requests=None, retry_after_s=1)`.
+max_body_bytes=MAX_BODY_BYTES, max_waiting_requests=None, retry_after_s=1, media=None,
+image_processor=None)`.
 
 It creates the FastAPI app (the engine thread starts with it), installs the middleware
 (outermost first: `ErrorGuard`, `ApiKeyAuth` when a key is set, `BodyLimit`), the error handlers
@@ -8,7 +9,10 @@ and the routers of `routes/`, and stores the shared `ServerState` (engine, model
 `{"error": {"message", "type", "param", "code"}}`; messages never carry internals (an
 unexpected exception is logged and answered 500 `server_error`, see `middleware.py`, which also
 checks the API key before the body is read). With `max_waiting_requests` set, a generation
-request arriving while that many are queued gets 429 with `Retry-After`, before any work.
+request arriving while that many are queued gets 429 with `Retry-After`, before any work. With an
+`image_processor` (a K3 engine with a vision tower) chat requests may carry images under `media`'s
+limits (`media.py`; PIL's process-wide bomb guard is set to its pixel cap); without one, image
+parts are refused.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..model.image_processor import ImageProcessor
 from .async_engine import AsyncEngine
 from .errors import APIError, BodyLimit, validation_message
+from .media import MediaPolicy
 from .metrics import Metrics
 from .middleware import ApiKeyAuth, ErrorGuard
 from .protocol import MAX_BODY_BYTES, error_body
@@ -50,9 +56,16 @@ def build_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     max_waiting_requests: int | None = None,
     retry_after_s: int = 1,
+    media: MediaPolicy | None = None,
+    image_processor: ImageProcessor | None = None,
 ) -> FastAPI:
     """The FastAPI app over a started-or-not `AsyncEngine` (started on app start-up);
     `max_waiting_requests=None` means no queue cap."""
+    media = media or MediaPolicy()
+    if image_processor is not None:
+        if engine.family != "kimi_k3":
+            raise ValueError(f"images are served for kimi_k3 only, not {engine.family}")
+        media.install_pil_guard()
 
     @asynccontextmanager
     async def lifespan(app):
@@ -68,7 +81,13 @@ def build_app(
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http)
     app.state.server = ServerState(
-        engine, served_model_name, Metrics(served_model_name), max_waiting_requests, retry_after_s
+        engine,
+        served_model_name,
+        Metrics(served_model_name),
+        max_waiting_requests,
+        retry_after_s,
+        media,
+        image_processor,
     )
     for module in (completions, chat, misc):
         app.include_router(module.router)

@@ -8,11 +8,16 @@ it finishes (client disconnect, cancelled task) sends `AbortRequest`, which free
 A structured request's grammar is compiled on a worker thread before it is queued (`add`), so
 neither the event loop nor the engine thread waits on a slow schema; a sequence the engine
 finishes with "error" (its grammar failed) makes its stream raise `GenerationError`.
+A request's images (`ImageInput`s, one per `<|media_pad|>` run of its prompt, in order) travel with
+its `AddRequest` to `EngineCore.add_request(..., images=...)`; an engine whose `add_request`
+takes no `images` or that has no vision tower (`accepts_images` False) refuses them with
+`InvalidRequestError`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import queue
 import threading
@@ -22,8 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..engine.core import EngineCore, SeqDelta
+from ..engine.multimodal import ImageInput
 from ..engine.ranks import RankFailure
 from ..engine.sampling_params import SamplingParams
+from ..engine.sequence import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +51,7 @@ class AddRequest:
     params: SamplingParams
     sink: Callable[[SeqDelta | BaseException], None]
     accepted: Future
+    images: tuple[ImageInput, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -125,6 +133,10 @@ class AsyncEngine:
         self.vocab_size = core.model.config.vocab_size
         self.family = family
         self.chat_template = chat_template
+        self.accepts_images = (  # images need the engine's support and a loaded vision tower
+            "images" in inspect.signature(core.add_request).parameters
+            and getattr(getattr(core, "runner", None), "encoder", None) is not None
+        )
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Callable] = {}
         self._thread: threading.Thread | None = None
@@ -180,11 +192,20 @@ class AsyncEngine:
         self._inbox.put(Call(fn, fut))
         return fut
 
-    async def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
-        """Queue a request; raises the core's validation error (`InvalidRequestError`) before
-        anything is queued, else returns its stream."""
+    async def add(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        images: list[ImageInput] | None = None,
+    ) -> RequestStream:
+        """Queue a request (with its `images`, one per `<|media_pad|>` run of `prompt_ids`); raises
+        the core's validation error (`InvalidRequestError`) before anything is queued, else
+        returns its stream."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
+        if images and not self.accepts_images:
+            raise InvalidRequestError("this engine cannot take images")
         if params.structured is not None:
             await asyncio.to_thread(self.core.precompile, params)
         loop = asyncio.get_running_loop()
@@ -199,7 +220,9 @@ class AsyncEngine:
         accepted: Future = Future()
         self.pending += 1
         try:
-            self._inbox.put(AddRequest(stream.request_id, list(prompt_ids), params, sink, accepted))
+            self._inbox.put(
+                AddRequest(stream.request_id, list(prompt_ids), params, sink, accepted, tuple(images or ()))
+            )
             await asyncio.wrap_future(accepted)
         finally:
             self.pending -= 1
@@ -210,8 +233,9 @@ class AsyncEngine:
     def _handle(self, msg) -> bool:
         """Apply one message; False on Shutdown."""
         if isinstance(msg, AddRequest):
+            kw = {"images": list(msg.images)} if msg.images else {}
             try:
-                self.core.add_request(msg.request_id, msg.prompt_ids, msg.params)
+                self.core.add_request(msg.request_id, msg.prompt_ids, msg.params, **kw)
             except Exception as e:  # validation: report to the caller, queue nothing
                 msg.accepted.set_exception(e)
             else:

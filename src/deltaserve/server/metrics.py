@@ -109,6 +109,16 @@ ENGINE_GAUGES = {
     "kda_slots_used": ("kda_slots_used", "KDA recurrent-state slots in use"),
     "kda_slots_total": ("kda_slots_total", "KDA recurrent-state slots in the pool"),
 }
+# stats() key -> (metric name without prefix, help): the image encoder cache (engine/encoder_cache.py)
+ENCODER_COUNTERS = {
+    "encoder_cache_hits": ("encoder_cache_hits", "Images whose projector rows came from the encoder cache"),
+    "encoder_cache_misses": ("encoder_cache_misses", "Images the vision tower encoded"),
+    "encoder_cache_evictions": ("encoder_cache_evictions", "Images evicted from the encoder cache"),
+}
+ENCODER_GAUGES = {
+    "encoder_cache_bytes": ("encoder_cache_bytes", "Bytes of projector rows in the encoder cache"),
+    "encoder_cache_entries": ("encoder_cache_entries", "Images in the encoder cache"),
+}
 PREFIX_GAUGES = {
     "checkpoint_slots_used": ("prefix_cache_checkpoint_slots_used", "KDA checkpoint slots in use"),
     "checkpoint_slots_total": ("prefix_cache_checkpoint_slots_total", "KDA checkpoint slots in the pool"),
@@ -126,24 +136,19 @@ class _EngineCollector:
         s = self.snapshot
         if not s:
             return
-        lab = ["model_name"]
-        for key, (name, doc) in ENGINE_GAUGES.items():
-            if key in s:
-                g = GaugeMetricFamily(P + name, doc, labels=lab)
-                g.add_metric([self.model_name], s[key])
-                yield g
-        pc = s.get("prefix_cache")
-        if pc:
-            for key, (name, doc) in PREFIX_COUNTERS.items():
-                if key in pc:
-                    c = CounterMetricFamily(P + name, doc, labels=lab)
-                    c.add_metric([self.model_name], pc[key])
-                    yield c
-            for key, (name, doc) in PREFIX_GAUGES.items():
-                if key in pc:
-                    g = GaugeMetricFamily(P + name, doc, labels=lab)
-                    g.add_metric([self.model_name], pc[key])
-                    yield g
+        pc = s.get("prefix_cache") or {}
+        for family, table, values in (
+            (GaugeMetricFamily, ENGINE_GAUGES, s),
+            (CounterMetricFamily, ENCODER_COUNTERS, s),
+            (GaugeMetricFamily, ENCODER_GAUGES, s),
+            (CounterMetricFamily, PREFIX_COUNTERS, pc),
+            (GaugeMetricFamily, PREFIX_GAUGES, pc),
+        ):
+            for key, (name, doc) in table.items():
+                if key in values:
+                    m = family(P + name, doc, labels=["model_name"])
+                    m.add_metric([self.model_name], values[key])
+                    yield m
 
 
 class RequestTracker:

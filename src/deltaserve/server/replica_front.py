@@ -132,14 +132,15 @@ class Front:
         return "\n".join(lines) + "\n"
 
 
-def build_front_app(front: Front, api_key: str | None = None) -> FastAPI:
+def build_front_app(front: Front, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The front's app; `max_body_bytes` should be the replicas' largest cap (images grow it)."""
     app = FastAPI(title="deltaserve (data parallel)")
 
     async def _api_error(request, exc: APIError):
         return exc.response()
 
     app.add_exception_handler(APIError, _api_error)
-    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
     if api_key:
         app.add_middleware(ApiKeyAuth, key=api_key)
     app.add_middleware(ErrorGuard)
@@ -191,6 +192,8 @@ def replica_argv(args: argparse.Namespace, parser: argparse.ArgumentParser, mode
             continue
         if isinstance(action, argparse._StoreTrueAction):
             argv.append(action.option_strings[0])
+        elif isinstance(value, list):
+            argv += [action.option_strings[0], *map(str, value)]
         else:
             argv += [action.option_strings[0], str(value)]
     return argv

@@ -5,7 +5,9 @@ With no MODEL_DIR it serves the embedded default: a random-weight tiny Kimi K3 c
 the user cache directory. On SIGTERM (or Ctrl-C) in-flight requests are drained for at most
 `--shutdown-timeout` seconds, then what is left is cancelled; SIGTERM then exits 0. If the engine
 fails (a tensor-parallel rank died or hung), `/ready` answers 503 at once and the server exits 1
-`FAILURE_GRACE_S` later, after the same drain.
+`FAILURE_GRACE_S` later, after the same drain. A K3 checkpoint with a vision tower accepts image
+parts in chat requests, under the media flags (`media.py`); the request body cap then grows by
+`--limit-mm-per-prompt` base64-encoded `--max-image-bytes` images.
 """
 
 from __future__ import annotations
@@ -57,6 +59,38 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def _mm_limit(text: str) -> str:
+    """Validated `--limit-mm-per-prompt`, normalised to `image=N` (a plain string, so replica
+    servers get it back verbatim)."""
+    from .media import parse_limit_mm
+
+    try:
+        return f"image={parse_limit_mm(text)}"
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def media_policy(args: argparse.Namespace):
+    """The `MediaPolicy` of the media flags."""
+    from .media import MediaPolicy, parse_limit_mm
+
+    domains = [d for item in args.allowed_media_domains or () for d in item.split(",")]
+    return MediaPolicy(
+        max_images=parse_limit_mm(args.limit_mm_per_prompt),
+        max_image_bytes=args.max_image_bytes,
+        max_image_pixels=args.max_image_pixels,
+        allow_remote=args.allow_remote_media,
+        allowed_domains=tuple(domains),
+    )
+
+
 def _terminated(signum, frame) -> None:
     """SIGTERM outside uvicorn's own handler (before it starts, or re-raised by it once its
     graceful shutdown is done): a requested, clean exit."""
@@ -96,12 +130,81 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="queue cap: a completion/chat request arriving while this many requests "
         "wait for the engine gets 429 with Retry-After (negative: no cap)",
     )
+    _media_arguments(p)
     p.add_argument(
         "--shutdown-timeout",
         type=_seconds,
         default=5.0,
         help="on SIGTERM, drain in-flight requests for at most this many seconds, then cancel the rest and exit 0",
     )
+
+
+def _media_arguments(p: argparse.ArgumentParser) -> None:
+    from .media import DEFAULT_LIMIT_IMAGES, DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
+
+    p.add_argument(
+        "--allow-remote-media",
+        action="store_true",
+        help="let image parts name http(s) URLs on any host, fetched by the server (an SSRF risk: "
+        "prefer --allowed-media-domains); without it only base64 data URLs are accepted",
+    )
+    p.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        metavar="HOST",
+        help="hosts image URLs may be fetched from (exact names; when given, the only ones)",
+    )
+    p.add_argument(
+        "--limit-mm-per-prompt",
+        type=_mm_limit,
+        default=f"image={DEFAULT_LIMIT_IMAGES}",
+        help=f"most images in one chat request: image=N or '{{\"image\": N}}' (default image={DEFAULT_LIMIT_IMAGES})",
+    )
+    p.add_argument(
+        "--max-image-bytes",
+        type=_positive_int,
+        default=DEFAULT_MAX_IMAGE_BYTES,
+        help=f"most bytes of one encoded image (default {DEFAULT_MAX_IMAGE_BYTES})",
+    )
+    p.add_argument(
+        "--max-image-pixels",
+        type=_positive_int,
+        default=DEFAULT_MAX_IMAGE_PIXELS,
+        help=f"most width*height of one image, read from its header before any decoding "
+        f"(default {DEFAULT_MAX_IMAGE_PIXELS})",
+    )
+
+
+def vision_app_kwargs(engine, model_dir: Path, policy) -> dict:
+    """`build_app` keywords for images: the processor (a K3 engine with a vision tower), the
+    policy and a body cap grown by the images it allows; {} when images are not served."""
+    from ..model.image_processor import ImageProcessorError
+    from .media import vision_processor
+
+    if not engine.accepts_images:
+        return {}
+    try:
+        processor = vision_processor(model_dir, engine.family)
+    except ImageProcessorError as e:
+        log.error("image input is off: %s", e)
+        return {}
+    if processor is None:
+        return {}
+    log.info(
+        "image input on: at most %d per request, %d bytes, %d pixels each",
+        policy.max_images,
+        policy.max_image_bytes,
+        policy.max_image_pixels,
+    )
+    return dict(media=policy, image_processor=processor, max_body_bytes=media_body_bytes(policy))
+
+
+def media_body_bytes(policy) -> int:
+    """The request body cap when images are served: the text cap plus `max_images` base64 images."""
+    from .protocol import MAX_BODY_BYTES
+
+    return MAX_BODY_BYTES + policy.max_images * ((policy.max_image_bytes + 2) // 3 * 4 + 1024)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -131,7 +234,8 @@ def serve(args: argparse.Namespace) -> int:
     llm = LLM.from_config(EngineConfig.from_args(args, model=model_dir, progress=False))
     engine = AsyncEngine(llm.engine, llm.model.config.family, load_chat_template(model_dir))
     cap = args.max_waiting_requests
-    app = build_app(engine, name, api_key=args.api_key, max_waiting_requests=cap if cap >= 0 else None)
+    vision = vision_app_kwargs(engine, Path(model_dir), media_policy(args))
+    app = build_app(engine, name, api_key=args.api_key, max_waiting_requests=cap if cap >= 0 else None, **vision)
     log.info(
         "serving %r on http://%s:%d (api key %s)", name, args.host, args.port, "required" if args.api_key else "off"
     )
@@ -173,7 +277,7 @@ def _serve_replicas(args: argparse.Namespace, model_dir: Path, name: str) -> int
     front = rf.Front(replicas)
     server = uvicorn.Server(
         uvicorn.Config(
-            rf.build_front_app(front, args.api_key),
+            rf.build_front_app(front, args.api_key, media_body_bytes(media_policy(args))),
             host=args.host,
             port=args.port,
             log_level="info",

@@ -2,8 +2,12 @@
 queue cap), stored on `app.state.server` by `app.build_app` and handed to a route through the
 `State` dependency. Its methods are the steps every generation route takes: admission (429 over
 the queue cap, before any work), the model check, sampling params, submission, and the
-CPU-bound prompt work (chat rendering, encoding, decoding) run on a worker thread so the event
-loop keeps serving other requests meanwhile.
+CPU-bound prompt work (chat rendering, encoding, decoding, images) run on a worker thread so the
+event loop keeps serving other requests meanwhile. Image parts are accepted only with an
+`image_processor` (a K3 checkpoint with a vision tower, `media.vision_processor`); then each
+renders as one `<|media_pad|>`, then `chat_images` turns the parts into the engine's `ImageInput`s
+under `media`'s limits (`media.py`) and expands each pad into its image's block; without one they
+are refused (400).
 """
 
 from __future__ import annotations
@@ -14,13 +18,16 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from ..engine.multimodal import ImageInput
 from ..engine.sampling_params import SamplingParams, SamplingParamsError
 from ..engine.sequence import InvalidRequestError
+from ..model.image_processor import ImageProcessor
 from ..model.tokenizer import TokenizerError
 from .async_engine import AsyncEngine, EngineDeadError, RequestStream
 from .chat.common import ChatFormatError
 from .chat.render import render_chat
 from .errors import APIError
+from .media import MediaError, MediaPolicy, check_count, expand_pads, pads_for_placeholders, request_images
 from .metrics import Metrics
 
 
@@ -31,6 +38,8 @@ class ServerState:
     metrics: Metrics
     max_waiting_requests: int | None = None  # None: no queue cap
     retry_after_s: int = 1
+    media: MediaPolicy = MediaPolicy()
+    image_processor: ImageProcessor | None = None  # None: image parts are refused
 
     def admit(self) -> None:
         """429 with `Retry-After` while `max_waiting_requests` requests are queued."""
@@ -69,9 +78,11 @@ class ServerState:
         except SamplingParamsError as e:
             raise APIError(400, str(e)) from None
 
-    async def submit(self, ids: list[int], params: SamplingParams) -> RequestStream:
+    async def submit(
+        self, ids: list[int], params: SamplingParams, images: list[ImageInput] | None = None
+    ) -> RequestStream:
         try:
-            stream = await self.engine.add(ids, params)
+            stream = await self.engine.add(ids, params, images=images)
         except (InvalidRequestError, SamplingParamsError) as e:
             raise APIError(400, str(e)) from None
         except EngineDeadError:
@@ -80,10 +91,14 @@ class ServerState:
         return stream
 
     async def chat_prompt(self, messages, tools, thinking: bool, controls=()) -> list[int]:
-        """The rendered chat prompt's ids (on a worker thread); a `ChatFormatError` is a 400."""
+        """The rendered chat prompt's ids (on a worker thread; one `<|media_pad|>` per image part);
+        a `ChatFormatError`, or more image parts than `media.max_images`, is a 400."""
         tok, engine = self.require_tokenizer(), self.engine
+        accept = self.image_processor is not None
         try:
-            return await asyncio.to_thread(
+            if accept:
+                check_count(messages, self.media)
+            ids = await asyncio.to_thread(
                 render_chat,
                 tok,
                 engine.family,
@@ -92,10 +107,26 @@ class ServerState:
                 thinking=thinking,
                 chat_template=engine.chat_template,
                 controls=controls,
-                accept_images=False,
+                accept_images=accept,
             )
-        except ChatFormatError as e:
+        except (ChatFormatError, MediaError) as e:
             raise APIError(400, str(e), param="messages") from None
+        return pads_for_placeholders(tok, ids) if accept else ids
+
+    async def chat_images(self, messages, ids: list[int]) -> tuple[list[int], list[ImageInput]]:
+        """`(ids, images)`: the messages' images in prompt order, decoded and preprocessed
+        (`media.request_images`), and `ids` with each image's pad expanded into its block
+        (`media.expand_pads`); a refused image is a 400. No images when they are not accepted
+        (the render refused them)."""
+        if self.image_processor is None:
+            return ids, []
+        try:
+            images = await request_images(messages, self.media, self.image_processor)
+        except MediaError as e:
+            raise APIError(400, str(e), param="messages") from None
+        if not images:
+            return ids, []
+        return await asyncio.to_thread(expand_pads, self.require_tokenizer(), ids, images), images
 
     async def encode(self, text: str) -> list[int]:
         """`text`'s ids, specials disallowed (on a worker thread)."""

@@ -2,8 +2,8 @@
 add_generation_prompt=True, thinking=True, chat_template=None, controls=(), accept_images=True)
 -> list[int]` validates the request and hands it to the family's format (`k3.py` or
 `kimi_linear.py`); `load_chat_template(dir)` reads a checkpoint's jinja template. With
-`accept_images=False` (the server, until vision is served) any image part (`IMAGE_PART_TYPES`)
-is refused rather than rendered as a pad.
+`accept_images=False` (the server, unless the model serves images) any image part
+(`IMAGE_PART_TYPES`) is refused rather than rendered as a pad.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """`POST /v1/chat/completions`: JSON or SSE (`data: [DONE]`), `n` samples, logprobs, tools.
 
-The prompt is rendered on a worker thread (`ServerState.chat_prompt`); `response_format` /
+The prompt is rendered on a worker thread (`ServerState.chat_prompt`), its images (K3 with a
+vision tower) fetched, decoded and preprocessed off the loop (`ServerState.chat_images`,
+`media.py`) after every cheaper check; `response_format` /
 `tool_choice` become engine constraints and K3 control messages (`constraints.py`). The output
 is split into reasoning, content and tool calls by `parsers.py` (streamed: `StreamingParser`,
 else `parse_output`; the two agree). With a forced tool choice the output is the call's JSON,
@@ -102,7 +104,8 @@ async def chat_completions(req: ChatRequest, request: Request, state: State):
         reasoning_end=cons.reasoning_end,
         thinking_token_budget=cons.thinking_budget,
     )
-    stream = await state.submit(ids, params)
+    ids, images = await state.chat_images(req.messages, ids)
+    stream = await state.submit(ids, params, images)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
     if req.stream:
         return StreamingResponse(chat_events(req, plan, stream, len(ids), head), media_type="text/event-stream")

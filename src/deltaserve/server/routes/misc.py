@@ -1,5 +1,6 @@
 """The routes around generation: `GET /v1/models`, `GET /v1/models/{id}`, `POST /tokenize`
-(a prompt, or chat messages rendered as the chat route would without tools),
+(a prompt, or chat messages rendered as the chat route would without tools; an image part is
+one `<|media_pad|>`, not decoded nor expanded),
 `POST /detokenize`, `GET /health` (the process is up; never needs the key), `GET /ready` (the
 engine thread answered a round trip) and `GET /metrics` (Prometheus, see `metrics.py`).
 Tokenizing and detokenizing run on a worker thread.
