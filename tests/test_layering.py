@@ -17,6 +17,7 @@ LEVEL = {
     "model": 2,
     "tiny": 3,
     "cache": 3,
+    "chat": 3,
     "engine": 4,
     "server": 5,
     "disagg": 5,

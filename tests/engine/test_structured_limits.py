@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from deltaserve import LLM, SamplingParams
+from deltaserve.chat.render import render_chat
 from deltaserve.engine.reasoning import ReasoningBudget
 from deltaserve.engine.sampling_params import SamplingParamsError
 from deltaserve.engine.schema_check import no_finite_instance
@@ -20,7 +21,6 @@ from deltaserve.engine.structured import (
     StructuredOutput,
     StructuredOutputError,
 )
-from deltaserve.server.chat.render import render_chat
 from tests.engine.test_structured import BOUNDED, THINK_END, check_bounded, ckpt, compiler, tok  # noqa: F401 (fixtures)
 
 SELF = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}

@@ -9,9 +9,9 @@ import httpx
 import uvicorn
 
 from deltaserve import LLM
+from deltaserve.chat.render import load_chat_template
 from deltaserve.server.app import build_app
 from deltaserve.server.async_engine import AsyncEngine
-from deltaserve.server.chat.render import load_chat_template
 from deltaserve.tiny import make_tiny
 
 

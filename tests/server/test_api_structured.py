@@ -7,7 +7,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from deltaserve.server.chat.render import render_chat  # noqa: E402
+from deltaserve.chat.render import render_chat  # noqa: E402
 from tests.server.live_server import MODEL, idle_and_clean  # noqa: E402
 
 NOTHINK = {"thinking": False}

@@ -4,9 +4,9 @@ import re
 
 import pytest
 
+from deltaserve.chat.common import ChatFormatError
+from deltaserve.chat.render import load_chat_template, render_chat
 from deltaserve.model.tokenizer import Tokenizer
-from deltaserve.server.chat.common import ChatFormatError
-from deltaserve.server.chat.render import load_chat_template, render_chat
 from deltaserve.tiny import make_tiny
 
 K3_SPECIALS = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "<|media_pad|>")

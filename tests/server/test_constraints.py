@@ -5,10 +5,10 @@ import json
 
 import pytest
 
+from deltaserve.chat.common import ChatFormatError
+from deltaserve.chat.render import render_chat
 from deltaserve.engine.structured import StructuredOutput
 from deltaserve.model.tokenizer import Tokenizer
-from deltaserve.server.chat.common import ChatFormatError
-from deltaserve.server.chat.render import render_chat
 from deltaserve.server.constraints import K3_THINK_END, chat_constraint, forced_tool_calls
 from deltaserve.server.errors import APIError
 from deltaserve.server.protocol import ChatRequest

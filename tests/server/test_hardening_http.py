@@ -17,8 +17,8 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from deltaserve.server.chat.common import ChatFormatError
-from deltaserve.server.chat.render import render_chat
+from deltaserve.chat.common import ChatFormatError
+from deltaserve.chat.render import render_chat
 from deltaserve.server.routes import chat as chat_route
 from tests.server.live_server import KEY, MAX_LEN, MODEL, http, idle_and_clean, wait_healthy
 

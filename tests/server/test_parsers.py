@@ -5,8 +5,8 @@ import random
 
 import pytest
 
+from deltaserve.chat.render import render_chat
 from deltaserve.model.tokenizer import Tokenizer
-from deltaserve.server.chat.render import render_chat
 from deltaserve.server.parsers import Delta, ParsedOutput, StreamingParser, ToolCall, collect, parse_output
 from deltaserve.tiny import make_tiny
 

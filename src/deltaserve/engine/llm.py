@@ -10,9 +10,11 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
+from ..chat.render import load_chat_template
 from ..model.image_processor import ImageProcessor, ImageProcessorError
 from ..model.tokenizer import Tokenizer
 from .builder import build_engine
+from .chat_inputs import chat_prompt
 from .config import EngineConfig
 from .multimodal import ImageInput, image_input
 from .outputs import RequestOutput
@@ -58,6 +60,7 @@ class LLM:
         self.cache, self.engine, self.max_model_len = parts.cache, parts.core, parts.max_model_len
         self._ids = itertools.count()
         self._processor: ImageProcessor | None = None
+        self._chat_template: str | None = None
 
     @property
     def rank_memory(self) -> list[dict[str, int]] | None:
@@ -162,6 +165,29 @@ class LLM:
                 if rid not in results:
                     self.engine.abort_request(rid)
         return [results[rid] for rid, *_ in staged]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        thinking: bool = True,
+    ) -> list[RequestOutput]:
+        """`generate` on conversations (one, or a list of them) rendered in the model's chat format
+        (`chat.render_chat`; Kimi-Linear with the checkpoint's template). Image parts: see
+        `chat_inputs` (PIL images or data URLs)."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("chat needs a tokenizer (skip_tokenizer_init=True)")
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        if self._chat_template is None:
+            self._chat_template = load_chat_template(self.config.model) or ""
+        render = dict(tools=tools, add_generation_prompt=add_generation_prompt, thinking=thinking)
+        render["chat_template"] = self._chat_template or None
+        family = self.model.config.family
+        prompts = [chat_prompt(self.tokenizer, family, c, **render) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def stats(self) -> dict:
         return self.engine.stats()

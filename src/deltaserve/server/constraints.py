@@ -24,9 +24,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from ..chat.common import ChatFormatError, validate_tools
+from ..chat.k3 import compact_json
 from ..engine.structured import Special, StructuredOutput, StructuredOutputError, tool_call_schema
-from .chat.common import ChatFormatError, validate_tools
-from .chat.k3 import compact_json
 from .errors import APIError
 from .parsers import ToolCall
 

@@ -35,9 +35,9 @@ from urllib.parse import urlsplit
 
 from PIL import Image, UnidentifiedImageError
 
+from ..chat.common import IMAGE_PART_TYPES
 from ..engine.multimodal import ImageInput, image_input
 from ..model.image_processor import MEDIA_PAD, ImageProcessor, ImageProcessorError
-from .chat.common import IMAGE_PART_TYPES
 
 MIB = 2**20
 DEFAULT_LIMIT_IMAGES = 4

@@ -34,10 +34,14 @@ def cache_dir() -> Path:
 
 def default_model_dir() -> Path:
     """The embedded default checkpoint, written atomically on first use."""
+    from ..model.image_processor import PROCESSOR_FILE
     from ..tiny import make_tiny
+    from ..tiny.checkpoint import write_processor_config
 
     out = cache_dir() / DEFAULT_NAME
     if (out / "config.json").is_file():
+        if not (out / PROCESSOR_FILE).is_file():  # cached before images were served
+            write_processor_config(out)
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=DEFAULT_NAME + ".", dir=out.parent))
@@ -210,11 +214,11 @@ def media_body_bytes(policy) -> int:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from ..chat.render import load_chat_template
     from ..engine.config import EngineConfig
     from ..engine.llm import LLM
     from .app import build_app
     from .async_engine import AsyncEngine
-    from .chat.render import load_chat_template
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.data_parallel_size < 1:

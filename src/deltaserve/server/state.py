@@ -18,14 +18,14 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from ..chat.common import ChatFormatError
+from ..chat.render import render_chat
 from ..engine.multimodal import ImageInput
 from ..engine.sampling_params import SamplingParams, SamplingParamsError
 from ..engine.sequence import InvalidRequestError
 from ..model.image_processor import ImageProcessor
 from ..model.tokenizer import TokenizerError
 from .async_engine import AsyncEngine, EngineDeadError, RequestStream
-from .chat.common import ChatFormatError
-from .chat.render import render_chat
 from .errors import APIError
 from .media import MediaError, MediaPolicy, check_count, expand_pads, pads_for_placeholders, request_images
 from .metrics import Metrics

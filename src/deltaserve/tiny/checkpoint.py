@@ -57,7 +57,7 @@ def make_tiny(
     gen_cfg = {"bos_token_id": ids["[BOS]"], "eos_token_id": ids[EOS_NAME[family]], "pad_token_id": ids["[PAD]"]}
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
     if family == "kimi_k3":
-        (out / PROCESSOR_FILE).write_text(json.dumps({"media_proc_cfg": MEDIA_PROC_CFG}, indent=2) + "\n")
+        write_processor_config(out)
     _write_shards(out, tensor_plan(family, d), d.shard_bytes, seed, dtype, mxfp4)
     return out
 
@@ -112,3 +112,8 @@ def _shards(sizes: list[int], limit: int) -> list[int]:
     if max(out) == 0:  # one tensor dominates: split off the last entry
         out[-1] = 1
     return out
+
+
+def write_processor_config(out: str | Path) -> None:
+    """K3's `preprocessor_config.json` (the spec's `media_proc_cfg` values) into `out`."""
+    (Path(out) / PROCESSOR_FILE).write_text(json.dumps({"media_proc_cfg": MEDIA_PROC_CFG}, indent=2) + "\n")
