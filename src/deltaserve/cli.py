@@ -14,7 +14,15 @@ def _make_tiny(args: argparse.Namespace) -> int:
     from .tiny import PRESETS, make_tiny, param_count
 
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
-    out = make_tiny(args.out, family=args.family, preset=args.preset, mxfp4=args.mxfp4, seed=args.seed, dtype=dtype)
+    out = make_tiny(
+        args.out,
+        family=args.family,
+        preset=args.preset,
+        mxfp4=args.mxfp4,
+        seed=args.seed,
+        dtype=dtype,
+        vision=args.vision,
+    )
     mxfp4 = PRESETS[(args.family, args.preset)].mxfp4 if args.mxfp4 is None else args.mxfp4
     print(
         f"wrote {args.family} {args.preset} checkpoint ({param_count(args.family, args.preset):,} params,"
@@ -43,6 +51,12 @@ def _add_make_tiny(sub) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="dtype of the non-fp32 tensors")
+    p.add_argument(
+        "--vision",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="K3's vision tower, vision_config and preprocessor_config.json (default: on for kimi_k3)",
+    )
     p.set_defaults(func=_make_tiny)
 
 

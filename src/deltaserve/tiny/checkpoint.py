@@ -40,25 +40,30 @@ def make_tiny(
     mxfp4: bool | None = None,
     seed: int = 0,
     dtype: torch.dtype = torch.bfloat16,
+    vision: bool | None = None,
 ) -> Path:
     """Write a random-weight checkpoint of `family` at `preset` size into `out_dir` and return
-    it. `mxfp4=None` takes the preset's default (tiny: bf16 experts, K3 mini: MXFP4)."""
+    it. `mxfp4=None` takes the preset's default (tiny: bf16 experts, K3 mini: MXFP4). `vision`
+    (K3 only; None: on for K3) adds the vision tower, its `vision_config` and the processor config."""
     if (family, preset) not in PRESETS:
         raise ValueError(f"unknown family/preset {family!r}/{preset!r}; families {FAMILIES}, presets ('tiny', 'mini')")
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"unsupported dtype {dtype}")
+    vision = family == "kimi_k3" if vision is None else vision
+    if vision and family != "kimi_k3":
+        raise ValueError("only kimi_k3 has a vision tower")
     d = PRESETS[(family, preset)]
     mxfp4 = d.mxfp4 if mxfp4 is None else mxfp4
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ids = write_tokenizer(out, family, d.vocab, 1 << 20)
-    cfg = hf_config(family, d, ids, mxfp4, _DTYPE_NAMES[dtype])
+    cfg = hf_config(family, d, ids, mxfp4, _DTYPE_NAMES[dtype], vision)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     gen_cfg = {"bos_token_id": ids["[BOS]"], "eos_token_id": ids[EOS_NAME[family]], "pad_token_id": ids["[PAD]"]}
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
-    if family == "kimi_k3":
+    if vision:
         write_processor_config(out)
-    _write_shards(out, tensor_plan(family, d), d.shard_bytes, seed, dtype, mxfp4)
+    _write_shards(out, tensor_plan(family, d, vision), d.shard_bytes, seed, dtype, mxfp4)
     return out
 
 

@@ -113,17 +113,17 @@ def _text_config(family: str, d: Dims, ids: dict, mxfp4: bool, dtype_name: str) 
     return cfg
 
 
-def hf_config(family: str, d: Dims, ids: dict, mxfp4: bool, dtype_name: str) -> dict:
-    """The `config.json` dict; `ids` are the named special token ids the tokenizer wrote."""
+def hf_config(family: str, d: Dims, ids: dict, mxfp4: bool, dtype_name: str, vision: bool = True) -> dict:
+    """The `config.json` dict; `ids` are the named special token ids the tokenizer wrote; a K3
+    without `vision` has no `vision_config`."""
     text = _text_config(family, d, ids, mxfp4, dtype_name)
     if family == "kimi_linear":
         return text
-    vision = dict(VISION, text_hidden_size=d.hidden)
     return {
         "model_type": "kimi_k3",
         "architectures": ["KimiK3ForConditionalGeneration"],
         "text_config": text,
-        "vision_config": vision,
+        **({"vision_config": dict(VISION, text_hidden_size=d.hidden)} if vision else {}),
         "media_placeholder_token_id": ids["<|media_pad|>"],
         "image_placeholder": "<|kimi_image_placeholder|>",
         "bos_token_id": text["bos_token_id"],

@@ -65,8 +65,8 @@ def _kl_dt_bias(g, s):
     return dt + torch.log(-torch.expm1(-dt))
 
 
-def tensor_plan(family: str, d: Dims) -> list[Entry]:
-    """Every checkpoint tensor of `family` at sizes `d`, text then (K3) vision."""
+def tensor_plan(family: str, d: Dims, vision: bool = True) -> list[Entry]:
+    """Every checkpoint tensor of `family` at sizes `d`, text then (K3 with `vision`) vision."""
     k3 = family == "kimi_k3"
     pre = "language_model.model." if k3 else "model."
     plan = [Entry(pre + "embed_tokens.weight", (d.vocab, d.hidden), False, _normal(1.0))]
@@ -94,7 +94,8 @@ def tensor_plan(family: str, d: Dims) -> list[Entry]:
         plan.append(Entry(pre + "output_attn_res_proj.weight", (1, D), False, _linear(D)))
         plan.append(Entry(pre + "output_attn_res_norm.weight", (D,), False, _norm()))
         plan.append(Entry("language_model.lm_head.weight", (d.vocab, D), False, _linear(D)))
-        plan.extend(_vision_plan(D))
+        if vision:
+            plan.extend(_vision_plan(D))
     else:
         plan.append(Entry("lm_head.weight", (d.vocab, D), False, _linear(D)))
     return plan
