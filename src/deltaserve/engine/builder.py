@@ -138,6 +138,7 @@ def _build_rank0(c: EngineConfig, dtype, ranks, tp, control) -> Engine:
         seed=c.seed,
         structured_thinking_budget=c.structured_thinking_budget,
         vision=vision,
+        encoder_cache_bytes=c.encoder_cache_memory,
     )
     channel = None
     if tp.world > 1:

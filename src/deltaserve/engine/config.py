@@ -19,6 +19,7 @@ from typing import Any
 
 # reasoning budget of a structured request that starts after reasoning and sets none (engine/reasoning.py)
 DEFAULT_STRUCTURED_THINKING_BUDGET = 1024
+DEFAULT_ENCODER_CACHE_BYTES = 512 << 20  # image projector rows kept (engine/encoder_cache.py)
 MOE_WEIGHTS = ("auto", "packed", "dequantized")
 NO_FLAG = ("model", "progress")
 
@@ -94,6 +95,11 @@ class EngineConfig:
         from_cli=_budget_from_cli,
     )
 
+    encoder_cache_memory: int = _opt(
+        DEFAULT_ENCODER_CACHE_BYTES,
+        "bytes of image projector rows kept for re-sent images (K3 with a vision tower)",
+        type=int,
+    )
     tensor_parallel_size: int = _opt(1, "processes the model is split across (heads, widths, vocab)", type=int)
     enable_expert_parallel: bool = _opt(
         False, "split routed experts by expert across the tensor-parallel ranks", action="store_true"

@@ -30,9 +30,9 @@ from ..cache.manager import CacheManager
 from ..model.image_processor import MEDIA_PAD, ImageProcessorError
 from ..model.kimi import KimiForCausalLM
 from ..model.vision import VisionModel
-from .config import DEFAULT_STRUCTURED_THINKING_BUDGET
+from .config import DEFAULT_ENCODER_CACHE_BYTES, DEFAULT_STRUCTURED_THINKING_BUDGET
 from .detokenizer import IncrementalDetokenizer
-from .encoder_cache import DEFAULT_ENCODER_CACHE_BYTES, EncoderCache, encoder_stats
+from .encoder_cache import EncoderCache, encoder_stats
 from .mm_inputs import IMAGE_PLACEHOLDER, MmPrompt, expand_prompt, placeholders_to_pads
 from .multimodal import ImageInput
 from .outputs import CompletionOutput, Logprob, RequestOutput

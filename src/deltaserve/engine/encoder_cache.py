@@ -19,9 +19,8 @@ from collections.abc import Iterable
 import torch
 
 from ..model.vision import VisionModel
+from .config import DEFAULT_ENCODER_CACHE_BYTES
 from .multimodal import ImageInput
-
-DEFAULT_ENCODER_CACHE_BYTES = 512 << 20
 
 
 class EncoderCache:
