@@ -15,6 +15,7 @@ whose rank is not 0 (torchrun, a node other than 0) serves its rank inside
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,8 +71,19 @@ class Engine:
         ranks.close()
 
 
+def resolve_device(name: str) -> str:
+    """`auto` -> `cuda` where torch sees a GPU, else `cpu`; a CUDA device on a machine without
+    one is refused with a clear message (not a failure deep inside the first allocation)."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(name).type == "cuda" and not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only"
+        raise ValueError(f"--device {name}: no CUDA device is available (torch {torch.__version__}, {build} build)")
+    return name
+
+
 def build_engine(config: EngineConfig) -> Engine:
-    c = config
+    c = dataclasses.replace(config, device=resolve_device(config.device))
     if c.num_threads is not None:
         torch.set_num_threads(c.num_threads)
     dtype = resolve_dtype(c.dtype)

@@ -66,7 +66,7 @@ class EngineConfig:
         False, "load no tokenizer: prompts are token ids, outputs carry no text", action="store_true"
     )
     seed: int = _opt(0, "engine seed of requests that set none", type=int, flag="--engine-seed")
-    device: str = _opt("cpu", "torch device of the model and the caches")
+    device: str = _opt("cpu", "torch device of the model and the caches (auto: cuda when present)")
     num_threads: int | None = _opt(None, "torch intra-op threads", type=int, flag="--threads")
     progress: bool = True
     enable_prefix_caching: bool = _opt(
