@@ -14,6 +14,7 @@ from PIL import Image
 from deltaserve import LLM, SamplingParams
 from deltaserve.chat.render import load_chat_template, render_chat
 from deltaserve.engine.sequence import InvalidRequestError
+from deltaserve.model.image_processor import ImageProcessor
 from deltaserve.tiny import make_tiny
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
@@ -69,6 +70,19 @@ def test_chat_with_an_image_pil_or_data_url(llms):
     out = llm.chat(url, GREEDY, use_tqdm=False)[0]
     assert len(out.prompt_token_ids) > len(rendered) + 1  # the engine expanded the image's block
     assert llm.stats()["encoder_cache_misses"] == before  # one image, encoded once by generate
+
+
+def test_chat_with_two_images_side_by_side(llms):
+    """Two adjacent image parts render as two adjacent pads: each must still be its own image."""
+    llm, a = llms["kimi_k3"], _image()
+    b = a.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    conv = [{"role": "user", "content": [{"type": "image_pil", "image_pil": im} for im in (a, b)]}]
+    out = llm.chat(conv, GREEDY, use_tqdm=False)[0]
+    pad = llm.tokenizer.special_tokens["<|media_pad|>"]
+    begin = llm.tokenizer.special_tokens["<|media_begin|>"]
+    assert out.prompt_token_ids.count(begin) == 2 and len(out.outputs[0].token_ids) == 6
+    n = ImageProcessor.from_pretrained(llm.config.model)(a).num_tokens
+    assert out.prompt_token_ids.count(pad) == 2 * n
 
 
 @pytest.mark.parametrize(

@@ -237,7 +237,7 @@ def test_k3_placeholder_reads_as_one_pad(llm, proc, tok, monkeypatch):
     assert placeholders_to_pads([5, 9, 6, 9], 9, 7) == [5, 7, 6, 7] and placeholders_to_pads([5, 9], None, 7) == [5, 9]
     a = image_input(picture(81), proc)
     core, placeholder = llm.engine, 1790  # a reserved id standing for <|kimi_image_placeholder|>
-    monkeypatch.setattr(core, "image_placeholder_id", placeholder)
+    monkeypatch.setattr(core.image_prompts, "placeholder_id", placeholder)
     core.add_request("ph", [3, placeholder, 4], SamplingParams(max_tokens=1), images=[a])
     out = core.abort_request("ph")
     assert out.prompt_token_ids == [3, *a.image.prompt_ids(tok), 4]

@@ -3,7 +3,8 @@ group (gloo, also when the model's collectives run on NCCL).
 
 One broadcast of a fixed `FRAME`-byte buffer carries the length and, when it fits (every decode
 step of a normal batch), the whole message; a longer one follows in a second broadcast. The
-buffer holds raw bytes only; no object collective (`broadcast_object_list`, which pickles) is used.
+buffer holds raw bytes only; torch.distributed's object collectives (which serialize Python
+objects unsafely) are never used.
 """
 
 from __future__ import annotations

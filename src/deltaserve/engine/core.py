@@ -27,13 +27,12 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.manager import CacheManager
-from ..model.image_processor import MEDIA_PAD, ImageProcessorError
 from ..model.kimi import KimiForCausalLM
 from ..model.vision import VisionModel
 from .config import DEFAULT_ENCODER_CACHE_BYTES, DEFAULT_STRUCTURED_THINKING_BUDGET
 from .detokenizer import IncrementalDetokenizer
 from .encoder_cache import EncoderCache, encoder_stats
-from .mm_inputs import IMAGE_PLACEHOLDER, MmPrompt, expand_prompt, placeholders_to_pads
+from .mm_inputs import ImagePrompts, MmPrompt
 from .multimodal import ImageInput
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .reasoning import ReasoningBudget, piece_ids
@@ -104,10 +103,9 @@ class EngineCore:
         self.budgets: dict[int, ReasoningBudget] = {}  # seq_id -> reasoning budget state
         if vision is not None:
             self.runner.encoder = EncoderCache(vision, encoder_cache_bytes)
-        special = tokenizer.special_tokens if tokenizer is not None else {}
-        pad = special.get(MEDIA_PAD)
-        self.media_pad_id = pad if pad is not None else model.config.media_placeholder_token_id
-        self.image_placeholder_id = special.get(IMAGE_PLACEHOLDER)
+        self.image_prompts = ImagePrompts(
+            tokenizer, model.config.media_placeholder_token_id, self.runner.encoder, max_model_len
+        )
 
     def validate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, images: list[ImageInput] | None = None
@@ -138,31 +136,7 @@ class EngineCore:
             raise InvalidRequestError(f"stop_token_ids outside [0, {vocab}): {bad}")
         if params.structured is not None and self.tokenizer is None:
             raise InvalidRequestError("structured outputs need a tokenizer (skip_tokenizer_init=True)")
-        return self._images(prompt_ids, images) if images else None
-
-    def _images(self, prompt_ids: list[int], images: list[ImageInput]) -> MmPrompt:
-        if self.runner.encoder is None:
-            raise InvalidRequestError("this model has no vision tower: requests with images are refused")
-        if not isinstance(images, list | tuple):
-            raise InvalidRequestError(f"images must be a list of ImageInput, got {type(images).__name__}")
-        if self.media_pad_id is None:
-            raise InvalidRequestError("neither the tokenizer nor config.json names the <|media_pad|> id")
-        block = None if self.tokenizer is None else (lambda im: im.image.prompt_ids(self.tokenizer))
-        try:
-            ids = placeholders_to_pads(list(prompt_ids), self.image_placeholder_id, self.media_pad_id)
-            mm = expand_prompt(ids, images, self.media_pad_id, block)
-        except ImageProcessorError as e:
-            raise InvalidRequestError(str(e)) from None
-        for i, im in enumerate(mm.images):
-            try:
-                self.runner.encoder.check(im)
-            except ValueError as e:
-                raise InvalidRequestError(f"image {i}: {e}") from None
-        if len(mm.ids) > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt of {len(mm.ids)} tokens with its images is longer than max_model_len={self.max_model_len}"
-            )
-        return mm
+        return self.image_prompts.prepare(prompt_ids, images) if images else None
 
     def precompile(self, params: SamplingParams) -> None:
         """Compile (and cache) `params.structured`, raising `InvalidRequestError` if it is refused.

@@ -186,8 +186,17 @@ class LLM:
         render = dict(tools=tools, add_generation_prompt=add_generation_prompt, thinking=thinking)
         render["chat_template"] = self._chat_template or None
         family = self.model.config.family
-        prompts = [chat_prompt(self.tokenizer, family, c, **render) for c in conversations]
+        prompts = [self._chat_images(chat_prompt(self.tokenizer, family, c, **render)) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _chat_images(self, prompt: dict) -> dict:
+        """A rendered conversation with each image's block in place of its pad (so images side by
+        side stay separate), the images preprocessed."""
+        images = self._images(prompt.get("multi_modal_data"))
+        if not images:
+            return prompt
+        ids = self.engine.image_prompts.expand_rendered(prompt["prompt_token_ids"], images)
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
 
     def stats(self) -> dict:
         return self.engine.stats()

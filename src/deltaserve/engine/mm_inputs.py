@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..model.image_processor import MEDIA_PAD, ImageProcessorError
 from .multimodal import ImageInput
 from .sequence import InvalidRequestError
 
@@ -48,6 +49,22 @@ def placeholders_to_pads(ids: list[int], placeholder_id: int | None, pad_id: int
         return ids
     a = np.asarray(ids, dtype=np.int64)
     return np.where(a == placeholder_id, pad_id, a).tolist()
+
+
+def expand_each_pad(ids: list[int], images: Sequence[ImageInput], pad_id: int, block: Callable) -> list[int]:
+    """`ids` rendered with exactly one `pad_id` per image (a chat renderer's output) with pad i
+    replaced by `block(images[i])`, so images that sit side by side stay separate runs (which
+    `expand_prompt` alone cannot tell from one run). Raises `InvalidRequestError` on a count
+    mismatch."""
+    at = np.flatnonzero(np.asarray(ids, dtype=np.int64) == pad_id).tolist()
+    if len(at) != len(images):
+        raise InvalidRequestError(f"the prompt holds {len(at)} <|media_pad|> for {len(images)} image(s)")
+    out: list[int] = []
+    pos = 0
+    for i, im in zip(at, images):
+        out += ids[pos:i] + block(im)
+        pos = i + 1
+    return out + ids[pos:]
 
 
 def expand_prompt(
@@ -128,3 +145,50 @@ def gather_rows(
     index = torch.cat([torch.arange(c.at, c.at + c.hi - c.lo) for c in needed])
     rows = torch.cat([rows_of[c.image.digest][c.lo : c.hi] for c in needed])
     return index, rows
+
+
+class ImagePrompts:
+    """What the engine checks of a request's images (`prepare`): a vision tower to encode them
+    (`encoder`), the pad id (the tokenizer's, else config.json's), runs matched and lone pads
+    expanded, every image fitting its grid, the expanded prompt within `max_model_len`."""
+
+    def __init__(self, tokenizer, config_pad_id: int | None, encoder, max_model_len: int):
+        special = tokenizer.special_tokens if tokenizer is not None else {}
+        self.tokenizer, self.encoder, self.max_model_len = tokenizer, encoder, max_model_len
+        self.pad_id = special.get(MEDIA_PAD, config_pad_id)
+        self.placeholder_id = special.get(IMAGE_PLACEHOLDER)
+
+    def block(self, im: ImageInput) -> list[int]:
+        return im.image.prompt_ids(self.tokenizer)
+
+    def expand_rendered(self, ids: list[int], images: Sequence[ImageInput]) -> list[int]:
+        """A chat renderer's `ids` (one pad or placeholder per image) with each image's block in
+        place (`expand_each_pad`); raises `InvalidRequestError` without a vision tower or tokenizer."""
+        if self.encoder is None or self.pad_id is None or self.tokenizer is None:
+            raise InvalidRequestError("this model has no vision tower: requests with images are refused")
+        ids = placeholders_to_pads(ids, self.placeholder_id, self.pad_id)
+        return expand_each_pad(ids, images, self.pad_id, self.block)
+
+    def prepare(self, prompt_ids: list[int], images) -> MmPrompt:
+        """The request's `MmPrompt`; raises `InvalidRequestError` for anything refused."""
+        if self.encoder is None:
+            raise InvalidRequestError("this model has no vision tower: requests with images are refused")
+        if not isinstance(images, list | tuple):
+            raise InvalidRequestError(f"images must be a list of ImageInput, got {type(images).__name__}")
+        if self.pad_id is None:
+            raise InvalidRequestError("neither the tokenizer nor config.json names the <|media_pad|> id")
+        try:
+            ids = placeholders_to_pads(list(prompt_ids), self.placeholder_id, self.pad_id)
+            mm = expand_prompt(ids, images, self.pad_id, None if self.tokenizer is None else self.block)
+        except ImageProcessorError as e:
+            raise InvalidRequestError(str(e)) from None
+        for i, im in enumerate(mm.images):
+            try:
+                self.encoder.check(im)
+            except ValueError as e:
+                raise InvalidRequestError(f"image {i}: {e}") from None
+        if len(mm.ids) > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt of {len(mm.ids)} tokens with its images is longer than max_model_len={self.max_model_len}"
+            )
+        return mm

@@ -95,11 +95,14 @@ class MlaAttention(OpsModule):
             o = o * torch.sigmoid(gate)
         return self.tp.all_reduce(self.o_proj(o))
 
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(q [N, H, nope + rope], latent rows [N, R + Dr], gate or None) of the new tokens."""
+        q_first, kv, gate = self.input_projections(x)
+        return self.queries(q_first), self.latents(kv), gate
+
     def _attend(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(o [N, H, v], gate or None): projections, the cache write and attention, module by module."""
-        q_first, kv, gate = self.input_projections(x)
-        q = self.queries(q_first)
-        latent = self.latents(kv)
+        q, latent, gate = self._project(x)
         cache = ctx.cache
         if cache is None:
             o = self._plain(q, latent, ctx.cu_seqlens)
@@ -165,9 +168,7 @@ class DcpMlaAttention(MlaAttention):
         return self._output(o.reshape(x.shape[0], self.num_heads * self.v_dim), gate)
 
     def _attend(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor | None]:
-        q_first, kv, gate = self.input_projections(x)
-        q = self.queries(q_first)
-        latent = self.latents(kv)
+        q, latent, gate = self._project(x)
         cache = ctx.cache
         if cache is None:
             return self._plain(q, latent, ctx.cu_seqlens), gate

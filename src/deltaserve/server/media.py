@@ -15,9 +15,9 @@ Invariants:
 - Every refusal is a `MediaError` whose message is for the client (a 400); decoding is CPU work
   that callers run off the event loop (`decode_image` is synchronous; `request_images` runs it
   and the preprocessing on worker threads, at most two images at a time server-wide).
-- The prompt: the renderer writes one `<|media_pad|>` per image (`pads_for_placeholders` maps a
-  tokenizer's `<|kimi_image_placeholder|>` to it); `expand_pads` replaces pad i with image i's
-  block (spec/model.md §12.6). `vision_processor` reads a vision checkpoint's processor.
+- The prompt: the renderer writes one `<|media_pad|>` (or the tokenizer's
+  `<|kimi_image_placeholder|>`) per image; the engine's `ImagePrompts.expand_rendered` replaces
+  the i-th with image i's block (spec/model.md §12.6). `vision_processor` reads a vision checkpoint's processor.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from PIL import Image, UnidentifiedImageError
 
 from ..chat.common import IMAGE_PART_TYPES
 from ..engine.multimodal import ImageInput, image_input
-from ..model.image_processor import MEDIA_PAD, ImageProcessor, ImageProcessorError
+from ..model.image_processor import ImageProcessor, ImageProcessorError
 
 MIB = 2**20
 DEFAULT_LIMIT_IMAGES = 4
@@ -335,33 +335,3 @@ def vision_processor(model_dir, family: str) -> ImageProcessor | None:
     except (OSError, ValueError, AttributeError):
         return None
     return ImageProcessor.from_pretrained(model_dir) if vision else None
-
-
-def expand_pads(tokenizer, ids: list[int], images: list[ImageInput]) -> list[int]:
-    """`ids` with its i-th `<|media_pad|>` replaced by image i's block
-    `<|media_begin|>image WxH<|media_content|>` + N_i pads + `<|media_end|>` (spec/model.md §12.6),
-    so adjacent images stay separate runs for the engine. The pads come from the renderer only,
-    one per image: any other count is a bug (`RuntimeError`)."""
-    pad = tokenizer.special_tokens.get(MEDIA_PAD)
-    if not images:
-        return ids
-    if pad is None or sum(t == pad for t in ids) != len(images):
-        raise RuntimeError(f"the rendered prompt does not hold one {MEDIA_PAD} per image")
-    blocks = iter(images)
-    out: list[int] = []
-    for t in ids:
-        if t == pad:
-            out += next(blocks).image.prompt_ids(tokenizer)
-        else:
-            out.append(t)
-    return out
-
-
-def pads_for_placeholders(tokenizer, ids: list[int]) -> list[int]:
-    """`<|kimi_image_placeholder|>` ids (where the tokenizer has it) -> `<|media_pad|>`, the id
-    the engine expands; user text never yields either (specials are disallowed in it)."""
-    placeholder = tokenizer.special_tokens.get("<|kimi_image_placeholder|>")
-    pad = tokenizer.special_tokens.get(MEDIA_PAD)
-    if placeholder is None or pad is None:
-        return ids
-    return [pad if t == placeholder else t for t in ids]

@@ -27,7 +27,7 @@ from ..model.image_processor import ImageProcessor
 from ..model.tokenizer import TokenizerError
 from .async_engine import AsyncEngine, EngineDeadError, RequestStream
 from .errors import APIError
-from .media import MediaError, MediaPolicy, check_count, expand_pads, pads_for_placeholders, request_images
+from .media import MediaError, MediaPolicy, check_count, request_images
 from .metrics import Metrics
 
 
@@ -91,7 +91,7 @@ class ServerState:
         return stream
 
     async def chat_prompt(self, messages, tools, thinking: bool, controls=()) -> list[int]:
-        """The rendered chat prompt's ids (on a worker thread; one `<|media_pad|>` per image part);
+        """The rendered chat prompt's ids (on a worker thread; one pad or placeholder per image part);
         a `ChatFormatError`, or more image parts than `media.max_images`, is a 400."""
         tok, engine = self.require_tokenizer(), self.engine
         accept = self.image_processor is not None
@@ -111,12 +111,12 @@ class ServerState:
             )
         except (ChatFormatError, MediaError) as e:
             raise APIError(400, str(e), param="messages") from None
-        return pads_for_placeholders(tok, ids) if accept else ids
+        return ids
 
     async def chat_images(self, messages, ids: list[int]) -> tuple[list[int], list[ImageInput]]:
         """`(ids, images)`: the messages' images in prompt order, decoded and preprocessed
         (`media.request_images`), and `ids` with each image's pad expanded into its block
-        (`media.expand_pads`); a refused image is a 400. No images when they are not accepted
+        (`ImagePrompts.expand_rendered`); a refused image is a 400. No images when they are not accepted
         (the render refused them)."""
         if self.image_processor is None:
             return ids, []
@@ -126,7 +126,7 @@ class ServerState:
             raise APIError(400, str(e), param="messages") from None
         if not images:
             return ids, []
-        return await asyncio.to_thread(expand_pads, self.require_tokenizer(), ids, images), images
+        return await asyncio.to_thread(self.engine.core.image_prompts.expand_rendered, ids, images), images
 
     async def encode(self, text: str) -> list[int]:
         """`text`'s ids, specials disallowed (on a worker thread)."""
