@@ -69,10 +69,10 @@ def _generate(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    with LLM.from_config(EngineConfig.from_args(args)) as llm:
+    with LLM.from_config(EngineConfig.from_args(args, data_parallel_size=args.data_parallel_size)) as llm:
         for out in llm.generate(args.prompt, params):
             print(f"{out.prompt!r} -> {out.outputs[0].text!r} ({out.outputs[0].finish_reason})")
-    print(llm.stats())
+        print(llm.stats())
     return 0
 
 
@@ -86,15 +86,22 @@ def _add_generate(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     add_engine_args(p)
+    p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine replicas (processes) the prompts are spread over, each with its own caches "
+        "and tensor-parallel ranks; prompts sharing a prefix go to the same one",
+    )
     p.set_defaults(func=_generate)
 
 
 def _add_bench(sub) -> None:
-    from .bench import kda_scaling, latency, prefix, roofline, throughput, vs_reference
+    from .bench import kda_scaling, latency, pd, prefix, roofline, throughput, vs_reference
 
     p = sub.add_parser("bench", help="benchmarks (each prints measured figures beside a baseline)")
     kinds = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    for mod in (prefix, roofline, latency, throughput, kda_scaling, vs_reference):
+    for mod in (prefix, roofline, latency, throughput, kda_scaling, vs_reference, pd):
         mod.add_parser(kinds)
 
 
@@ -118,12 +125,26 @@ def _add_serve(sub) -> None:
     p.set_defaults(func=_serve)
 
 
+def _proxy(args: argparse.Namespace) -> int:
+    from .disagg.proxy import run_proxy
+
+    return run_proxy(args)
+
+
+def _add_proxy(sub) -> None:
+    from .disagg.proxy import add_proxy_arguments
+
+    p = sub.add_parser("proxy", help="OpenAI-compatible front of prefill and decode instances (serve --role)")
+    add_proxy_arguments(p)
+    p.set_defaults(func=_proxy)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="deltaserve", description="deltaserve: a serving engine for Kimi K3 / Kimi-Linear"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_make_tiny, _add_generate, _add_bench, _add_plan, _add_serve):
+    for add in (_add_make_tiny, _add_generate, _add_bench, _add_plan, _add_serve, _add_proxy):
         add(sub)
     return parser
 

@@ -2,7 +2,8 @@
 it (vLLM's names). No heavy imports: the command line builds its parsers from this module.
 
 Invariants:
-- every field but `model` and `progress` (each command owns those) has exactly one flag,
+- every field but `NO_FLAG`'s (each command owns those: `deltaserve serve` runs its own
+  replicas for `--data-parallel-size`) has exactly one flag,
   `--<field-name-with-dashes>` unless its metadata names another (`--threads`, `--engine-seed`);
 - a flag's default is the field's default unless the metadata gives a `cli_default` (the CLI's
   own choice, e.g. `--max-model-len 8192`), and `from_args` maps a parsed value back through
@@ -21,7 +22,7 @@ from typing import Any
 DEFAULT_STRUCTURED_THINKING_BUDGET = 1024
 DEFAULT_ENCODER_CACHE_BYTES = 512 << 20  # image projector rows kept (engine/encoder_cache.py)
 MOE_WEIGHTS = ("auto", "packed", "dequantized")
-NO_FLAG = ("model", "progress")
+NO_FLAG = ("model", "progress", "data_parallel_size")
 
 
 def memory_budget(v: str) -> int | float:
@@ -46,8 +47,9 @@ class EngineConfig:
     `kv_cache_memory` is bytes (int) or a fraction of physical RAM (float), honoured as given;
     None: what `max_num_seqs` sequences of `max_model_len` tokens can use, at most 10 % of RAM.
     `max_model_len` None (or 0) means the checkpoint's `max_position_embeddings`.
-    `structured_thinking_budget` None is unlimited. Values are checked here where that needs no
-    model (the same errors the builder would raise later)."""
+    `structured_thinking_budget` None is unlimited. `data_parallel_size` N > 1: the offline `LLM`
+    runs N replicas of this engine (engine/dp_client.py); `build_engine` builds one. Values are
+    checked here where that needs no model (the same errors the builder would raise later)."""
 
     model: str | Path
     dtype: Any = _opt("bfloat16", "activation and weight dtype", choices=["bfloat16", "float32"])
@@ -113,8 +115,12 @@ class EngineConfig:
     nnodes: int = _opt(1, "machines the tensor-parallel ranks span (ranks split evenly)", type=int)
     node_rank: int = _opt(0, "this machine's index; node 0 runs the scheduler and the API", type=int)
     distributed_timeout: float = _opt(
-        60.0, "seconds a model collective may wait for a rank before the engine is declared failed", type=float
+        60.0,
+        "seconds a model collective may wait for a rank (or a data-parallel replica with requests stay "
+        "silent) before the engine is declared failed",
+        type=float,
     )
+    data_parallel_size: int = 1  # engine replicas the offline LLM spreads requests over (engine/dp_client.py)
 
     def check_parallel(self) -> None:
         """The parallel fields fit together (checked when the engine starts, since single flags
@@ -122,6 +128,8 @@ class EngineConfig:
         tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
         if tp % dcp:
             raise ValueError(f"decode_context_parallel_size={dcp} must divide tensor_parallel_size={tp}")
+        if self.data_parallel_size > 1 and self.nnodes > 1:
+            raise ValueError("data_parallel_size > 1 runs on one machine: it cannot be combined with nnodes > 1")
         if tp % self.nnodes or self.node_rank >= self.nnodes:
             raise ValueError(
                 f"{self.nnodes} nodes must split tensor_parallel_size={tp} evenly "
@@ -133,6 +141,9 @@ class EngineConfig:
             raise ValueError(
                 "tensor_parallel_size, decode_context_parallel_size, nnodes must be positive, node_rank >= 0"
             )
+        dp = self.data_parallel_size
+        if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+            raise ValueError(f"data_parallel_size must be a positive int, got {dp!r}")
         if self.max_num_seqs < 1 or self.page_size < 1:
             raise ValueError("page_size and max_num_seqs must be positive")
         if self.max_model_len is not None and self.max_model_len < 0:

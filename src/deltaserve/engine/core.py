@@ -36,6 +36,7 @@ from .mm_inputs import ImagePrompts, MmPrompt
 from .multimodal import ImageInput
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .reasoning import ReasoningBudget, piece_ids
+from .request_check import check_request
 from .runner import ModelRunner
 from .sampler import SamplingRow
 from .sampling_params import SamplingParams
@@ -101,6 +102,7 @@ class EngineCore:
         self._compiler_lock = threading.Lock()
         self.structured_thinking_budget = structured_thinking_budget
         self.budgets: dict[int, ReasoningBudget] = {}  # seq_id -> reasoning budget state
+        self.parked: dict[str, int] = {}  # request_id -> seq_id of a parked prefill (handoff.py)
         if vision is not None:
             self.runner.encoder = EncoderCache(vision, encoder_cache_bytes)
         self.image_prompts = ImagePrompts(
@@ -116,27 +118,7 @@ class EngineCore:
     def _check(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, images: list[ImageInput] | None
     ) -> MmPrompt | None:
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty")
-        vocab = self.model.config.vocab_size
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
-            raise InvalidRequestError(f"prompt token ids must be ints in [0, {vocab})")
-        if len(prompt_ids) > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt of {len(prompt_ids)} tokens is longer than max_model_len={self.max_model_len}"
-            )
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer (skip_tokenizer_init=True)")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"stop_token_ids outside [0, {vocab}): {bad}")
-        if params.structured is not None and self.tokenizer is None:
-            raise InvalidRequestError("structured outputs need a tokenizer (skip_tokenizer_init=True)")
-        return self.image_prompts.prepare(prompt_ids, images) if images else None
+        return check_request(self, request_id, prompt_ids, params, images)
 
     def precompile(self, params: SamplingParams) -> None:
         """Compile (and cache) `params.structured`, raising `InvalidRequestError` if it is refused.
@@ -178,8 +160,16 @@ class EngineCore:
         prompt: str | None = None,
         cache_salt: str | None = None,
         images: list[ImageInput] | None = None,
+        *,
+        prefill_only: bool = False,
+        received: int | None = None,
     ) -> None:
+        """`prefill_only`: compute the prompt and park its cache (`engine/handoff.py`), sampling
+        nothing. `received`: the sequence id of a handoff reservation holding the cache of every
+        prompt token but the last (`handoff.reserve`); the request runs from there (n must be 1)."""
         mm = self._check(request_id, prompt_ids, params, images)
+        if (prefill_only or received is not None) and (mm is not None or params.n != 1):
+            raise InvalidRequestError("a handoff takes one sample of a text-only prompt")
         if mm is not None:
             prompt_ids = mm.ids
         grammar = self._compile(params)
@@ -190,7 +180,7 @@ class EngineCore:
             detok = IncrementalDetokenizer(self.tokenizer, params) if self.tokenizer is not None else None
             seqs.append(
                 Sequence(
-                    self._next_seq,
+                    self._next_seq if received is None else received,
                     request_id,
                     i,
                     list(prompt_ids),
@@ -201,13 +191,16 @@ class EngineCore:
                     cache_salt=cache_salt,
                     images=mm.images if mm is not None else (),
                     image_starts=mm.starts if mm is not None else (),
+                    prefill_only=prefill_only,
+                    preadmitted=received is not None,
+                    num_computed=len(prompt_ids) - 1 if received is not None else 0,
                 )
             )
             if grammar is not None:
                 self.grammars[seqs[-1].seq_id] = grammar.copy()
             if budget is not None:
                 self.budgets[seqs[-1].seq_id] = copy.copy(budget)
-            self._next_seq += 1
+            self._next_seq += received is None
         self.requests[request_id] = _Request(request_id, prompt, list(prompt_ids), seqs)
         for s in seqs:
             self.scheduler.add(s)
@@ -250,7 +243,7 @@ class EngineCore:
                 grammar=self.grammars.get(s.seq.seq_id),
                 forced=self._forced(s.seq.seq_id),
             )
-            if s.completes
+            if s.completes and not s.seq.prefill_only
             else None
             for s in scheduled
         ]
@@ -263,6 +256,8 @@ class EngineCore:
             s.seq.num_computed += s.num_new
             if self.cache.prefix_enabled:
                 self.cache.commit(s.seq.seq_id, s.seq.all_ids(), s.seq.num_computed, s.seq.image_spans)
+            if s.seq.prefill_only and s.seq.num_pending == 0:
+                done += self._park(s.seq)
             if row is None:
                 continue
             self._append(s.seq, sampled.token_ids[j], sampled.logprobs[j])
@@ -277,6 +272,16 @@ class EngineCore:
                     self.counters["requests_finished"] += 1
                     done.append(self._output(req))
         return done
+
+    def _park(self, seq: Sequence) -> list[RequestOutput]:
+        """A prefill-only sequence is computed: detach it with its cache (freed by
+        `handoff.release_parked`) and finish its request with reason "prefilled"."""
+        self.scheduler.detach(seq)
+        self.parked[seq.request_id] = seq.seq_id
+        self._finish(seq, "prefilled")
+        req = self.requests.pop(seq.request_id)
+        self.counters["requests_finished"] += 1
+        return [self._output(req)]
 
     def _forced(self, seq_id: int) -> int | None:
         budget = self.budgets.get(seq_id)

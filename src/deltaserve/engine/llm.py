@@ -16,6 +16,7 @@ from ..model.tokenizer import Tokenizer
 from .builder import build_engine
 from .chat_inputs import chat_prompt
 from .config import EngineConfig
+from .dp_client import DPClient
 from .multimodal import ImageInput, image_input
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -32,7 +33,10 @@ class LLM:
     Both start the engine with `build_engine` (engine/builder.py): in bfloat16 the native CPU
     kernels are built and loaded there, so no request pays for the compile. With
     `tensor_parallel_size > 1` it also starts the worker processes; `shutdown()` (or leaving a
-    `with LLM(...)` block) stops them. With
+    `with LLM(...)` block) stops them. With `data_parallel_size = N > 1` it is a client of N
+    engine replica processes (engine/dp_client.py: requests routed by prefix, outputs exactly
+    one engine's); `model`, `cache`, `engine` and `layout` are then None (they live in the
+    replicas), `stats()` sums the replicas' figures and `pool_snapshot()` is refused. With
     `skip_tokenizer_init=True` no tokenizer is loaded: prompts must be token ids and outputs
     carry no text.
 
@@ -53,22 +57,30 @@ class LLM:
         return llm
 
     def _start(self, config: EngineConfig) -> None:
-        parts = build_engine(config)
-        self._parts = parts
         self.config = config
-        self.model, self.tokenizer, self.layout = parts.model, parts.tokenizer, parts.layout
-        self.cache, self.engine, self.max_model_len = parts.cache, parts.core, parts.max_model_len
         self._ids = itertools.count()
         self._processor: ImageProcessor | None = None
         self._chat_template: str | None = None
+        self._dp: DPClient | None = None
+        if config.data_parallel_size > 1:
+            self.tokenizer = None if config.skip_tokenizer_init else Tokenizer.from_pretrained(config.model)
+            self._dp = self._parts = DPClient(config, self.tokenizer)
+            self.model = self.layout = self.cache = self.engine = None
+            self.max_model_len = self._dp.max_model_len
+            return
+        parts = build_engine(config)
+        self._parts = parts
+        self.model, self.tokenizer, self.layout = parts.model, parts.tokenizer, parts.layout
+        self.cache, self.engine, self.max_model_len = parts.cache, parts.core, parts.max_model_len
 
     @property
     def rank_memory(self) -> list[dict[str, int]] | None:
-        """Every rank's weight bytes and RSS before / at its peak during load (one entry per rank)."""
+        """Every rank's weight bytes and RSS before / at its peak during load (one entry per rank;
+        under data parallelism every replica's ranks, replica by replica)."""
         return self._parts.rank_memory
 
     def shutdown(self) -> None:
-        """Stop the worker processes of a tensor-parallel engine (idempotent; no-op for one process)."""
+        """Stop the worker (or replica) processes (idempotent; no-op for one process)."""
         self._parts.shutdown()
 
     def __enter__(self) -> "LLM":
@@ -147,8 +159,11 @@ class LLM:
         for prompt, p in zip(prompts, params):
             text, ids, salt, images = self._prompt_ids(prompt)
             rid = str(next(self._ids))
-            self.engine.validate(rid, ids, p, images)
+            if self._dp is None:
+                self.engine.validate(rid, ids, p, images)
             staged.append((rid, ids, p, text, salt, images))
+        if self._dp is not None:
+            return self._dp.generate(staged, use_tqdm)
         results: dict[str, RequestOutput] = {}
         try:
             for rid, ids, p, text, salt, images in staged:
@@ -185,7 +200,7 @@ class LLM:
             self._chat_template = load_chat_template(self.config.model) or ""
         render = dict(tools=tools, add_generation_prompt=add_generation_prompt, thinking=thinking)
         render["chat_template"] = self._chat_template or None
-        family = self.model.config.family
+        family = self._dp.family if self._dp is not None else self.model.config.family
         prompts = [self._chat_images(chat_prompt(self.tokenizer, family, c, **render)) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -195,19 +210,21 @@ class LLM:
         images = self._images(prompt.get("multi_modal_data"))
         if not images:
             return prompt
-        ids = self.engine.image_prompts.expand_rendered(prompt["prompt_token_ids"], images)
+        ids = (self._dp or self.engine).image_prompts.expand_rendered(prompt["prompt_token_ids"], images)
         return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
 
     def stats(self) -> dict:
-        return self.engine.stats()
+        return (self._dp or self.engine).stats()
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix no running request shares; True if none is left."""
-        return self.cache.reset_prefix_cache()
+        return (self._dp or self.cache).reset_prefix_cache()
 
     def check_integrity(self) -> None:
-        self.cache.check_integrity()
+        (self._dp or self.cache).check_integrity()
 
     def pool_snapshot(self) -> dict[str, torch.Tensor]:
         """The pools of every rank gathered in the one-process layout (see engine/pool_snapshot.py)."""
+        if self._dp is not None:
+            raise NotImplementedError("pool_snapshot reads one engine's pools: not with data_parallel_size > 1")
         return self.engine.runner.pool_snapshot()

@@ -5,7 +5,8 @@ from the `max_num_batched_tokens` budget (decodes take 1, unfinished prefills ta
 when pages run out the newest running sequence is preempted (cache freed, `num_computed = 0`,
 put back at the head of the queue). Waiting sequences are then admitted in arrival order while
 budget, `max_num_seqs` and cache allow, and never in a step that preempted; with prefix caching
-an admitted sequence starts at its hit length (pages shared, state copied). A sequence that
+an admitted sequence starts at its hit length (pages shared, state copied); a `preadmitted` one
+(a received handoff) already holds its cache and starts where it ends. A sequence that
 cannot be admitted for lack of cache stops admission (a short request never overtakes it). The
 oldest running sequence always makes progress, so no request starves.
 
@@ -66,10 +67,15 @@ class Scheduler:
             self.waiting.remove(seq)
         self.cache.free(seq.seq_id, finished=seq.finished and seq.finish_reason != "abort")
 
+    def detach(self, seq: Sequence) -> None:
+        """Drop a running sequence but keep its cache (a parked prefill, freed by its owner)."""
+        self.running.remove(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.cache.free(seq.seq_id)
         seq.num_computed = 0
+        seq.preadmitted = False
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -109,6 +115,13 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
+            if seq.preadmitted:
+                n = min(seq.num_pending, budget)
+                if not self.cache.grow(seq.seq_id, seq.num_computed + n):
+                    break
+                self._run(i, seq, n, out)
+                budget -= n
+                continue
             hit = None
             if self.cache.prefix_enabled:
                 hit = self.cache.lookup(seq.all_ids(), seq.cache_salt, seq.prefix_hashes, seq.image_spans)
@@ -120,8 +133,11 @@ class Scheduler:
             if not self.cache.admit(seq.seq_id, start + n, hit, len(seq.prompt_ids)):
                 break
             seq.num_computed = start
-            del self.waiting[i]
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            out.append(ScheduledSeq(seq, n))
+            self._run(i, seq, n, out)
             budget -= n
+
+    def _run(self, i: int, seq: Sequence, n: int, out: list[ScheduledSeq]) -> None:
+        del self.waiting[i]
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        out.append(ScheduledSeq(seq, n))

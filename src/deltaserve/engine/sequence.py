@@ -56,6 +56,8 @@ class Sequence:
     prefix_hashes: list[bytes] = field(default_factory=list)  # memo for CacheManager.lookup
     images: tuple[ImageInput, ...] = ()
     image_starts: tuple[int, ...] = ()
+    prefill_only: bool = False  # a prefill instance's: computed, then parked for a handoff, never sampled
+    preadmitted: bool = False  # holds cache already (a received handoff): the scheduler skips admission
 
     @property
     def image_spans(self) -> tuple[tuple[int, int, bytes], ...]:

@@ -3,21 +3,38 @@
 bf16 models on CPU get `CpuNativeOps` when the native library builds and loads (`kernels.cpu`);
 everything else, and every model when `DELTASERVE_NATIVE=0`, gets the reference `TorchOps`.
 The native paths apply only to bf16 operands, so an fp32 model on the native backend would run
-the reference everywhere anyway. A CUDA backend (Triton kernels) will be chosen here.
+the reference everywhere anyway.
+
+CUDA models get `TritonOps` (`ops.triton`, imported only then) when `triton` is importable.
+`DELTASERVE_TRITON=0` never picks it; `DELTASERVE_TRITON=1` picks it on any device (on CPU the
+kernels then need `TRITON_INTERPRET=1`: how they are tested without a GPU), and fails loudly
+where it cannot run.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..kernels.cpu import native
+from . import triton as triton_backend
 from .backend import REFERENCE, TorchOps
 from .cpu_native import CpuNativeOps
+
+
+def _wants_triton(device: torch.device) -> bool:
+    flag = os.environ.get("DELTASERVE_TRITON", "")
+    if flag in ("0", "1"):
+        return flag == "1"
+    return device.type == "cuda" and triton_backend.available()
 
 
 def select_ops(device: torch.device | str, dtype: torch.dtype, fuse_blocks: bool = True) -> TorchOps:
     """The backend for a model whose weights live on `device` in `dtype`."""
     device = torch.device(device)
+    if _wants_triton(device):
+        return triton_backend.triton_ops(device)
     if device.type == "cpu" and dtype == torch.bfloat16:
         kernels = native(device)
         if kernels is not None:

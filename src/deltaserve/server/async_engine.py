@@ -52,6 +52,7 @@ class AddRequest:
     sink: Callable[[SeqDelta | BaseException], None]
     accepted: Future
     images: tuple[ImageInput, ...] = ()
+    options: tuple[tuple[str, Any], ...] = ()  # further `add_request` keywords (handoffs)
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,11 @@ class AsyncEngine:
         """`fn(core)` evaluated on the engine thread; blocks the calling (non-loop) thread."""
         return self._call(fn).result(timeout)
 
+    def post(self, fn: Callable[[EngineCore], Any]) -> None:
+        """Run `fn(core)` on the engine thread without waiting (cleanup from a cancelled task)."""
+        if self.alive:
+            self._inbox.put(Call(fn, Future()))
+
     async def call(self, fn: Callable[[EngineCore], Any], timeout: float = 30.0) -> Any:
         return await asyncio.wait_for(asyncio.wrap_future(self._call(fn)), timeout)
 
@@ -198,6 +204,7 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         images: list[ImageInput] | None = None,
+        **options,
     ) -> RequestStream:
         """Queue a request (with its `images`, one per `<|media_pad|>` run of `prompt_ids`); raises
         the core's validation error (`InvalidRequestError`) before anything is queued, else
@@ -221,7 +228,15 @@ class AsyncEngine:
         self.pending += 1
         try:
             self._inbox.put(
-                AddRequest(stream.request_id, list(prompt_ids), params, sink, accepted, tuple(images or ()))
+                AddRequest(
+                    stream.request_id,
+                    list(prompt_ids),
+                    params,
+                    sink,
+                    accepted,
+                    tuple(images or ()),
+                    tuple(options.items()),
+                )
             )
             await asyncio.wrap_future(accepted)
         finally:
@@ -234,6 +249,7 @@ class AsyncEngine:
         """Apply one message; False on Shutdown."""
         if isinstance(msg, AddRequest):
             kw = {"images": list(msg.images)} if msg.images else {}
+            kw.update(msg.options)
             try:
                 self.core.add_request(msg.request_id, msg.prompt_ids, msg.params, **kw)
             except Exception as e:  # validation: report to the caller, queue nothing

@@ -73,3 +73,23 @@ class ApiKeyAuth:
             await JSONResponse(body, 401)(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+def front_app(title: str, api_key: str | None, max_body_bytes: int):
+    """A bare FastAPI app for a front that relays to engine servers (`replica_front`, the
+    disaggregation proxy): OpenAI-style errors and the same middleware as a server."""
+    from fastapi import FastAPI
+
+    from .errors import APIError, BodyLimit
+
+    app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
+
+    async def _api_error(request, exc: APIError):
+        return exc.response()
+
+    app.add_exception_handler(APIError, _api_error)
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyAuth, key=api_key)
+    app.add_middleware(ErrorGuard)
+    return app

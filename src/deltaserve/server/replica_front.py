@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import logging
 import socket
@@ -33,13 +32,13 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from .errors import APIError, BodyLimit
-from .middleware import ApiKeyAuth, ErrorGuard
+from ..engine.routing import SPILL, rendezvous
+from .errors import APIError
+from .middleware import front_app
 from .protocol import MAX_BODY_BYTES
 
 log = logging.getLogger("deltaserve.replicas")
 
-SPILL = 4  # in-flight requests a prefix-affine replica may exceed the least loaded one by
 KEY_BYTES = 2048  # prompt bytes the routing key hashes
 FORWARDED = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 FRONT_ONLY = ("--data-parallel-size", "--port", "--host")
@@ -74,7 +73,7 @@ class Front:
 
     def pick(self, key: bytes) -> Replica:
         """The prefix-affine replica unless it is `SPILL` requests busier than the least loaded."""
-        home = max(self.replicas, key=lambda r: hashlib.sha256(key + bytes([r.index])).digest())
+        home = self.replicas[rendezvous(key, len(self.replicas))]
         least = min(self.replicas, key=lambda r: r.inflight)
         return home if home.inflight <= least.inflight + SPILL else least
 
@@ -134,16 +133,7 @@ class Front:
 
 def build_front_app(front: Front, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The front's app; `max_body_bytes` should be the replicas' largest cap (images grow it)."""
-    app = FastAPI(title="deltaserve (data parallel)")
-
-    async def _api_error(request, exc: APIError):
-        return exc.response()
-
-    app.add_exception_handler(APIError, _api_error)
-    app.add_middleware(BodyLimit, limit=max_body_bytes)
-    if api_key:
-        app.add_middleware(ApiKeyAuth, key=api_key)
-    app.add_middleware(ErrorGuard)
+    app = front_app("deltaserve (data parallel)", api_key, max_body_bytes)
     for path in FORWARDED:
         app.add_api_route(path, front.forward, methods=["POST"])
 

@@ -102,6 +102,7 @@ def _terminated(signum, frame) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..disagg.roles import add_role_arguments
     from ..engine.config import add_engine_args
 
     p.add_argument(
@@ -135,6 +136,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "wait for the engine gets 429 with Retry-After (negative: no cap)",
     )
     _media_arguments(p)
+    add_role_arguments(p)
     p.add_argument(
         "--shutdown-timeout",
         type=_seconds,
@@ -215,6 +217,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..chat.render import load_chat_template
+    from ..disagg.roles import check_role_arguments, install_role
     from ..engine.config import EngineConfig
     from ..engine.llm import LLM
     from .app import build_app
@@ -223,6 +226,7 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.data_parallel_size < 1:
         raise SystemExit("--data-parallel-size must be >= 1")
+    check_role_arguments(args)
     model_dir, name = args.model, args.served_model_name
     if model_dir is None:
         model_dir = default_model_dir()
@@ -240,6 +244,7 @@ def serve(args: argparse.Namespace) -> int:
     cap = args.max_waiting_requests
     vision = vision_app_kwargs(engine, Path(model_dir), media_policy(args))
     app = build_app(engine, name, api_key=args.api_key, max_waiting_requests=cap if cap >= 0 else None, **vision)
+    install_role(app, engine, args)
     log.info(
         "serving %r on http://%s:%d (api key %s)", name, args.host, args.port, "required" if args.api_key else "off"
     )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
@@ -40,6 +40,7 @@ class ServerState:
     retry_after_s: int = 1
     media: MediaPolicy = MediaPolicy()
     image_processor: ImageProcessor | None = None  # None: image parts are refused
+    handoff: Any = None  # a decode instance's `disagg.decode.DecodeHandoff`: `.submit(state, ids, params, images)`
 
     def admit(self) -> None:
         """429 with `Retry-After` while `max_waiting_requests` requests are queued."""
@@ -81,8 +82,16 @@ class ServerState:
     async def submit(
         self, ids: list[int], params: SamplingParams, images: list[ImageInput] | None = None
     ) -> RequestStream:
+        """Queue a request; on a decode instance its prompt may first arrive by handoff."""
+        if self.handoff is not None:
+            return await self.handoff.submit(self, ids, params, images)
+        return await self.submit_local(ids, params, images)
+
+    async def submit_local(
+        self, ids: list[int], params: SamplingParams, images: list[ImageInput] | None = None, **options
+    ) -> RequestStream:
         try:
-            stream = await self.engine.add(ids, params, images=images)
+            stream = await self.engine.add(ids, params, images=images, **options)
         except (InvalidRequestError, SamplingParamsError) as e:
             raise APIError(400, str(e)) from None
         except EngineDeadError:

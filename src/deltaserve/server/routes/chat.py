@@ -74,6 +74,17 @@ def forced_finish(cons: ChatConstraint, finish: str | None, called: bool) -> str
     return "tool_calls" if finish == "stop" and called else finish
 
 
+async def chat_prompt_ids(req: ChatRequest, state) -> tuple[list[int], ChatConstraint, bool, bool]:
+    """The rendered prompt's ids (before images are expanded), the constraint, whether tool
+    calls are parsed, and whether thinking is on."""
+    thinking, family = _thinking(req), state.engine.family
+    cons = chat_constraint(req, family, thinking)
+    declared = bool(req.tools) and req.tool_choice != "none"
+    shown = req.tools if declared or (family == "kimi_k3" and req.tools) else None
+    ids = await state.chat_prompt(req.messages, shown, thinking, cons.controls)
+    return ids, cons, declared, thinking
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatRequest, request: Request, state: State):
     state.admit()
@@ -81,16 +92,12 @@ async def chat_completions(req: ChatRequest, request: Request, state: State):
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     kw = sampling_kwargs(req)
-    thinking, family = _thinking(req), state.engine.family
-    cons = chat_constraint(req, family, thinking)
-    declared = bool(req.tools) and req.tool_choice != "none"
-    shown = req.tools if declared or (family == "kimi_k3" and req.tools) else None
-    ids = await state.chat_prompt(req.messages, shown, thinking, cons.controls)
+    ids, cons, declared, thinking = await chat_prompt_ids(req, state)
     plan = ChatPlan(
-        family,
+        state.engine.family,
         cons,
         declared,
-        thinking and family == "kimi_k3",
+        thinking and state.engine.family == "kimi_k3",
         req.top_logprobs or 0,
         bool(req.logprobs),
         state.engine.tokenizer,
@@ -100,7 +107,7 @@ async def chat_completions(req: ChatRequest, request: Request, state: State):
         max_tokens=req.max_completion_tokens or req.max_tokens,
         logprobs=plan.top_k if req.logprobs else None,
         structured=cons.structured,
-        keep_special_token_ids=control_token_ids(plan.tok, family),
+        keep_special_token_ids=control_token_ids(plan.tok, plan.family),
         reasoning_end=cons.reasoning_end,
         thinking_token_budget=cons.thinking_budget,
     )

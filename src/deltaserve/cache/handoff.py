@@ -1,0 +1,143 @@
+"""The cache side of prefill/decode disaggregation: which bytes of the pools a handoff moves.
+
+A handoff moves one request's state at one exact token boundary `n` (the prompt minus its last
+token): the MLA latent rows of positions `[start, n)` and, for every KDA layer, the live slot's
+conv tail and recurrent state at `n`. `start` is what the receiving side already holds: the
+longest run of whole match units its prefix cache has MLA pages for (no checkpoint is needed
+there, the state at `n` comes with the transfer).
+
+`Region`s are byte ranges of pool tensors, listed in one canonical order (MLA layers, then
+positions in runs that stay inside a page; then per KDA layer the tail, then the state), so a
+sender and a receiver with equal layouts (`layout_fingerprint`) list the same ranges, each
+side over its own pages and slot. `region_digests` hashes them per layer, in that order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from .hashing import root_hash
+from .kda_pool import KdaStatePool
+from .manager import CacheManager, SeqCache
+from .mla_pool import MlaPagePool
+
+
+@dataclass(frozen=True)
+class Region:
+    """`length` bytes at `offset` into pool tensor `tensor` ("mla", "tails" or "states"); `layer`
+    is the pool's layer index (MLA or KDA) the bytes belong to."""
+
+    tensor: str
+    layer: int
+    offset: int
+    length: int
+
+
+def layout_fingerprint(cache: CacheManager) -> str:
+    """Hex sha256 over what makes two instances' pools byte-compatible: the KDA state fingerprint
+    (model, dtypes, shapes, kernel path) and the MLA pool's layers, page size, row width, dtype
+    and rows per page (decode context parallelism changes the latter)."""
+    m = cache.mla
+    h = hashlib.sha256(cache.fingerprint)
+    h.update(repr((m.layer_ids, m.page_size, m.rows_per_page, m.row_dim, str(m.storage.dtype))).encode())
+    h.update(repr(cache.kda.layer_ids).encode())
+    return h.hexdigest()
+
+
+def prompt_hash(model_id: str, cache_salt: str | None, tokens: list[int]) -> str:
+    """Hex sha256 naming an exact token sequence under a model and salt (the handoff's prefix)."""
+    h = hashlib.sha256(root_hash(model_id, cache_salt))
+    h.update(torch.tensor(tokens, dtype=torch.int64).numpy().tobytes())
+    return h.hexdigest()
+
+
+def mla_regions(pool: MlaPagePool, pages: list[int], start: int, stop: int) -> list[Region]:
+    """Rows of positions `[start, stop)` of a sequence whose block table is `pages`, per layer,
+    in runs that end at page boundaries (rows of one page are contiguous)."""
+    if pool.dcp_world != 1:
+        raise ValueError("handoffs need whole MLA pages on one rank (no decode context parallelism)")
+    ps, row = pool.page_size, pool.row_dim * pool.storage.dtype.itemsize
+    runs = []
+    t = start
+    while t < stop:
+        end = min(stop, (t // ps + 1) * ps)
+        runs.append((pages[t // ps] * ps + t % ps, end - t))
+        t = end
+    per_layer = pool.num_pages * ps
+    return [Region("mla", i, (i * per_layer + r) * row, n * row) for i in range(len(pool.layer_ids)) for r, n in runs]
+
+
+def kda_regions(pool: KdaStatePool, slot: int) -> list[Region]:
+    """The conv tail and recurrent state of `slot`, per KDA layer."""
+    out = []
+    for name, t in (("tails", pool.tails), ("states", pool.states)):
+        per_slot = t[0, 0].numel() * t.dtype.itemsize
+        for i in range(len(pool.layer_ids)):
+            out.append(Region(name, i, (i * pool.num_slots + slot) * per_slot, per_slot))
+    return sorted(out, key=lambda r: (r.layer, r.tensor != "tails"))
+
+
+def handoff_regions(cache: CacheManager, seq_id: int, start: int, stop: int) -> list[Region]:
+    """Every region a handoff of sequence `seq_id` over `[start, stop)` moves, canonical order."""
+    sc = cache.seqs[seq_id]
+    return mla_regions(cache.mla, sc.pages, start, stop) + kda_regions(cache.kda, sc.slot)
+
+
+def pool_tensors(cache: CacheManager) -> dict[str, torch.Tensor]:
+    """The pool tensors regions point into (what a transfer engine registers)."""
+    return {"mla": cache.mla.storage, "tails": cache.kda.tails, "states": cache.kda.states}
+
+
+def region_digests(cache: CacheManager, regions: list[Region]) -> list[str]:
+    """One blake2b digest per (tensor kind, layer), over that layer's regions in order."""
+    flat = {k: t.view(-1).view(torch.uint8) for k, t in pool_tensors(cache).items()}
+    hashers: dict[tuple[str, int], object] = {}
+    for r in regions:
+        key = ("mla" if r.tensor == "mla" else "kda", r.layer)
+        h = hashers.setdefault(key, hashlib.blake2b(digest_size=16))
+        h.update(flat[r.tensor][r.offset : r.offset + r.length].numpy().tobytes())
+    return [h.hexdigest() for h in hashers.values()]
+
+
+def expected_bytes(cache: CacheManager, num_tokens: int) -> int:
+    """Bytes a handoff of `num_tokens` MLA positions plus one KDA state moves."""
+    m, k = cache.mla, cache.kda
+    mla = len(m.layer_ids) * num_tokens * m.row_dim * m.storage.dtype.itemsize
+    state = k.tails[:, 0].numel() * k.tails.dtype.itemsize + k.states[:, 0].numel() * k.states.dtype.itemsize
+    return mla + state
+
+
+def admit_received(
+    cache: CacheManager, seq_id: int, tokens: list[int], num_received: int, cache_salt: str | None = None
+) -> int | None:
+    """Admit a sequence whose first `num_received` tokens arrive by handoff: it shares the MLA
+    pages of the longest unit-aligned prefix cached here (at most `num_received` tokens), gets
+    fresh pages up to `len(tokens)` and a zeroed live slot for the incoming state. Returns the
+    number of tokens covered by shared pages (where the transfer starts), or None if the pools
+    are short (nothing taken). The caller writes rows `[start, num_received)` and the state,
+    then runs the sequence from `num_received`, or frees it with `cache.free(seq_id)`."""
+    if seq_id in cache.seqs:
+        raise RuntimeError(f"sequence {seq_id} already holds cache")
+    if cache.kda.num_free == 0:
+        return None
+    k, hashes, root = 0, [], b""
+    if cache.index is not None:
+        hit = cache.lookup(tokens[: num_received + 1], cache_salt)
+        hashes, root, k = list(hit.hashes), hit.root, hit.k_mla
+        cache.index.touch(hashes, k)
+    shared = cache.index.pages_of(hashes, k) if k else []
+    cache.mla.incref(shared)
+    fresh = cache._take_pages(cache.mla.pages_for(len(tokens)) - len(shared))
+    if fresh is None:
+        cache.mla.release(shared)
+        return None
+    cache.seqs[seq_id] = SeqCache(
+        cache.kda.allocate(), shared + fresh, root, len(tokens), hashes[:k], k, chain=tuple(hashes)
+    )
+    start = k * cache.policy.unit if k else 0
+    cache.counters["received"] += 1
+    cache.counters["received_hit_tokens"] += start
+    return start

@@ -1,0 +1,105 @@
+"""Transfer engines behind one small interface: register pool tensors, read peers' bytes in place.
+
+`Connector.read` moves each remote region into the matching local one (same lengths, one batch)
+and returns the byte count; it raises `TransferError` when the peer is gone or refuses. Memory is
+read where it lies (registered pool tensors on both sides), never serialized.
+
+`MooncakeConnector` (the tested default) uses the Mooncake Transfer Engine over TCP with the
+P2P handshake (no metadata server); `mooncake-transfer-engine-non-cuda` needs Debian's
+`libibverbs1` and `librdmacm1`. A NIXL connector would sit beside it (nixl-cu12 pulls ~5.7 GB of
+CUDA wheels, so it is not built here). Neither engine authenticates its data plane: run the
+instances on a trusted network; the control plane (`protocol.py`) carries the shared secret.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class TransferError(RuntimeError):
+    """A transfer failed (peer gone, region refused, engine error)."""
+
+
+class Connector:
+    """One per process: `register` pool tensors once, then `read` from peers' sessions."""
+
+    name = "none"
+
+    @property
+    def session(self) -> str:
+        raise NotImplementedError
+
+    def register(self, tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+        """Register each tensor's memory; returns name -> base address."""
+        raise NotImplementedError
+
+    def read(self, session: str, remote: list[tuple[int, int]], local: list[int]) -> int:
+        """Read `(address, length)` regions of `session` into the `local` addresses; bytes moved."""
+        raise NotImplementedError
+
+
+class MooncakeConnector(Connector):
+    name = "mooncake"
+
+    def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = ""):
+        os.environ.setdefault("GLOG_minloglevel", "2")
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as e:
+            raise TransferError(
+                "the Mooncake transfer engine is not installed: pip install mooncake-transfer-engine-non-cuda "
+                "(and apt-get install libibverbs1 librdmacm1)"
+            ) from e
+        self._te = TransferEngine()
+        if self._te.initialize(host, "P2PHANDSHAKE", protocol, device) != 0:
+            raise TransferError(f"Mooncake transfer engine failed to start on {host} over {protocol}")
+        self._session = f"{host}:{self._te.get_rpc_port()}"
+        self._registered: list[torch.Tensor] = []
+
+    @property
+    def session(self) -> str:
+        return self._session
+
+    def register(self, tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+        bases = {}
+        for name, t in tensors.items():
+            if not t.is_contiguous():
+                raise ValueError(f"pool tensor {name} is not contiguous")
+            if self._te.register_memory(t.data_ptr(), t.numel() * t.element_size()) != 0:
+                raise TransferError(f"Mooncake could not register pool tensor {name}")
+            self._registered.append(t)
+            bases[name] = t.data_ptr()
+        return bases
+
+    def read(self, session: str, remote: list[tuple[int, int]], local: list[int]) -> int:
+        if not remote:
+            return 0
+        src, dst, lengths = coalesce(remote, local)
+        if self._te.batch_transfer_sync_read(session, dst, src, lengths) != 0:
+            raise TransferError(f"reading {len(remote)} regions from {session} failed")
+        return sum(lengths)
+
+
+def coalesce(remote: list[tuple[int, int]], local: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """(sources, destinations, lengths) with each run of regions adjacent on both sides merged
+    (consecutive pages of one layer usually are): fewer, larger transfers, the same bytes."""
+    src, dst, lengths = [remote[0][0]], [local[0]], [remote[0][1]]
+    for (a, n), b in zip(remote[1:], local[1:]):
+        if a == src[-1] + lengths[-1] and b == dst[-1] + lengths[-1]:
+            lengths[-1] += n
+        else:
+            src.append(a)
+            dst.append(b)
+            lengths.append(n)
+    return src, dst, lengths
+
+
+def make_connector(kind: str, host: str) -> Connector:
+    if kind == "mooncake":
+        return MooncakeConnector(host)
+    raise ValueError(f"unknown transfer engine {kind!r} (available: mooncake)")

@@ -1,0 +1,221 @@
+"""The decode role: take a prompt's cache from a prefill instance, fail-closed, then decode.
+
+`DecodeHandoff.submit` replaces `ServerState.submit` when the proxy names a prefill instance
+(`PREFILL_HEADER`, accepted only with the shared secret). In order:
+1. On the engine thread: if this instance's own joint hit (MLA pages and a KDA checkpoint)
+   leaves at most `local_prefill_tokens` to compute, run the request here (no transfer); else
+   reserve cache (`engine.handoff.reserve`): pages its prefix cache holds are shared, the
+   transfer starts after them.
+2. Ask the prefill instance for the prompt minus its last token (`/disagg/prefill`), check the
+   header against this instance (fingerprint, token count, prompt hash, start, region shapes).
+3. Read the regions in place into the reservation (`Connector.read`), release the prefill side
+   (which confirms the generation was parked throughout), hash the received bytes and compare
+   with the header's digests.
+4. Only then queue the request from its last prompt token (`add_request(received=...)`).
+Any failure cancels the reservation; the request is then recomputed here (`on_failure=
+"recompute"`) or refused with a 502 (`"error"`), and counted. No token is ever sampled from
+unverified state. `tamper`, a test hook, may alter the header or the received bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import time
+from collections import Counter
+from typing import Callable
+
+import httpx
+from fastapi import APIRouter, Request
+
+from ..cache.handoff import layout_fingerprint, pool_tensors, prompt_hash, region_digests
+from ..engine.handoff import Reservation, cancel, reserve
+from ..engine.sequence import InvalidRequestError
+from ..server.async_engine import AsyncEngine
+from ..server.errors import APIError
+from .connector import Connector, TransferError
+from .matching import match_reply
+from .protocol import (
+    MSGPACK,
+    PREFILL_HEADER,
+    SECRET_HEADER,
+    MatchRequest,
+    PrefillRequest,
+    Release,
+    ReleaseReply,
+    TransferHeader,
+    authorized,
+    decode,
+    encode,
+)
+from .service import check_secret, engine_state, read_msg, reply
+
+PREFILL_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("prefill_target", default=None)
+
+
+class HandoffError(RuntimeError):
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+class PrefillTarget:
+    """Pure ASGI middleware: a request carrying the shared secret may name its prefill instance."""
+
+    def __init__(self, app, secret: str):
+        self.app, self.secret = app, secret
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode().lower(): v.decode() for k, v in scope.get("headers", [])}
+        url = headers.get(PREFILL_HEADER.lower())
+        ok = url is not None and authorized(headers.get(SECRET_HEADER.lower()), self.secret)
+        token = PREFILL_TARGET.set(url.rstrip("/") if ok else None)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            PREFILL_TARGET.reset(token)
+
+
+class DecodeHandoff:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        connector: Connector,
+        secret: str,
+        on_failure: str = "recompute",
+        local_prefill_tokens: int = 0,
+        timeout_s: float = 300.0,
+    ):
+        if on_failure not in ("recompute", "error"):
+            raise ValueError("on_failure must be 'recompute' or 'error'")
+        self.engine, self.connector, self.secret = engine, connector, secret
+        self.cache = engine.core.cache
+        self.bases = connector.register(pool_tensors(self.cache))
+        self.fingerprint = layout_fingerprint(self.cache)
+        self.on_failure, self.local_prefill_tokens = on_failure, local_prefill_tokens
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
+        self.counters: Counter[str] = Counter()
+        self.tamper: Callable[[str, object], object] | None = None
+
+    def _plan(self, core, ids: list[int], params) -> Reservation | int | None:
+        """On the engine thread: the joint hit length if the request runs here, else a
+        reservation (None if the pools are short or the request is refused: it then goes
+        the local way, which queues it or answers the refusal)."""
+        try:
+            core.validate(f"handoff-check-{core._next_seq}", ids, params)
+        except InvalidRequestError:
+            return None
+        if self.local_prefill_tokens and core.cache.prefix_enabled:
+            hit = core.cache.lookup(ids)
+            if len(ids) - hit.length <= self.local_prefill_tokens:
+                return hit.length
+        return reserve(core, ids)
+
+    async def submit(self, state, ids: list[int], params, images=None):
+        url = PREFILL_TARGET.get()
+        if url is None or images or params.n != 1 or len(ids) < 2:
+            return await state.submit_local(ids, params, images)
+        plan = await self.engine.call(lambda core: self._plan(core, ids, params))
+        if not isinstance(plan, Reservation):
+            self.counters["local_prefills" if plan is not None else "local_other"] += 1
+            self.counters["local_hit_tokens"] += plan or 0
+            return await state.submit_local(ids, params, images)
+        try:
+            await self._receive(url, ids, plan)
+        except (HandoffError, TransferError, httpx.HTTPError) as e:
+            self.engine.post(lambda core: cancel(core, plan.seq_id))
+            reason = e.reason if isinstance(e, HandoffError) else type(e).__name__
+            self.counters[f"failed_{reason}"] += 1
+            self.counters["failures"] += 1
+            if self.on_failure == "error":
+                raise APIError(502, f"the prefill handoff failed ({reason}); nothing was generated", "server_error")
+            self.counters["recomputes"] += 1
+            return await state.submit_local(ids, params, images)
+        except BaseException:
+            self.engine.post(lambda core: cancel(core, plan.seq_id))
+            raise
+        try:
+            return await state.submit_local(ids, params, received=plan.seq_id)
+        except BaseException:
+            self.engine.post(lambda core: cancel(core, plan.seq_id))
+            raise
+
+    async def _post(self, url: str, path: str, msg, kind: type):
+        r = await self.client.post(
+            url + path, content=encode(msg), headers={SECRET_HEADER: self.secret, "content-type": MSGPACK}
+        )
+        if r.status_code != 200:
+            raise HandoffError("prefill_refused", f"{path} answered {r.status_code}")
+        return decode(r.content, kind)
+
+    async def _receive(self, url: str, ids: list[int], res: Reservation) -> None:
+        t0 = time.perf_counter()
+        header = await self._post(url, "/disagg/prefill", PrefillRequest("", ids[:-1], res.start), TransferHeader)
+        released = False
+        try:
+            header = self._hook("header", header)
+            self._verify(header, ids, res)
+            remote = [(header.bases[t] + off, n) for t, _, off, n in header.regions]
+            local = [self.bases[r.tensor] + r.offset for r in res.regions]
+            t_read = time.perf_counter()
+            moved = await asyncio.to_thread(self.connector.read, header.session, remote, local)
+            self.counters["read_us"] += int((time.perf_counter() - t_read) * 1e6)
+            self._hook("received", res)
+            released = True
+            ok = await self._post(url, "/disagg/release", Release(header.transfer_id, header.generation), ReleaseReply)
+            if not ok.valid:
+                raise HandoffError("stale_generation", "the prefill side no longer held this transfer")
+            digests = await asyncio.to_thread(region_digests, self.cache, list(res.regions))
+            if digests != header.digests:
+                raise HandoffError("checksum_mismatch", "received bytes differ from the prefill side's")
+        finally:
+            if not released:
+                asyncio.ensure_future(self._release_quietly(url, header))
+        mla = sum(r.length for r in res.regions if r.tensor == "mla")
+        c = self.counters
+        c["handoffs"] += 1
+        c["bytes_mla"] += mla
+        c["bytes_kda"] += moved - mla
+        c["hits"] += res.start > 0
+        c["hit_tokens"] += res.start
+        c["transfer_us"] += int((time.perf_counter() - t0) * 1e6)
+
+    async def _release_quietly(self, url: str, header: TransferHeader) -> None:
+        try:
+            await self._post(url, "/disagg/release", Release(header.transfer_id, header.generation), ReleaseReply)
+        except Exception:
+            pass  # the prefill side frees it at its deadline
+
+    def _hook(self, stage: str, obj):
+        return self.tamper(stage, obj) if self.tamper is not None else obj
+
+    def _verify(self, h: TransferHeader, ids: list[int], res: Reservation) -> None:
+        if h.fingerprint != self.fingerprint:
+            raise HandoffError("fingerprint_mismatch", "the prefill instance's model or cache layout differs")
+        if h.num_tokens != len(ids) - 1 or h.start != res.start:
+            raise HandoffError("header_mismatch", "token count or start differ from the request's")
+        if h.prefix_hash != prompt_hash(self.cache.model_id, None, ids[:-1]):
+            raise HandoffError("prefix_mismatch", "the prefill instance computed another prompt")
+        if [(t, la, n) for t, la, _, n in h.regions] != [(r.tensor, r.layer, r.length) for r in res.regions]:
+            raise HandoffError("header_mismatch", "the regions differ from the reservation's")
+        if any(t not in h.bases for t, *_ in h.regions):
+            raise HandoffError("header_mismatch", "a region names an unknown pool tensor")
+
+    def router(self, render: Callable) -> APIRouter:
+        """`render(state, path, body)`: the prompt ids a generation request would get (or None)."""
+        r = APIRouter()
+
+        @r.post("/disagg/match")
+        async def match(request: Request):
+            msg = await read_msg(request, self.secret, MatchRequest)
+            ids = await render(request.app.state.server, msg.path, msg.body)
+            return reply(await match_reply(self.engine, ids))
+
+        @r.get("/disagg/state")
+        async def state(request: Request):
+            check_secret(request, self.secret)
+            return await engine_state(self.engine, {"role": "decode", **self.counters})
+
+        return r

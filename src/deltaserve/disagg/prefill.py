@@ -1,0 +1,149 @@
+"""The prefill role: compute a prompt (minus its last token) for a decode instance and hold its
+cache until that instance has read it.
+
+`POST /disagg/prefill` (`PrefillRequest`) runs a prefill-only request (this instance's own
+prefix cache applies), parks it and answers a `TransferHeader` with a fresh generation; the
+regions start at the decode side's `start`. `POST /disagg/release` (`Release`) frees a parked
+prompt and says whether it was still parked under that generation, i.e. whether the bytes the
+decode side read were those the header describes. A parked prompt nobody releases is freed
+after `ttl_s` (a decode instance that died), so nothing leaks. Parked bytes are never written
+while parked: the sequence is off the scheduler and its pages and live slot are its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Request
+
+from ..cache.handoff import layout_fingerprint, pool_tensors, prompt_hash, region_digests
+from ..engine.handoff import parked_regions, release_parked
+from ..engine.sampling_params import SamplingParams
+from ..engine.sequence import InvalidRequestError
+from ..server.async_engine import AsyncEngine, EngineDeadError
+from ..server.errors import APIError
+from .connector import Connector
+from .protocol import PrefillRequest, Release, ReleaseReply, TransferHeader
+from .service import check_secret, engine_state, read_msg, reply
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Parked:
+    request_id: str
+    generation: int
+    deadline: float
+
+
+class PrefillService:
+    def __init__(self, engine: AsyncEngine, connector: Connector, secret: str, ttl_s: float = 60.0):
+        self.engine, self.connector, self.secret, self.ttl_s = engine, connector, secret, ttl_s
+        cache = engine.core.cache
+        self.cache = cache
+        self.bases = connector.register(pool_tensors(cache))
+        self.fingerprint = layout_fingerprint(cache)
+        self.parked: dict[str, Parked] = {}
+        self._generation = itertools.count(1)
+        self.counters: Counter[str] = Counter()
+        self._reaper: asyncio.Task | None = None
+
+    async def prefill(self, msg: PrefillRequest) -> TransferHeader:
+        if not msg.token_ids:
+            raise APIError(400, "a handoff needs at least one prompt token")
+        if self._reaper is None:  # on the serving loop, started with the first prefill
+            self._reaper = asyncio.create_task(self.reap())
+        rid = f"pd-{uuid.uuid4().hex}"
+        try:
+            stream = await self.engine.add(msg.token_ids, SamplingParams(max_tokens=1), rid, prefill_only=True)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e)) from None
+        except EngineDeadError:
+            raise APIError(503, "the engine is not running", "service_unavailable") from None
+        finish = None
+        try:
+            async for d in stream:
+                finish = d.finish_reason
+        finally:
+            stream.abort()
+        if finish != "prefilled":
+            raise APIError(503, f"the prefill ended with {finish!r}", "service_unavailable")
+        parked = False
+        try:
+            regions = await self.engine.call(lambda core: parked_regions(core, rid, msg.start))
+            digests = await asyncio.to_thread(region_digests, self.cache, regions)
+            header = TransferHeader(
+                msg.request_id,
+                uuid.uuid4().hex,
+                next(self._generation),
+                prompt_hash(self.cache.model_id, msg.cache_salt, msg.token_ids),
+                len(msg.token_ids),
+                msg.start,
+                self.fingerprint,
+                self.connector.session,
+                self.bases,
+                [(r.tensor, r.layer, r.offset, r.length) for r in regions],
+                digests,
+            )
+            self.parked[header.transfer_id] = Parked(rid, header.generation, time.monotonic() + self.ttl_s)
+            parked = True
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        finally:
+            if not parked:
+                self.engine.post(lambda core: release_parked(core, rid))
+        self.counters["prefills"] += 1
+        self.counters["prefill_tokens"] += len(msg.token_ids)
+        self.counters["offered_bytes"] += sum(r.length for r in regions)
+        return header
+
+    async def release(self, msg: Release) -> ReleaseReply:
+        p = self.parked.get(msg.transfer_id)
+        if p is None or p.generation != msg.generation:
+            self.counters["stale_releases"] += 1
+            return ReleaseReply(False)
+        del self.parked[msg.transfer_id]
+        await self.engine.call(lambda core: release_parked(core, p.request_id))
+        self.counters["released"] += 1
+        return ReleaseReply(True)
+
+    def expire(self, now: float | None = None) -> int:
+        """Free every parked prompt past its deadline; returns how many."""
+        now = time.monotonic() if now is None else now
+        gone = [t for t, p in self.parked.items() if p.deadline <= now]
+        for t in gone:
+            rid = self.parked.pop(t).request_id
+            self.engine.post(lambda core, rid=rid: release_parked(core, rid))
+        self.counters["expired"] += len(gone)
+        return len(gone)
+
+    async def reap(self, period_s: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            if self.expire():
+                log.warning("freed parked prefills nobody read within %.0f s", self.ttl_s)
+
+    def router(self) -> APIRouter:
+        r = APIRouter()
+
+        @r.post("/disagg/prefill")
+        async def prefill(request: Request):
+            return reply(await self.prefill(await read_msg(request, self.secret, PrefillRequest)))
+
+        @r.post("/disagg/release")
+        async def release(request: Request):
+            return reply(await self.release(await read_msg(request, self.secret, Release)))
+
+        @r.get("/disagg/state")
+        async def state(request: Request):
+            check_secret(request, self.secret)
+            extra = {"role": "prefill", "transfers_parked": len(self.parked), **self.counters}
+            return await engine_state(self.engine, extra)
+
+        return r

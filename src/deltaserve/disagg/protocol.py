@@ -1,0 +1,104 @@
+"""The control plane between instances: msgspec msgpack messages over HTTP, never pickle, each
+request carrying the shared secret (`SECRET_HEADER`, compared in constant time).
+
+`TransferHeader` is what a prefill instance answers for a parked prompt: who it is for
+(request id, a per-instance generation counter), what it holds (the prompt's hash and token
+count, the layout fingerprint), where (the transfer engine session, pool base addresses and the
+regions in canonical order, `cache/handoff.py`) and the per-layer digests of those bytes. The
+decode side checks every field against its own before it reads, and the digests after.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+import time
+from pathlib import Path
+
+import msgspec
+
+SECRET_HEADER = "X-Deltaserve-Secret"
+PREFILL_HEADER = "X-Deltaserve-Prefill"  # the proxy's choice of prefill instance, for a decode instance
+SECRET_ENV = "DELTASERVE_DISAGG_SECRET"
+MSGPACK = "application/msgpack"
+
+
+class PrefillRequest(msgspec.Struct, frozen=True):
+    request_id: str
+    token_ids: list[int]  # the prompt minus its last token
+    start: int  # tokens the decode side holds already (a page boundary): regions start here
+    cache_salt: str | None = None
+
+
+class TransferHeader(msgspec.Struct, frozen=True):
+    request_id: str
+    transfer_id: str
+    generation: int
+    prefix_hash: str  # cache.handoff.prompt_hash of the prompt minus its last token
+    num_tokens: int
+    start: int
+    fingerprint: str  # cache.handoff.layout_fingerprint
+    session: str  # the transfer engine session to read from
+    bases: dict[str, int]  # pool tensor name -> base address in the prefill process
+    regions: list[tuple[str, int, int, int]]  # (tensor, layer, offset, length), canonical order
+    digests: list[str]  # per (tensor kind, layer) blake2b of the regions' bytes
+
+
+class Release(msgspec.Struct, frozen=True):
+    transfer_id: str
+    generation: int
+
+
+class ReleaseReply(msgspec.Struct, frozen=True):
+    valid: bool  # the transfer was parked, with this generation, until this release
+
+
+class MatchRequest(msgspec.Struct, frozen=True):
+    path: str  # "/v1/chat/completions" or "/v1/completions"
+    body: dict
+
+
+class MatchReply(msgspec.Struct, frozen=True):
+    num_tokens: int
+    joint_tokens: int  # MLA pages and a KDA checkpoint: no prefill needed up to here
+    mla_tokens: int  # MLA pages only: transfer bytes saved, compute not
+    load: int  # requests waiting on the instance
+
+
+_enc = msgspec.msgpack.Encoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _enc.encode(msg)
+
+
+def decode(data: bytes, kind: type):
+    return msgspec.msgpack.decode(data, type=kind)
+
+
+def load_secret(explicit: str | None = None) -> str:
+    """The shared secret: `explicit`, else `$DELTASERVE_DISAGG_SECRET`, else a per-user file
+    (created 0600 on first use), so instances on one machine agree with no flags."""
+    if explicit:
+        return explicit
+    if os.environ.get(SECRET_ENV):
+        return os.environ[SECRET_ENV]
+    path = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "deltaserve" / "disagg_secret"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        for _ in range(50):  # another instance may be writing it right now
+            text = path.read_text().strip()
+            if text:
+                return text
+            time.sleep(0.02)
+        raise RuntimeError(f"the shared secret file {path} is empty") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return path.read_text().strip()
+
+
+def authorized(given: str | None, secret: str) -> bool:
+    return given is not None and hmac.compare_digest(given.encode(), secret.encode())

@@ -1,0 +1,123 @@
+"""`serve --role prefill|decode`: the flags, and what each role adds to the OpenAI app.
+
+Both roles keep every OpenAI route (a prefill instance also serves requests itself; a decode
+instance serves any request that names no prefill instance) and add the authenticated
+`/disagg/*` routes. Both run with the hybrid prefix cache on. Handoffs run with one engine
+process per instance (no tensor, decode context or data parallelism yet): the transfer reads
+whole pools of one rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+
+from pydantic import ValidationError
+
+from ..server.errors import APIError
+from ..server.protocol import ChatRequest, CompletionRequest
+from ..server.routes.chat import chat_prompt_ids
+from .connector import make_connector
+from .decode import DecodeHandoff, PrefillTarget
+from .prefill import PrefillService
+from .protocol import load_secret
+from .service import CounterCollector
+
+log = logging.getLogger("deltaserve.disagg")
+ROLES = ("both", "prefill", "decode")
+
+
+def add_role_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--role",
+        choices=ROLES,
+        default="both",
+        help="prefill/decode disaggregation: 'prefill' computes prompts for decode instances, 'decode' "
+        "takes them over and generates (behind `deltaserve proxy`); 'both' (default) is a plain server",
+    )
+    p.add_argument(
+        "--disagg-secret",
+        default=None,
+        help="shared secret of the instances' internal routes (default: $DELTASERVE_DISAGG_SECRET, else a "
+        "per-user file under ~/.cache/deltaserve that instances on one machine share)",
+    )
+    p.add_argument("--kv-transfer-engine", choices=("mooncake",), default="mooncake", help="the transfer engine")
+    p.add_argument(
+        "--kv-transfer-host",
+        default="127.0.0.1",
+        help="the address peers reach this instance's transfer engine at (default: loopback)",
+    )
+    p.add_argument(
+        "--disagg-on-failure",
+        choices=("recompute", "error"),
+        default="recompute",
+        help="decode role: when a handoff fails verification or its peer, recompute the prompt here "
+        "(default) or fail the request with 502",
+    )
+    p.add_argument(
+        "--disagg-local-prefill-tokens",
+        type=int,
+        default=0,
+        help="decode role: compute a prompt here, without a prefill instance, when this instance's own "
+        "prefix-cache hit (MLA pages and a KDA checkpoint) leaves at most this many tokens (0: never)",
+    )
+    p.add_argument(
+        "--disagg-park-timeout",
+        type=float,
+        default=60.0,
+        help="prefill role: free a computed prompt no decode instance has read after this many seconds",
+    )
+
+
+def check_role_arguments(args: argparse.Namespace) -> None:
+    if args.role == "both":
+        return
+    parallel = (
+        args.tensor_parallel_size,
+        args.decode_context_parallel_size,
+        args.data_parallel_size,
+    )
+    if any(n != 1 for n in parallel):
+        raise SystemExit(f"--role {args.role} runs one engine process: no tensor, decode-context or data parallelism")
+    if not args.enable_prefix_caching:
+        log.info("--role %s: the hybrid prefix cache is on (both sides cache what they hold)", args.role)
+        args.enable_prefix_caching = True
+
+
+def install_role(app, engine, args: argparse.Namespace) -> object | None:
+    """Add the role's routes (and, for decode, its handoff) to `app`; returns the service."""
+    if args.role == "both":
+        return None
+    secret = load_secret(args.disagg_secret)
+    connector = make_connector(args.kv_transfer_engine, args.kv_transfer_host)
+    if args.role == "prefill":
+        service = PrefillService(engine, connector, secret, args.disagg_park_timeout)
+        app.include_router(service.router())
+    else:
+        service = DecodeHandoff(engine, connector, secret, args.disagg_on_failure, args.disagg_local_prefill_tokens)
+        app.state.server = dataclasses.replace(app.state.server, handoff=service)
+        app.include_router(service.router(render))
+        app.add_middleware(PrefillTarget, secret=secret)
+    state = app.state.server
+    state.metrics.registry.register(CounterCollector(service.counters, state.model_name))
+    log.info("role %s: transfer engine %s at %s", args.role, connector.name, connector.session)
+    return service
+
+
+async def render(state, path: str, body: dict) -> list[int] | None:
+    """The prompt ids a generation request would get here (None where it has no single prompt or
+    is refused: a match then counts nothing)."""
+    try:
+        if path == "/v1/chat/completions":
+            ids, *_ = await chat_prompt_ids(ChatRequest.model_validate(body), state)
+            return ids
+        if path == "/v1/completions":
+            prompt = CompletionRequest.model_validate(body).prompt
+            if isinstance(prompt, str):
+                return state.require_tokenizer().encode(prompt)
+            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                return list(prompt)
+    except (ValidationError, APIError, ValueError):
+        return None
+    return None

@@ -1,0 +1,35 @@
+"""Prefix-affine, load-bounded routing over engine replicas, shared by the offline `LLM`'s
+data-parallel client (engine/dp_client.py) and `deltaserve serve --data-parallel-size`'s front.
+
+Invariants: `rendezvous(key, n)` depends only on `key` and `n` (the same key always lands on
+the same replica, so requests sharing a prefix meet their cached prefix); `pick` keeps that
+replica unless it is more than `spill` requests busier than the least loaded one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+SPILL = 4  # in-flight requests a prefix-affine replica may exceed the least loaded one by
+
+
+def rendezvous(key: bytes, n: int) -> int:
+    """The replica in [0, n) whose hash with `key` is highest (rendezvous hashing)."""
+    return max(range(n), key=lambda i: hashlib.sha256(key + i.to_bytes(2, "little")).digest())
+
+
+def pick(key: bytes, loads: Sequence[int], spill: int = SPILL) -> int:
+    """`key`'s rendezvous replica unless its load exceeds the least one's by more than `spill`:
+    then the least loaded (the lowest index among equals)."""
+    home = rendezvous(key, len(loads))
+    least = min(range(len(loads)), key=loads.__getitem__)
+    return home if loads[home] <= loads[least] + spill else least
+
+
+def token_key(prompt_ids: Sequence[int], cache_salt: str | None, unit: int) -> bytes:
+    """The routing key of a tokenized prompt: its salt and first `unit` tokens (the prefix
+    cache's hit granularity: prompts that share less can share no cached prefix)."""
+    head = array("q", prompt_ids[:unit]).tobytes()
+    return (cache_salt or "").encode() + b"\0" + head

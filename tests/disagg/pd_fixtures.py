@@ -1,0 +1,115 @@
+"""Prefill, decode and proxy servers in this process (uvicorn threads, one Mooncake transfer
+engine each), over tiny fp32 checkpoints with the prefix cache on, and a colocated reference."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from deltaserve import LLM
+from deltaserve.chat.render import load_chat_template
+from deltaserve.disagg.proxy import Proxy, build_proxy_app
+from deltaserve.disagg.roles import add_role_arguments, install_role
+from deltaserve.server.app import build_app
+from deltaserve.server.async_engine import AsyncEngine
+
+SECRET = "test-shared-secret"
+UNIT = 16
+ENGINE = dict(
+    max_num_seqs=4,
+    max_num_batched_tokens=256,
+    page_size=16,
+    prefix_match_unit=UNIT,
+    enable_prefix_caching=True,
+    kv_cache_memory=48 * 2**20,
+    max_model_len=1024,
+    num_threads=1,
+    progress=False,
+)
+
+
+def need_mooncake() -> None:
+    """Skip (on a developer machine; fail under CI, which installs it) without the transfer engine."""
+    try:
+        import mooncake.engine  # noqa: F401
+    except ImportError as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"the Mooncake transfer engine does not import here: {e}", allow_module_level=True)
+
+
+def make_llm(ckpt: Path) -> LLM:
+    return LLM(ckpt, "float32", **ENGINE)
+
+
+def role_args(role: str, *extra: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_role_arguments(p)
+    return p.parse_args(["--role", role, "--disagg-secret", SECRET, *extra])
+
+
+@contextlib.contextmanager
+def run_app(app):
+    """Serve `app` on a loopback port in a daemon thread; yields its base URL."""
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not srv.started:
+        assert time.time() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+
+
+@contextlib.contextmanager
+def instance(ckpt: Path, role: str, *extra: str):
+    """Yields (url, AsyncEngine, role service) of one instance."""
+    llm = make_llm(ckpt)
+    engine = AsyncEngine(llm.engine, llm.model.config.family, load_chat_template(ckpt))
+    app = build_app(engine, "tiny")
+    service = install_role(app, engine, role_args(role, *extra))
+    try:
+        with run_app(app) as url:
+            yield url, engine, service
+    finally:
+        engine.shutdown()
+
+
+@contextlib.contextmanager
+def proxy(prefill: list[str], decode: list[str]):
+    p = Proxy(prefill, decode, SECRET)
+    with run_app(build_proxy_app(p)) as url:
+        yield url, p
+
+
+def state(url: str) -> dict:
+    r = httpx.get(url + "/disagg/state", headers={"X-Deltaserve-Secret": SECRET}, timeout=30)
+    r.raise_for_status()
+    return r.json()
+
+
+def idle_and_clean(url: str) -> dict:
+    """The instance's pools once idle: nothing but the prefix cache holds pages or slots."""
+    deadline = time.time() + 30
+    while True:
+        s = state(url)
+        quiet = s["sequences_holding_cache"] == 0 and s.get("transfers_parked", 0) == 0 and s["parked"] == 0
+        if quiet or time.time() > deadline:
+            break
+        time.sleep(0.1)
+    assert s["integrity"] == "ok", s
+    assert s["sequences_holding_cache"] == 0 and s["parked"] == 0 and s["kda_slots_used"] == 0, s
+    assert s["mla_pages_used"] == s["cached_pages"], s
+    return s

@@ -1,0 +1,123 @@
+"""The engine and cache sides of a handoff, without servers or a transfer engine: the regions a
+prefill engine parks are copied byte for byte into a decode engine's reservation (what the
+transfer engine does), fp32, both families. The decode engine then gives the colocated greedy
+tokens; its own prefix cache shortens later transfers; preempted, aborted and cancelled
+reservations leave exact pools; a parked prefill is never sampled and feeds the prefix cache."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from deltaserve.cache.handoff import expected_bytes, mla_regions, pool_tensors, region_digests
+from deltaserve.cache.mla_pool import MlaPagePool
+from deltaserve.engine import handoff
+from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.tiny import make_tiny
+
+from .pd_fixtures import make_llm
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def test_mla_regions_split_at_pages():
+    pool = MlaPagePool([3, 7], num_pages=8, page_size=4, row_dim=5, dtype=torch.float32)
+    regs = mla_regions(pool, [6, 2, 5], 2, 9)  # positions 2..8: page 6 rows 2-3, page 2 all, page 5 row 0
+    row = 5 * 4
+    want = [(6 * 4 + 2, 2), (2 * 4, 4), (5 * 4, 1)]
+    assert [(r.layer, r.offset, r.length) for r in regs] == [
+        (i, (i * 32 + a) * row, n * row) for i in range(2) for a, n in want
+    ]
+
+
+@pytest.fixture(scope="module", params=["kimi_k3", "kimi_linear"])
+def engines(request, tmp_path_factory):
+    ckpt = make_tiny(tmp_path_factory.mktemp("ho") / request.param, request.param, "tiny", seed=4)
+    return make_llm(ckpt), make_llm(ckpt), make_llm(ckpt)
+
+
+def _run(core):
+    out = []
+    while core.has_unfinished():
+        out += core.step()
+    return out
+
+
+def _handoff(p, d, rid: str, prompt: list[int]) -> tuple[handoff.Reservation, int]:
+    """Prefill on `p`, copy into a reservation on `d`; returns it and the bytes copied."""
+    p.engine.add_request(rid, prompt[:-1], SamplingParams(max_tokens=1), prefill_only=True)
+    done = _run(p.engine)
+    assert [o.outputs[0].finish_reason for o in done] == ["prefilled"] and done[0].outputs[0].token_ids == []
+    res = handoff.reserve(d.engine, prompt)
+    src = handoff.parked_regions(p.engine, rid, res.start)
+    assert [(r.tensor, r.layer, r.length) for r in src] == [(r.tensor, r.layer, r.length) for r in res.regions]
+    a, b = pool_tensors(p.cache), pool_tensors(d.cache)
+    for s, r in zip(src, res.regions):
+        b[r.tensor].view(-1).view(torch.uint8)[r.offset : r.offset + r.length] = (
+            a[s.tensor].view(-1).view(torch.uint8)[s.offset : s.offset + s.length]
+        )
+    assert region_digests(p.cache, src) == region_digests(d.cache, list(res.regions))
+    assert handoff.release_parked(p.engine, rid) and not handoff.release_parked(p.engine, rid)
+    return res, sum(r.length for r in src)
+
+
+def test_handoff_equals_colocated_and_decode_cache_shortens_it(engines):
+    p, d, ref = engines
+    rng = random.Random(3)
+    base = [rng.randrange(10, 1700) for _ in range(90)]
+    history = base
+    for turn in range(3):
+        want = ref.generate([{"prompt_token_ids": history}], GREEDY)[0].outputs[0]
+        res, moved = _handoff(p, d, f"t{turn}", history)
+        assert moved == expected_bytes(d.cache, len(history) - 1 - res.start)
+        assert (res.start == 0) == (turn == 0) and res.start % 16 == 0
+        d.engine.add_request(f"t{turn}", history, GREEDY, received=res.seq_id)
+        got = _run(d.engine)[0].outputs[0]
+        assert got.token_ids == want.token_ids
+        history = history + list(got.token_ids) + [rng.randrange(10, 1700) for _ in range(25)]
+    assert d.cache.counters["received"] == 3 and d.cache.counters["received_hit_tokens"] > 0
+    for llm in (p, d):
+        llm.cache.check_integrity()
+        assert llm.cache.kda.num_used == 0 and not llm.engine.parked
+
+
+def test_cancelled_aborted_and_preempted_reservations(engines):
+    p, d, ref = engines
+    prompt = list(range(200, 300))
+    want = ref.generate([{"prompt_token_ids": prompt}], GREEDY)[0].outputs[0].token_ids
+    res = handoff.reserve(d.engine, prompt)
+    handoff.cancel(d.engine, res.seq_id)
+    res, _ = _handoff(p, d, "ab", prompt)
+    d.engine.add_request("ab", prompt, GREEDY, received=res.seq_id)
+    d.engine.abort_request("ab")
+    res, _ = _handoff(p, d, "pre", prompt)
+    d.engine.add_request("pre", prompt, GREEDY, received=res.seq_id)
+    seq = d.engine.requests["pre"].seqs[0]
+    d.engine.step()
+    d.engine.scheduler._preempt(seq)  # recomputed from scratch here: the same tokens
+    assert not seq.preadmitted and seq.num_computed == 0
+    assert _run(d.engine)[0].outputs[0].token_ids == want
+    d.cache.check_integrity()
+    assert d.cache.kda.num_used == 0
+
+
+def test_a_parked_prefill_feeds_the_prefix_cache(engines):
+    p, _, _ = engines
+    prompt = list(range(500, 600))
+    p.engine.add_request("park", prompt, SamplingParams(max_tokens=1), prefill_only=True)
+    _run(p.engine)
+    assert "park" in p.engine.parked and p.engine.stats()["generated_tokens"] == 0
+    with pytest.raises(ValueError):
+        handoff.parked_regions(p.engine, "park", 5)  # not a page boundary
+    handoff.release_parked(p.engine, "park")
+    assert p.cache.lookup(prompt + [1]).length == len(prompt) // 16 * 16
+
+
+def test_coalesce_merges_only_runs_adjacent_on_both_sides():
+    from deltaserve.disagg.connector import coalesce
+
+    remote = [(100, 10), (110, 5), (115, 5), (200, 4)]
+    local = [(1000), (1010), (2000), (2005)]
+    assert coalesce(remote, local) == ([100, 115, 200], [1000, 2000, 2005], [15, 5, 4])

@@ -1,0 +1,101 @@
+"""Proxy + prefill + decode instances (one process each, in threads here) against the colocated
+engine, fp32, both families: a multi-turn, branching workload gives the same greedy tokens;
+follow-up turns hit the decode side's own prefix cache and move only their new suffix; every
+handoff moves exactly the MLA bytes of its tokens plus one KDA state, computed from config.json;
+the official openai client streams through the proxy; both sides end with clean pools."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import httpx
+import openai
+import pytest
+
+from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.tiny import make_tiny
+
+from .pd_fixtures import UNIT, idle_and_clean, instance, make_llm, need_mooncake, proxy, state
+
+need_mooncake()
+
+MAX_TOKENS = 6
+
+
+def expected_bytes(ckpt, num_tokens: int) -> tuple[int, int]:
+    """(MLA bytes of `num_tokens` positions, one KDA state) in fp32, from config.json alone."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    lin = cfg["linear_attn_config"]
+    row = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
+    heads, dk = lin["num_heads"], lin["head_dim"]
+    tail = (lin["short_conv_kernel_size"] - 1) * 3 * heads * dk * 4
+    return len(lin["full_attn_layers"]) * row * num_tokens, len(lin["kda_layers"]) * (tail + heads * dk * dk * 4)
+
+
+@pytest.fixture(scope="module", params=["kimi_k3", "kimi_linear"])
+def deployment(request, tmp_path_factory):
+    ckpt = make_tiny(tmp_path_factory.mktemp("pd") / request.param, request.param, "tiny", seed=5)
+    with instance(ckpt, "prefill") as p, instance(ckpt, "decode") as d, proxy([p[0]], [d[0]]) as x:
+        yield {"ckpt": ckpt, "prefill": p, "decode": d, "proxy": x, "ref": make_llm(ckpt)}
+
+
+def _workload(seed: int) -> list[tuple[str, list[int] | None, list[int]]]:
+    """(name, parent turn name or None, new tokens): a conversation of three turns and a branch."""
+    rng = random.Random(seed)
+    new = lambda n: [rng.randrange(10, 1700) for _ in range(n)]  # noqa: E731
+    return [("t1", None, new(70)), ("t2", "t1", new(37)), ("b2", "t1", new(21)), ("t3", "t2", new(29))]
+
+
+def test_multi_turn_branching_equals_colocated(deployment):
+    ckpt, ref = deployment["ckpt"], deployment["ref"]
+    client = openai.OpenAI(base_url=deployment["proxy"][0] + "/v1", api_key="none")
+    decode_url = deployment["decode"][0]
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    history: dict[str, list[int]] = {}
+    for name, parent, new in _workload(1):
+        prompt = (history[parent] if parent else []) + new
+        want = ref.generate([{"prompt_token_ids": prompt}], greedy)[0].outputs[0]
+        before = state(decode_url)
+        got = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+        )
+        after = state(decode_url)
+        assert got.choices[0].text == want.text, name
+        assert after["handoffs"] == before.get("handoffs", 0) + 1, name
+        start = after.get("hit_tokens", 0) - before.get("hit_tokens", 0)
+        mla, kda = expected_bytes(ckpt, len(prompt) - 1 - start)
+        assert after["bytes_mla"] - before.get("bytes_mla", 0) == mla, name
+        assert after["bytes_kda"] - before.get("bytes_kda", 0) == kda, name
+        if parent is None:
+            assert start == 0
+        else:  # the decode side holds the parent turn's prompt (whole units of it): only the rest moves
+            assert start >= (len(history[parent]) - 1) // UNIT * UNIT - UNIT and start > 0, (name, start)
+        history[name] = prompt + list(want.token_ids)
+    metrics = httpx.get(decode_url + "/metrics", timeout=30).text
+    final = state(decode_url)
+    for key in ("bytes_mla", "bytes_kda", "handoffs", "hit_tokens"):
+        assert re.search(rf"^deltaserve:disagg_{key}_total{{[^}}]*}} {final[key]}\.0$", metrics, re.M), key
+    routed = deployment["proxy"][1].counters
+    assert routed["routed_mla_only"] + routed["routed_joint_hit"] >= 3
+    idle_and_clean(deployment["prefill"][0])
+    idle_and_clean(decode_url)
+
+
+def test_chat_streams_through_the_proxy(deployment):
+    client = openai.OpenAI(base_url=deployment["proxy"][0] + "/v1", api_key="none")
+    direct = openai.OpenAI(base_url=deployment["decode"][0] + "/v1", api_key="none")
+    messages = [{"role": "user", "content": "Describe the sea in a few words. " * 3}]
+    kw = dict(model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    streamed = "".join(
+        (c.choices[0].delta.content or "") + (getattr(c.choices[0].delta, "reasoning_content", None) or "")
+        for c in chunks
+        if c.choices
+    )
+    plain = direct.chat.completions.create(**kw).choices[0].message  # the decode instance alone: local
+    assert streamed == (plain.content or "") + (getattr(plain, "reasoning_content", None) or "")
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert state(deployment["decode"][0])["handoffs"] >= 1
