@@ -170,6 +170,8 @@ class EngineCore:
         mm = self._check(request_id, prompt_ids, params, images)
         if (prefill_only or received is not None) and (mm is not None or params.n != 1):
             raise InvalidRequestError("a handoff takes one sample of a text-only prompt")
+        if received is not None and getattr(self.cache.seqs.get(received), "prompt_len", -1) != len(prompt_ids):
+            raise InvalidRequestError(f"no handoff reservation {received} for this prompt")
         if mm is not None:
             prompt_ids = mm.ids
         grammar = self._compile(params)
