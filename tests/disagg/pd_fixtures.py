@@ -38,6 +38,7 @@ ENGINE = dict(
 
 def need_mooncake() -> None:
     """Skip (on a developer machine; fail under CI, which installs it) without the transfer engine."""
+    os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's glog: warnings and up
     try:
         import mooncake.engine  # noqa: F401
     except ImportError as e:

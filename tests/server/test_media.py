@@ -269,6 +269,15 @@ def test_allowed_fetches(origin):
         assert decode_image(data, mime, POLICY).size == (20, 12)
 
 
+def test_any_host_still_excludes_the_servers_own_network(origin):
+    """`allow_remote` alone opens public hosts only: a loopback origin needs listing."""
+    anywhere = MediaPolicy(allow_remote=True)
+    with pytest.raises(MediaError, match="non-public address"):
+        asyncio.run(media.image_bytes(part(origin + "/ok.png"), anywhere))
+    listed = MediaPolicy(allow_remote=True, allowed_domains=("127.0.0.1",))
+    assert asyncio.run(media.image_bytes(part(origin + "/ok.png"), listed))[0] == PNG
+
+
 FETCH_ERRORS = [
     ("/big.png", f"over {MAX_BYTES} bytes"),
     ("/endless.png", f"over {MAX_BYTES} bytes"),

@@ -4,8 +4,9 @@ before a pixel is decoded.
 Invariants:
 - Sources: `data:image/<png|jpeg|webp|gif>;base64,...` always. `http(s)://` only with
   `allow_remote` (any host) or a host in `allowed_domains` (exact, case-insensitive; when given,
-  the list is the only hosts allowed, whatever `allow_remote` says). Any other scheme (`file:`,
-  `ftp:`, ...) is refused.
+  the list is the only hosts allowed, whatever `allow_remote` says). Under `allow_remote` alone a
+  host resolving to a non-public address (loopback, private, link-local) is refused (SSRF). Any
+  other scheme (`file:`, `ftp:`, ...) is refused.
 - Order: image count (before anything else) -> encoded / downloaded size (before base64
   decoding; a download stops at the cap, the fetch at `fetch_timeout_s`, compressed transfer
   encodings are refused, redirects are followed only to the same host) -> the declared MIME type
@@ -26,7 +27,9 @@ import asyncio
 import base64
 import binascii
 import io
+import ipaddress
 import json
+import socket
 import threading
 import warnings
 from dataclasses import dataclass
@@ -189,6 +192,8 @@ async def fetch(url: str, policy: MediaPolicy) -> tuple[bytes, str | None]:
             for _ in range(MAX_REDIRECTS + 1):
                 if not policy.remote_allowed(target.host):
                     raise MediaError(f"fetching images from {target.host!r} is not allowed")
+                if not policy.allowed_domains:
+                    await _check_public(target.host, target.port or (443 if target.scheme == "https" else 80))
                 headers = {"Accept-Encoding": "identity", "Accept": ", ".join(FORMATS.values())}
                 async with c.stream("GET", target, headers=headers) as r:
                     if r.is_redirect and "location" in r.headers:
@@ -210,6 +215,21 @@ async def fetch(url: str, policy: MediaPolicy) -> tuple[bytes, str | None]:
         raise MediaError("malformed image URL") from None
     except Exception as e:  # any network failure on a client-named URL is the client's 400
         raise MediaError(f"could not fetch the image ({type(e).__name__})") from None
+
+
+async def _check_public(host: str, port: int) -> None:
+    """Refuse a host (under `allow_remote` with no domain list) that resolves to a loopback,
+    private, link-local or otherwise non-global address: the server's own network (cloud
+    metadata, internal services) is not reachable through a client's image URL. The operator
+    opens such a host by listing it in `allowed_domains`."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    for *_, addr in infos:
+        ip = ipaddress.ip_address(addr[0].split("%")[0])
+        if not ip.is_global:
+            raise MediaError(
+                f"the image host {host!r} resolves to a non-public address; "
+                "list it in --allowed-media-domains to allow it"
+            )
 
 
 async def _body(r, policy: MediaPolicy) -> tuple[bytes, str | None]:
