@@ -63,3 +63,17 @@ def test_default_falls_back_to_the_ram_share_when_smaller(cfg, monkeypatch, capl
         "KV cache 9.5 MiB (default: 10% of RAM, less than the 20.4 MiB max_num_seqs=16 x "
         "max_model_len=8192 tokens can use)" in caplog.text
     )
+
+
+def test_on_cuda_the_budget_is_device_memory(cfg, monkeypatch):
+    """On a CUDA device the default is what is free after the weights less 10 % of the device, a
+    fraction is of the device's memory, and too little left is a clear error (mem_get_info faked:
+    no GPU here; nothing is allocated)."""
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (gib, 2 * gib))
+    want = gib - int(0.1 * 2 * gib)
+    assert size_layout(cfg, None, 16, 2**20, 16, BF16, device="cuda") == plan_layout(cfg, want, 16, 2**20, 16, BF16)
+    assert size_layout(cfg, 0.25, 2, 64, 16, BF16, device="cuda") == plan_layout(cfg, gib // 2, 2, 64, 16, BF16)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (gib // 4, 2 * gib))
+    with pytest.raises(ValueError, match="left for the KV cache after the weights"):
+        size_layout(cfg, None, 16, 2**20, 16, BF16, device="cuda")

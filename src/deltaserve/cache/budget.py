@@ -6,8 +6,9 @@ every remaining byte goes to MLA pages. The budget must hold at least `max_model
 pages, otherwise a lone long request could never run (it would re-prefill forever).
 
 `size_layout` picks the budget: an explicit `kv_cache_memory` as given; by default the smaller of
-`DEFAULT_RAM_FRACTION` of RAM and `workload_layout`, what `max_num_seqs` sequences of
-`max_model_len` tokens can use (a tiny model never reserves gigabytes it cannot fill).
+`DEFAULT_RAM_FRACTION` of RAM (on CUDA: the device memory free after the weights, keeping
+`1 - DEFAULT_GPU_FRACTION` of the device spare) and `workload_layout`, what `max_num_seqs`
+sequences of `max_model_len` tokens can use (a tiny model never reserves gigabytes it cannot fill).
 
 Under tensor parallelism (`tp`) every figure is per rank: a slot holds only the rank's KDA heads
 (H/W heads, 3P/W conv channels) and, under decode context parallelism, a page only the rank's
@@ -34,6 +35,7 @@ from .slot_journal import CHECKPOINT, LIVE
 log = logging.getLogger(__name__)
 
 DEFAULT_RAM_FRACTION = 0.1
+DEFAULT_GPU_FRACTION = 0.9  # of a CUDA device's memory the weights and the default KV cache may use
 PREFIX_HEADROOM = 2  # default sizing with prefix caching: MLA pages for the live sequences, twice
 
 
@@ -41,14 +43,25 @@ def total_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def resolve_budget(kv_cache_memory: int | float) -> int:
-    """An int is bytes; a float in (0, 1] is a fraction of physical RAM."""
+def device_memory(device: torch.device | str = "cpu") -> tuple[int, int]:
+    """(free, total) bytes of the memory the pools live in: the CUDA device's (after the weights,
+    which are loaded first), else physical RAM (free taken as total: the CPU default is a
+    fraction of RAM)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)
+    total = total_ram_bytes()
+    return total, total
+
+
+def resolve_budget(kv_cache_memory: int | float, device: torch.device | str = "cpu") -> int:
+    """An int is bytes; a float in (0, 1] is a fraction of the device's memory (RAM on CPU)."""
     if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, (int, float)):
         raise ValueError(f"kv_cache_memory must be bytes (int) or a RAM fraction (float), got {kv_cache_memory!r}")
     if isinstance(kv_cache_memory, float):
         if not 0.0 < kv_cache_memory <= 1.0:
             raise ValueError(f"kv_cache_memory as a fraction must lie in (0, 1], got {kv_cache_memory}")
-        return int(kv_cache_memory * total_ram_bytes())
+        return int(kv_cache_memory * device_memory(device)[1])
     if kv_cache_memory <= 0:
         raise ValueError(f"kv_cache_memory must be positive, got {kv_cache_memory}")
     return kv_cache_memory
@@ -163,19 +176,32 @@ def size_layout(
     state_dtype: torch.dtype = torch.float32,
     checkpoint_fraction: float = 0.0,
     tp: ParallelContext = SINGLE,
+    device: torch.device | str = "cpu",
 ) -> CacheLayout:
-    """The layout for `kv_cache_memory` (bytes, a RAM fraction, or None for the default: the
-    smaller of `DEFAULT_RAM_FRACTION` of RAM and `workload_layout`); logs the sizes and why."""
+    """The layout for `kv_cache_memory` (bytes, a fraction of the device's memory, or None for
+    the default: the smaller of `workload_layout` and, on CPU, `DEFAULT_RAM_FRACTION` of RAM, on
+    CUDA what is free after the weights less `1 - DEFAULT_GPU_FRACTION` of the device, as vLLM's
+    `gpu_memory_utilization`); logs the sizes and why."""
     args = (max_num_seqs, max_model_len, page_size, kv_dtype, state_dtype, checkpoint_fraction, tp)
     if kv_cache_memory is not None:
-        layout = plan_layout(cfg, resolve_budget(kv_cache_memory), *args)
+        layout = plan_layout(cfg, resolve_budget(kv_cache_memory, device), *args)
         why = f"kv_cache_memory={kv_cache_memory!r} as given"
     else:
-        fit, ram = workload_layout(cfg, *args), resolve_budget(DEFAULT_RAM_FRACTION)
+        fit = workload_layout(cfg, *args)
+        if torch.device(device).type == "cuda":
+            free, total = device_memory(device)
+            ram = free - int((1 - DEFAULT_GPU_FRACTION) * total)
+            pct = f"the device memory free after the weights less {1 - DEFAULT_GPU_FRACTION:.0%} of it"
+            if ram < fit.page_bytes * -(-max_model_len // page_size):
+                raise ValueError(
+                    f"only {max(ram, 0) / 2**20:.0f} MiB of {device} are left for the KV cache after the "
+                    f"weights: not enough for max_model_len={max_model_len}; lower it or use more devices"
+                )
+        else:
+            ram, pct = resolve_budget(DEFAULT_RAM_FRACTION), f"{DEFAULT_RAM_FRACTION:.0%} of RAM"
         use = f"max_num_seqs={max_num_seqs} x max_model_len={max_model_len} tokens can use" + (
             f" (MLA pages x{PREFIX_HEADROOM} for cached prefixes)" if checkpoint_fraction else ""
         )
-        pct = f"{DEFAULT_RAM_FRACTION:.0%} of RAM"
         if fit.total_bytes <= ram:
             layout, why = fit, f"default: what {use}, less than {pct} ({ram / 2**20:.1f} MiB)"
         else:

@@ -135,6 +135,7 @@ def _build_rank0(c: EngineConfig, dtype, ranks, tp, control) -> Engine:
         resolve_dtype(c.kv_state_dtype),
         c.checkpoint_fraction if c.enable_prefix_caching else 0.0,
         tp,
+        c.device,
     )
     model_id = f"{Path(c.model).resolve()}:{dtype}"
     kernel = model.ops.name  # load_model bound the backend (and built the native kernels) once
