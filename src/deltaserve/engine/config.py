@@ -44,8 +44,9 @@ def _opt(default: Any, help: str, **cli: Any) -> Any:
 class EngineConfig:
     """What `build_engine` needs to start an engine; defaults are `LLM`'s.
 
-    `kv_cache_memory` is bytes (int) or a fraction of physical RAM (float), honoured as given;
-    None: what `max_num_seqs` sequences of `max_model_len` tokens can use, at most 10 % of RAM.
+    `kv_cache_memory` is bytes (int) or a fraction of physical RAM (float; on CUDA of the device's
+    memory), honoured as given; None: what `max_num_seqs` sequences of `max_model_len` tokens can
+    use, at most 10 % of RAM (on CUDA: the device memory free after the weights, less 10 %).
     `max_model_len` None (or 0) means the checkpoint's `max_position_embeddings`.
     `structured_thinking_budget` None is unlimited. `data_parallel_size` N > 1: the offline `LLM`
     runs N replicas of this engine (engine/dp_client.py); `build_engine` builds one. Values are
@@ -58,8 +59,9 @@ class EngineConfig:
     page_size: int = _opt(16, "MLA page size in tokens", type=int)
     kv_cache_memory: int | float | None = _opt(
         None,
-        "bytes (integer) or a fraction of RAM (with a dot, e.g. 0.1); default: what "
-        "--max-num-seqs x --max-model-len tokens can use, at most 10%% of RAM",
+        "bytes (integer) or a fraction of RAM, of device memory on CUDA (with a dot, e.g. 0.1); default: "
+        "what --max-num-seqs x --max-model-len tokens can use, at most 10%% of RAM (on CUDA: what the "
+        "weights leave, less 10%% of the device)",
         type=memory_budget,
     )
     max_model_len: int | None = _opt(None, "longest sequence (prompt + output) in tokens", type=int, cli_default=8192)
