@@ -80,6 +80,7 @@ def _tampered(**fields):
         ("stale", _tampered(generation=10**9), "failed_stale_generation"),
         ("fingerprint", _tampered(fingerprint="0" * 64), "failed_fingerprint_mismatch"),
         ("prefix", _tampered(prefix_hash="f" * 64), "failed_prefix_mismatch"),
+        ("other_request", _tampered(request_id="another"), "failed_header_mismatch"),
     ],
 )
 def test_a_bad_handoff_is_recomputed(pair, want, name, hook, reason):

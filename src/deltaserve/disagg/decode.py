@@ -7,7 +7,8 @@
    reserve cache (`engine.handoff.reserve`): pages its prefix cache holds are shared, the
    transfer starts after them.
 2. Ask the prefill instance for the prompt minus its last token (`/disagg/prefill`), check the
-   header against this instance (fingerprint, token count, prompt hash, start, region shapes).
+   header against this request and instance (its fresh handoff id, fingerprint, token count,
+   prompt hash, start, region shapes).
 3. Read the regions in place into the reservation (`Connector.read`), release the prefill side
    (which confirms the generation was parked throughout), hash the received bytes and compare
    with the header's digests.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
+import uuid
 from collections import Counter
 from typing import Callable
 
@@ -152,11 +154,13 @@ class DecodeHandoff:
 
     async def _receive(self, url: str, ids: list[int], res: Reservation) -> None:
         t0 = time.perf_counter()
-        header = await self._post(url, "/disagg/prefill", PrefillRequest("", ids[:-1], res.start), TransferHeader)
+        handoff_id = uuid.uuid4().hex
+        msg = PrefillRequest(handoff_id, ids[:-1], res.start)
+        header = await self._post(url, "/disagg/prefill", msg, TransferHeader)
         released = False
         try:
             header = self._hook("header", header)
-            self._verify(header, ids, res)
+            self._verify(header, handoff_id, ids, res)
             remote = [(header.bases[t] + off, n) for t, _, off, n in header.regions]
             local = [self.bases[r.tensor] + r.offset for r in res.regions]
             t_read = time.perf_counter()
@@ -191,7 +195,9 @@ class DecodeHandoff:
     def _hook(self, stage: str, obj):
         return self.tamper(stage, obj) if self.tamper is not None else obj
 
-    def _verify(self, h: TransferHeader, ids: list[int], res: Reservation) -> None:
+    def _verify(self, h: TransferHeader, handoff_id: str, ids: list[int], res: Reservation) -> None:
+        if h.request_id != handoff_id:
+            raise HandoffError("header_mismatch", "the header answers another request")
         if h.fingerprint != self.fingerprint:
             raise HandoffError("fingerprint_mismatch", "the prefill instance's model or cache layout differs")
         if h.num_tokens != len(ids) - 1 or h.start != res.start:
