@@ -6,13 +6,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 from deltaserve import LLM
 from deltaserve.chat.render import load_chat_template
@@ -20,6 +18,7 @@ from deltaserve.disagg.proxy import Proxy, build_proxy_app
 from deltaserve.disagg.roles import add_role_arguments, install_role
 from deltaserve.server.app import build_app
 from deltaserve.server.async_engine import AsyncEngine
+from tests.server.live_server import run_app
 
 SECRET = "test-shared-secret"
 UNIT = 16
@@ -55,23 +54,6 @@ def role_args(role: str, *extra: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_role_arguments(p)
     return p.parse_args(["--role", role, "--disagg-secret", SECRET, *extra])
-
-
-@contextlib.contextmanager
-def run_app(app):
-    """Serve `app` on a loopback port in a daemon thread; yields its base URL."""
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 60
-    while not srv.started:
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        srv.should_exit = True
-        thread.join(30)
 
 
 @contextlib.contextmanager

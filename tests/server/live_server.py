@@ -31,6 +31,16 @@ def live_server(tmp_path_factory, model_name: str, app_kwargs: dict, **llm_kwarg
     )
     engine = AsyncEngine(llm.engine, llm.model.config.family, load_chat_template(ckpt))
     app = build_app(engine, model_name, **app_kwargs)
+    try:
+        with run_app(app) as url:
+            yield {"url": url, "engine": engine, "tok": llm.tokenizer}
+    finally:
+        engine.shutdown()
+
+
+@contextlib.contextmanager
+def run_app(app):
+    """Serve `app` with uvicorn on a loopback port in a daemon thread; yields its base URL."""
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -38,13 +48,11 @@ def live_server(tmp_path_factory, model_name: str, app_kwargs: dict, **llm_kwarg
     while not srv.started:
         assert time.time() < deadline and thread.is_alive(), "server did not start"
         time.sleep(0.05)
-    port = srv.servers[0].sockets[0].getsockname()[1]
     try:
-        yield {"url": f"http://127.0.0.1:{port}", "engine": engine, "tok": llm.tokenizer}
+        yield f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
     finally:
         srv.should_exit = True
         thread.join(30)
-        engine.shutdown()
 
 
 KEY = "sk-test-key"
