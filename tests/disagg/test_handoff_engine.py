@@ -38,11 +38,13 @@ def engines(request, tmp_path_factory):
     return make_llm(ckpt), make_llm(ckpt), make_llm(ckpt)
 
 
-def _run(core):
+def _run(core, max_steps: int = 500):
     out = []
-    while core.has_unfinished():
+    for _ in range(max_steps):
+        if not core.has_unfinished():
+            return out
         out += core.step()
-    return out
+    raise AssertionError(f"requests still unfinished after {max_steps} steps")
 
 
 def _handoff(p, d, rid: str, prompt: list[int]) -> tuple[handoff.Reservation, int]:
@@ -121,3 +123,19 @@ def test_coalesce_merges_only_runs_adjacent_on_both_sides():
     remote = [(100, 10), (110, 5), (115, 5), (200, 4)]
     local = [(1000), (1010), (2000), (2005)]
     assert coalesce(remote, local) == ([100, 115, 200], [1000, 2000, 2005], [15, 5, 4])
+
+
+def test_received_requests_pass_a_head_waiting_for_their_slots(engines):
+    """Every live slot held by reservations, a plain request queued first: it waits for a slot
+    the received ones hold, so they must run first (admission would otherwise deadlock)."""
+    p, d, ref = engines
+    prompts = [list(range(100 + 40 * i, 160 + 40 * i)) for i in range(d.cache.kda.num_slots)]
+    reserved = [_handoff(p, d, f"r{i}", q)[0] for i, q in enumerate(prompts)]
+    assert d.cache.kda.num_free == 0
+    d.engine.add_request("head", list(range(900, 950)), GREEDY)
+    for i, (q, res) in enumerate(zip(prompts, reserved)):
+        d.engine.add_request(f"r{i}", q, GREEDY, received=res.seq_id)
+    done = {o.request_id: o.outputs[0].token_ids for o in _run(d.engine)}
+    want = ref.generate([{"prompt_token_ids": q} for q in prompts + [list(range(900, 950))]], GREEDY)
+    assert [done[f"r{i}"] for i in range(len(prompts))] + [done["head"]] == [o.outputs[0].token_ids for o in want]
+    d.cache.check_integrity()

@@ -120,3 +120,28 @@ def test_decode_side_joint_hit_skips_the_prefill(deployment):
         assert handoff.counters["handoffs"] == 1 and handoff.counters["local_prefills"] == 1
         assert handoff.counters["local_hit_tokens"] >= 96
         idle_and_clean(d_url)
+
+
+def test_concurrent_requests_hand_off_in_parallel(deployment):
+    """More requests at once than the decode instance has live slots: reservations wait for
+    slots, prefills and reads interleave; each answer is still the colocated one, every prompt
+    was handed off (none computed on the decode side) and both sides end clean."""
+    import concurrent.futures
+
+    ref, x_url, d_url = deployment["ref"], deployment["proxy"][0], deployment["decode"][0]
+    rng = random.Random(11)
+    prompts = [[rng.randrange(10, 1700) for _ in range(40 + 17 * i)] for i in range(5)]
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].text for o in ref.generate([{"prompt_token_ids": p} for p in prompts], greedy)]
+    before = state(d_url).get("handoffs", 0)
+
+    def ask(prompt):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+        return httpx.post(x_url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        got = list(pool.map(ask, prompts))
+    assert got == want
+    assert state(d_url)["handoffs"] == before + 5
+    idle_and_clean(deployment["prefill"][0])
+    idle_and_clean(d_url)

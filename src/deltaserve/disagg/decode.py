@@ -5,7 +5,8 @@
 1. On the engine thread: if this instance's own joint hit (MLA pages and a KDA checkpoint)
    leaves at most `local_prefill_tokens` to compute, run the request here (no transfer); else
    reserve cache (`engine.handoff.reserve`): pages its prefix cache holds are shared, the
-   transfer starts after them.
+   transfer starts after them. While every live slot is taken it waits for one (as a queued
+   request would), never falling back to computing the prompt here.
 2. Ask the prefill instance for the prompt minus its last token (`/disagg/prefill`), check the
    header against this request and instance (its fresh handoff id, fingerprint, token count,
    prompt hash, start, region shapes).
@@ -97,32 +98,47 @@ class DecodeHandoff:
         self.bases = connector.register(pool_tensors(self.cache))
         self.fingerprint = layout_fingerprint(self.cache)
         self.on_failure, self.local_prefill_tokens = on_failure, local_prefill_tokens
+        self.timeout_s = timeout_s
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
         self.counters: Counter[str] = Counter()
         self.tamper: Callable[[str, object], object] | None = None
 
     def _plan(self, core, ids: list[int], params) -> Reservation | int | None:
-        """On the engine thread: the joint hit length if the request runs here, else a
-        reservation (None if the pools are short or the request is refused: it then goes
-        the local way, which queues it or answers the refusal)."""
+        """On the engine thread: a reservation; or the joint hit length if the request runs
+        here; or -1 if it is refused (the local way answers the refusal); or None while the
+        pools are short (every live slot taken: the caller waits for one)."""
         try:
             core.validate(f"handoff-check-{core._next_seq}", ids, params)
         except InvalidRequestError:
-            return None
+            return -1
         if self.local_prefill_tokens and core.cache.prefix_enabled:
             hit = core.cache.lookup(ids)
             if len(ids) - hit.length <= self.local_prefill_tokens:
                 return hit.length
         return reserve(core, ids)
 
+    async def _reserve(self, ids: list[int], params) -> Reservation | int:
+        """`_plan`, retried while the pools are short (running requests free their slots as they
+        finish; the wait is the queueing a local request would see), up to the handoff timeout."""
+        deadline, pause = time.monotonic() + self.timeout_s, 0.005
+        while True:
+            plan = await self.engine.call(lambda core: self._plan(core, ids, params))
+            if plan is not None:
+                return plan
+            if time.monotonic() > deadline:
+                return -1
+            self.counters["reserve_waits"] += 1
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 0.1)
+
     async def submit(self, state, ids: list[int], params, images=None):
         url = PREFILL_TARGET.get()
         if url is None or images or params.n != 1 or len(ids) < 2:
             return await state.submit_local(ids, params, images)
-        plan = await self.engine.call(lambda core: self._plan(core, ids, params))
+        plan = await self._reserve(ids, params)
         if not isinstance(plan, Reservation):
-            self.counters["local_prefills" if plan is not None else "local_other"] += 1
-            self.counters["local_hit_tokens"] += plan or 0
+            self.counters["local_prefills" if plan >= 0 else "local_other"] += 1
+            self.counters["local_hit_tokens"] += max(plan, 0)
             return await state.submit_local(ids, params, images)
         try:
             await self._receive(url, ids, plan)

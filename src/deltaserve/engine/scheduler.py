@@ -6,7 +6,8 @@ when pages run out the newest running sequence is preempted (cache freed, `num_c
 put back at the head of the queue). Waiting sequences are then admitted in arrival order while
 budget, `max_num_seqs` and cache allow, and never in a step that preempted; with prefix caching
 an admitted sequence starts at its hit length (pages shared, state copied); a `preadmitted` one
-(a received handoff) already holds its cache and starts where it ends. A sequence that
+(a received handoff) already holds its cache, starts where it ends and is admitted before the
+others, whatever its place (it may hold the slot the queue's head waits for). A sequence that
 cannot be admitted for lack of cache stops admission (a short request never overtakes it). The
 oldest running sequence always makes progress, so no request starves.
 
@@ -110,17 +111,26 @@ class Scheduler:
         return budget, preempted
 
     def _admit(self, out: list[ScheduledSeq], budget: int) -> None:
-        """Admit waiting sequences in order into `budget`, skipping held ones, until one does not
-        fit (it keeps its place and stops admission)."""
+        """Admit waiting sequences into `budget`: first every preadmitted one (it holds its KDA
+        slot already, so a request waiting for a slot must not block it: that slot may be
+        the one it holds), then the rest in order, skipping held ones, until one does not fit
+        (it keeps its place and stops admission)."""
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
-            if seq.preadmitted:
-                n = min(seq.num_pending, budget)
-                if not self.cache.grow(seq.seq_id, seq.num_computed + n):
-                    break
-                self._run(i, seq, n, out)
-                budget -= n
+            if not seq.preadmitted:
+                i += 1
+                continue
+            n = min(seq.num_pending, budget)
+            if not self.cache.grow(seq.seq_id, seq.num_computed + n):
+                break
+            self._run(i, seq, n, out)
+            budget -= n
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
+            if seq.preadmitted:  # left over: no budget or pages for it this step
+                i += 1
                 continue
             hit = None
             if self.cache.prefix_enabled:
