@@ -189,6 +189,8 @@ def test_a_decode_instance_killed_under_the_proxy(ckpt, pair, want):
         with proxy([p_url], [dead, d_url]) as (x_url, _):  # a live one takes over
             r = httpx.post(x_url + "/v1/completions", json=body, timeout=120)
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+            assert httpx.get(x_url + "/v1/models", timeout=30).json()["data"][0]["id"] == "tiny"
+            assert httpx.get(x_url + "/ready", timeout=30).status_code == 503  # one instance is down
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -151,11 +151,13 @@ def build_proxy_app(proxy: Proxy, api_key: str | None = None, max_body_bytes: in
     @app.get("/v1/models")
     async def models(request: Request):
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-        try:
-            r = await proxy.client.get(proxy.decode[0] + "/v1/models", headers=headers, timeout=10.0)
-        except httpx.HTTPError:
-            raise APIError(503, "the decode instance did not answer", "service_unavailable") from None
-        return Response(r.content, status_code=r.status_code, media_type="application/json")
+        for url in proxy.decode:  # the first decode instance that answers
+            try:
+                r = await proxy.client.get(url + "/v1/models", headers=headers, timeout=10.0)
+            except httpx.HTTPError:
+                continue
+            return Response(r.content, status_code=r.status_code, media_type="application/json")
+        raise APIError(503, "no decode instance answered", "service_unavailable")
 
     @app.get("/health")
     async def health():
