@@ -49,6 +49,7 @@ def kernels(request):
 def test_variant_has_exactly_its_isa(kernels):
     assert bool(kernels.lib.ds_has_avx512bf16()) == (kernels.isa != "avx2")
     assert bool(kernels.lib.ds_amx_ready()) == (kernels.isa == "amx")
+    assert kernels.tile_kind == {"avx2": "none", "avx512": "avx512-bf16", "amx": "amx"}[kernels.isa]
     assert f"-{kernels.isa}-" in Path(kernels.lib._name).name
 
 
@@ -58,7 +59,7 @@ def test_linear(kernels, rows):
     x = torch.randn(rows, 1024, generator=gen).to(BF)
     w = torch.randn(300, 1024, generator=gen).to(BF)
     if rows > kernels.multi_rows(1024):
-        pytest.skip("more rows than the GEMV kernels take (AMX only)")
+        pytest.skip("more rows than the GEMV kernels take (tile kernels only)")
     ref = F.linear(x, w)
     got = kernels.linear_bf16_multi(x, [w])[0]
     assert ulps(got, ref, ref) <= 2.0

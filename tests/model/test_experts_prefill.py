@@ -37,12 +37,15 @@ def _experts(packed: bool, gen: torch.Generator) -> tuple[StackedExperts, tuple]
     return mod, tuple(dense)
 
 
-@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("path", ["gemm", "registers", "amx"])
 @pytest.mark.parametrize("packed", [False, True])
-def test_prefill_experts_match_grouped_experts(packed, amx, monkeypatch):
-    """Without AMX tiles prefill batches take `grouped_experts`; with them the fused tile kernel."""
-    if amx and not NK.amx:
+def test_prefill_experts_match_grouped_experts(packed, path, monkeypatch):
+    """Without tiles prefill batches take `grouped_experts`; on tiles (AMX, or AVX512-BF16 register
+    tiles where AMX is off) the fused tile kernel."""
+    if path == "amx" and not NK.amx:
         pytest.skip("AMX tiles unavailable")
+    if path == "registers" and not NK.avx512_bf16:
+        pytest.skip("AVX512-BF16 unavailable")
     gen = torch.Generator().manual_seed(3)
     mod, dense = _experts(packed, gen)
     n = 3 * FUSED_MAX_TOKENS + 5
@@ -55,14 +58,16 @@ def test_prefill_experts_match_grouped_experts(packed, amx, monkeypatch):
     real = CpuNativeOps.grouped_experts
     monkeypatch.setattr(CpuNativeOps, "grouped_experts", lambda self, *a: calls.append(1) or real(self, *a))
     act = GluAct("situ", 4.0, 25.0)
-    old, before = NK.set_amx(amx), NK.amx_uses()
+    old_amx, old_tiles = NK.set_amx(path == "amx"), NK.set_tiles(path != "gemm")
+    before = NK.tile_uses()
     try:
         got = mod(x, ids, w, act)
     finally:
-        NK.set_amx(old)
+        NK.set_tiles(old_tiles)
+        NK.set_amx(old_amx)
     ref = grouped_experts(x, ids, w, *dense, act)
-    if amx:
-        assert not calls and NK.amx_uses() > before, "the tile path did not engage"
+    if path != "gemm":
+        assert not calls and NK.tile_uses() > before, "the tile path did not engage"
     else:
         assert calls, "the native prefill path did not engage"
     assert got.dtype == BF and got.shape == (n, D)

@@ -19,7 +19,7 @@ from deltaserve.ops.activations import silu_and_mul, situ_and_mul
 from deltaserve.ops.backend import REFERENCE
 from deltaserve.ops.moe import grouped_experts
 
-from .test_cpu_kernels import linear, routed_case, ulps
+from .test_cpu_kernels import check_linear_multi, linear, routed_case, ulps
 
 NK = cpu_kernels.native()
 pytestmark = pytest.mark.skipif(NK is None or not NK.amx, reason="AMX tiles unavailable")
@@ -29,19 +29,7 @@ BF = torch.bfloat16
 @pytest.mark.parametrize("rows", [9, 16, 17, 40, 64, 100])
 @pytest.mark.parametrize("k", [64, 1024])
 def test_amx_linear_matches_f_linear(rows, k):
-    gen = torch.Generator().manual_seed(rows + k)
-    x = torch.randn(rows, k, generator=gen).to(BF)
-    ws = [torch.randn(n, k, generator=gen).to(BF) for n in (300, 16, 7)]  # tails of 12, 0 and 7 rows
-    before = NK.amx_uses()
-    got = NK.linear_bf16_multi(x, ws, [False, True, False])  # above AMX_ROWS: passes of AMX_ROWS
-    assert NK.amx_uses() > before
-    for w, y, f32 in zip(ws, got, [False, True, False]):
-        ref = x.float() @ w.float().T
-        assert y.dtype == (torch.float32 if f32 else BF) and y.shape == ref.shape
-        if f32:
-            assert torch.allclose(y, ref, rtol=1e-5, atol=1e-3 * k**0.5)
-        else:
-            assert ulps(y, F.linear(x, w), ref) <= 2.0
+    x, ws, got = check_linear_multi(NK, rows, k, NK.amx_uses)
     if rows <= NK.multi_rows(k):
         assert torch.equal(linear(x, ws[0]), got[0])  # dispatch takes the tile path
     else:
@@ -65,9 +53,11 @@ def test_amx_experts_match_gemv_kernel_and_reference(n, hot):
     tiles_dense = NK.moe_experts(x, ids, wts, *dense, cpu_kernels.ACT_SITU, 4.0, 25.0)
     assert NK.amx_uses() > before
     NK.set_amx(False)
+    NK.set_tiles(False)  # not the AVX512-BF16 register tiles either: the GEMV kernels
     try:
         gemv = NK.moe_experts(x, ids, wts, w1, w3, w2, cpu_kernels.ACT_SITU, 4.0, 25.0)
     finally:
+        NK.set_tiles(True)
         NK.set_amx(True)
     assert torch.equal(tiles_packed, tiles_dense)  # decode-then-tile == tiles straight from bf16
     assert ulps(tiles_packed, ref, ref) <= 2.0
@@ -97,9 +87,11 @@ def test_amx_experts_glu_per_activation_and_chunking(act, beta, lbeta):
     tiles = NK.moe_experts(x, ids, wts, w1, w3, w2, act, beta, lbeta)
     assert NK.amx_uses() > before
     NK.set_amx(False)
+    NK.set_tiles(False)
     try:
         gemv = NK.moe_experts(x, ids, wts, w1, w3, w2, act, beta, lbeta)
     finally:
+        NK.set_tiles(True)
         NK.set_amx(True)
     assert ulps(tiles, ref, ref) <= 2.0
     assert ulps(tiles, gemv, ref) <= 2.0

@@ -239,3 +239,23 @@ def test_glu_matches_torch_activations(act_kind):
     ref = situ_and_mul(g, u, 4.0, 25.0) if act_kind == cpu_kernels.ACT_SITU else silu_and_mul(g, u)
     got = NK.glu_rows(g, u, act_kind, 4.0, 25.0 if act_kind == cpu_kernels.ACT_SITU else None)
     assert ulps(got, ref, ref) <= 1.0
+
+
+def check_linear_multi(lib, rows: int, k: int, uses) -> list[torch.Tensor]:
+    """`lib.linear_bf16_multi` over three weights (tails of 12, 0 and 7 rows past 16, one fp32
+    output) against fp32 matmuls (fp32 output) and `F.linear` (within 2 bf16 ulps); `uses()`
+    must grow (the tile path ran). Returns the outputs."""
+    gen = torch.Generator().manual_seed(rows + k)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    ws = [torch.randn(n, k, generator=gen).to(torch.bfloat16) for n in (300, 16, 7)]
+    before = uses()
+    got = lib.linear_bf16_multi(x, ws, [False, True, False])
+    assert uses() > before
+    for w, y, f32 in zip(ws, got, [False, True, False]):
+        ref = x.float() @ w.float().T
+        assert y.dtype == (torch.float32 if f32 else torch.bfloat16) and y.shape == ref.shape
+        if f32:
+            assert torch.allclose(y, ref, rtol=1e-5, atol=1e-3 * k**0.5)
+        else:
+            assert ulps(y, torch.nn.functional.linear(x, w), ref) <= 2.0
+    return x, ws, got

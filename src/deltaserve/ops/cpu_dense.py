@@ -2,8 +2,8 @@
 (`kernels.cpu`); `ops.cpu_native.CpuNativeOps` adds the attention families.
 
 Each method runs its kernel where the operands fit it (bf16 activations, small batches for the
-GEMV kernels, AMX tiles where the CPU has them) and otherwise the reference (`TorchOps`); both
-accumulate in fp32 and round once, only the summation order differs.
+GEMV kernels, tiles (AMX, or AVX512-BF16 register tiles) where the CPU has them) and otherwise the
+reference (`TorchOps`); both accumulate in fp32 and round once, only the summation order differs.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ class CpuDenseOps(TorchOps):
 
     # dense -------------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """The GEMV kernel up to MAX_ROWS rows, the AMX tile kernel up to AMX_ROWS where the CPU has
-        tiles (batched decode: oneDNN reorders the weight on every such call), else `F.linear`."""
+        """The GEMV kernel up to MAX_ROWS rows, the tile kernel up to AMX_ROWS where the CPU has tiles
+        (AMX or AVX512-BF16; batched decode: oneDNN reorders the weight on every such call), else `F.linear`."""
         if x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.is_cpu and w.is_contiguous():
             k = x.shape[-1]
             rows = x.shape[0] if x.dim() == 2 else (x.numel() // k if k else 0)
@@ -95,7 +95,7 @@ class CpuDenseOps(TorchOps):
         return self.k.attn_res_mix([*bank, cur], prepared, ATTN_RES_EPS, then[2], then[1])
 
     def glu_mlp(self, x, gate, up, down, act):
-        """Up to MAX_ROWS tokens (AMX_ROWS with AMX tiles) as one fused call (the MoE kernel with a
+        """Up to MAX_ROWS tokens (AMX_ROWS on tiles) as one fused call (the MoE kernel with a
         single expert of weight 1, rounding exactly as the three linears and the activation); more
         tokens run the linears as GEMMs with the native GLU between them."""
         n = x.shape[0]
@@ -106,7 +106,7 @@ class CpuDenseOps(TorchOps):
             or not all(w.dtype == torch.bfloat16 for w in (gate, up, down))
         ):
             return super().glu_mlp(x, gate, up, down, act)
-        if n <= (AMX_ROWS if self.k.amx else MAX_ROWS):
+        if n <= (AMX_ROWS if self.k.tiles else MAX_ROWS):
             return self.k.moe_experts(
                 x, *_single_expert_routing(n), gate.unsqueeze(0), up.unsqueeze(0), down.unsqueeze(0), *act_spec(act)
             )
@@ -133,10 +133,11 @@ class CpuDenseOps(TorchOps):
         return self.k.mxfp4_to_bf16(packed, scale) if dtype == torch.bfloat16 else mxfp4_decode(packed, scale, dtype)
 
     def experts(self, x, ids, weights, ex, act):
-        """Small batches (any batch with AMX tiles) run the fused kernel; larger ones per-expert GEMMs."""
+        """Small batches (any batch on tiles: AMX or AVX512-BF16 registers, MXFP4 decoded in the weight
+        loads) run the fused kernel; larger ones per-expert GEMMs."""
         if x.dtype != torch.bfloat16 or not (ex.packed or ex.w1.dtype == torch.bfloat16):
             return super().experts(x, ids, weights, ex, act)
-        if 0 < x.shape[0] <= FUSED_MAX_TOKENS or self.k.amx:
+        if 0 < x.shape[0] <= FUSED_MAX_TOKENS or self.k.tiles:
             return self.k.moe_experts(x, ids, weights, *ex.operands(), *act_spec(act))
         return self.grouped_experts(x, ids, weights, ex, act)
 

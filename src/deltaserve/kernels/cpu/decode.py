@@ -63,8 +63,8 @@ class DecodeBindings:
         self, x: torch.Tensor, weights: list[torch.Tensor], f32: list[bool] | None = None
     ) -> list[torch.Tensor]:
         """`[x @ w.T for w in weights]` in one native call: x [M, K] bf16 (M <= MAX_ROWS, or any M on
-        AMX tiles, in passes of AMX_ROWS), each w [N_i, K] bf16 contiguous; output i is fp32 where
-        f32[i] (the unrounded fp32 accumulation), else bf16."""
+        tiles (AMX or AVX512-BF16 registers), in passes of AMX_ROWS), each w [N_i, K] bf16 contiguous;
+        output i is fp32 where f32[i] (the unrounded fp32 accumulation), else bf16."""
         m, k = x.shape
         f32 = f32 or [False] * len(weights)
         if not (
@@ -98,8 +98,8 @@ class DecodeBindings:
 
     def multi_rows(self, k: int) -> int:
         """The most rows worth one `linear_bf16_multi` call for inputs of width k (more go to oneDNN
-        GEMMs): AMX_ROWS with AMX tiles (k a multiple of 32), else MAX_ROWS."""
-        return AMX_ROWS if self.amx and k % GROUP_SIZE == 0 else MAX_ROWS
+        GEMMs): AMX_ROWS on tiles (k a multiple of 32), else MAX_ROWS."""
+        return AMX_ROWS if self.tiles and k % GROUP_SIZE == 0 else MAX_ROWS
 
     def linear_bf16_heads(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Per-head `x[h] @ w[h].T`: x [H, M <= MAX_ROWS, K], w [H, N, K], both bf16 -> [H, M, N]."""

@@ -79,7 +79,7 @@ class NativeKernels(DecodeBindings, AttentionDecodeBindings, PrefillBindings, Kd
         check(lib)
         lib.ds_init()
         self.avx512_bf16 = bool(lib.ds_has_avx512bf16())
-        self.amx = False
+        self.amx = self.tiles = False
         self.set_amx(os.environ.get("DELTASERVE_AMX", "1") != "0")
         lowest = "generic" if built_for == "generic" else "avx2"
         self.isa = "amx" if self.amx else ("avx512" if self.avx512_bf16 else lowest)
@@ -87,15 +87,35 @@ class NativeKernels(DecodeBindings, AttentionDecodeBindings, PrefillBindings, Kd
             log.info("native CPU kernels built for %s run %s", built_for, self.isa)
 
     def set_amx(self, flag: bool) -> bool:
-        """Use AMX tiles (where the CPU and kernel allow them) for batched decode; returns the old value."""
+        """Use AMX tiles (where the CPU and kernel allow them) for batched decode; returns the old value.
+        Without them the tile kernels run on AVX512-BF16 registers where the build has those (`tiles`)."""
         old = self.amx
         self.lib.ds_amx_set_enabled(int(flag))
         self.amx = bool(self.lib.ds_amx_ready())
+        self.tiles = bool(self.lib.ds_tiles_ready())
         return old
+
+    def set_tiles(self, flag: bool) -> bool:
+        """Use the AVX512-BF16 register tiles where AMX does not run (off: batched decode above MAX_ROWS
+        rows goes to torch GEMMs, experts to the GEMV kernels); returns the old value."""
+        old, self._reg_tiles = getattr(self, "_reg_tiles", True), bool(flag)
+        self.lib.ds_tiles_set_enabled(int(flag))
+        self.tiles = bool(self.lib.ds_tiles_ready())
+        return old
+
+    @property
+    def tile_kind(self) -> str:
+        """What runs the tile kernels (batched decode of 9..AMX_ROWS rows, fused experts at any batch):
+        `amx`, `avx512-bf16` (register tiles) or `none`."""
+        return ("none", "avx512-bf16", "amx")[int(self.lib.ds_tiles_ready())]
 
     def amx_uses(self) -> int:
         """Kernel calls and expert chunks that ran on AMX tiles in this process (tests check engagement)."""
         return int(self.lib.ds_amx_uses())
+
+    def tile_uses(self) -> int:
+        """Kernel calls and expert chunks that ran on either kind of tile in this process."""
+        return int(self.lib.ds_tiles_uses())
 
 
 def load(isa: str | None = None, compiler: str | None = None) -> NativeKernels:
@@ -133,7 +153,11 @@ def _load() -> NativeKernels | None:
         log.warning("native CPU kernels refused: %s; using the PyTorch paths", err)
         return None
     log.info(
-        "native CPU kernels (%s) ready in %.1f s from %s", kernels.isa, time.perf_counter() - start, kernels.lib._name
+        "native CPU kernels (%s, tiles: %s) ready in %.1f s from %s",
+        kernels.isa,
+        kernels.tile_kind,
+        time.perf_counter() - start,
+        kernels.lib._name,
     )
     return kernels
 

@@ -1,5 +1,6 @@
 /* AMX bf16 tile kernels: the dense multi-projection ds_linear_amx_multi (batched decode, 9..64 rows)
- * and the row kernel of the fused experts (moe_decode.c, chunks of 2..256 pairs).
+ * and the row kernel of the fused experts (moe_decode.c, chunks of 2..256 pairs); both reach the
+ * tiles through ds_tile_rows (tiles.c), which runs AVX512-BF16 register tiles where AMX is not ready.
  *
  * TDPBF16PS computes C[16][16] += A[16][32 bf16] . B[16 pairs][16][2 bf16]. Products here are
  * transposed, C[n][m] = w[n] . x[m]: A is 16 weight rows exactly as stored (row-major, so weights
@@ -208,20 +209,48 @@ void ds_amx_rows(const void *const *w, const uint8_t *const *s, int packed, cons
 }
 #endif
 
+/* y[m * ldy + n0 + r] = c[m-block m / 16][r][m % 16] for r < rows, m < Mc: fp32, or bf16 rounded as
+ * f32_to_bf16. Per m-block a 16 x 16 dword transpose turns the products' columns into output rows. */
+static void store_block(const float *c, int MB, int Mc, int rows, int f32, void *y, int64_t ldy, int n0) {
+    for (int mb = 0; mb < MB; ++mb) {
+        const float *cb = c + mb * DS_TILE * DS_TILE;
+        const int mms = Mc - mb * DS_TILE < DS_TILE ? Mc - mb * DS_TILE : DS_TILE;
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+        __m512i z[16];
+        for (int r = 0; r < DS_TILE; ++r) z[r] = _mm512_loadu_si512((const void *)(cb + r * DS_TILE));
+        ds_transpose16(z);
+        const __mmask16 k = (__mmask16)((1u << rows) - 1);
+        for (int mm = 0; mm < mms; ++mm) {
+            const int64_t at = (int64_t)(mb * DS_TILE + mm) * ldy + n0;
+            if (f32) _mm512_mask_storeu_ps((float *)y + at, k, _mm512_castsi512_ps(z[mm]));
+            else _mm256_mask_storeu_epi16((uint16_t *)y + at, k, f32_to_bf16_x16(_mm512_castsi512_ps(z[mm])));
+        }
+#else
+        for (int mm = 0; mm < mms; ++mm) {
+            const int64_t at = (int64_t)(mb * DS_TILE + mm) * ldy + n0;
+            for (int r = 0; r < rows; ++r) {
+                if (f32) ((float *)y)[at + r] = cb[r * DS_TILE + mm];
+                else ((uint16_t *)y)[at + r] = f32_to_bf16(cb[r * DS_TILE + mm]);
+            }
+        }
+#endif
+    }
+}
+
 /* y_i[M, N_i] = x[M, K] @ w_i[N_i, K]^T for i < nw, as ds_linear_bf16_multi (each y_i contiguous,
  * fp32 where f32[i], else bf16) for any M, in passes of DS_AMX_ROWS rows over the weights. Needs K % 32 == 0.
- * Returns 0, -1 (bad arguments or no AMX; nothing written) or -2 (allocation failed). */
+ * Returns 0, -1 (bad arguments or no tiles; nothing written) or -2 (allocation failed). */
 int ds_linear_amx_multi(const uint16_t *x, int M, int K, const uint16_t *const *w, const int *N, const int *f32,
                         void *const *y, int nw, int nthreads) {
     enum { MAXW = DS_MAX_MULTI, PASS = DS_AMX_ROWS };
-    if (!ds_amx_ready() || nw < 1 || nw > MAXW || M < 1 || K < 32 || K % 32) return -1;
+    if (!ds_tiles_ready() || nw < 1 || nw > MAXW || M < 1 || K < 32 || K % 32) return -1;
     int first[MAXW + 1];
     first[0] = 0;
     for (int i = 0; i < nw; ++i) first[i + 1] = first[i] + (N[i] + DS_TILE - 1) / DS_TILE;
     const int blocks = first[nw];
     uint16_t *xv = aligned_alloc(64, sizeof(uint16_t) * (size_t)K * PASS);
     if (!xv) return -2;
-    ds_amx_count();
+    ds_tiles_count();
     int bad = 0;
     for (int m0 = 0; m0 < M && !bad; m0 += PASS) {
         const int Mc = M - m0 < PASS ? M - m0 : PASS, MB = (Mc + DS_TILE - 1) / DS_TILE;
@@ -231,7 +260,7 @@ int ds_linear_amx_multi(const uint16_t *x, int M, int K, const uint16_t *const *
         {
             __attribute__((aligned(64))) float c[2 * DS_AMX_MB * DS_TILE * DS_TILE];
             uint16_t *tail = NULL;   /* blocks of fewer than 16 rows, zero-padded (two: one per block of a call) */
-            ds_amx_config();
+            ds_tiles_begin();
             #pragma omp for schedule(static)
             for (int u = 0; u < (blocks + 1) / 2; ++u) {   /* pairs of row blocks, one ds_amx_rows call */
                 const void *wb[2];
@@ -259,15 +288,12 @@ int ds_linear_amx_multi(const uint16_t *x, int M, int K, const uint16_t *const *
                 }
                 if (bad) continue;
                 for (int h = 0; h < nb; h += pair ? nb : 1)
-                    ds_amx_rows(wb + h, NULL, 0, r0 + h, pair ? nb : 1, K, xv, MB, c + h * MB * DS_TILE * DS_TILE);
+                    ds_tile_rows(wb + h, NULL, 0, r0 + h, pair ? nb : 1, K, xv, MB, c + h * MB * DS_TILE * DS_TILE);
                 for (int h = 0; h < nb; ++h) {
                     const int i = mat[h];
-                    for (int m = 0; m < Mc; ++m) {
-                        const float *cm = c + (h * MB + m / DS_TILE) * DS_TILE * DS_TILE + m % DS_TILE;
-                        const int64_t at = (int64_t)(m0 + m) * N[i] + n0[h];
-                        if (f32[i]) for (int r = 0; r < rows[h]; ++r) ((float *)y[i])[at + r] = cm[r * DS_TILE];
-                        else for (int r = 0; r < rows[h]; ++r) ((uint16_t *)y[i])[at + r] = f32_to_bf16(cm[r * DS_TILE]);
-                    }
+                    void *yi = f32[i] ? (void *)((float *)y[i] + (int64_t)m0 * N[i])
+                                      : (void *)((uint16_t *)y[i] + (int64_t)m0 * N[i]);
+                    store_block(c + h * MB * DS_TILE * DS_TILE, MB, Mc, rows[h], f32[i], yi, N[i], n0[h]);
                 }
             }
             free(tail);

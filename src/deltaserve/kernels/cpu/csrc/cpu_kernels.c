@@ -245,31 +245,31 @@ row_mxfp4_avx(const uint16_t *x, const int M, int K, const uint8_t *p, const uin
         acc[m] = _mm512_reduce_add_ps(a[0][m]);
     }
 }
-/* Four consecutive rows at once for M <= 2 (decode): each group's activations are loaded once
- * for the four rows, and the 4 * M accumulator chains are independent. acc as rows_bf16. The packed
- * rows DS_MX_PREFETCH_ROWS ahead are prefetched (measured ~15% faster on DRAM-resident experts). */
+/* NR consecutive rows at once (NR * M <= 16 accumulator chains, independent): each group's activations
+ * are loaded once for the NR rows. acc as rows_bf16. The packed rows DS_MX_PREFETCH_ROWS ahead are
+ * prefetched (measured ~15% faster on DRAM-resident experts). */
 #define DS_MX_PREFETCH_ROWS 16
 static inline __attribute__((always_inline)) void
-rows4_mxfp4_avx(const uint16_t *x, const int M, int K, const uint8_t *p, const uint8_t *s, float *acc) {
+rows_mxfp4_avx(const uint16_t *x, const int M, int K, const uint8_t *p, const uint8_t *s, const int NR, float *acc) {
     const int groups = K / DS_GROUP;
-    __m512 a[4][2];
-    for (int r = 0; r < 4; ++r)
+    __m512 a[4][DS_MAX_M];
+    for (int r = 0; r < NR; ++r)
         for (int m = 0; m < M; ++m) a[r][m] = _mm512_setzero_ps();
     for (int g = 0; g < groups; ++g) {
-        __m512bh xv[2];
+        __m512bh xv[DS_MAX_M];
         for (int m = 0; m < M; ++m)
             xv[m] = (__m512bh)_mm512_loadu_si512((const void *)(x + (int64_t)m * K + g * DS_GROUP));
         if (g % 4 == 0)   /* one line per row every 4 groups; addresses past the matrix are harmless hints */
-            for (int r = 0; r < 4; ++r)
+            for (int r = 0; r < NR; ++r)
                 _mm_prefetch((const char *)((uintptr_t)p + (uintptr_t)((r + DS_MX_PREFETCH_ROWS) * (K / 2) + g * 16)),
                              _MM_HINT_T0);
-        for (int r = 0; r < 4; ++r) {
+        for (int r = 0; r < NR; ++r) {
             const __m512bh wv = (__m512bh)mxfp4_group(p + (int64_t)r * (K / 2) + g * (DS_GROUP / 2),
                                                       s[(int64_t)r * groups + g]);
             for (int m = 0; m < M; ++m) a[r][m] = _mm512_dpbf16_ps(a[r][m], wv, xv[m]);
         }
     }
-    for (int r = 0; r < 4; ++r)
+    for (int r = 0; r < NR; ++r)
         for (int m = 0; m < M; ++m) acc[r * DS_MAX_M + m] = _mm512_reduce_add_ps(a[r][m]);
 }
 #endif
@@ -313,7 +313,7 @@ void ds_mxfp4_to_bf16(const uint8_t *packed, const uint8_t *scale, int64_t N, in
     }
 }
 
-/* acc[r * DS_MAX_M + m] = x[m] . w[row0 + r], r < R (R <= DS_ROWS(M)). */
+/* acc[r * DS_MAX_M + m] = x[m] . w[row0 + r], r < R (R <= DS_ROWS(M), or DS_MX_ROWS(M) when packed). */
 void ds_expert_rows(const void *w, const uint8_t *s, int packed, int64_t row0, int R, int K,
                     const uint16_t *x, int M, float *acc) {
     if (!packed) {
@@ -322,12 +322,20 @@ void ds_expert_rows(const void *w, const uint8_t *s, int packed, int64_t row0, i
     }
     int r = 0;
 #ifdef DS_AVX512BF16
-    if (M <= 2)
-        for (; r + 4 <= R; r += 4) {
-            const uint8_t *wp = (const uint8_t *)w + (row0 + r) * (K / 2), *sp = s + (row0 + r) * (K / DS_GROUP);
-            if (M == 1) rows4_mxfp4_avx(x, 1, K, wp, sp, acc + r * DS_MAX_M);
-            else rows4_mxfp4_avx(x, 2, K, wp, sp, acc + r * DS_MAX_M);
+    for (const int nr = M <= 4 ? 4 : 2; r + nr <= R; r += nr) {   /* constant M and rows: registers */
+        const uint8_t *wp = (const uint8_t *)w + (row0 + r) * (K / 2), *sp = s + (row0 + r) * (K / DS_GROUP);
+        float *ar = acc + r * DS_MAX_M;
+        switch (M) {
+        case 1: rows_mxfp4_avx(x, 1, K, wp, sp, 4, ar); break;
+        case 2: rows_mxfp4_avx(x, 2, K, wp, sp, 4, ar); break;
+        case 3: rows_mxfp4_avx(x, 3, K, wp, sp, 4, ar); break;
+        case 4: rows_mxfp4_avx(x, 4, K, wp, sp, 4, ar); break;
+        case 5: rows_mxfp4_avx(x, 5, K, wp, sp, 2, ar); break;
+        case 6: rows_mxfp4_avx(x, 6, K, wp, sp, 2, ar); break;
+        case 7: rows_mxfp4_avx(x, 7, K, wp, sp, 2, ar); break;
+        default: rows_mxfp4_avx(x, 8, K, wp, sp, 2, ar); break;
         }
+    }
 #endif
     for (; r < R; ++r)
         row_mxfp4(x, M, K, (const uint8_t *)w + (row0 + r) * (K / 2), s + (row0 + r) * (K / DS_GROUP),

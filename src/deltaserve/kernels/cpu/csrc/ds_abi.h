@@ -13,7 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define DS_ABI_VERSION 1
+#define DS_ABI_VERSION 2
 
 #define DS_MAX_M 8             /* rows of the register-accumulator (GEMV) kernels: small-M decode */
 #define DS_AMX_ROWS 64         /* rows the AMX tile kernels take in one pass (batched decode) */
@@ -81,6 +81,12 @@ void ds_amx_set_enabled(int on);
 int64_t ds_amx_uses(void);    /* calls and expert chunks run on tiles so far */
 int ds_linear_amx_multi(const uint16_t *x, int M, int K, const uint16_t *const *w, const int *N, const int *f32,
                         void *const *y, int nw, int nthreads);
+
+/* tiles.c: the tile kernels (ds_linear_amx_multi, the fused experts' chunks) on AMX (2), on AVX512-BF16
+ * register tiles where AMX is not ready (1, unless disabled), or not at all (0). */
+int ds_tiles_ready(void);
+void ds_tiles_set_enabled(int on);
+int64_t ds_tiles_uses(void);  /* calls and expert chunks run on either kind of tile so far */
 
 /* router.c, moe_decode.c, moe_prefill.c: routing, fused routed experts, prefill GLU and combine. */
 int ds_route(const float *logits, int64_t n, int e, const float *bias, int top_k, int groups, int topk_group,

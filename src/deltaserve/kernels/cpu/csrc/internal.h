@@ -7,12 +7,14 @@
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define DS_ROWS(M) ((M) >= 8 ? 1 : 8 / (M))   /* weight rows per pass of the DS_MAX_M kernels */
+#define DS_MX_ROWS(M) ((M) <= 2 ? DS_ROWS(M) : (M) <= 4 ? 4 : 2)   /* the same over MXFP4 weights */
 #else
 #define DS_ROWS(M) 1
+#define DS_MX_ROWS(M) 1
 #endif
 
-/* acc[r * DS_MAX_M + m] = x[m] . w[row0 + r] for r < R <= DS_ROWS(M), m < M <= DS_MAX_M; w bf16
- * [rows, K] or MXFP4 (packed = 1: bytes [rows, K/2] and scales s [rows, K/32]). cpu_kernels.c */
+/* acc[r * DS_MAX_M + m] = x[m] . w[row0 + r] for r < R <= DS_ROWS(M) (DS_MX_ROWS(M) if packed), m < M <= DS_MAX_M;
+ * w bf16 [rows, K] or MXFP4 (packed = 1: bytes [rows, K/2] and scales s [rows, K/32]). cpu_kernels.c */
 void ds_expert_rows(const void *w, const uint8_t *s, int packed, int64_t row0, int R, int K,
                     const uint16_t *x, int M, float *acc);
 
@@ -66,4 +68,12 @@ void ds_amx_pack(const uint16_t *x, int64_t ldx, int M, int K, uint16_t *xv);
  * is decoded once per 512 columns for all m-blocks. Needs ds_amx_config() on this thread. */
 void ds_amx_rows(const void *const *w, const uint8_t *const *s, int packed, const int64_t *row0, int nw, int K,
                  const uint16_t *xv, int MB, float *c);
+
+/* tiles.c: ds_amx_rows' contract on AMX where ds_amx_ready(), else on AVX512-BF16 register tiles (only
+ * where ds_tiles_ready()); ds_tiles_begin() on each thread before its first call, ds_tiles_count() per
+ * kernel call or expert chunk. */
+void ds_tile_rows(const void *const *w, const uint8_t *const *s, int packed, const int64_t *row0, int nw, int K,
+                  const uint16_t *xv, int MB, float *c);
+void ds_tiles_begin(void);
+void ds_tiles_count(void);
 #endif

@@ -1,9 +1,9 @@
 /* deltaserve fused routed experts for small batches (decode): the (token, slot) pairs are grouped by
  * expert, and each chunk of one expert's pairs runs gate/up, the GLU and down in one pass over that
- * expert's weights (bf16, or MXFP4 kept packed). Chunks of at least AMX_MIN_PAIRS pairs run on AMX
- * tiles (amx.c) when ds_amx_ready(), up to AMX_MAX_PAIRS (so prefill batches fit too); others on
- * the GEMV row kernels (cpu_kernels.c), up to DS_MAX_M pairs. Either way fp32 accumulation, bf16
- * results; only the summation order differs.
+ * expert's weights (bf16, or MXFP4 kept packed). Where ds_tiles_ready(), chunks of at least
+ * min_pairs() pairs run on tiles (ds_tile_rows: AMX, or AVX512-BF16 register tiles), up to
+ * AMX_MAX_PAIRS (so prefill batches fit too); others on the GEMV row kernels (cpu_kernels.c), up to
+ * DS_MAX_M pairs. Either way fp32 accumulation, bf16 results; only the summation order differs.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -14,26 +14,12 @@
 #include "glu.h"
 #include "internal.h"
 
-#define AMX_MIN_PAIRS 2
+/* Fewest pairs of a tile chunk: AMX pads a chunk to 16 rows at little cost; register tiles compute
+ * all 16 lanes, which beats the GEMV kernels (M dot products per row) only past DS_MAX_M pairs. */
+static int min_pairs(void) { return ds_amx_ready() ? 2 : DS_MAX_M + 1; }
 #define AMX_MAX_MB 16
 #define AMX_MAX_PAIRS (DS_TILE * AMX_MAX_MB)   /* pairs per tile chunk (prefill: ~one expert's share) */
 #define ACC_MAX (AMX_MAX_MB * DS_TILE * DS_TILE)   /* floats of one row block's products */
-
-/* h[m * I + i0 + r] = bf16(glu(bf16(g[r * DS_MAX_M + m]), bf16(u[...]))) for r < rows, m < M (the GEMV
- * kernels' layout): valid entries are packed so the activation loop runs vectorised over them. */
-static void glu_block(const float *g, const float *u, int rows, int M, int act, float beta, float lbeta,
-                      uint16_t *h, int64_t I, int i0) {
-    float gg[8 * DS_MAX_M], uu[8 * DS_MAX_M], hv[8 * DS_MAX_M];
-    const int n = rows * M;
-    for (int r = 0; r < rows; ++r)
-        for (int m = 0; m < M; ++m) {
-            gg[r * M + m] = round_bf16(g[r * DS_MAX_M + m]);
-            uu[r * M + m] = round_bf16(u[r * DS_MAX_M + m]);
-        }
-    glu_values(gg, uu, n, act, beta, lbeta, hv);
-    for (int r = 0; r < rows; ++r)
-        for (int m = 0; m < M; ++m) h[(int64_t)m * I + i0 + r] = f32_to_bf16(hv[r * M + m]);
-}
 
 typedef struct { int act; float beta, lbeta; float *left, *right; } glu_table;
 
@@ -45,8 +31,9 @@ typedef struct {
     const void *w1, *w3, *w2;
     const uint8_t *s1, *s3, *s2;
     float beta, lbeta;
-    const glu_table *glu;   /* tile chunks' GLU (NULL: no tiles) */
+    const glu_table *glu;   /* the GLU as tables (NULL: allocation failed, evaluate it) */
     uint16_t *ys;   /* [pairs, D] bf16 expert outputs */
+    int min_pairs;  /* fewest pairs of a tile chunk (amx: tile chunks allowed, on AMX or register tiles) */
 } experts_job;
 
 typedef struct { uint16_t *xg, *h, *xv, *hv; } chunk_scratch;   /* gathered rows, GLU out, tile packs */
@@ -66,9 +53,9 @@ static void scratch_free(chunk_scratch *s) {
 
 /* Appends the starts of the chunks splitting one expert's pairs begin..end-1 to `chunk`; returns how
  * many. Tile chunks: at most AMX_MAX_PAIRS, whole m-blocks, as even as that allows; others DS_MAX_M. */
-static int split_pairs(int amx, int begin, int end, int *chunk) {
+static int split_pairs(int amx, int min, int begin, int end, int *chunk) {
     const int left = end - begin, mb = (left + DS_TILE - 1) / DS_TILE, n = (mb + AMX_MAX_MB - 1) / AMX_MAX_MB;
-    if (!amx || left < AMX_MIN_PAIRS) {
+    if (!amx || left < min) {
         int c = 0;
         for (int at = begin; at < end; at += DS_MAX_M) chunk[c++] = at;
         return c;
@@ -127,6 +114,31 @@ static const glu_table *glu_get(int act, float beta, float lbeta, glu_table *own
         if (glu_fill(own)) { got = own; *owned = 1; }
     }
     return got;
+}
+
+/* h[m * I + i0 + r] = bf16(glu(bf16(g[r * DS_MAX_M + m]), bf16(u[...]))) for r < rows, m < M (the GEMV
+ * kernels' layout), looked up in the tables (bit-identical), or without them evaluated on the valid
+ * entries packed together (a few values: the vector loop's scalar remainder would run them). */
+static void glu_block(const float *g, const float *u, int rows, int M, const glu_table *t, int act, float beta,
+                      float lbeta, uint16_t *h, int64_t I, int i0) {
+    if (t) {
+        for (int r = 0; r < rows; ++r)
+            for (int m = 0; m < M; ++m) {
+                const float left = t->left[f32_to_bf16(g[r * DS_MAX_M + m])];
+                h[(int64_t)m * I + i0 + r] = f32_to_bf16(left * t->right[f32_to_bf16(u[r * DS_MAX_M + m])]);
+            }
+        return;
+    }
+    float gg[8 * DS_MAX_M], uu[8 * DS_MAX_M], hv[8 * DS_MAX_M];
+    const int n = rows * M;
+    for (int r = 0; r < rows; ++r)
+        for (int m = 0; m < M; ++m) {
+            gg[r * M + m] = round_bf16(g[r * DS_MAX_M + m]);
+            uu[r * M + m] = round_bf16(u[r * DS_MAX_M + m]);
+        }
+    glu_values(gg, uu, n, act, beta, lbeta, hv);
+    for (int r = 0; r < rows; ++r)
+        for (int m = 0; m < M; ++m) h[(int64_t)m * I + i0 + r] = f32_to_bf16(hv[r * M + m]);
 }
 
 /* Tile chunks: hv (the tile pack of h, K = I) gets rows i0..i0+15 of every m-block, h[m][i0 + r] =
@@ -188,17 +200,18 @@ static void store_tiles(const float *y, int MB, int nb, int M, const int *pair, 
 
 /* The M pairs of one expert at `start` of the pair order. With `shared` the caller is inside a parallel
  * region and the row loops are split across its threads (the scratch is shared). Tile chunks run
- * gate and up of the same 16 rows as one two-block ds_amx_rows call, and down two 16-row blocks a call. */
+ * gate and up of the same 16 rows as one two-block ds_tile_rows call, and down two 16-row blocks a call. */
 static void moe_chunk(const experts_job *j, int start, int M, chunk_scratch *s, int shared) {
     const int D = j->D, I = j->I, e = (int)j->ids[j->order[start]], MB = (M + DS_TILE - 1) / DS_TILE;
-    const int tiles = j->amx && M >= AMX_MIN_PAIRS, R = tiles ? DS_TILE : DS_ROWS(M), DR = tiles ? 2 * R : R;
+    const int tiles = j->amx && M >= j->min_pairs, R = tiles ? DS_TILE : j->packed ? DS_MX_ROWS(M) : DS_ROWS(M);
+    const int DR = tiles ? 2 * R : R;
     const int nt = shared ? omp_get_num_threads() : 1, me = shared ? omp_get_thread_num() : 0;
     if (me == 0) {
         for (int m = 0; m < M; ++m)
             memcpy(s->xg + (int64_t)m * D, j->x + (int64_t)(j->order[start + m] / j->k) * D, sizeof(uint16_t) * D);
         if (tiles) {
             ds_amx_pack(s->xg, D, M, D, s->xv);
-            ds_amx_count();
+            ds_tiles_count();
         }
     }
     if (shared) {
@@ -213,12 +226,12 @@ static void moe_chunk(const experts_job *j, int start, int M, chunk_scratch *s, 
             const void *w[2] = {j->w1, j->w3};
             const uint8_t *sc[2] = {j->s1, j->s3};
             const int64_t r0[2] = {row, row};
-            ds_amx_rows(w, sc, j->packed, r0, 2, D, s->xv, MB, gu);
+            ds_tile_rows(w, sc, j->packed, r0, 2, D, s->xv, MB, gu);
             glu_tiles(gu, gu + MB * DS_TILE * DS_TILE, MB, j->glu, s->hv, i0);
         } else {
             ds_expert_rows(j->w1, j->s1, j->packed, row, rows, D, s->xg, M, gu);
             ds_expert_rows(j->w3, j->s3, j->packed, row, rows, D, s->xg, M, gu + ACC_MAX);
-            glu_block(gu, gu + ACC_MAX, rows, M, j->act, j->beta, j->lbeta, s->h, I, i0);
+            glu_block(gu, gu + ACC_MAX, rows, M, j->glu, j->act, j->beta, j->lbeta, s->h, I, i0);
         }
     }
     if (shared) {
@@ -233,7 +246,7 @@ static void moe_chunk(const experts_job *j, int start, int M, chunk_scratch *s, 
             const void *w[2] = {j->w2, j->w2};
             const uint8_t *sc[2] = {j->s2, j->s2};
             const int64_t r0[2] = {row, row + DS_TILE};
-            ds_amx_rows(w, sc, j->packed, r0, nw, I, s->hv, MB, y);
+            ds_tile_rows(w, sc, j->packed, r0, nw, I, s->hv, MB, y);
             store_tiles(y, MB, nw, M, j->order + start, j->ys, D, d0);
             continue;
         }
@@ -272,12 +285,13 @@ int ds_moe_experts(const uint16_t *x, int N, int D, const int64_t *ids, const fl
         for (int p = 0; p < P; ++p) order[fill[ids[p]]++] = p;   /* stable: pair order kept */
         glu_table own;
         int owned = 0;
-        const glu_table *glu = ds_amx_ready() && D % 32 == 0 && I % 32 == 0 ? glu_get(act, beta, lbeta, &own, &owned)
-                                                                             : NULL;
-        const experts_job job = {x, D, I, k, packed, act, glu != NULL, count, order, ids, w1, w3, w2, s1, s3, s2,
-                                 beta, lbeta, glu, ys};
+        const glu_table *glu = glu_get(act, beta, lbeta, &own, &owned);
+        const int tiles = glu && ds_tiles_ready() && D % 32 == 0 && I % 32 == 0;
+        const experts_job job = {x, D, I, k, packed, act, tiles, count, order, ids, w1, w3, w2, s1, s3, s2,
+                                 beta, lbeta, glu, ys, min_pairs()};
         int chunks = 0, widest = 1;
-        for (int e = 0; e < E; ++e) chunks += split_pairs(job.amx, count[e], count[e + 1], chunk + chunks);
+        for (int e = 0; e < E; ++e)
+            chunks += split_pairs(job.amx, job.min_pairs, count[e], count[e + 1], chunk + chunks);
         chunk[chunks] = P;
         for (int c = 0; c < chunks; ++c) widest = chunk[c + 1] - chunk[c] > widest ? chunk[c + 1] - chunk[c] : widest;
         int bad = 0;
@@ -288,7 +302,7 @@ int ds_moe_experts(const uint16_t *x, int N, int D, const int64_t *ids, const fl
                 chunk_scratch s;
                 const int ok = scratch_alloc(&s, widest, D, I);
                 bad |= !ok;
-                if (job.amx) ds_amx_config();
+                if (job.amx) ds_tiles_begin();
                 #pragma omp for schedule(dynamic, 1)
                 for (int c = 0; c < chunks; ++c)
                     if (ok) moe_chunk(&job, chunk[c], chunk[c + 1] - chunk[c], &s, 0);
@@ -301,7 +315,7 @@ int ds_moe_experts(const uint16_t *x, int N, int D, const int64_t *ids, const fl
             for (int c = 0; c < chunks && !bad; ++c) {
                 #pragma omp parallel num_threads(nthreads)
                 {
-                    if (job.amx) ds_amx_config();
+                    if (job.amx) ds_tiles_begin();
                     moe_chunk(&job, chunk[c], chunk[c + 1] - chunk[c], &s, 1);
                 }
             }
