@@ -210,3 +210,14 @@ def test_a_refused_request_moves_nothing(pair):
     assert handoff.counters["handoffs"] == before.get("handoffs", 0)
     assert state(p_url).get("prefills", 0) == prefills  # the prefill side was not asked
     idle_and_clean(d_url)
+
+
+def test_a_peer_that_is_no_prefill_instance(pair, want):
+    """The named prefill URL answers, but not as a prefill instance (here: the decode instance
+    itself, which has no /disagg/prefill): recomputed, counted, pools clean."""
+    _, (d_url, _, handoff) = pair
+    before = dict(handoff.counters)
+    r = _complete(d_url, d_url)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+    assert handoff.counters["failed_prefill_refused"] == before.get("failed_prefill_refused", 0) + 1
+    idle_and_clean(d_url)

@@ -29,6 +29,7 @@ from collections import Counter
 from typing import Callable
 
 import httpx
+import msgspec
 from fastapi import APIRouter, Request
 
 from ..cache.handoff import layout_fingerprint, pool_tensors, prompt_hash, region_digests
@@ -166,7 +167,10 @@ class DecodeHandoff:
         )
         if r.status_code != 200:
             raise HandoffError("prefill_refused", f"{path} answered {r.status_code}")
-        return decode(r.content, kind)
+        try:
+            return decode(r.content, kind)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            raise HandoffError("malformed_reply", f"{path} answered something that is not a {kind.__name__}") from None
 
     async def _receive(self, url: str, ids: list[int], res: Reservation) -> None:
         t0 = time.perf_counter()
