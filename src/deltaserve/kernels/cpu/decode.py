@@ -215,17 +215,26 @@ class DecodeBindings:
         """`ops.attn_res.attn_res_mix` over `candidates` (the bank, then cur; each [N, D] bf16)
         with the fp32 query q = norm * proj [D]. Returns the mix [N, D] bf16, or with `norm_f32`
         (an RMSNorm's fp32 weight [D]) that norm of the mix, bit-identical to `rms_norm` after it."""
-        n, d = candidates[-1].shape
+        shape = candidates[-1].shape
+        n, d = shape
+        bf16 = torch.bfloat16
         if not (
             0 < len(candidates) <= self.MAX_MIX
             and q_f32.dtype == torch.float32
             and q_f32.numel() == d
-            and all(c.dtype == torch.bfloat16 and c.shape == candidates[-1].shape for c in candidates)
             and (norm_f32 is None or (norm_f32.dtype == torch.float32 and norm_f32.numel() == d))
         ):
             raise ValueError("attn_res_mix: operand shapes or dtypes disagree")
-        candidates = [c if c.is_contiguous() else c.contiguous() for c in candidates]
-        ptrs = (ctypes.c_void_p * len(candidates))(*[c.data_ptr() for c in candidates])
+        # one pass: check each candidate and take its pointer (a contiguous copy kept alive if needed)
+        kept, addrs = [], []
+        for c in candidates:
+            if c.dtype != bf16 or c.shape != shape:
+                raise ValueError("attn_res_mix: operand shapes or dtypes disagree")
+            if not c.is_contiguous():
+                c = c.contiguous()
+                kept.append(c)
+            addrs.append(c.data_ptr())
+        ptrs = (ctypes.c_void_p * len(addrs))(*addrs)
         out = torch.empty(n, d, dtype=torch.bfloat16)
         normed = None if norm_f32 is None else torch.empty(n, d, dtype=torch.bfloat16)
         self.lib.ds_attn_res_mix(
