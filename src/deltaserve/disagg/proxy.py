@@ -22,12 +22,13 @@ from collections import Counter
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from ..engine.routing import rendezvous
 from ..server.errors import APIError
 from ..server.middleware import front_app
-from ..server.protocol import MAX_BODY_BYTES, error_body
+from ..server.protocol import MAX_BODY_BYTES
+from ..server.relay import all_ready, passed_headers, stream_back
 from ..server.replica_front import routing_key
 from .protocol import MSGPACK, PREFILL_HEADER, SECRET_HEADER, MatchReply, MatchRequest, decode, encode
 
@@ -88,8 +89,7 @@ class Proxy:
         path = request.url.path
         ranked = await self.rank_decode(path, body)
         prefill_url = self.pick_prefill()
-        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
-        headers |= {SECRET_HEADER: self.secret, PREFILL_HEADER: prefill_url}
+        headers = passed_headers(request) | {SECRET_HEADER: self.secret, PREFILL_HEADER: prefill_url}
         self.inflight[prefill_url] += 1
         resp = None
         for decode_url, m in ranked:  # the next best if one does not take the request
@@ -109,32 +109,14 @@ class Proxy:
             self.inflight[prefill_url] -= 1
             self.inflight[decode_url] -= 1
 
-        kept = {k: v for k, v in resp.headers.items() if k.lower() in ("content-type", "retry-after")}
-        sse = resp.headers.get("content-type", "").startswith("text/event-stream")
-
-        async def chunks():
-            try:
-                async for chunk in resp.aiter_raw():
-                    yield chunk
-            except httpx.HTTPError:
-                self.counters["decode_failures"] += 1
-                if sse:
-                    msg = f"the decode instance {decode_url} failed mid-answer"
-                    yield f"data: {json.dumps(error_body(msg, 'server_error'))}\n\ndata: [DONE]\n\n".encode()
-            finally:
-                await resp.aclose()
-                done()
+        def broke():
+            self.counters["decode_failures"] += 1
 
         self.counters["requests"] += 1
-        return StreamingResponse(chunks(), status_code=resp.status_code, headers=kept)
+        return stream_back(resp, done, f"the decode instance {decode_url} failed mid-answer", broke)
 
     async def ready(self) -> bool:
-        urls = self.prefill + self.decode
-        try:
-            answers = await asyncio.gather(*(self.client.get(u + "/ready", timeout=5.0) for u in urls))
-        except httpx.HTTPError:
-            return False
-        return all(a.status_code == 200 for a in answers)
+        return await all_ready(self.client, self.prefill + self.decode)
 
     def metrics(self) -> str:
         lines = []

@@ -18,7 +18,6 @@ dies); stopping the front stops the replicas.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import socket
@@ -30,12 +29,13 @@ from dataclasses import dataclass
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from ..engine.routing import SPILL, rendezvous
 from .errors import APIError
 from .middleware import front_app
 from .protocol import MAX_BODY_BYTES
+from .relay import all_ready, passed_headers, stream_back
 
 log = logging.getLogger("deltaserve.replicas")
 
@@ -90,34 +90,23 @@ class Front:
 
     async def relay(self, replica: Replica, request: Request, path: str, raw: bytes = b"") -> Response:
         """`request` (method, body, authorization) sent to `replica` at `path`, its answer streamed back."""
-        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
-        upstream = self.client.build_request(request.method, replica.url + path, content=raw, headers=headers)
+        upstream = self.client.build_request(
+            request.method, replica.url + path, content=raw, headers=passed_headers(request)
+        )
         replica.inflight += 1
         try:
             resp = await self.client.send(upstream, stream=True)
         except httpx.HTTPError:
             replica.inflight -= 1
             raise APIError(503, f"replica {replica.index} did not answer", "service_unavailable") from None
-        kept = {k: v for k, v in resp.headers.items() if k.lower() in ("content-type", "retry-after")}
 
-        async def chunks():
-            try:
-                async for chunk in resp.aiter_raw():
-                    yield chunk
-            finally:
-                await resp.aclose()
-                replica.inflight -= 1
+        def done():
+            replica.inflight -= 1
 
-        return StreamingResponse(chunks(), status_code=resp.status_code, headers=kept)
+        return stream_back(resp, done, f"replica {replica.index} failed mid-answer")
 
     async def ready(self) -> bool:
-        if self.failure is not None:
-            return False
-        try:
-            answers = await asyncio.gather(*(self.client.get(r.url + "/ready", timeout=5.0) for r in self.replicas))
-        except httpx.HTTPError:
-            return False
-        return all(a.status_code == 200 for a in answers)
+        return self.failure is None and await all_ready(self.client, [r.url for r in self.replicas])
 
     def metrics(self) -> str:
         lines = [

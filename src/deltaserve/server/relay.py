@@ -1,0 +1,55 @@
+"""Relaying to engine servers, shared by the data-parallel front (`replica_front.py`) and the
+disaggregation proxy: which client headers travel, an upstream answer streamed back as it comes
+(an SSE stream that breaks mid-answer ends with an error event and `[DONE]`), and readiness of a
+set of servers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Callable
+
+import httpx
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from .protocol import error_body
+
+PASSED = ("authorization", "content-type")  # client headers sent on
+KEPT = ("content-type", "retry-after")  # upstream headers sent back
+
+
+def passed_headers(request: Request) -> dict[str, str]:
+    return {k: v for k, v in request.headers.items() if k.lower() in PASSED}
+
+
+def stream_back(resp: httpx.Response, done: Callable[[], None], broken: str, on_break=None) -> StreamingResponse:
+    """`resp` (sent with `stream=True`) relayed chunk by chunk; `done()` runs once it is over. If
+    the upstream breaks mid-answer, `on_break()` runs and an SSE answer ends with `broken` as an
+    error event."""
+    sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+
+    async def chunks():
+        try:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+        except httpx.HTTPError:
+            if on_break is not None:
+                on_break()
+            if sse:
+                yield f"data: {json.dumps(error_body(broken, 'server_error'))}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            await resp.aclose()
+            done()
+
+    kept = {k: v for k, v in resp.headers.items() if k.lower() in KEPT}
+    return StreamingResponse(chunks(), status_code=resp.status_code, headers=kept)
+
+
+async def all_ready(client: httpx.AsyncClient, urls: list[str]) -> bool:
+    """Whether every server answers `/ready` with 200 (within 5 s)."""
+    try:
+        answers = await asyncio.gather(*(client.get(u + "/ready", timeout=5.0) for u in urls))
+    except httpx.HTTPError:
+        return False
+    return all(a.status_code == 200 for a in answers)
