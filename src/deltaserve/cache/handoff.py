@@ -72,12 +72,11 @@ def mla_regions(pool: MlaPagePool, pages: list[int], start: int, stop: int) -> l
 
 def kda_regions(pool: KdaStatePool, slot: int) -> list[Region]:
     """The conv tail and recurrent state of `slot`, per KDA layer."""
-    out = []
-    for name, t in (("tails", pool.tails), ("states", pool.states)):
-        per_slot = t[0, 0].numel() * t.dtype.itemsize
-        for i in range(len(pool.layer_ids)):
-            out.append(Region(name, i, (i * pool.num_slots + slot) * per_slot, per_slot))
-    return sorted(out, key=lambda r: (r.layer, r.tensor != "tails"))
+    sizes = {name: t[0, 0].numel() * t.dtype.itemsize for name, t in (("tails", pool.tails), ("states", pool.states))}
+    n = pool.num_slots
+    return [
+        Region(name, i, (i * n + slot) * size, size) for i in range(len(pool.layer_ids)) for name, size in sizes.items()
+    ]
 
 
 def handoff_regions(cache: CacheManager, seq_id: int, start: int, stop: int) -> list[Region]:
@@ -98,7 +97,7 @@ def region_digests(cache: CacheManager, regions: list[Region]) -> list[str]:
     for r in regions:
         key = ("mla" if r.tensor == "mla" else "kda", r.layer)
         h = hashers.setdefault(key, hashlib.blake2b(digest_size=16))
-        h.update(flat[r.tensor][r.offset : r.offset + r.length].numpy().tobytes())
+        h.update(flat[r.tensor][r.offset : r.offset + r.length].numpy())  # hashed in place, no copy
     return [h.hexdigest() for h in hashers.values()]
 
 
