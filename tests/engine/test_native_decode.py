@@ -1,6 +1,7 @@
 """The native decode paths wired into the engine (bf16, CPU): the in-place KDA slot update, the
-paged MLA decode, the native router and the fused experts (one call per KDA and MoE block, or
-module by module) must address the right slots and rows.
+paged MLA decode, the native router and the fused experts (the whole stack in one call, one call
+per KDA, MLA and MoE block, or module by module) must address the right slots and rows, and the
+three compositions must agree bit for bit (tokens and logprobs).
 Three sequences share the pools with small scattered pages. Oracle: the PyTorch path's cache-free
 `forward_full` (native kernels off) on each prompt plus the engine's own greedy tokens: every
 token must be that oracle's argmax up to bf16 noise (near-ties decide differently under a
@@ -22,7 +23,17 @@ from deltaserve.tiny import make_tiny
 from tests.kernel_calls import count_kernel_calls
 
 pytestmark = pytest.mark.skipif(cpu_kernels.native() is None, reason="native CPU kernels unavailable")
-COUNTED = ("kda_decode", "mla_decode", "moe_experts", "linear_bf16", "route", "kda_block", "moe_block", "mla_block")
+COUNTED = (
+    "kda_decode",
+    "mla_decode",
+    "moe_experts",
+    "linear_bf16",
+    "route",
+    "kda_block",
+    "moe_block",
+    "mla_block",
+    "decode_stack",
+)
 TIE = 0.1  # logits within this of the max count as the argmax (bf16 noise; wrong tokens: > 1)
 
 
@@ -40,19 +51,24 @@ def run(ckpt, prompts, monkeypatch, enabled: bool, max_num_seqs: int = 3):
             max_model_len=128,
             progress=False,
         )
-        outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+        outs = llm.generate(prompts, params, use_tqdm=False)
         llm.check_integrity()
     finally:
         cpu_kernels.set_enabled(old)
+    llm.logprobs = [o.outputs[0].logprobs for o in outs]
     return llm, [o.outputs[0].token_ids for o in outs], calls
 
 
-def without_blocks(monkeypatch):
-    """The module-by-module native path: models are prepared without whole-block plans."""
+def without_blocks(monkeypatch, stack_only: bool = False):
+    """The block-by-block native path (`stack_only`: no whole-stack plan) or the module-by-module
+    one (no whole-block plans either)."""
     monkeypatch.setattr(
         fused,
         "select_ops",
-        lambda device, dtype, fuse_blocks=True: CpuNativeOps(cpu_kernels.native(), fuse_blocks=False),
+        lambda device, dtype, fuse_blocks=True: CpuNativeOps(
+            cpu_kernels.native(), fuse_blocks=stack_only, fuse_stack=False
+        ),
     )
 
 
@@ -69,18 +85,23 @@ def test_native_decode_matches_torch_paths_and_engages(tmp_path, monkeypatch, mx
     prompts = [list(range(300, 321)), list(range(700, 705)), list(range(1000, 1037))]
     llm, native, calls = run(ckpt, prompts, monkeypatch, True)
     _, torch_path, torch_calls = run(ckpt, prompts, monkeypatch, False)
-    assert all(calls[k] > 0 for k in ("kda_block", "moe_block", "mla_block", "linear_bf16")), calls
+    assert calls["decode_stack"] > 0 and calls["linear_bf16"] > 0, calls
     assert sum(torch_calls.values()) == 0
     for prompt, a, b in zip(prompts, native, torch_path):
         assert max(gaps_to_oracle(llm, prompt, a)) < TIE
         assert max(gaps_to_oracle(llm, prompt, b)) < TIE
     reversed_gaps = gaps_to_oracle(llm, prompts[0], native[0][::-1])  # the check can fail
     assert max(reversed_gaps) > 10 * TIE
+    without_blocks(monkeypatch, stack_only=True)
+    blocks_llm, per_block, block_calls = run(ckpt, prompts, monkeypatch, True)
+    assert all(block_calls[k] > 0 for k in ("kda_block", "moe_block", "mla_block")), block_calls
+    assert block_calls["decode_stack"] == 0
+    assert (per_block, blocks_llm.logprobs) == (native, llm.logprobs)  # the stack composes the blocks
     without_blocks(monkeypatch)
-    _, per_module, module_calls = run(ckpt, prompts, monkeypatch, True)
+    modules_llm, per_module, module_calls = run(ckpt, prompts, monkeypatch, True)
     assert module_calls["kda_decode"] > 0 and module_calls["route"] > 0 and module_calls["mla_decode"] > 0
     assert module_calls["kda_block"] == module_calls["mla_block"] == module_calls["moe_block"] == 0
-    assert per_module == native  # the block kernels compose the same kernels in the same order
+    assert (per_module, modules_llm.logprobs) == (native, llm.logprobs)  # the same kernels in the same order
 
 
 @pytest.mark.skipif(not getattr(cpu_kernels.native(), "amx", False), reason="AMX tiles unavailable")
@@ -98,13 +119,17 @@ def test_batched_decode_on_amx_tiles_matches_oracle(tmp_path, monkeypatch):
 
 
 def test_block_kernels_match_per_module_path_on_kimi_linear(tmp_path, monkeypatch):
-    """Kimi-Linear: no latent MoE, softplus KDA gate, low-rank output gate; the block kernels must
-    still equal the module-by-module native path token for token."""
+    """Kimi-Linear: no latent MoE, softplus KDA gate, low-rank output gate, pre-norm residuals; the
+    whole stack and the block kernels must still equal the module-by-module native path."""
     ckpt = make_tiny(tmp_path / "kl", "kimi_linear", seed=6)
     prompts = [list(range(200, 213)), list(range(400, 431))]
-    _, fused, calls = run(ckpt, prompts, monkeypatch, True)
-    assert calls["kda_block"] > 0 and calls["moe_block"] > 0 and calls["mla_block"] > 0
+    llm, stacked, calls = run(ckpt, prompts, monkeypatch, True)
+    assert calls["decode_stack"] > 0
+    without_blocks(monkeypatch, stack_only=True)
+    blocks_llm, fused, block_calls = run(ckpt, prompts, monkeypatch, True)
+    assert block_calls["kda_block"] > 0 and block_calls["moe_block"] > 0 and block_calls["mla_block"] > 0
+    assert (fused, blocks_llm.logprobs) == (stacked, llm.logprobs)
     without_blocks(monkeypatch)
-    _, per_module, module_calls = run(ckpt, prompts, monkeypatch, True)
+    modules_llm, per_module, module_calls = run(ckpt, prompts, monkeypatch, True)
     assert module_calls["kda_decode"] > 0 and module_calls["kda_block"] == module_calls["moe_block"] == 0
-    assert per_module == fused
+    assert (per_module, modules_llm.logprobs) == (stacked, llm.logprobs)

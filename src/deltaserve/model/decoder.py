@@ -11,7 +11,7 @@ from .config import ModelConfig
 from .context import ForwardContext
 from .kda_layer import KdaAttention
 from .mla_layer import DcpMlaAttention, MlaAttention
-from .modules import RMSNorm, WeightVector, attn_res
+from .modules import OpsModule, RMSNorm, WeightVector, attn_res
 from .moe_layer import GluMlp, MoeBlock
 
 
@@ -63,9 +63,10 @@ class DecoderLayer(nn.Module):
         return cur + self.ffn(attn_res(cur, bank, self.mlp_res_proj, self.mlp_res_norm, self.post_attention_layernorm))
 
 
-class DecoderStack(nn.Module):
+class DecoderStack(OpsModule):
     """`model.*`: embeddings (vocab-parallel under `tp`), layers, final norm (and K3's output
-    AttnRes mix); every rank holds the full hidden states."""
+    AttnRes mix); every rank holds the full hidden states. `prepared`: the backend's whole-stack
+    decode plan (`ops.decode_stack`: a decode step's layers in one call), or None."""
 
     def __init__(self, cfg: ModelConfig, tp: ParallelContext = SINGLE):
         super().__init__()
@@ -82,6 +83,10 @@ class DecoderStack(nn.Module):
     ) -> torch.Tensor:
         """Final-normed hidden states [N, D] of the packed tokens."""
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if self.prepared is not None and ctx.cache is not None and ctx.cache.decode_only:
+            out = self.ops.decode_stack(h, self.prepared, ctx.cache)
+            if out is not None:
+                return out
         block = self.cfg.attn_res_block_size
         if block is None:
             for layer in self.layers:

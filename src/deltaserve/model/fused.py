@@ -1,6 +1,6 @@
 """`prepare_model`: bind a model to its op backend and build, once, what the backend derives
-from the weights (fp32 copies of small tensors, absorbed MLA weights, whole-block decode plans),
-the way vLLM processes weights after loading.
+from the weights (fp32 copies of small tensors, absorbed MLA weights, whole-block decode plans,
+the whole-stack decode plan), the way vLLM processes weights after loading.
 
 Invariant: a model's forward reads only what the last `prepare_model` built. Call it again after
 any change to the weights (a reload, an in-place edit): the plans hold raw pointers into the
@@ -16,11 +16,12 @@ from torch import nn
 
 from ..ops.backend import KdaWeights, MlaWeights, MoeWeights, TorchOps
 from ..ops.select import select_ops
+from ..ops.stack import NormOperands, StackLayerOperands, StackOperands
 from .decoder import DecoderLayer, DecoderStack
 from .kda_layer import KdaAttention
 from .mla_layer import MlaAttention
 from .modules import OpsModule, RMSNorm, WeightVector
-from .moe_layer import MoeBlock
+from .moe_layer import GluMlp, MoeBlock
 
 _ATTN_RES_PAIRS = (
     ("self_attention_res_proj", "self_attention_res_norm"),
@@ -111,6 +112,40 @@ def _attn_res(owner: nn.Module, ops: TorchOps) -> None:
             proj.prepared = ops.prepare_attn_res(proj.weight, getattr(owner, norm_name).weight)
 
 
+def _norm(m: RMSNorm) -> NormOperands:
+    return NormOperands(m.prepared, m.eps)
+
+
+def _stack(stack: DecoderStack) -> StackOperands | None:
+    """The whole-stack decode operands of `stack`: None where a layer is sharded (TP, EP, DCP) or
+    lacks a prepared attention or MoE plan."""
+    attn_res = stack.cfg.attn_res_block_size is not None
+    layers = []
+    for layer in stack.layers:
+        attn = layer.self_attn
+        moe: MoeBlock | None = getattr(layer, "block_sparse_moe", None)
+        mlp: GluMlp | None = getattr(layer, "mlp", None)
+        if attn.tp.world > 1 or attn.prepared is None or (moe is not None and moe.prepared is None):
+            return None
+        mla = isinstance(attn, MlaAttention)
+        layers.append(
+            StackLayerOperands(
+                "mla" if mla else "kda",
+                attn.prepared,
+                attn.o_proj.weight if mla else None,
+                None if moe is None else moe.prepared,
+                None if mlp is None else (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight),
+                (moe if moe is not None else mlp).act,
+                layer.self_attention_res_proj.prepared if attn_res else None,
+                layer.mlp_res_proj.prepared if attn_res else None,
+                _norm(layer.input_layernorm),
+                _norm(layer.post_attention_layernorm),
+            )
+        )
+    out_mix = stack.output_attn_res_proj.prepared if attn_res else None
+    return StackOperands(stack.cfg.hidden_size, layers, stack.cfg.attn_res_block_size, out_mix, _norm(stack.norm))
+
+
 @torch.no_grad()
 def prepare_model(model: nn.Module, ops: TorchOps | None = None, fuse_blocks: bool = True) -> TorchOps:
     """Bind every `OpsModule` of `model` to `ops` (default: `select_ops` for the model's device and
@@ -132,6 +167,10 @@ def prepare_model(model: nn.Module, ops: TorchOps | None = None, fuse_blocks: bo
             m.prepared = _mla(m, ops) if m.native_kernels else None
         elif isinstance(m, MoeBlock):
             m.prepared = _moe(m, ops)
+    for m in model.modules():
+        if isinstance(m, DecoderStack):
+            operands = _stack(m)
+            m.prepared = None if operands is None else ops.prepare_stack(operands)
     model.ops = ops
     return ops
 

@@ -92,7 +92,7 @@ class MlaAttention(OpsModule):
     def _output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """o_proj(o * sigmoid(gate)) of o [N, H * v], all-reduced over the TP group."""
         if gate is not None:
-            o = o * torch.sigmoid(gate)
+            o = self.ops.sigmoid_gate(o, gate)
         return self.tp.all_reduce(self.o_proj(o))
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -322,6 +322,15 @@ class TorchOps:
         return tails_at, states_at
 
     # MLA ---------------------------------------------------------------------------------------
+    def sigmoid_gate(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """MLA's output gate `o * sigmoid(gate)`."""
+        return o * torch.sigmoid(gate)
+
+    def decode_stack(self, x: torch.Tensor, prepared, cache) -> torch.Tensor | None:
+        """The final-normed hidden states of a whole decode step of the embeddings x, every layer
+        in one call (`prepare_stack`), or None (the layers run one by one)."""
+        return None
+
     def mla_block(self, x: torch.Tensor, prepared, pool_view) -> tuple | None:
         """(o [N, H, v], gate or None) of an MLA decode step in one call (projections, norms, the pool
         write, absorbed attention), or None (the layer runs its modules). Reads whole contexts: not
@@ -349,6 +358,10 @@ class TorchOps:
         return None
 
     def prepare_moe(self, w: MoeWeights):
+        return None
+
+    def prepare_stack(self, stack):
+        """The whole-stack decode plan of `stack` (`ops.stack.StackOperands`), or None."""
         return None
 
 

@@ -3,7 +3,8 @@
 Bound once per model by `ops.select.select_ops` when the model is bf16 on CPU and the library
 loaded; `CpuDenseOps` holds the dense and MoE families, this class adds KDA and MLA: the fused
 decode steps over the pools in place, the whole-block plans, and the KDA prefill kernels (fused
-conv + q/k L2 norm, the sigmoid gate, chunked prefill, the gated output norm).
+conv + q/k L2 norm, the sigmoid gate, chunked prefill, the gated output norm); `CpuStackOps` the
+whole decode step in one call.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from ..kernels.cpu import GATE_SIGMOID, GATE_SOFTPLUS, MAX_ROWS, MLA_MAX_HEADS, 
 from ..kernels.cpu.blocks import KdaBlockWeights, MlaBlockWeights
 from .backend import KdaSpec, KdaWeights, MlaWeights
 from .cpu_dense import CpuDenseOps
+from .cpu_stack import CpuStackOps
 from .norms import gated_rms_norm
 
 
@@ -54,8 +56,12 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().float().contiguous()
 
 
-class CpuNativeOps(CpuDenseOps):
-    """See the module docstring (`fuse_blocks`: see `CpuDenseOps`)."""
+class CpuNativeOps(CpuStackOps, CpuDenseOps):
+    """See the module docstring (`fuse_blocks`: see `CpuDenseOps`; `fuse_stack`: `CpuStackOps`)."""
+
+    def __init__(self, kernels, fuse_blocks: bool = True, fuse_stack: bool = True):
+        super().__init__(kernels, fuse_blocks)
+        self.fuse_stack = fuse_stack
 
     # KDA ---------------------------------------------------------------------------------------
     def prepare_kda(self, w: KdaWeights, spec: KdaSpec) -> KdaPrepared:

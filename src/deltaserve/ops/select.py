@@ -5,6 +5,9 @@ everything else, and every model when `DELTASERVE_NATIVE=0`, gets the reference 
 The native paths apply only to bf16 operands, so an fp32 model on the native backend would run
 the reference everywhere anyway.
 
+`DELTASERVE_DECODE_STACK=0` keeps the native backend's decode steps layer by layer (block plans,
+no whole-stack plan; for side-by-side measurements).
+
 CUDA models get `TritonOps` (`ops.triton`, imported only then) when `triton` is importable.
 `DELTASERVE_TRITON=0` never picks it; `DELTASERVE_TRITON=1` picks it on any device (on CPU the
 kernels then need `TRITON_INTERPRET=1`: how they are tested without a GPU), and fails loudly
@@ -38,7 +41,8 @@ def select_ops(device: torch.device | str, dtype: torch.dtype, fuse_blocks: bool
     if device.type == "cpu" and dtype == torch.bfloat16:
         kernels = native(device)
         if kernels is not None:
-            return CpuNativeOps(kernels, fuse_blocks=fuse_blocks)
+            stack = os.environ.get("DELTASERVE_DECODE_STACK", "1") != "0"
+            return CpuNativeOps(kernels, fuse_blocks=fuse_blocks, fuse_stack=stack)
     return REFERENCE
 
 

@@ -44,6 +44,7 @@ from .build import choose_isa, find_compiler
 from .decode import DecodeBindings
 from .kda import KdaPrefillBindings
 from .prefill import PrefillBindings
+from .stack import StackBindings
 
 __all__ = [
     "ACT_SILU",
@@ -67,7 +68,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class NativeKernels(DecodeBindings, AttentionDecodeBindings, PrefillBindings, KdaPrefillBindings, BlockBindings):
+class NativeKernels(
+    DecodeBindings, AttentionDecodeBindings, PrefillBindings, KdaPrefillBindings, BlockBindings, StackBindings
+):
     """The loaded library with every binding; `native()` hands out the process's instance."""
 
     def __init__(self, lib: ctypes.CDLL, built_for: str = "avx2"):

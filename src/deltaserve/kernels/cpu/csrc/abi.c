@@ -10,6 +10,8 @@ size_t ds_abi_sizeof(const char *name) {
         {"ds_moe_block_t", sizeof(ds_moe_block_t)},
         {"ds_kda_block_t", sizeof(ds_kda_block_t)},
         {"ds_mla_block_t", sizeof(ds_mla_block_t)},
+        {"ds_stack_layer_t", sizeof(ds_stack_layer_t)},
+        {"ds_stack_t", sizeof(ds_stack_t)},
     };
     for (size_t i = 0; i < sizeof(structs) / sizeof(structs[0]); ++i)
         if (strcmp(name, structs[i].name) == 0) return structs[i].size;

@@ -13,7 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define DS_ABI_VERSION 2
+#define DS_ABI_VERSION 3
 
 #define DS_MAX_M 8             /* rows of the register-accumulator (GEMV) kernels: small-M decode */
 #define DS_AMX_ROWS 64         /* rows the AMX tile kernels take in one pass (batched decode) */
@@ -59,6 +59,28 @@ typedef struct {
     const float *q_norm, *kv_norm;                  /* fp32 norm weights [q_rank], [rank] */
     const uint16_t *w_uk_t, *w_uv;                  /* [H, rank, nope], [H, v, rank] */
 } ds_mla_block_t;
+
+/* One decoder layer of ds_decode_stack (pointers into plans and weights the bindings keep alive). */
+typedef struct {
+    const ds_kda_block_t *kda;                     /* exactly one of kda and mla */
+    const ds_mla_block_t *mla;
+    const uint16_t *o_proj;                        /* MLA output projection [D, H * v] */
+    const ds_moe_block_t *moe;                     /* or, when NULL, the dense GLU below */
+    const uint16_t *mlp_gate, *mlp_up, *mlp_down;  /* [I, D], [I, D], [D, I] */
+    int mlp_width, act;
+    float beta, lbeta;
+    const float *attn_q, *mlp_q;                   /* Block AttnRes queries (norm * proj) [D], or NULL */
+    const float *attn_norm, *mlp_norm;             /* input / post-attention RMSNorm weights [D] fp32 */
+    float attn_eps, mlp_eps;
+} ds_stack_layer_t;
+
+/* The decoder stack of ds_decode_stack: its layers, the output AttnRes mix and the final norm. */
+typedef struct {
+    int D, L, block_size;                          /* Block AttnRes block size; 0: pre-norm residuals */
+    float res_eps, final_eps;
+    const ds_stack_layer_t *layers;                /* [L] */
+    const float *out_q, *final_norm;               /* output AttnRes query [D] (or NULL), final norm [D] */
+} ds_stack_t;
 
 /* abi.c: DS_ABI_VERSION as compiled; sizeof the struct named `name` above (0 for another name). */
 int ds_abi_version(void);
@@ -137,5 +159,13 @@ int ds_kda_block(const ds_kda_block_t *b, const uint16_t *x, int N, uint16_t *ta
 int ds_mla_block(const ds_mla_block_t *b, const uint16_t *x, int N, uint16_t *rows, int64_t num_rows,
                  const int64_t *write_rows, const int64_t *read_rows, const int64_t *cu_kv, uint16_t *o,
                  uint16_t *gate, int nthreads);
+
+/* stack.c: a whole decode step of the decoder stack in one call; the MLA output gate it shares with
+ * the module path. */
+void ds_sigmoid_mul_bf16(const uint16_t *o, const uint16_t *g, int64_t n, uint16_t *out, int nthreads);
+int ds_decode_stack(const ds_stack_t *s, const uint16_t *x, int N, uint16_t *const *tails, float *const *states,
+                    const int64_t *slots, int64_t num_slots, uint16_t *const *mla_rows, int64_t num_rows,
+                    const int64_t *write_rows, const int64_t *read_rows, const int64_t *cu_kv, uint16_t *out,
+                    int nthreads);
 
 #endif

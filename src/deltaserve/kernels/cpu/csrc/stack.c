@@ -1,0 +1,136 @@
+/* deltaserve CPU kernel for a whole decode step of the decoder stack in one call (ds_decode_stack),
+ * composed of the kernels the modules call one by one (model/decoder.py on the native backend), in
+ * the same order with the same roundings, so the hidden states are bit-identical to that path. Per
+ * layer:
+ *   x = mix + norm (K3 Block AttnRes: ds_attn_res_mix with the layer's norm; Kimi-Linear and an empty
+ *       bank: ds_rms_norm)
+ *   a = ds_kda_block(x), or ds_mla_block(x) -> (o, g), o = ds_sigmoid_mul_bf16(o, g), a = o @ o_proj^T
+ *   AttnRes: on a block's first layer the running sum is banked and a starts the next one, else added;
+ *   pre-norm residuals: h + a
+ *   x = mix + norm again; f = ds_moe_block(x) or the dense GLU (one expert of weight 1); h + f
+ * then the output mix and the final norm. What it saves is the Python between ~6 calls a layer.
+ * Every index and the routers' static limits are checked before any pool is written. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#include "ds_abi.h"
+#include "bf16.h"
+#include "vmath.h"
+
+/* out = bf16(o * bf16(sigmoid(g))): torch's `o * torch.sigmoid(g)` on bf16 (two roundings). */
+void ds_sigmoid_mul_bf16(const uint16_t *o, const uint16_t *g, int64_t n, uint16_t *out, int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= (1 << 16))
+    for (int64_t i = 0; i < n; ++i) {
+        const float s = bf16_to_f32(f32_to_bf16(ds_sigmoid(bf16_to_f32(g[i]))));
+        out[i] = f32_to_bf16(bf16_to_f32(o[i]) * s);
+    }
+}
+
+static void add_bf16(uint16_t *acc, const uint16_t *x, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) acc[i] = f32_to_bf16(bf16_to_f32(acc[i]) + bf16_to_f32(x[i]));
+}
+
+/* The input of a layer's attention or FFN: the AttnRes mix of the bank and cur with its norm (q set and
+ * the bank not empty), else the norm of cur. */
+static void layer_input(const uint16_t **bank, int nbank, const uint16_t *cur, int N, int D, const float *q,
+                        float res_eps, const float *norm, float norm_eps, uint16_t *mix, uint16_t *x, int nthreads) {
+    if (q && nbank > 0) {
+        bank[nbank] = cur;
+        ds_attn_res_mix(bank, nbank + 1, N, D, q, res_eps, mix, norm, norm_eps, x, nthreads);
+    } else {
+        ds_rms_norm(cur, D, N, D, norm, norm_eps, x, D, nthreads);
+    }
+}
+
+static int check_step(const ds_stack_t *s, int N, const int64_t *slots, int64_t num_slots, const int64_t *write_rows,
+                      const int64_t *read_rows, const int64_t *cu_kv, int64_t num_rows) {
+    int kda = 0, mla = 0;
+    for (int l = 0; l < s->L; ++l) {
+        const ds_stack_layer_t *y = &s->layers[l];
+        kda |= y->kda != NULL;
+        mla |= y->mla != NULL;
+        if (y->moe && ds_route(NULL, 0, y->moe->E, y->moe->bias, y->moe->top_k, y->moe->groups, y->moe->topk_group,
+                               y->moe->renormalize, y->moe->scale, y->moe->bias_in_weights, NULL, NULL) != 0)
+            return -3;
+    }
+    for (int n = 0; kda && n < N; ++n)
+        if (slots[n] < 0 || slots[n] >= num_slots) return -2;
+    if (!mla) return 0;
+    if (cu_kv[0] != 0) return -2;
+    for (int n = 0; n < N; ++n)
+        if (write_rows[n] < 0 || write_rows[n] >= num_rows || cu_kv[n + 1] <= cu_kv[n]) return -2;
+    for (int64_t t = 0; t < cu_kv[N]; ++t)
+        if (read_rows[t] < 0 || read_rows[t] >= num_rows) return -2;
+    return 0;
+}
+
+/* out [N, D] = the final-normed hidden states of one decode step of x [N <= DS_MAX_M, D] (the token
+ * embeddings). tails[l] / states[l]: KDA layer l's pools (as ds_kda_block), mla_rows[l]: MLA layer l's
+ * rows (as ds_mla_block); the step's slots / write_rows / read_rows / cu_kv are shared by the layers.
+ * Returns 0; -1 allocation or a kernel's failure; -2 an index out of range; -3 a router's limits do not
+ * hold; -4 N out of range (nothing written but for 0 and -1). */
+int ds_decode_stack(const ds_stack_t *s, const uint16_t *x, int N, uint16_t *const *tails, float *const *states,
+                    const int64_t *slots, int64_t num_slots, uint16_t *const *mla_rows, int64_t num_rows,
+                    const int64_t *write_rows, const int64_t *read_rows, const int64_t *cu_kv, uint16_t *out,
+                    int nthreads) {
+    const int D = s->D, L = s->L, blk = s->block_size;
+    if (N < 1 || N > DS_MAX_M) return -4;
+    int rc = check_step(s, N, slots, num_slots, write_rows, read_rows, cu_kv, num_rows);
+    if (rc) return rc;
+    const int banked = blk > 0 ? (L + blk - 1) / blk : 0, nbuf = banked + 4;
+    int hv = 0;
+    for (int l = 0; l < L; ++l) {
+        const ds_mla_block_t *m = s->layers[l].mla;
+        if (m && m->H * m->v > hv) hv = m->H * m->v;
+    }
+    const size_t nd = (size_t)N * D;
+    uint16_t *buf = malloc(sizeof(uint16_t) * (nd * nbuf + 2 * (size_t)N * hv));
+    const uint16_t **bank = malloc(sizeof(uint16_t *) * (banked + 2));
+    int64_t *zero = calloc((size_t)N, sizeof(int64_t));
+    float *one = malloc(sizeof(float) * (size_t)N);
+    if (!buf || !bank || !zero || !one) rc = -1;
+    for (int n = 0; rc == 0 && n < N; ++n) one[n] = 1.0f;
+    /* buffers: cur, a (the layer's output), x (normed input), mix; the banked sums after them */
+    uint16_t *cur = buf, *a = buf + nd, *xin = a + nd, *mix = xin + nd, *next = mix + nd;
+    uint16_t *o = buf + nd * nbuf, *g = o + (size_t)N * hv;
+    int nbank = 0;
+    if (rc == 0) memcpy(cur, x, sizeof(uint16_t) * nd);
+    for (int l = 0; rc == 0 && l < L; ++l) {
+        const ds_stack_layer_t *y = &s->layers[l];
+        layer_input(bank, nbank, cur, N, D, y->attn_q, s->res_eps, y->attn_norm, y->attn_eps, mix, xin, nthreads);
+        if (y->kda) {
+            rc = ds_kda_block(y->kda, xin, N, tails[l], states[l], slots, num_slots, a, nthreads) ? -1 : 0;
+        } else {
+            const ds_mla_block_t *m = y->mla;
+            const int w = m->H * m->v;
+            rc = ds_mla_block(m, xin, N, mla_rows[l], num_rows, write_rows, read_rows, cu_kv, o,
+                              m->gated ? g : NULL, nthreads) ? -1 : 0;
+            if (rc == 0 && m->gated) ds_sigmoid_mul_bf16(o, g, (int64_t)N * w, o, nthreads);
+            if (rc == 0) ds_linear_bf16(o, N, w, y->o_proj, D, a, D, nthreads);
+        }
+        if (rc) break;
+        if (y->attn_q && blk > 0 && l % blk == 0) {
+            bank[nbank++] = cur;
+            cur = a;
+            a = next;
+            next += nd;
+        } else {
+            add_bf16(cur, a, (int64_t)nd);
+        }
+        layer_input(bank, nbank, cur, N, D, y->mlp_q, s->res_eps, y->mlp_norm, y->mlp_eps, mix, xin, nthreads);
+        if (y->moe)
+            rc = ds_moe_block(y->moe, xin, N, a, nthreads) ? -1 : 0;
+        else
+            rc = ds_moe_experts(xin, N, D, zero, one, 1, 1, y->mlp_width, 0, y->mlp_gate, NULL, y->mlp_up, NULL,
+                                y->mlp_down, NULL, y->act, y->beta, y->lbeta, a, nthreads) ? -1 : 0;
+        if (rc == 0) add_bf16(cur, a, (int64_t)nd);
+    }
+    if (rc == 0) layer_input(bank, nbank, cur, N, D, s->out_q, s->res_eps, s->final_norm, s->final_eps, mix, out,
+                             nthreads);
+    free(buf);
+    free(bank);
+    free(zero);
+    free(one);
+    return rc;
+}

@@ -1,0 +1,208 @@
+"""ctypes bindings of the whole-stack decode kernel (`csrc/stack.c`): the stack's static part (each
+layer's block plans, weights and norms) is described once in a `StackPlan`; each step passes the
+embeddings, the pools' per-layer tensors and the step's slots and rows."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+import torch
+
+from .abi import MAX_MIX, MAX_ROWS, STRUCTS
+
+StackStruct = STRUCTS["ds_stack_t"]
+StackLayerStruct = STRUCTS["ds_stack_layer_t"]
+KdaBlockPlan, MlaBlockPlan, MoeBlockPlan = (STRUCTS[n] for n in ("ds_kda_block_t", "ds_mla_block_t", "ds_moe_block_t"))
+
+
+@dataclass
+class StackLayerPlan:
+    """One layer as the kernel reads it: a KDA or MLA block plan (MLA with its o_proj [D, H*v]), a MoE
+    block plan or the dense GLU (gate, up, down), its activation (kind, beta, linear beta), the
+    AttnRes queries (fp32 [D] or None) and the two norms ((fp32 [D], eps))."""
+
+    attn: object
+    o_proj: torch.Tensor | None
+    moe: object | None
+    mlp: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    act: tuple[int, float, float]
+    attn_q: torch.Tensor | None
+    mlp_q: torch.Tensor | None
+    attn_norm: tuple[torch.Tensor, float]
+    mlp_norm: tuple[torch.Tensor, float]
+
+
+@dataclass
+class StackPlan:
+    """The filled `ds_stack_t` and everything its pointers reach (kept alive here), and which layers
+    are KDA (the rest MLA). `pools` memoises the last step's per-layer pool pointers."""
+
+    struct: object
+    kda_layers: list[int]
+    mla_layers: list[int]
+    keep: list = field(default_factory=list)
+    pools: tuple | None = None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _f32(t: torch.Tensor | None, d: int) -> bool:
+    return t is None or (t.dtype == torch.float32 and t.is_contiguous() and t.numel() == d)
+
+
+def _bf16(t: torch.Tensor | None, shape: tuple[int, ...]) -> bool:
+    return t is not None and t.dtype == torch.bfloat16 and t.is_contiguous() and tuple(t.shape) == shape
+
+
+class StackBindings:
+    """Mixin of `NativeKernels` (`self.lib`: the library, its signatures declared from ds_abi.h)."""
+
+    lib: ctypes.CDLL
+
+    def stack_plan(
+        self,
+        d: int,
+        layers: list[StackLayerPlan],
+        block_size: int | None,
+        res_eps: float,
+        out_q: torch.Tensor | None,
+        final_norm: tuple[torch.Tensor, float],
+    ) -> StackPlan | None:
+        """The plan of `ds_decode_stack`, or None where a layer does not fit it (the caller runs the
+        layers one by one)."""
+        if block_size is not None and -(-len(layers) // block_size) + 1 >= MAX_MIX:
+            return None
+        if not (_f32(out_q, d) and _f32(final_norm[0], d)) or (block_size is None) != (out_q is None):
+            return None
+        structs = (StackLayerStruct * len(layers))()
+        keep: list = [structs, layers]
+        kda_layers, mla_layers = [], []
+        for i, (y, s) in enumerate(zip(layers, structs)):
+            mla = isinstance(y.attn, MlaBlockPlan)
+            if not isinstance(y.attn, (KdaBlockPlan, MlaBlockPlan)) or y.attn.D != d:
+                return None
+            if mla and not _bf16(y.o_proj, (d, y.attn.H * y.attn.v)):
+                return None
+            if (y.moe is None) == (y.mlp is None) or (y.moe is not None and y.moe.D != d):
+                return None
+            if y.mlp is not None:
+                width = y.mlp[0].shape[0]
+                if not all(_bf16(w, s) for w, s in zip(y.mlp, ((width, d), (width, d), (d, width)))):
+                    return None
+            qs = (y.attn_q, y.mlp_q)
+            if not all(_f32(t, d) for t in (*qs, y.attn_norm[0], y.mlp_norm[0])) or any(
+                (t is None) != (block_size is None) for t in qs
+            ):
+                return None
+            (mla_layers if mla else kda_layers).append(i)
+            s.kda = None if mla else ctypes.pointer(y.attn)
+            s.mla = ctypes.pointer(y.attn) if mla else None
+            s.o_proj = _ptr(y.o_proj)
+            s.moe = None if y.moe is None else ctypes.pointer(y.moe)
+            s.mlp_gate, s.mlp_up, s.mlp_down = (None,) * 3 if y.mlp is None else (w.data_ptr() for w in y.mlp)
+            s.mlp_width = 0 if y.mlp is None else y.mlp[0].shape[0]
+            s.act, s.beta, s.lbeta = y.act
+            s.attn_q, s.mlp_q = _ptr(y.attn_q), _ptr(y.mlp_q)
+            (s.attn_norm, s.attn_eps), (s.mlp_norm, s.mlp_eps) = (
+                (n.data_ptr(), e) for n, e in (y.attn_norm, y.mlp_norm)
+            )
+        struct = StackStruct(
+            d,
+            len(layers),
+            block_size or 0,
+            res_eps,
+            final_norm[1],
+            ctypes.cast(structs, ctypes.POINTER(StackLayerStruct)),
+            _ptr(out_q),
+            final_norm[0].data_ptr(),
+        )
+        keep += [out_q, final_norm]
+        return StackPlan(struct, kda_layers, mla_layers, keep)
+
+    def decode_stack(self, plan: StackPlan, x: torch.Tensor, kda_views: list, mla_views: list) -> torch.Tensor | None:
+        """The final-normed hidden states [N, D] of one decode step of the embeddings x [N <= MAX_ROWS,
+        D] bf16, or None where a router's limits do not hold (nothing computed). `kda_views[i]` is KDA
+        layer `plan.kda_layers[i]`'s (tails, states, slots) as `kda_block` takes them, `mla_views[i]`
+        MLA layer `plan.mla_layers[i]`'s (rows, write_rows, read_rows, cu_kv) as `mla_block`; the
+        slots and the row indices are the step's, shared by the layers. Updates the pools in place."""
+        n, d = x.shape
+        if not (x.dtype == torch.bfloat16 and d == plan.struct.D and 0 < n <= MAX_ROWS):
+            raise ValueError("decode_stack: bad input")
+        tails, states, rows, num_slots, num_rows = self._pools(plan, kda_views, mla_views)
+        slots = kda_views[0][2].contiguous() if kda_views else None
+        _, write_rows, read_rows, cu_kv = mla_views[0] if mla_views else (None,) * 4
+        if (slots is not None and slots.numel() != n) or (write_rows is not None and write_rows.numel() != n):
+            raise ValueError("decode_stack: the step's slots or rows disagree with its tokens")
+        x = x.contiguous()
+        out = torch.empty(n, d, dtype=torch.bfloat16)
+        rc = self.lib.ds_decode_stack(
+            ctypes.byref(plan.struct),
+            x.data_ptr(),
+            n,
+            tails,
+            states,
+            _ptr(slots),
+            num_slots,
+            rows,
+            num_rows,
+            *(_ptr(t if t is None else t.contiguous()) for t in (write_rows, read_rows, cu_kv)),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if rc == -3:
+            return None
+        if rc == -2:
+            raise ValueError("decode_stack: slot or row index out of range")
+        if rc != 0:
+            raise MemoryError(f"decode_stack: failed ({rc})")
+        return out
+
+    def _pools(self, plan: StackPlan, kda_views: list, mla_views: list) -> tuple:
+        """Per-layer pointer arrays of the pools (checked against the plan once per set of pools)."""
+        layers = plan.struct.L
+        key = tuple((t.data_ptr(), t.shape[0]) for v in kda_views for t in v[:2]) + tuple(
+            (v[0].data_ptr(), v[0].shape[0]) for v in mla_views
+        )
+        if plan.pools is not None and plan.pools[0] == key:
+            return plan.pools[1]
+        if len(kda_views) != len(plan.kda_layers) or len(mla_views) != len(plan.mla_layers):
+            raise ValueError("decode_stack: one pool view per layer is required")
+        tails, states, rows = (ctypes.c_void_p * layers)(), (ctypes.c_void_p * layers)(), (ctypes.c_void_p * layers)()
+        num_slots = {v[1].shape[0] for v in kda_views}
+        num_rows = {v[0].shape[0] for v in mla_views}
+        for i, (t, s, _) in zip(plan.kda_layers, kda_views):
+            b = plan.struct.layers[i].kda.contents
+            p = b.H * b.K
+            if not (
+                t.dtype == torch.bfloat16
+                and t.is_contiguous()
+                and tuple(t.shape[1:]) == (b.W - 1, 3 * p)
+                and s.dtype == torch.float32
+                and s.is_contiguous()
+                and tuple(s.shape[1:]) == (b.H, b.K, b.K)
+                and t.shape[0] == s.shape[0]
+            ):
+                raise ValueError("decode_stack: a KDA pool disagrees with its layer")
+            tails[i], states[i] = t.data_ptr(), s.data_ptr()
+        for i, (r, *_) in zip(plan.mla_layers, mla_views):
+            m = plan.struct.layers[i].mla.contents
+            if not (r.dtype == torch.bfloat16 and r.is_contiguous() and r.dim() == 2 and r.shape[1] == m.rank + m.rope):
+                raise ValueError("decode_stack: an MLA pool disagrees with its layer")
+            rows[i] = r.data_ptr()
+        if len(num_slots) > 1 or len(num_rows) > 1:
+            raise ValueError("decode_stack: the layers' pools differ in size")
+        pools = (tails, states, rows, num_slots.pop() if num_slots else 0, num_rows.pop() if num_rows else 0)
+        plan.pools = (key, pools)
+        return pools
+
+    def sigmoid_mul(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """`o * sigmoid(gate)` of bf16 tensors of one shape, rounded as torch rounds it (twice)."""
+        if not (o.dtype == gate.dtype == torch.bfloat16 and o.shape == gate.shape):
+            raise ValueError("sigmoid_mul: operand shapes or dtypes disagree")
+        o, gate = o.contiguous(), gate.contiguous()
+        out = torch.empty_like(o)
+        self.lib.ds_sigmoid_mul_bf16(o.data_ptr(), gate.data_ptr(), o.numel(), out.data_ptr(), torch.get_num_threads())
+        return out

@@ -1,0 +1,53 @@
+"""What a backend's whole-stack decode step (`TorchOps.prepare_stack` / `decode_stack`) is built
+from: each decoder layer's prepared operands, in the order `model.decoder.DecoderStack` runs them.
+
+`model.fused.prepare_model` fills these from the modules after every module is prepared, only
+where every layer has its decode plans (an unsharded model: no tensor, expert or context
+parallelism); the backend may still decline (None) and the modules run one by one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .backend import GluAct
+
+
+@dataclass
+class NormOperands:
+    """An RMSNorm site: its backend-prepared weight and eps."""
+
+    prepared: object
+    eps: float
+
+
+@dataclass
+class StackLayerOperands:
+    """One decoder layer: attention (`kind` "kda" or "mla", its prepared operands; MLA's output
+    projection), the FFN (the MoE block's prepared operands, or the dense GLU's three weights), the
+    AttnRes queries before each sublayer (None: pre-norm residuals) and the two norms."""
+
+    kind: str
+    attn: object
+    o_proj: torch.Tensor | None
+    moe: object | None
+    mlp: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    act: GluAct
+    attn_mix: object | None
+    mlp_mix: object | None
+    attn_norm: NormOperands
+    mlp_norm: NormOperands
+
+
+@dataclass
+class StackOperands:
+    """The decoder stack: its layers, Block AttnRes' block size (None: pre-norm residuals), the
+    output mix's query and the final norm."""
+
+    hidden: int
+    layers: list[StackLayerOperands]
+    block_size: int | None
+    out_mix: object | None
+    final_norm: NormOperands

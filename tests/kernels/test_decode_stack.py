@@ -1,0 +1,102 @@
+"""The whole-stack decode kernel's contract (`ds_decode_stack`, `kernels/cpu/stack.py`): it checks
+every index and the routers' limits before writing any pool, and refuses what it cannot run; the
+MLA output gate rounds as torch does. Its results against the block-by-block and module-by-module
+paths are checked in tests/engine/test_native_decode.py (bit for bit, through the engine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve import LLM
+from deltaserve.kernels.cpu import MAX_ROWS
+from deltaserve.kernels.cpu import library as cpu_kernels
+from deltaserve.tiny import make_tiny
+
+NK = cpu_kernels.native()
+pytestmark = pytest.mark.skipif(NK is None, reason="native CPU kernels unavailable")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """(the model's stack plan, hidden size, KDA pool shapes, MLA row width) of a tiny bf16 K3."""
+    ckpt = make_tiny(tmp_path_factory.mktemp("k3"), "kimi_k3", mxfp4=True, seed=7)
+    llm = LLM(ckpt, dtype="bfloat16", max_num_seqs=2, page_size=4, max_model_len=64, progress=False)
+    plan = llm.model.model.prepared
+    assert plan is not None and plan.kda_layers and plan.mla_layers
+    kda = plan.struct.layers[plan.kda_layers[0]].kda.contents
+    mla = plan.struct.layers[plan.mla_layers[0]].mla.contents
+    p = kda.H * kda.K
+    return llm, plan, kda.D, ((kda.W - 1, 3 * p), (kda.H, kda.K, kda.K)), mla.rank + mla.rope
+
+
+def pools(plan, shapes, row_width, slots, write_rows, num_rows=16):
+    """Zeroed pools of 4 slots and `num_rows` MLA rows per layer, with the step's indices."""
+    (tail, state), n = shapes, slots.numel()
+    kda = [(torch.zeros(4, *tail, dtype=torch.bfloat16), torch.zeros(4, *state), slots) for _ in plan.kda_layers]
+    read = torch.arange(n, dtype=torch.long)
+    cu = torch.arange(n + 1, dtype=torch.long)
+    mla = [(torch.zeros(num_rows, row_width, dtype=torch.bfloat16), write_rows, read, cu) for _ in plan.mla_layers]
+    return kda, mla
+
+
+def untouched(kda, mla) -> bool:
+    return all(not t.any() and not s.any() for t, s, _ in kda) and all(not r.any() for r, *_ in mla)
+
+
+def test_a_step_runs_and_writes_its_slots_and_rows(stack):
+    _, plan, d, shapes, width = stack
+    kda, mla = pools(plan, shapes, width, torch.tensor([2, 0]), torch.tensor([5, 9]))
+    x = torch.randn(2, d).to(torch.bfloat16)
+    out = NK.decode_stack(plan, x, kda, mla)
+    assert out.shape == (2, d) and torch.isfinite(out.float()).all()
+    for tails, states, _ in kda:
+        assert states[[0, 2]].abs().sum() > 0 and not states[[1, 3]].any()
+    for rows, *_ in mla:
+        assert rows[[5, 9]].abs().sum() > 0 and not rows[[0, 1, 2, 3, 4, 6, 7, 8]].any()
+
+
+@pytest.mark.parametrize("bad", ["slot", "write_row"])
+def test_an_index_out_of_range_raises_before_any_write(stack, bad):
+    _, plan, d, shapes, width = stack
+    slots = torch.tensor([1, 4 if bad == "slot" else 0])
+    write_rows = torch.tensor([3, 16 if bad == "write_row" else 2])
+    kda, mla = pools(plan, shapes, width, slots, write_rows)
+    with pytest.raises(ValueError, match="out of range"):
+        NK.decode_stack(plan, torch.randn(2, d).to(torch.bfloat16), kda, mla)
+    assert untouched(kda, mla)
+
+
+def test_a_router_outside_its_limits_declines_before_any_write(stack):
+    """-3 from a router's static check: None (the caller runs the layers), nothing written."""
+    _, plan, d, shapes, width = stack
+    moe = next(y.moe.contents for y in plan.struct.layers[: plan.struct.L] if y.moe)
+    kda, mla = pools(plan, shapes, width, torch.tensor([0]), torch.tensor([0]))
+    old, moe.groups = moe.groups, 0
+    try:
+        assert NK.decode_stack(plan, torch.randn(1, d).to(torch.bfloat16), kda, mla) is None
+    finally:
+        moe.groups = old
+    assert untouched(kda, mla)
+
+
+def test_wrong_pools_and_batches_are_refused(stack):
+    _, plan, d, shapes, width = stack
+    kda, mla = pools(plan, shapes, width, torch.tensor([0]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="bad input"):
+        NK.decode_stack(plan, torch.randn(MAX_ROWS + 1, d).to(torch.bfloat16), kda, mla)
+    with pytest.raises(ValueError, match="one pool view per layer"):
+        NK.decode_stack(plan, torch.randn(1, d).to(torch.bfloat16), kda[:-1], mla)
+    bad = [(t.float(), s, i) for t, s, i in kda]
+    with pytest.raises(ValueError, match="KDA pool"):
+        NK.decode_stack(plan, torch.randn(1, d).to(torch.bfloat16), bad, mla)
+
+
+def test_sigmoid_mul_rounds_as_torch():
+    """Two roundings as `o * torch.sigmoid(g)` on bf16; the exp differs from torch's in the last fp32
+    bits, so a rare element may land one bf16 step away."""
+    o, g = (torch.randn(4096, 64).to(torch.bfloat16) * 4 for _ in range(2))
+    got, want = NK.sigmoid_mul(o, g).float(), (o * torch.sigmoid(g)).float()
+    step = want.abs().clamp_min(1e-30) * 2**-7
+    assert ((got - want).abs() <= step).all()
+    assert (got == want).float().mean() > 0.999
