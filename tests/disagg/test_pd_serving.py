@@ -17,7 +17,7 @@ import pytest
 from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.tiny import make_tiny
 
-from .pd_fixtures import UNIT, idle_and_clean, instance, make_llm, need_mooncake, proxy, state
+from .pd_fixtures import ENGINE, UNIT, idle_and_clean, instance, make_llm, need_mooncake, proxy, state
 
 need_mooncake()
 
@@ -123,8 +123,8 @@ def test_decode_side_joint_hit_skips_the_prefill(deployment):
 
 
 def test_concurrent_requests_hand_off_in_parallel(deployment):
-    """More requests at once than the decode instance has live slots: reservations wait for
-    slots, prefills and reads interleave; each answer is still the colocated one, every prompt
+    """More requests at once than the decode instance has live slots: reservations queue on its
+    engine thread for slots, prefills and reads interleave; each answer is still the colocated one, every prompt
     was handed off (none computed on the decode side) and both sides end clean."""
     import concurrent.futures
 
@@ -133,7 +133,8 @@ def test_concurrent_requests_hand_off_in_parallel(deployment):
     prompts = [[rng.randrange(10, 1700) for _ in range(40 + 17 * i)] for i in range(5)]
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     want = [o.outputs[0].text for o in ref.generate([{"prompt_token_ids": p} for p in prompts], greedy)]
-    before = state(d_url).get("handoffs", 0)
+    before = state(d_url)
+    assert ENGINE["max_num_seqs"] < len(prompts)
 
     def ask(prompt):
         body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
@@ -142,6 +143,8 @@ def test_concurrent_requests_hand_off_in_parallel(deployment):
     with concurrent.futures.ThreadPoolExecutor(5) as pool:
         got = list(pool.map(ask, prompts))
     assert got == want
-    assert state(d_url)["handoffs"] == before + 5
+    after = state(d_url)
+    assert after["handoffs"] == before.get("handoffs", 0) + 5
+    assert after.get("reserve_waits", 0) > before.get("reserve_waits", 0)  # a reservation queued for a slot
     idle_and_clean(deployment["prefill"][0])
     idle_and_clean(d_url)

@@ -5,8 +5,9 @@
 1. On the engine thread: if this instance's own joint hit (MLA pages and a KDA checkpoint)
    leaves at most `local_prefill_tokens` to compute, run the request here (no transfer); else
    reserve cache (`engine.handoff.reserve`): pages its prefix cache holds are shared, the
-   transfer starts after them. While every live slot is taken it waits for one (as a queued
-   request would), never falling back to computing the prompt here.
+   transfer starts after them. While the pools are short the reservation waits on the engine
+   thread (`AsyncEngine.call_when`: FIFO, retried as slots and pages free), as a queued request
+   would, never falling back to computing the prompt here before the handoff timeout.
 2. Ask the prefill instance for the prompt minus its last token (`/disagg/prefill`), check the
    header against this request and instance (its fresh handoff id, fingerprint, token count,
    prompt hash, start, region shapes).
@@ -82,6 +83,11 @@ class PrefillTarget:
             PREFILL_TARGET.reset(token)
 
 
+def _pool_state(core) -> tuple[int, int, int]:
+    """What a waiting reservation's chance depends on: free slots and pages, live sequences."""
+    return core.cache.kda.num_free, core.cache.mla.num_free, len(core.cache.seqs)
+
+
 class DecodeHandoff:
     def __init__(
         self,
@@ -119,18 +125,20 @@ class DecodeHandoff:
         return reserve(core, ids)
 
     async def _reserve(self, ids: list[int], params) -> Reservation | int:
-        """`_plan`, retried while the pools are short (running requests free their slots as they
-        finish; the wait is the queueing a local request would see), up to the handoff timeout."""
-        deadline, pause = time.monotonic() + self.timeout_s, 0.005
-        while True:
-            plan = await self.engine.call(lambda core: self._plan(core, ids, params))
-            if plan is not None:
-                return plan
-            if time.monotonic() > deadline:
-                return -1
-            self.counters["reserve_waits"] += 1
-            await asyncio.sleep(pause)
-            pause = min(2 * pause, 0.1)
+        """`_plan`; while the pools are short, a reservation queued on the engine thread (FIFO behind
+        earlier ones, retried as running requests free slots and pages: the queueing a local
+        request would see), or -1 (run it locally) after the handoff timeout."""
+        plan = await self.engine.call(lambda core: self._plan(core, ids, params))
+        if plan is not None:
+            return plan
+        self.counters["reserve_waits"] += 1
+        plan = await self.engine.call_when(
+            lambda core: reserve(core, ids),
+            lambda core, res: cancel(core, res.seq_id),
+            self.timeout_s,
+            key=_pool_state,
+        )
+        return -1 if plan is None else plan
 
     async def submit(self, state, ids: list[int], params, images=None):
         url = PREFILL_TARGET.get()

@@ -65,6 +65,7 @@ class CounterCollector:
         "transfer_us": "Microseconds spent in handoffs (prefill wait, read, verification)",
         "read_us": "Microseconds spent reading handoff bytes from prefill instances",
         "local_prefills": "Requests this decode instance prefilled itself (its joint hit left little to compute)",
+        "reserve_waits": "Handoffs that waited on the engine thread for a free slot or pages",
         "prefills": "Prompts computed for decode instances",
         "prefill_tokens": "Tokens computed for decode instances",
         "offered_bytes": "Bytes offered to decode instances",

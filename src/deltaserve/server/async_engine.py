@@ -8,6 +8,8 @@ it finishes (client disconnect, cancelled task) sends `AbortRequest`, which free
 A structured request's grammar is compiled on a worker thread before it is queued (`add`), so
 neither the event loop nor the engine thread waits on a slow schema; a sequence the engine
 finishes with "error" (its grammar failed) makes its stream raise `GenerationError`.
+`call_when` queues a call that the engine thread retries after each step and message batch until
+it returns something (a disaggregated decode instance waiting for a free slot), FIFO.
 A request's images (`ImageInput`s, one per `<|media_pad|>` run of its prompt, in order) travel with
 its `AddRequest` to `EngineCore.add_request(..., images=...)`; an engine whose `add_request`
 takes no `images` or that has no vision tower (`accepts_images` False) refuses them with
@@ -17,6 +19,7 @@ takes no `images` or that has no vision tower (`accepts_images` False) refuses t
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import logging
 import queue
@@ -31,6 +34,7 @@ from ..engine.multimodal import ImageInput
 from ..engine.ranks import RankFailure
 from ..engine.sampling_params import SamplingParams
 from ..engine.sequence import InvalidRequestError
+from .engine_messages import AbortRequest, AddRequest, Call, Fatal, Shutdown, StartWaiting, StopWaiting, Waiter
 
 log = logging.getLogger(__name__)
 
@@ -42,42 +46,6 @@ class EngineDeadError(RuntimeError):
 class GenerationError(RuntimeError):
     """A sequence finished with "error" (e.g. its structured-output grammar failed); the message
     is the engine's `stop_reason`, safe to show to the client."""
-
-
-@dataclass(frozen=True)
-class AddRequest:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    sink: Callable[[SeqDelta | BaseException], None]
-    accepted: Future
-    images: tuple[ImageInput, ...] = ()
-    options: tuple[tuple[str, Any], ...] = ()  # further `add_request` keywords (handoffs)
-
-
-@dataclass(frozen=True)
-class AbortRequest:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class Call:
-    """Run `fn(core)` on the engine thread between steps (stats, integrity checks)."""
-
-    fn: Callable[[EngineCore], Any]
-    result: Future
-
-
-@dataclass(frozen=True)
-class Shutdown:
-    pass
-
-
-@dataclass(frozen=True)
-class Fatal:
-    """The engine cannot go on (a tensor-parallel rank failed): stop, failing every request."""
-
-    reason: str
 
 
 @dataclass
@@ -140,6 +108,7 @@ class AsyncEngine:
         )
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Callable] = {}
+        self._waiters: collections.deque[Waiter] = collections.deque()
         self._thread: threading.Thread | None = None
         self.failure: str | None = None  # why the engine stopped on its own, if it did
         self._on_failure: list[Callable[[str], None]] = []
@@ -190,6 +159,30 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[EngineCore], Any], timeout: float = 30.0) -> Any:
         return await asyncio.wait_for(asyncio.wrap_future(self._call(fn)), timeout)
+
+    async def call_when(
+        self,
+        fn: Callable[[EngineCore], Any],
+        release: Callable[[EngineCore, Any], None],
+        timeout: float,
+        key: Callable[[EngineCore], Any] | None = None,
+    ) -> Any:
+        """`fn(core)` on the engine thread, retried after every step and batch of messages until it
+        returns non-None, behind the calls queued here before it (FIFO); with `key`, retried only
+        when `key(core)` changed since the last try. None after `timeout` s; a result that comes
+        too late (or to a cancelled caller) goes to `release(core, result)` on the engine thread."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        waiter = Waiter(fn, release, Future(), key)
+        self._inbox.put(StartWaiting(waiter))
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(waiter.result)), timeout)
+        except asyncio.TimeoutError:
+            self._inbox.put(StopWaiting(waiter))
+            return None
+        except asyncio.CancelledError:
+            self._inbox.put(StopWaiting(waiter))
+            raise
 
     def _call(self, fn) -> Future:
         if not self.alive:
@@ -266,12 +259,44 @@ class AsyncEngine:
                 msg.result.set_result(msg.fn(self.core))
             except Exception as e:
                 msg.result.set_exception(e)
+        elif isinstance(msg, StartWaiting):
+            self._waiters.append(msg.waiter)
+        elif isinstance(msg, StopWaiting):
+            self._stop_waiting(msg.waiter)
         elif isinstance(msg, Shutdown):
             return False
         elif isinstance(msg, Fatal):
             self._fatal(msg.reason)
             return False
         return True
+
+    def _serve_waiters(self) -> None:
+        """Try the queued calls in order; stop at the first that returns None (or whose key has
+        not changed since it did)."""
+        while self._waiters:
+            w = self._waiters[0]
+            if w.key is not None:
+                seen, w.seen = w.seen, w.key(self.core)
+                if seen is not None and seen == w.seen:
+                    return
+            try:
+                got = w.fn(self.core)
+            except Exception as e:
+                self._waiters.popleft()
+                w.result.set_exception(e)
+                continue
+            if got is None:
+                return
+            self._waiters.popleft()
+            w.result.set_result(got)
+
+    def _stop_waiting(self, w: Waiter) -> None:
+        """Drop a waiter whose caller gave up; release what it was given if it was served."""
+        try:
+            self._waiters.remove(w)
+        except ValueError:
+            if w.result.done() and w.result.exception() is None and w.result.result() is not None:
+                w.release(self.core, w.result.result())
 
     def _fatal(self, reason: str) -> None:
         if self.failure is None:
@@ -302,6 +327,7 @@ class AsyncEngine:
                     msg = None
             if not running:
                 break
+            self._serve_waiters()
             self.num_waiting = len(self.core.scheduler.waiting)
             if not self.core.scheduler.has_work():
                 if self._sinks:
@@ -322,7 +348,10 @@ class AsyncEngine:
                     sink(d)
             for rid in [r for r in self._sinks if r not in self.core.requests]:
                 del self._sinks[rid]
+            self._serve_waiters()
             self.num_waiting = len(self.core.scheduler.waiting)
+        while self._waiters:
+            self._waiters.popleft().result.set_exception(EngineDeadError("the engine stopped"))
         self._fail_all(
             EngineDeadError(f"the engine failed: {self.failure}" if self.failure else "the engine was shut down")
         )

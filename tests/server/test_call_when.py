@@ -1,0 +1,111 @@
+"""`AsyncEngine.call_when`: a call the engine thread retries after each step and message batch
+until it returns something, in FIFO order, gated by its key; a caller that gives up gets None and
+whatever it is handed too late is released; an engine that stops fails the waiters."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from deltaserve import LLM
+from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.server.async_engine import AsyncEngine, EngineDeadError
+from deltaserve.tiny import make_tiny
+
+
+@pytest.fixture
+def engine(tmp_path):
+    ckpt = make_tiny(tmp_path / "kl", family="kimi_linear", preset="tiny", seed=0)
+    llm = LLM(ckpt, dtype="float32", max_num_seqs=2, kv_cache_memory=16 * 2**20, max_model_len=128, progress=False)
+    eng = AsyncEngine(llm.engine, llm.model.config.family)
+    eng.start()
+    yield eng
+    eng.shutdown()
+
+
+def test_waiters_are_served_in_order_once_they_can_be(engine):
+    gate, tries, released = {"open": False}, [], []
+
+    def fn(name):
+        def attempt(core):
+            tries.append(name)
+            return name if gate["open"] else None
+
+        return attempt
+
+    async def main():
+        first = asyncio.create_task(engine.call_when(fn("a"), lambda c, r: released.append(r), 30))
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(engine.call_when(fn("b"), lambda c, r: released.append(r), 30))
+        await asyncio.sleep(0.05)
+        assert not first.done() and not second.done()
+        assert "b" not in tries  # the head blocks the queue behind it
+        await engine.call(lambda core: gate.update(open=True))
+        return await first, await second
+
+    assert asyncio.run(main()) == ("a", "b")
+    assert not released
+
+
+def test_a_waiter_is_retried_only_when_its_key_changes(engine):
+    """A running request steps the engine many times; the call runs again only on a new key."""
+    key, tries = {"k": 0}, []
+
+    def attempt(core):
+        tries.append(key["k"])
+        return "done" if key["k"] == 2 else None
+
+    async def main():
+        stream = await engine.add(list(range(5, 20)), SamplingParams(max_tokens=40, ignore_eos=True))
+        waiting = asyncio.create_task(engine.call_when(attempt, lambda c, r: None, 30, key=lambda core: key["k"]))
+        steps = 0
+        async for _ in stream:
+            steps += 1
+            if steps == 10:
+                await engine.call(lambda core: key.update(k=1))
+            if steps == 20:
+                await engine.call(lambda core: key.update(k=2))
+        return await waiting, steps
+
+    got, steps = asyncio.run(main())
+    assert got == "done" and steps == 40
+    assert tries == [0, 1, 2]
+
+
+def test_a_caller_that_gives_up_gets_none_and_a_late_result_is_released(engine):
+    released, tries = [], []
+
+    def never(core):
+        tries.append(1)
+        return None
+
+    def slow(core):
+        time.sleep(0.6)  # the caller's timeout passes while the engine thread is in here
+        return "late"
+
+    async def main():
+        assert await engine.call_when(never, lambda c, r: released.append(r), 0.1) is None
+        n = len(tries)
+        await engine.call(lambda core: None)
+        await engine.call(lambda core: None)
+        assert len(tries) == n  # dropped from the queue: never tried again
+        assert await engine.call_when(slow, lambda c, r: released.append(r), 0.2) is None
+        await engine.call(lambda core: None)  # behind the drop message
+
+    asyncio.run(main())
+    assert released == ["late"]
+
+
+def test_a_stopping_engine_fails_its_waiters(engine):
+    async def main():
+        waiting = asyncio.create_task(engine.call_when(lambda core: None, lambda c, r: None, 30))
+        await asyncio.sleep(0.05)
+        await asyncio.to_thread(engine.shutdown)
+        with pytest.raises(EngineDeadError):
+            await waiting
+        with pytest.raises(EngineDeadError):
+            await engine.call_when(lambda core: "x", lambda c, r: None, 1)
+
+    asyncio.run(main())
