@@ -104,18 +104,23 @@ def test_native_decode_matches_torch_paths_and_engages(tmp_path, monkeypatch, mx
     assert (per_module, modules_llm.logprobs) == (native, llm.logprobs)  # the same kernels in the same order
 
 
-@pytest.mark.skipif(not getattr(cpu_kernels.native(), "amx", False), reason="AMX tiles unavailable")
-def test_batched_decode_on_amx_tiles_matches_oracle(tmp_path, monkeypatch):
-    """Twelve sequences decode together: the projections, shared experts and expert chunks of two or
-    more pairs run on AMX tiles (more than the GEMV kernels' 8 rows)."""
+@pytest.mark.skipif(not getattr(cpu_kernels.native(), "tiles", False), reason="no tile kernels (AMX, AVX512-BF16)")
+def test_batched_decode_on_tiles_matches_oracle_and_blocks(tmp_path, monkeypatch):
+    """Twelve sequences decode together, more rows than the GEMV kernels' 8: the projections, shared
+    experts and expert chunks run on tiles (AMX, or AVX512-BF16 registers), the MLA heads in GEMV
+    passes of 8 rows; the whole stack equals the block-by-block path bit for bit, near the oracle."""
     ckpt = make_tiny(tmp_path / "k3", "kimi_k3", mxfp4=True, seed=5)
     prompts = [list(range(100 + 50 * i, 103 + 50 * i + i % 4)) for i in range(12)]
     kernels = cpu_kernels.native()
-    before = kernels.amx_uses()
+    before = kernels.tile_uses()
     llm, native, calls = run(ckpt, prompts, monkeypatch, True, max_num_seqs=12)
-    assert kernels.amx_uses() > before and calls["kda_block"] > 0 and calls["moe_block"] > 0
+    assert kernels.tile_uses() > before and calls["decode_stack"] > 0
     for prompt, tokens in zip(prompts, native):
         assert max(gaps_to_oracle(llm, prompt, tokens)) < TIE
+    without_blocks(monkeypatch, stack_only=True)
+    blocks_llm, per_block, block_calls = run(ckpt, prompts, monkeypatch, True, max_num_seqs=12)
+    assert block_calls["mla_block"] > 0 and block_calls["decode_stack"] == 0
+    assert (per_block, blocks_llm.logprobs) == (native, llm.logprobs)
 
 
 def test_block_kernels_match_per_module_path_on_kimi_linear(tmp_path, monkeypatch):

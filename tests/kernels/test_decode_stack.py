@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deltaserve import LLM
-from deltaserve.kernels.cpu import MAX_ROWS
+from deltaserve.kernels.cpu import AMX_ROWS, MAX_ROWS
 from deltaserve.kernels.cpu import library as cpu_kernels
 from deltaserve.tiny import make_tiny
 
@@ -84,12 +84,31 @@ def test_wrong_pools_and_batches_are_refused(stack):
     _, plan, d, shapes, width = stack
     kda, mla = pools(plan, shapes, width, torch.tensor([0]), torch.tensor([0]))
     with pytest.raises(ValueError, match="bad input"):
-        NK.decode_stack(plan, torch.randn(MAX_ROWS + 1, d).to(torch.bfloat16), kda, mla)
+        NK.decode_stack(plan, torch.randn(plan.max_rows + 1, d).to(torch.bfloat16), kda, mla)
     with pytest.raises(ValueError, match="one pool view per layer"):
         NK.decode_stack(plan, torch.randn(1, d).to(torch.bfloat16), kda[:-1], mla)
     bad = [(t.float(), s, i) for t, s, i in kda]
     with pytest.raises(ValueError, match="KDA pool"):
         NK.decode_stack(plan, torch.randn(1, d).to(torch.bfloat16), bad, mla)
+
+
+def test_the_rows_a_step_takes_follow_the_tiles(stack):
+    """Up to AMX_ROWS on tiles (every projection width a multiple of 32 here), else MAX_ROWS; turning
+    the tiles off after the plan makes a wide step decline (None, nothing written)."""
+    _, plan, d, shapes, width = stack
+    assert plan.max_rows == (AMX_ROWS if NK.tiles else MAX_ROWS)
+    if not NK.tiles:
+        return
+    n = MAX_ROWS + 1
+    kda, mla = pools(plan, shapes, width, torch.arange(n) % 4, torch.arange(n))
+    old_amx, old = NK.set_amx(False), NK.set_tiles(False)
+    try:
+        assert not NK.tiles
+        assert NK.decode_stack(plan, torch.randn(n, d).to(torch.bfloat16), kda, mla) is None
+    finally:
+        NK.set_tiles(old)
+        NK.set_amx(old_amx)
+    assert untouched(kda, mla)
 
 
 def test_sigmoid_mul_rounds_as_torch():

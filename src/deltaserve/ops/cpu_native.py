@@ -199,7 +199,7 @@ class CpuNativeOps(CpuStackOps, CpuDenseOps):
             or prepared.plan is None
             or pool_view is None
             or x.dtype != torch.bfloat16
-            or x.shape[0] > MAX_ROWS
+            or x.shape[0] > self.k.mla_block_rows(prepared.plan)
             or pool_view[0].dtype != torch.bfloat16
         ):
             return None

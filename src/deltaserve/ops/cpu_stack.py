@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.cpu import MAX_ROWS, NativeKernels
+from ..kernels.cpu import NativeKernels
 from ..kernels.cpu.stack import StackLayerPlan, StackPlan
 from .attn_res import ATTN_RES_EPS
 from .backend import TorchOps
@@ -60,9 +60,9 @@ class CpuStackOps(TorchOps):
         return self.k.stack_plan(stack.hidden, layers, stack.block_size, ATTN_RES_EPS, stack.out_mix, final)
 
     def decode_stack(self, x, prepared: StackPlan | None, cache):
-        """One native call for up to MAX_ROWS bf16 rows over bf16 pools (fp32 KDA states) the cache
-        addresses in place; None otherwise."""
-        if prepared is None or x.dtype != torch.bfloat16 or not 0 < x.shape[0] <= MAX_ROWS:
+        """One native call for up to `prepared.max_rows` bf16 rows over bf16 pools (fp32 KDA states)
+        the cache addresses in place; None otherwise."""
+        if prepared is None or x.dtype != torch.bfloat16 or not 0 < x.shape[0] <= prepared.max_rows:
             return None
         kda_view = getattr(cache, "kda_slot_view", None)
         mla_view = getattr(cache, "mla_pool_view", None)

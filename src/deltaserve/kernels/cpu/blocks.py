@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .abi import MAX_ROWS, MLA_MAX_HEADS, MLA_MAX_RANK, STRUCTS
+from .abi import MLA_MAX_HEADS, MLA_MAX_RANK, STRUCTS
 from .decode import expert_operands
 
 MoeBlockPlan = STRUCTS["ds_moe_block_t"]
@@ -274,6 +274,10 @@ class BlockBindings:
             *[_ptr(t) for t in (w.q_first, w.q_b, w.kv_a, w.g, w.q_norm, w.kv_norm, w.w_uk_t, w.w_uv)],
         )
 
+    def mla_block_rows(self, plan: MlaBlockPlan) -> int:
+        """The most rows `mla_block` takes: what its projections of widths D and q_rank take."""
+        return min(self.multi_rows(k) for k in (plan.D, plan.q_rank or plan.D))
+
     def mla_block(
         self,
         plan: MlaBlockPlan,
@@ -283,14 +287,15 @@ class BlockBindings:
         read_rows: torch.Tensor,
         cu_kv: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(o [N, H*v], gate [N, H*v] or None) of one MLA decode step of x [N <= MAX_ROWS, D] bf16; the
-        N latent rows are written into `rows` (the layer's pool [num_rows, R + rope] bf16) at write_rows."""
+        """(o [N, H*v], gate [N, H*v] or None) of one MLA decode step of x [N <= mla_block_rows(plan), D]
+        bf16; the N latent rows are written into `rows` (the layer's pool [num_rows, R + rope] bf16) at
+        write_rows."""
         n, d = x.shape
         hv = plan.H * plan.v
         ok = (
             x.dtype == torch.bfloat16
             and d == plan.D
-            and 0 < n <= MAX_ROWS
+            and 0 < n <= self.mla_block_rows(plan)
             and rows.dtype == torch.bfloat16
             and rows.is_contiguous()
             and rows.dim() == 2

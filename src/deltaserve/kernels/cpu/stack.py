@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .abi import MAX_MIX, MAX_ROWS, STRUCTS
+from .abi import MAX_MIX, STRUCTS
 
 StackStruct = STRUCTS["ds_stack_t"]
 StackLayerStruct = STRUCTS["ds_stack_layer_t"]
@@ -35,12 +35,14 @@ class StackLayerPlan:
 
 @dataclass
 class StackPlan:
-    """The filled `ds_stack_t` and everything its pointers reach (kept alive here), and which layers
-    are KDA (the rest MLA). `pools` memoises the last step's per-layer pool pointers."""
+    """The filled `ds_stack_t` and everything its pointers reach (kept alive here), which layers are
+    KDA (the rest MLA), and the most rows a step takes (the tile kernels' AMX_ROWS where they run
+    every projection, else MAX_ROWS). `pools` memoises the last step's per-layer pool pointers."""
 
     struct: object
     kda_layers: list[int]
     mla_layers: list[int]
+    max_rows: int
     keep: list = field(default_factory=list)
     pools: tuple | None = None
 
@@ -120,16 +122,22 @@ class StackBindings:
             final_norm[0].data_ptr(),
         )
         keep += [out_q, final_norm]
-        return StackPlan(struct, kda_layers, mla_layers, keep)
+        widths = [d]
+        for y in layers:
+            a = y.attn
+            widths += [a.q_rank or d, a.H * a.v] if isinstance(a, MlaBlockPlan) else [a.K, a.H * a.K]
+            widths += [y.moe.L] if y.moe is not None and y.moe.down else []
+        return StackPlan(struct, kda_layers, mla_layers, min(self.multi_rows(k) for k in widths), keep)
 
     def decode_stack(self, plan: StackPlan, x: torch.Tensor, kda_views: list, mla_views: list) -> torch.Tensor | None:
-        """The final-normed hidden states [N, D] of one decode step of the embeddings x [N <= MAX_ROWS,
-        D] bf16, or None where a router's limits do not hold (nothing computed). `kda_views[i]` is KDA
+        """The final-normed hidden states [N, D] of one decode step of the embeddings x [N <=
+        plan.max_rows, D] bf16, or None where a router's limits do not hold or the tile kernels no
+        longer run (nothing computed). `kda_views[i]` is KDA
         layer `plan.kda_layers[i]`'s (tails, states, slots) as `kda_block` takes them, `mla_views[i]`
         MLA layer `plan.mla_layers[i]`'s (rows, write_rows, read_rows, cu_kv) as `mla_block`; the
         slots and the row indices are the step's, shared by the layers. Updates the pools in place."""
         n, d = x.shape
-        if not (x.dtype == torch.bfloat16 and d == plan.struct.D and 0 < n <= MAX_ROWS):
+        if not (x.dtype == torch.bfloat16 and d == plan.struct.D and 0 < n <= plan.max_rows):
             raise ValueError("decode_stack: bad input")
         tails, states, rows, num_slots, num_rows = self._pools(plan, kda_views, mla_views)
         slots = kda_views[0][2].contiguous() if kda_views else None
@@ -152,7 +160,7 @@ class StackBindings:
             out.data_ptr(),
             torch.get_num_threads(),
         )
-        if rc == -3:
+        if rc in (-3, -4):  # a router's limits; more rows than the tiles take now (`set_tiles(False)`)
             return None
         if rc == -2:
             raise ValueError("decode_stack: slot or row index out of range")

@@ -11,7 +11,7 @@
  *   out = bf16(f32(r) + f32(shared(x)))                                 single-expert ds_moe_experts
  * ds_kda_block (model/kda_layer.py KdaAttention._native_decode): q, k, v, f_a, b, g (or g_a) in one
  * pass over x; f = f_a @ f_b^T, g = g_a @ g_b^T (low-rank gate); ds_kda_decode; out = o @ o_proj^T.
- * ds_mla_block (model/mla_layer.py MlaAttention.forward, decode of <= DS_MAX_M rows): q_a (or q), kv_a
+ * ds_mla_block (model/mla_layer.py MlaAttention.forward, decode): q_a (or q), kv_a
  * and the gate in one pass; q = q_b(norm(q_a)); the latent row [norm(c) | k_rot] written into the pool;
  * q_hat = W_UK^T q_nope per head; ds_mla_decode over the paged rows; o = W_UV o_lat per head. The
  * caller applies the output gate and o_proj (torch's sigmoid rounding stays torch's).
@@ -110,13 +110,14 @@ int ds_kda_block(const ds_kda_block_t *b, const uint16_t *x, int N, uint16_t *ta
     return rc;
 }
 
-/* o [N, H * v] (and gate [N, H * v] when gated) for x [N <= DS_MAX_M, D]; the N latent rows go to
- * rows[write_rows] first. Returns 0, -1 allocation or kernel, -2 a row index out of range. */
+/* o [N, H * v] (and gate [N, H * v] when gated) for x [N, D] (N within what the projections take:
+ * DS_MAX_M, or DS_AMX_ROWS on tiles); the N latent rows go to rows[write_rows] first. Returns 0, -1
+ * allocation or kernel, -2 a row index out of range. */
 int ds_mla_block(const ds_mla_block_t *b, const uint16_t *x, int N, uint16_t *rows, int64_t num_rows,
                  const int64_t *write_rows, const int64_t *read_rows, const int64_t *cu_kv, uint16_t *o,
                  uint16_t *gate, int nthreads) {
     const int H = b->H, nope = b->nope, rope = b->rope, R = b->rank, V = b->v, qd = nope + rope, row = R + rope;
-    if (N > DS_MAX_M) return -1;
+    if (N > DS_MAX_M && !ds_tiles_ready()) return -1;
     for (int n = 0; n < N; ++n)
         if (write_rows[n] < 0 || write_rows[n] >= num_rows) return -2;
     for (int n = 0; n < N; ++n)
@@ -148,26 +149,33 @@ int ds_mla_block(const ds_mla_block_t *b, const uint16_t *x, int N, uint16_t *ro
             memcpy(lat + (size_t)n * row + R, kv + (size_t)n * row + R, sizeof(uint16_t) * rope);
             memcpy(rows + write_rows[n] * row, lat + (size_t)n * row, sizeof(uint16_t) * row);
         }
-        for (int h = 0; h < H; ++h)
-            for (int n = 0; n < N; ++n)
-                memcpy(xh + ((size_t)h * N + n) * nope, qq + ((size_t)n * H + h) * qd, sizeof(uint16_t) * nope);
-        ds_linear_bf16_heads(xh, H, N, nope, b->w_uk_t, R, qh, nthreads);
-        for (int n = 0; n < N; ++n)
-            for (int h = 0; h < H; ++h) {
-                uint16_t *dst = ql + ((size_t)n * H + h) * row;
-                memcpy(dst, qh + ((size_t)h * N + n) * R, sizeof(uint16_t) * R);
-                memcpy(dst + R, qq + ((size_t)n * H + h) * qd + nope, sizeof(uint16_t) * rope);
-            }
+        for (int n0 = 0; n0 < N; n0 += DS_MAX_M) {   /* the per-head GEMVs take DS_MAX_M rows a call */
+            const int m = N - n0 < DS_MAX_M ? N - n0 : DS_MAX_M;
+            for (int h = 0; h < H; ++h)
+                for (int i = 0; i < m; ++i)
+                    memcpy(xh + ((size_t)h * m + i) * nope, qq + ((size_t)(n0 + i) * H + h) * qd,
+                           sizeof(uint16_t) * nope);
+            ds_linear_bf16_heads(xh, H, m, nope, b->w_uk_t, R, qh, nthreads);
+            for (int i = 0; i < m; ++i)
+                for (int h = 0; h < H; ++h) {
+                    uint16_t *dst = ql + ((size_t)(n0 + i) * H + h) * row;
+                    memcpy(dst, qh + ((size_t)h * m + i) * R, sizeof(uint16_t) * R);
+                    memcpy(dst + R, qq + ((size_t)(n0 + i) * H + h) * qd + nope, sizeof(uint16_t) * rope);
+                }
+        }
         rc = ds_mla_decode(N, H, row, R, ql, rows, read_rows, cu_kv, b->scale, olat, nthreads) ? -1 : 0;
     }
     if (rc == 0) {
-        for (int h = 0; h < H; ++h)
-            for (int n = 0; n < N; ++n)
-                memcpy(oh + ((size_t)h * N + n) * R, olat + ((size_t)n * H + h) * R, sizeof(uint16_t) * R);
-        ds_linear_bf16_heads(oh, H, N, R, b->w_uv, V, ov, nthreads);
-        for (int n = 0; n < N; ++n)
+        for (int n0 = 0; n0 < N; n0 += DS_MAX_M) {
+            const int m = N - n0 < DS_MAX_M ? N - n0 : DS_MAX_M;
             for (int h = 0; h < H; ++h)
-                memcpy(o + ((size_t)n * H + h) * V, ov + ((size_t)h * N + n) * V, sizeof(uint16_t) * V);
+                for (int i = 0; i < m; ++i)
+                    memcpy(oh + ((size_t)h * m + i) * R, olat + ((size_t)(n0 + i) * H + h) * R, sizeof(uint16_t) * R);
+            ds_linear_bf16_heads(oh, H, m, R, b->w_uv, V, ov, nthreads);
+            for (int i = 0; i < m; ++i)
+                for (int h = 0; h < H; ++h)
+                    memcpy(o + ((size_t)(n0 + i) * H + h) * V, ov + ((size_t)h * m + i) * V, sizeof(uint16_t) * V);
+        }
     }
     free(buf);
     return rc;

@@ -43,6 +43,19 @@ static void layer_input(const uint16_t **bank, int nbank, const uint16_t *cur, i
     }
 }
 
+/* The most rows a step takes: DS_AMX_ROWS where the tile kernels run every projection (tiles ready, every
+ * input width a multiple of 32), else DS_MAX_M (the GEMV kernels). */
+static int stack_rows(const ds_stack_t *s) {
+    int ok = ds_tiles_ready() && s->D % 32 == 0;
+    for (int l = 0; ok && l < s->L; ++l) {
+        const ds_stack_layer_t *y = &s->layers[l];
+        if (y->kda) ok = y->kda->K % 32 == 0 && (y->kda->H * y->kda->K) % 32 == 0;
+        if (y->mla) ok = ok && y->mla->q_rank % 32 == 0 && (y->mla->H * y->mla->v) % 32 == 0;
+        if (y->moe && y->moe->down) ok = ok && y->moe->L % 32 == 0;
+    }
+    return ok ? DS_AMX_ROWS : DS_MAX_M;
+}
+
 static int check_step(const ds_stack_t *s, int N, const int64_t *slots, int64_t num_slots, const int64_t *write_rows,
                       const int64_t *read_rows, const int64_t *cu_kv, int64_t num_rows) {
     int kda = 0, mla = 0;
@@ -65,17 +78,17 @@ static int check_step(const ds_stack_t *s, int N, const int64_t *slots, int64_t 
     return 0;
 }
 
-/* out [N, D] = the final-normed hidden states of one decode step of x [N <= DS_MAX_M, D] (the token
+/* out [N, D] = the final-normed hidden states of one decode step of x [N, D] (the token
  * embeddings). tails[l] / states[l]: KDA layer l's pools (as ds_kda_block), mla_rows[l]: MLA layer l's
  * rows (as ds_mla_block); the step's slots / write_rows / read_rows / cu_kv are shared by the layers.
- * Returns 0; -1 allocation or a kernel's failure; -2 an index out of range; -3 a router's limits do not
- * hold; -4 N out of range (nothing written but for 0 and -1). */
+ * N is at most stack_rows(s). Returns 0; -1 allocation or a kernel's failure; -2 an index out of range;
+ * -3 a router's limits do not hold; -4 N out of range (nothing written but for 0 and -1). */
 int ds_decode_stack(const ds_stack_t *s, const uint16_t *x, int N, uint16_t *const *tails, float *const *states,
                     const int64_t *slots, int64_t num_slots, uint16_t *const *mla_rows, int64_t num_rows,
                     const int64_t *write_rows, const int64_t *read_rows, const int64_t *cu_kv, uint16_t *out,
                     int nthreads) {
     const int D = s->D, L = s->L, blk = s->block_size;
-    if (N < 1 || N > DS_MAX_M) return -4;
+    if (N < 1 || N > stack_rows(s)) return -4;
     int rc = check_step(s, N, slots, num_slots, write_rows, read_rows, cu_kv, num_rows);
     if (rc) return rc;
     const int banked = blk > 0 ? (L + blk - 1) / blk : 0, nbuf = banked + 4;
@@ -107,7 +120,12 @@ int ds_decode_stack(const ds_stack_t *s, const uint16_t *x, int N, uint16_t *con
             rc = ds_mla_block(m, xin, N, mla_rows[l], num_rows, write_rows, read_rows, cu_kv, o,
                               m->gated ? g : NULL, nthreads) ? -1 : 0;
             if (rc == 0 && m->gated) ds_sigmoid_mul_bf16(o, g, (int64_t)N * w, o, nthreads);
-            if (rc == 0) ds_linear_bf16(o, N, w, y->o_proj, D, a, D, nthreads);
+            if (rc == 0 && N <= DS_MAX_M) ds_linear_bf16(o, N, w, y->o_proj, D, a, D, nthreads);
+            if (rc == 0 && N > DS_MAX_M) {   /* as ops.linear: the tile kernel above DS_MAX_M rows */
+                const int f0 = 0;
+                void *ya = a;
+                rc = ds_linear_amx_multi(o, N, w, &y->o_proj, &D, &f0, &ya, 1, nthreads) ? -1 : 0;
+            }
         }
         if (rc) break;
         if (y->attn_q && blk > 0 && l % blk == 0) {
