@@ -1,8 +1,8 @@
 """The checkpoint loader (spec/model.md §15-16): `make_tiny` checkpoints load back bit-exactly
 against an expectation derived here from the raw safetensors (experts stacked, MXFP4 through the
 naive reference decoder, `A_log` unpadded/flattened, fp32 kept fp32); single-file and sharded
-forms agree (malformed ones: test_weight_errors.py); vision tensors are
-skipped unread; and bf16/fp32 tensors that need no conversion stay memory-mapped."""
+forms agree; vision tensors are skipped unread; and bf16/fp32 tensors that need no conversion
+stay memory-mapped (malformed checkpoints: test_weight_errors.py)."""
 
 import json
 import logging
