@@ -140,6 +140,9 @@ def _build_rank0(c: EngineConfig, dtype, ranks, tp, control) -> Engine:
     model_id = f"{Path(c.model).resolve()}:{dtype}"
     kernel = model.ops.name  # load_model bound the backend (and built the native kernels) once
     log.info("kernel backend: %s (%s on %s): %s", kernel, dtype, c.device, describe(model.ops))
+    stack = getattr(getattr(model, "model", None), "prepared", None)
+    if stack is not None:
+        log.info("decode steps of up to %d rows: the whole layer stack in one native call", stack.max_rows)
     cache = CacheManager(*build_pools(cfg, layout, c.device, tp), policy=policy, model_id=model_id, kernel=kernel)
     core = EngineCore(
         model,
