@@ -1,7 +1,9 @@
 """Selection of the kernels' instruction set at load (`DELTASERVE_ISA`, `build.choose_isa`): each
 variant this CPU runs (avx2, avx512, amx), built and loaded on its own handle by `library.load(isa)`
 (the process's `native()` is untouched), against the reference ops with the tolerances of
-tests/ops/test_cpu_kernels.py and test_kda_native.py; and the engine on a tiny bf16 model with
+tests/ops/test_cpu_kernels.py and test_kda_native.py, and bit for bit the GEMV kernels' one summation
+order per dot product (a row alone == its row of a batch, MXFP4 decoded on the fly == the decoded bf16
+weights); and the engine on a tiny bf16 model with
 `DELTASERVE_ISA=avx2` in a subprocess, its greedy tokens within bf16 noise of the reference.
 Variants the CPU lacks are skipped; the selection logic itself is checked on simulated CPUs."""
 
@@ -65,6 +67,60 @@ def test_linear(kernels, rows):
     assert ulps(got, ref, ref) <= 2.0
     if rows <= cpu_kernels.MAX_ROWS:
         assert ulps(kernels.linear_bf16(x, w), ref, ref) <= 2.0
+
+
+@pytest.mark.parametrize("k", [1000, 1008])
+def test_linear_rows_alone_equal_the_batch(kernels, k):
+    """K with a tail past the last 32-block (8, 16 elements): within 2 ulps of F.linear, and each row of a
+    batch of up to 8 bit-identical to that row alone (the GEMV kernels sum each dot product in one order)."""
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(8, k, generator=gen).to(BF)
+    w = torch.randn(77, k, generator=gen).to(BF)
+    alone = torch.cat([kernels.linear_bf16(x[m : m + 1], w) for m in range(8)])
+    assert ulps(alone, F.linear(x, w), F.linear(x, w)) <= 2.0
+    for rows in range(2, 9):
+        assert torch.equal(kernels.linear_bf16(x[:rows], w), alone[:rows])
+
+
+@pytest.mark.parametrize("n,e,inter,d,k", [(8, 10, 96, 96, 7), (5, 3, 64, 2304, 2), (3, 2, 64, 4608, 2)])
+def test_experts_packed_equal_dense_and_token_equal_batch(kernels, n, e, inter, d, k):
+    """Every variant: MXFP4 decoded on the fly == the decoded bf16 weights, bit for bit, and (GEMV path,
+    1..8 pairs an expert) a token alone == its row of the batch (tests/ops/test_cpu_kernels.py holds
+    both for the process's own variant); wide inputs take the AVX2 kernels' chunked and heap paths."""
+    (w1, w3, w2), dense, x, ids, wts = routed_case(n, torch.Generator().manual_seed(d), e=e, inter=inter, d=d, k=k)
+    act = (cpu_kernels.ACT_SITU, 4.0, 25.0)
+    ref = grouped_experts(x, ids, wts, *dense, lambda g, u: situ_and_mul(g, u, 4.0, 25.0))
+    old = kernels.set_amx(False)
+    try:
+        batched = [kernels.moe_experts(x, ids, wts, *weights, *act) for weights in ((w1, w3, w2), dense)]
+        assert torch.equal(batched[0], batched[1])
+        assert ulps(batched[0], ref, ref) <= 2.0
+        for t in range(x.shape[0]):
+            one = kernels.moe_experts(x[t : t + 1], ids[t : t + 1], wts[t : t + 1], w1, w3, w2, *act)
+            assert torch.equal(one, batched[0][t : t + 1])
+    finally:
+        kernels.set_amx(old)
+
+
+def test_one_token_bf16_experts_of_odd_width(kernels):
+    """bf16 experts (the shared experts' kind) whose width is no multiple of the row blocks: the batch-1
+    kernel (moe_row.c) against the reference and, bit for bit, the batched GEMV path."""
+    gen = torch.Generator().manual_seed(3)
+    e, inter, d = 3, 100, 96
+    w1, w3 = (torch.randn(e, inter, d, generator=gen).to(BF) * 0.1 for _ in range(2))
+    w2 = torch.randn(e, d, inter, generator=gen).to(BF) * 0.1
+    x, ids, wts = torch.randn(3, d, generator=gen).to(BF), torch.tensor([[0, 2], [2, 1], [1, 0]]), torch.rand(3, 2)
+    act = (cpu_kernels.ACT_SITU, 4.0, 25.0)
+    ref = grouped_experts(x, ids, wts, w1, w3, w2, lambda g, u: situ_and_mul(g, u, 4.0, 25.0))
+    old = kernels.set_amx(False)
+    try:
+        batched = kernels.moe_experts(x, ids, wts, w1, w3, w2, *act)
+        one = torch.cat(
+            [kernels.moe_experts(x[t : t + 1], ids[t : t + 1], wts[t : t + 1], w1, w3, w2, *act) for t in range(3)]
+        )
+    finally:
+        kernels.set_amx(old)
+    assert torch.equal(one, batched) and ulps(one, ref, ref) <= 2.0
 
 
 @pytest.mark.parametrize("n", [3, 40])

@@ -4,11 +4,11 @@
 One library per instruction set (`choose_isa`: `$DELTASERVE_ISA` = `avx2`, `avx512` or `amx`,
 unset = the best the CPU has; one it lacks is refused with a warning): `amx` is `-march=native`
 with AMX tiles, `avx512` the same without AMX (the AVX512-BF16 kernels), `avx2` `-march=x86-64-v3`
-(no AVX-512: the kernels' portable C paths, their dot products scalar); a CPU without AVX2 gets `generic`
-(`-march=native`). A build is keyed by the sources and headers, the compiler's version, the flags
-(the ISA's among them) and the CPU's feature flags; it is written to a temporary file and renamed
-into place under a file lock, so concurrent processes never load a half-written library, and a
-later process with the same key loads the cached one without compiling.
+(no AVX-512: the GEMV and expert row kernels in AVX2 + FMA, csrc/avx2.h, the rest portable C); a CPU
+without AVX2 gets `generic` (`-march=native`). A build is keyed by the sources and headers, the
+compiler's version, the flags (the ISA's among them) and the CPU's feature flags; it is written to a
+temporary file and renamed into place under a file lock, so concurrent processes never load a
+half-written library, and a later process with the same key loads the cached one without compiling.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@
  * bf16 rounded to nearest-even (NaN kept quiet), the contract of torch's bf16 F.linear; only
  * the summation order differs. MXFP4 layout (spec/model.md §16): packed [N, K/2] uint8 with the
  * LOW nibble the EARLIER element, scale [N, K/32] uint8 E8M0 (2^(s-127)).
- * Built with -march=native; without AVX512-BF16 the portable C path runs (same results up to
- * summation order). Threads: OpenMP over output rows, `nthreads` from torch.get_num_threads().
+ * Built per ISA (build.py); without AVX512-BF16 the AVX2 + FMA kernels of avx2.h run (the `avx2`
+ * build), below AVX2 the portable C path (same results up to summation order). Threads: OpenMP over
+ * output rows, `nthreads` from torch.get_num_threads().
  */
 #include <math.h>
 #include <stdint.h>
@@ -18,6 +19,7 @@
 #include "bf16.h"
 #include "mxfp4.h"
 #include "internal.h"
+#include "avx2.h"
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define DS_AVX512BF16 1
@@ -28,6 +30,9 @@
 static const float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
                                -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 uint16_t ds_scaled_lut[256][32];
+#ifdef DS_AVX2
+uint32_t ds_mx8[256][8];
+#endif
 /* Fills the tables; the loader calls it once before any kernel runs. */
 void ds_init(void) {
     for (int s = 0; s < 256; ++s) {
@@ -39,6 +44,9 @@ void ds_init(void) {
             uint32_t u;
             memcpy(&u, &v, 4);
             ds_scaled_lut[s][c] = (uint16_t)(u >> 16);
+#ifdef DS_AVX2
+            if (c < 8) ds_mx8[s][c] = u ^ (uint32_t)c << 28;
+#endif
         }
     }
 }
@@ -133,6 +141,8 @@ static void rows_bf16(const uint16_t *x, int M, int K, const uint16_t *w, int R,
         }
     }
     for (int r = 0; r < R; ++r) rows_bf16_avx(x, M, K, w + (int64_t)r * K, 1, acc + r * DS_MAX_M);
+#elif defined(DS_AVX2)
+    ds_rows_bf16_avx2(x, M, K, w, R, acc);
 #else
     for (int r = 0; r < R; ++r) row_bf16_portable(x, M, K, w + (int64_t)r * K, acc + r * DS_MAX_M);
 #endif
@@ -336,6 +346,9 @@ void ds_expert_rows(const void *w, const uint8_t *s, int packed, int64_t row0, i
         default: rows_mxfp4_avx(x, 8, K, wp, sp, 2, ar); break;
         }
     }
+#elif defined(DS_AVX2)
+    ds_rows_mxfp4_avx2(x, M, K, (const uint8_t *)w + row0 * (K / 2), s + row0 * (K / DS_GROUP), R, acc);
+    return;
 #endif
     for (; r < R; ++r)
         row_mxfp4(x, M, K, (const uint8_t *)w + (row0 + r) * (K / 2), s + (row0 + r) * (K / DS_GROUP),
