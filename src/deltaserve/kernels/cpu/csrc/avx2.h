@@ -20,7 +20,6 @@
  */
 #ifndef DELTASERVE_AVX2_H
 #define DELTASERVE_AVX2_H
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include "bf16.h"
@@ -168,17 +167,15 @@ ds_row_split_kern(const float *xf, const int MM, int K, const float *wf, float *
 /* The same over MXFP4 rows (packed p [R, K/2], scales s [R, K/32]), the activations split once a call.
  * One activation row takes the weight rows in pairs, decoding as it goes; more decode each weight row
  * once into the split layout and take the activation rows in pairs over it, as many activation rows a
- * pass as the stack holds (the heap only where not even one fits: K > DS_AVX2_XF / 2). */
-static inline void ds_rows_mxfp4_avx2(const uint16_t *x, int M, int K, const uint8_t *p, const uint8_t *s, int R,
-                                      float *acc) {
+ * pass as the stack holds (the heap only where not even one fits: K > DS_AVX2_XF / 2). Returns 0, or -1
+ * (nothing written) where that heap scratch cannot be had: the caller then runs the portable rows. */
+static inline int ds_rows_mxfp4_avx2(const uint16_t *x, int M, int K, const uint8_t *p, const uint8_t *s, int R,
+                                     float *acc) {
     float stack[DS_AVX2_XF], *xf = stack;
     const int dec = M > 1 ? K : 0;   /* floats of the decoded row */
     int per = K + dec <= DS_AVX2_XF ? (DS_AVX2_XF - dec) / K : 0;   /* activation rows a pass */
     if (per == 0) {
-        if (!(xf = malloc(sizeof(float) * (size_t)(K + dec)))) {
-            for (int i = 0; i < R * DS_MAX_M; ++i) acc[i] = NAN;   /* out of memory: visible, not silent */
-            return;
-        }
+        if (!(xf = malloc(sizeof(float) * (size_t)(K + dec)))) return -1;
         per = 1;
     }
     const int64_t rb = K / 2, sb = K / DS_GROUP;
@@ -210,6 +207,7 @@ static inline void ds_rows_mxfp4_avx2(const uint16_t *x, int M, int K, const uin
         }
     }
     if (xf != stack) free(xf);
+    return 0;
 }
 #endif
 

@@ -347,8 +347,8 @@ void ds_expert_rows(const void *w, const uint8_t *s, int packed, int64_t row0, i
         }
     }
 #elif defined(DS_AVX2)
-    ds_rows_mxfp4_avx2(x, M, K, (const uint8_t *)w + row0 * (K / 2), s + row0 * (K / DS_GROUP), R, acc);
-    return;
+    if (ds_rows_mxfp4_avx2(x, M, K, (const uint8_t *)w + row0 * (K / 2), s + row0 * (K / DS_GROUP), R, acc) == 0)
+        return;   /* else (no scratch): the portable rows, the same values up to summation order */
 #endif
     for (; r < R; ++r)
         row_mxfp4(x, M, K, (const uint8_t *)w + (row0 + r) * (K / 2), s + (row0 + r) * (K / DS_GROUP),
