@@ -80,6 +80,10 @@ def test_multi_turn_branching_equals_colocated(deployment):
         assert re.search(rf"^deltaserve:disagg_{key}_total{{[^}}]*}} {final[key]}\.0$", metrics, re.M), key
     routed = deployment["proxy"][1].counters
     assert routed["routed_mla_only"] + routed["routed_joint_hit"] >= 3
+    proxy_url = deployment["proxy"][0]
+    assert httpx.get(proxy_url + "/health", timeout=30).json() == {"status": "ok"}
+    proxy_metrics = httpx.get(proxy_url + "/metrics", timeout=30).text
+    assert f"deltaserve:proxy_requests {routed['requests']}" in proxy_metrics
     idle_and_clean(deployment["prefill"][0])
     idle_and_clean(decode_url)
 

@@ -126,7 +126,7 @@ class Proxy:
 
 
 def build_proxy_app(proxy: Proxy, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    app = front_app("deltaserve (prefill/decode proxy)", api_key, max_body_bytes)
+    app = front_app("deltaserve (prefill/decode proxy)", api_key, max_body_bytes, proxy.metrics)
     for path in GENERATION:
         app.add_api_route(path, proxy.forward, methods=["POST"])
 
@@ -141,19 +141,11 @@ def build_proxy_app(proxy: Proxy, api_key: str | None = None, max_body_bytes: in
             return Response(r.content, status_code=r.status_code, media_type="application/json")
         raise APIError(503, "no decode instance answered", "service_unavailable")
 
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
     @app.get("/ready")
     async def ready():
         if not await proxy.ready():
             raise APIError(503, "an instance is not ready", "service_unavailable")
         return {"status": "ready", "prefill": len(proxy.prefill), "decode": len(proxy.decode)}
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(proxy.metrics(), media_type="text/plain; version=0.0.4")
 
     return app
 

@@ -75,14 +75,23 @@ class ApiKeyAuth:
         await self.app(scope, receive, send)
 
 
-def front_app(title: str, api_key: str | None, max_body_bytes: int):
-    """A bare FastAPI app for a front that relays to engine servers (`replica_front`, the
-    disaggregation proxy): OpenAI-style errors and the same middleware as a server."""
-    from fastapi import FastAPI
+def front_app(title: str, api_key: str | None, max_body_bytes: int, metrics):
+    """The FastAPI app of a front that relays to engine servers (`replica_front`, the
+    disaggregation proxy): OpenAI-style errors, the same middleware as a server, `/health` and
+    `/metrics` (the text `metrics()` returns); the caller adds its routes and `/ready`."""
+    from fastapi import FastAPI, Response
 
     from .errors import APIError, BodyLimit
 
     app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics_route():
+        return Response(metrics(), media_type="text/plain; version=0.0.4")
 
     async def _api_error(request, exc: APIError):
         return exc.response()

@@ -122,7 +122,7 @@ class Front:
 
 def build_front_app(front: Front, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The front's app; `max_body_bytes` should be the replicas' largest cap (images grow it)."""
-    app = front_app("deltaserve (data parallel)", api_key, max_body_bytes)
+    app = front_app("deltaserve (data parallel)", api_key, max_body_bytes, front.metrics)
     for path in FORWARDED:
         app.add_api_route(path, front.forward, methods=["POST"])
 
@@ -130,19 +130,11 @@ def build_front_app(front: Front, api_key: str | None = None, max_body_bytes: in
     async def models(request: Request):
         return await front.relay(front.replicas[0], request, "/v1/models")
 
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
     @app.get("/ready")
     async def ready():
         if not await front.ready():
             raise APIError(503, front.failure or "a replica is not ready", "service_unavailable")
         return {"status": "ready", "replicas": len(front.replicas)}
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(front.metrics(), media_type="text/plain; version=0.0.4")
 
     @app.get("/replicas/{index}/metrics")
     async def replica_metrics(index: int, request: Request):
