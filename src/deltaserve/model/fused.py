@@ -127,12 +127,10 @@ def _stack(stack: DecoderStack) -> StackOperands | None:
         mlp: GluMlp | None = getattr(layer, "mlp", None)
         if attn.tp.world > 1 or attn.prepared is None or (moe is not None and moe.prepared is None):
             return None
-        mla = isinstance(attn, MlaAttention)
         layers.append(
             StackLayerOperands(
-                "mla" if mla else "kda",
                 attn.prepared,
-                attn.o_proj.weight if mla else None,
+                attn.o_proj.weight if isinstance(attn, MlaAttention) else None,
                 None if moe is None else moe.prepared,
                 None if mlp is None else (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight),
                 (moe if moe is not None else mlp).act,

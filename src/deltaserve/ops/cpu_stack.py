@@ -27,7 +27,7 @@ class CpuStackOps(TorchOps):
 
     k: NativeKernels
     fuse_blocks: bool
-    fuse_stack: bool = True
+    fuse_stack: bool
 
     def sigmoid_gate(self, o, gate):
         if o.dtype == gate.dtype == torch.bfloat16 and o.shape == gate.shape and o.is_cpu:

@@ -25,11 +25,10 @@ class NormOperands:
 
 @dataclass
 class StackLayerOperands:
-    """One decoder layer: attention (`kind` "kda" or "mla", its prepared operands; MLA's output
-    projection), the FFN (the MoE block's prepared operands, or the dense GLU's three weights), the
-    AttnRes queries before each sublayer (None: pre-norm residuals) and the two norms."""
+    """One decoder layer: attention (its prepared KDA or MLA operands; an MLA layer also its output
+    projection, None for KDA), the FFN (the MoE block's prepared operands, or the dense GLU's three
+    weights), the AttnRes queries before each sublayer (None: pre-norm residuals) and the two norms."""
 
-    kind: str
     attn: object
     o_proj: torch.Tensor | None
     moe: object | None
