@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.transfer import to_device
 from ..model.context import ForwardContext
 from ..parallel import SINGLE, ParallelContext
 from .kda_pool import KdaStatePool
@@ -30,16 +31,14 @@ def _page_table(page_tables: list[list[int]]) -> torch.Tensor:
     return torch.tensor([p + [0] * (max(width, 1) - len(p)) for p in page_tables], dtype=torch.long)
 
 
-def _flat_rows(
-    page_tables: list[list[int]], starts: list[int], ends: list[int], page_size: int, device
-) -> torch.Tensor:
+def _flat_rows(page_tables: list[list[int]], starts: list[int], ends: list[int], page_size: int) -> torch.Tensor:
     """Flat MLA row of every position in [starts[b], ends[b]) for each b, concatenated."""
     lens = torch.tensor([e - s for s, e in zip(starts, ends)], dtype=torch.long)
     table = _page_table(page_tables)
     seq = torch.repeat_interleave(torch.arange(len(page_tables)), lens)
     first = torch.cumsum(lens, 0) - lens
     pos = torch.arange(int(lens.sum())) - first[seq] + torch.tensor(starts, dtype=torch.long)[seq]
-    return (table[seq, pos // page_size] * page_size + pos % page_size).to(device)
+    return table[seq, pos // page_size] * page_size + pos % page_size
 
 
 def _strided_positions(starts: list[int], ends: list[int], d: int, dcp: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,14 +66,17 @@ class ForwardBatch:
         export_slots: list[int] = (),
         checkpoints: KdaStatePool | None = None,
         tp: ParallelContext = SINGLE,
+        logit_rows: list[int] = (),
+        device: torch.device | str | None = None,
     ):
         """`export_offsets[b]`: interior offsets of sequence b's chunk whose KDA state the
         forward pass writes into `checkpoints` slots `export_slots` (flattened (b, offset) order).
-        `tp`: the rank's context; with `tp.dcp_world` > 1, `mla` must be built with that dcp_world."""
+        `tp`: the rank's context; with `tp.dcp_world` > 1, `mla` must be built with that dcp_world.
+        `logit_rows`: the packed rows the sampler reads (`self.logit_rows`). Every index tensor,
+        and host `input_ids`, goes to `device` (default: input_ids') in one `to_device` copy."""
         if not (len(context_lens) == len(new_lens) == len(page_tables) == len(slots)) or min(new_lens) < 1:
             raise ValueError("ForwardBatch: one entry per sequence and at least one new token each")
-        device = input_ids.device
-        self.input_ids = input_ids
+        device = input_ids.device if device is None else torch.device(device)
         self.context_lens, self.new_lens = list(context_lens), list(new_lens)
         self.mla, self.kda, self.checkpoints = mla, kda, checkpoints
         n_exports = sum(len(e) for e in export_offsets) if export_offsets else 0
@@ -83,23 +85,32 @@ class ForwardBatch:
         if mla.dcp_world != tp.dcp_world:
             raise ValueError(f"ForwardBatch: MLA pool built for dcp_world {mla.dcp_world}, rank has {tp.dcp_world}")
         self.export_offsets = export_offsets if n_exports else None
-        self.export_slots = torch.tensor(list(export_slots), dtype=torch.long, device=device)
-        self.cu_seqlens = torch.tensor([0, *new_lens], dtype=torch.long).cumsum(0).to(device)
-        self.slots = torch.tensor(slots, dtype=torch.long, device=device)
         self.any_context = max(context_lens) > 0
         self.decode_only = all(n == 1 for n in new_lens) and min(context_lens) > 0
         ends = [c + n for c, n in zip(context_lens, new_lens)]
         self.dcp = tp if tp.dcp_world > 1 else None
-        self.write_src = None
+        host = {
+            "export_slots": torch.tensor(list(export_slots), dtype=torch.long),
+            "cu_seqlens": torch.tensor([0, *new_lens], dtype=torch.long).cumsum(0),
+            "slots": torch.tensor(slots, dtype=torch.long),
+            "logit_rows": torch.tensor(list(logit_rows), dtype=torch.long),
+        }
         if self.dcp is not None:
-            self._dcp_rows(page_tables, ends, device)
-            return
-        self.write_rows = _flat_rows(page_tables, context_lens, ends, mla.page_size, device)
-        if self.any_context:
-            self.read_rows = _flat_rows(page_tables, [0] * len(ends), ends, mla.page_size, device)
-            self.cu_kv = torch.tensor([0, *ends], dtype=torch.long).cumsum(0).to(device)
+            host.update(self._dcp_rows(page_tables, ends))
+        else:
+            host["write_rows"] = _flat_rows(page_tables, context_lens, ends, mla.page_size)
+            if self.any_context:
+                host["read_rows"] = _flat_rows(page_tables, [0] * len(ends), ends, mla.page_size)
+                host["cu_kv"] = torch.tensor([0, *ends], dtype=torch.long).cumsum(0)
+        if input_ids.is_cpu:
+            host["input_ids"] = input_ids.long()
+        else:
+            self.input_ids = input_ids
+        self.write_src = None
+        for name, t in to_device(host, device).items():
+            setattr(self, name, t)
 
-    def _dcp_rows(self, page_tables: list[list[int]], ends: list[int], device) -> None:
+    def _dcp_rows(self, page_tables: list[list[int]], ends: list[int]) -> dict[str, torch.Tensor]:
         """This DCP rank's write rows (and which step tokens they take), read rows, the global
         position of each read row (`kv_pos`) and of each step token (`q_pos`), and local `cu_kv`."""
         dcp, d = self.dcp.dcp_world, self.dcp.dcp_rank
@@ -107,13 +118,16 @@ class ForwardBatch:
         starts = torch.tensor(self.context_lens, dtype=torch.long)
         cu = torch.tensor([0, *self.new_lens], dtype=torch.long).cumsum(0)
         seq, pos = _strided_positions(self.context_lens, ends, d, dcp)
-        self.write_rows = (table[seq, pos // size] * local + pos % size // dcp).to(device)
-        self.write_src = (cu[seq] + pos - starts[seq]).to(device)
+        out = {
+            "write_rows": table[seq, pos // size] * local + pos % size // dcp,
+            "write_src": cu[seq] + pos - starts[seq],
+        }
         seq, pos = _strided_positions([0] * len(ends), ends, d, dcp)
-        self.read_rows = (table[seq, pos // size] * local + pos % size // dcp).to(device)
-        self.kv_pos = pos.to(device)
-        self.cu_kv = torch.cat([cu.new_zeros(1), torch.bincount(seq, minlength=len(ends)).cumsum(0)]).to(device)
-        self.q_pos = _strided_positions(self.context_lens, ends, 0, 1)[1].to(device)
+        out["read_rows"] = table[seq, pos // size] * local + pos % size // dcp
+        out["kv_pos"] = pos
+        out["cu_kv"] = torch.cat([cu.new_zeros(1), torch.bincount(seq, minlength=len(ends)).cumsum(0)])
+        out["q_pos"] = _strided_positions(self.context_lens, ends, 0, 1)[1]
+        return out
 
     @property
     def num_seqs(self) -> int:

@@ -63,7 +63,7 @@ class EncoderCache:
     @torch.inference_mode()
     def _encode(self, images: list[ImageInput]) -> list[torch.Tensor]:
         device = self.vision.mm_projector.post_norm.weight.device
-        patches = torch.cat([im.image.pixel_values for im in images]).to(device)
+        patches = torch.cat([im.image.pixel_values for im in images]).to(device, non_blocking=True)
         rows = self.vision(patches, [im.image.grid_thw for im in images])
         self.counters["encoded_tokens"] += rows.shape[0]
         return list(rows.split([im.image.num_tokens for im in images]))

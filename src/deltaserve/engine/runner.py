@@ -97,6 +97,5 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, ctx) if embeds is None else self.model(batch.input_ids, ctx, embeds)
         if not pick:
             return None
-        last = torch.tensor(step.logit_rows, dtype=torch.long, device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, last))
+        logits = self.model.compute_logits(hidden.index_select(0, batch.logit_rows))
         return self.sampler(logits, [rows[i] for i in pick])

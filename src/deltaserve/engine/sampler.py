@@ -79,7 +79,7 @@ def _padded(id_lists: Sequence[Sequence[int]], fill: int, device) -> torch.Tenso
     out = torch.full((len(id_lists), width), fill, dtype=torch.long)
     flat = torch.tensor(list(chain.from_iterable(id_lists)), dtype=torch.long)
     out[torch.arange(width) < lengths[:, None]] = flat
-    return out.to(device)
+    return out.to(device, non_blocking=True)
 
 
 def _counts(id_lists: Sequence[Sequence[int]], vocab: int, device) -> torch.Tensor:
@@ -90,8 +90,13 @@ def _counts(id_lists: Sequence[Sequence[int]], vocab: int, device) -> torch.Tens
     return counts[:, :vocab]
 
 
+def _on(values, device, dtype=torch.long) -> torch.Tensor:
+    """`values` as a tensor on `device`, built on the host and copied without waiting."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def _column(values, device, dtype=torch.float32) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+    return _on(values, device, dtype).unsqueeze(1)
 
 
 class Sampler:
@@ -106,7 +111,7 @@ class Sampler:
         tokens = x.argmax(dim=-1)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
-            idx = torch.tensor(sampled, dtype=torch.long, device=x.device)
+            idx = _on(sampled, x.device)
             sub = [rows[i] for i in sampled]
             probs = self.sampling_probs(x[idx], [r.params for r in sub])
             q = self._noise(probs.shape, [r.generator for r in sub], x.device)
@@ -124,8 +129,8 @@ class Sampler:
         apply_bitmask(x, constrained, [rows[i].grammar.bitmask() for i in constrained], unbanned)
         forced = [(i, r.forced) for i, r in enumerate(rows) if r.forced is not None]
         if forced:
-            idx = torch.tensor([i for i, _ in forced], dtype=torch.long, device=x.device)
-            tok = torch.tensor([t for _, t in forced], dtype=torch.long, device=x.device)
+            idx = _on([i for i, _ in forced], x.device)
+            tok = _on([t for _, t in forced], x.device)
             x[idx] = float("-inf")
             x[idx, tok] = 0.0
         return x
@@ -171,7 +176,7 @@ class Sampler:
         if len(rows) == len(ps):
             x = Sampler._top_k_top_p(x, ps)
         elif rows:
-            idx = torch.tensor(rows, dtype=torch.long, device=dev)
+            idx = _on(rows, dev)
             x[idx] = Sampler._top_k_top_p(x[idx], [ps[j] for j in rows])
         return torch.softmax(x, dim=-1)
 
@@ -183,7 +188,7 @@ class Sampler:
         vocab, dev, neg_inf = x.shape[1], x.device, float("-inf")
         k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in ps]
         desc = (x.topk(max(k), dim=-1) if max(k) < vocab else x.sort(dim=-1, descending=True)).values
-        kth = desc.gather(1, torch.tensor(k, dtype=torch.long, device=dev).unsqueeze(1) - 1)
+        kth = desc.gather(1, _on(k, dev).unsqueeze(1) - 1)
         x = x.masked_fill(x < kth, neg_inf)
         if any(p.top_p < 1.0 for p in ps):
             width = int((x > neg_inf).sum(dim=-1).max())
@@ -205,7 +210,7 @@ class Sampler:
             q[unseeded] = torch.empty(len(unseeded), shape[1], device=device).exponential_()
         for j, g in enumerate(generators):
             if g is not None:
-                q[j] = torch.empty(shape[1], device=g.device).exponential_(generator=g).to(device)
+                q[j] = torch.empty(shape[1], device=g.device).exponential_(generator=g).to(device, non_blocking=True)
         return q.clamp_min_(_Q_MIN)
 
     @staticmethod
@@ -214,7 +219,7 @@ class Sampler:
         out: list[TokenLogprobs | None] = [None] * len(rows)
         if not want:
             return out
-        idx = torch.tensor(want, dtype=torch.long, device=logits.device)
+        idx = _on(want, logits.device)
         lp = torch.log_softmax(logits[idx].float(), dim=-1)
         chosen = tokens[idx].unsqueeze(1)
         chosen_lp = lp.gather(1, chosen)

@@ -47,8 +47,10 @@ def forward_batch(
     device: torch.device | str,
     tp: ParallelContext = SINGLE,
 ) -> ForwardBatch:
+    """The batch of `step`, its index tensors (token ids and sampled rows included) sent to `device`
+    in one copy."""
     return ForwardBatch(
-        torch.tensor(step.input_ids, dtype=torch.long, device=device),
+        torch.tensor(step.input_ids, dtype=torch.long),
         step.context_lens,
         step.new_lens,
         step.page_tables,
@@ -59,4 +61,6 @@ def forward_batch(
         step.export_slots,
         checkpoints,
         tp,
+        step.logit_rows,
+        device,
     )

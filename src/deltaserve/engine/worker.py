@@ -80,11 +80,10 @@ def run_worker(config: EngineConfig, tp: ParallelContext, control) -> None:
         if msg.embeds is None:
             hidden = model(batch.input_ids, batch.context())
         else:
-            index = torch.tensor(msg.embeds.index, dtype=torch.long, device=model.device)
+            index = torch.tensor(msg.embeds.index, dtype=torch.long)
             hidden = model(batch.input_ids, batch.context(), (index, msg.embeds.rows.tensor(model.device)))
         if msg.logit_rows:
-            rows = torch.tensor(msg.logit_rows, dtype=torch.long, device=hidden.device)
-            model.compute_logits(hidden.index_select(0, rows))
+            model.compute_logits(hidden.index_select(0, batch.logit_rows))
 
 
 def _exit_with_parent(parent: int) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from .transfer import host_copy
+
 __all__ = ["checked_cu_seqlens", "chunk_plan", "excl_cumsum"]
 
 
@@ -20,8 +22,9 @@ def excl_cumsum(x: torch.Tensor, dim: int, reverse: bool = False) -> torch.Tenso
 
 
 def checked_cu_seqlens(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
-    """`cu_seqlens` as a CPU int64 tensor; ValueError unless it rises from 0 to n."""
-    cu = cu_seqlens.detach().to("cpu", torch.long)
+    """`cu_seqlens` as a CPU int64 tensor (its `host_copy`: no read from a device); ValueError
+    unless it rises from 0 to n."""
+    cu = host_copy(cu_seqlens).to(torch.long)
     if cu.numel() < 1 or int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu[1:] < cu[:-1]).any()):
         raise ValueError("cu_seqlens must rise from 0 to N")
     return cu

@@ -48,7 +48,7 @@ class KimiForCausalLM(nn.Module):
             return self.model(input_ids, ctx)
         index, rows = embeds
         h = self.model.embed_tokens(input_ids)
-        h = h.index_copy(0, index.to(h.device), rows.to(device=h.device, dtype=h.dtype))
+        h = h.index_copy(0, index.to(h.device, non_blocking=True), rows.to(device=h.device, dtype=h.dtype))
         return self.model(input_ids, ctx, inputs_embeds=h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..kernels.chunking import checked_cu_seqlens, chunk_plan
 from ..kernels.chunking import excl_cumsum as _excl_cumsum
+from ..kernels.transfer import host_copy
 
 _SLICE_ELEMS = 1 << 22  # cap on X*C*K elements of one batched intra-chunk call (memory bound)
 _FLUSH = 30.0  # decay factors below exp(-30) ~ 1e-13 are flushed to exactly 0
@@ -91,7 +92,7 @@ def conv_tails_at(
     o < W-1. Equals `causal_conv1d`'s final tail of the prefix of length o. x: [N, C].
     Returns [sum(len(e)), W-1, C] in x's dtype."""
     p, c = width - 1, x.shape[1]
-    cu = cu_seqlens.detach().to("cpu", torch.long)
+    cu = host_copy(cu_seqlens).to(torch.long)
     seq = torch.tensor([b for b, offs in enumerate(export_offsets) for _ in offs], dtype=torch.long)
     off = torch.tensor([o for offs in export_offsets for o in offs], dtype=torch.long)
     if off.numel() == 0 or p == 0:
@@ -107,7 +108,7 @@ def conv_tails_at(
     )
     src = torch.cat([x, prior.reshape(-1, c)])
     idx = torch.where(rel >= 0, cu[seq][:, None] + rel, x.shape[0] + seq[:, None] * p + (rel + p))
-    return src[idx.to(x.device).reshape(-1)].view(-1, p, c)
+    return src[idx.to(x.device, non_blocking=True).reshape(-1)].view(-1, p, c)
 
 
 def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

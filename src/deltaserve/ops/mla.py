@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels.transfer import host_copy
+
 _BUCKET_SLACK = 1 << 16  # padded work (query x key pairs) always tolerated per bucket
 _FOLD_LIMIT = 1 << 27  # max mask elements for the head-folded (MQA) absorbed path
 _SCORE_LIMIT = 1 << 24  # max fp32 score elements per block of the partial (explicit-softmax) path
@@ -46,12 +48,14 @@ def length_buckets(ns: list[int], cs: list[int], waste: float = 2.0, slack: int 
     return buckets
 
 
-def _pad_index(starts: torch.Tensor, lens: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(src rows in the packed tensor, dst rows in the [len(lens) * width] padded tensor)."""
+def _pad_index(starts: list[int], lens: torch.Tensor, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(src rows in the packed tensor, dst rows in the [len(lens) * width] padded tensor), planned
+    on the host from host `starts` and `lens`, sent to `device` without waiting for it."""
     seg = torch.repeat_interleave(torch.arange(len(lens)), lens)
     first = torch.cumsum(lens, 0) - lens
     t = torch.arange(int(lens.sum())) - first[seg]
-    return starts[seg] + t, seg * width + t
+    src, dst = torch.tensor(starts, dtype=torch.long)[seg] + t, seg * width + t
+    return src.to(device, non_blocking=True), dst.to(device, non_blocking=True)
 
 
 def _padded(x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, rows: int) -> torch.Tensor:
@@ -61,7 +65,8 @@ def _padded(x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, rows: int) ->
 
 
 def _lens(cu: torch.Tensor) -> tuple[list[int], list[int]]:
-    cu = [int(v) for v in cu.tolist()]
+    """(starts, lengths) of the packed sequences, read from `cu`'s host copy."""
+    cu = [int(v) for v in host_copy(cu).tolist()]
     return cu[:-1], [b - a for a, b in zip(cu[:-1], cu[1:])]
 
 
@@ -91,7 +96,7 @@ def mla_prefill_attention(
             o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
             out[sl] = o[0].transpose(0, 1)[..., :dv]
             continue
-        src, dst = _pad_index(torch.tensor([starts[b] for b in bucket]), b_lens, width)
+        src, dst = _pad_index([starts[b] for b in bucket], b_lens, width, q.device)
         qp, kp, vp = (_padded(t, src, dst, nb * width).view(nb, width, h, d).transpose(1, 2) for t in (q, k, v))
         # Left-aligned padding: the causal mask alone hides padded keys from real queries.
         o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
@@ -118,6 +123,7 @@ def mla_absorbed_attention(
     output's last Dr columns are dropped. Few queries (decode): heads are folded into the query
     axis against one shared KV head; many queries: SDPA's native GQA broadcast."""
     nq, h, dk = q_latent.shape
+    dev = q_latent.device
     kv = kv_latent.to(q_latent.dtype)
     q_starts, ns = _lens(cu_q)
     kv_starts, cs = _lens(cu_kv)
@@ -128,13 +134,13 @@ def mla_absorbed_attention(
         b_n = torch.tensor([ns[b] for b in bucket])
         b_c = torch.tensor([cs[b] for b in bucket])
         nb, mq, mc = len(bucket), int(b_n.max()), int(b_c.max())
-        q_src, q_dst = _pad_index(torch.tensor([q_starts[b] for b in bucket]), b_n, mq)
-        k_src, k_dst = _pad_index(torch.tensor([kv_starts[b] for b in bucket]), b_c, mc)
+        q_src, q_dst = _pad_index([q_starts[b] for b in bucket], b_n, mq, dev)
+        k_src, k_dst = _pad_index([kv_starts[b] for b in bucket], b_c, mc, dev)
         qp = _padded(q_latent, q_src, q_dst, nb * mq).view(nb, mq, h, dk)
         kp = _padded(kv, k_src, k_dst, nb * mc).view(nb, 1, mc, dk)
         # Padded query rows see padded (zero) keys: finite, and dropped below.
-        last = (b_c - b_n).view(nb, 1, 1) + torch.arange(mq).view(1, mq, 1)
-        allowed = torch.arange(mc).view(1, 1, mc) <= last  # [nb, mq, mc]
+        last = (b_c - b_n).to(dev, non_blocking=True).view(nb, 1, 1) + torch.arange(mq, device=dev).view(1, mq, 1)
+        allowed = torch.arange(mc, device=dev).view(1, 1, mc) <= last  # [nb, mq, mc]
         if nb * mq * h * mc <= _FOLD_LIMIT:
             mask = allowed[:, None, :, None, :].expand(nb, 1, mq, h, mc).reshape(nb, 1, mq * h, mc)
             o = F.scaled_dot_product_attention(qp.view(nb, 1, mq * h, dk), kp, kp, attn_mask=mask, scale=scale)
@@ -176,10 +182,8 @@ def mla_absorbed_partial(
         b_n = torch.tensor([ns[b] for b in bucket])
         b_c = torch.tensor([cs[b] for b in bucket])
         nb, mq, mc = len(bucket), int(b_n.max()), max(int(b_c.max()), 1)
-        q_src, q_dst = _pad_index(torch.tensor([q_starts[b] for b in bucket]), b_n, mq)
-        k_src, k_dst = _pad_index(torch.tensor([kv_starts[b] for b in bucket]), b_c, mc)
-        q_src, k_src = q_src.to(q.device), k_src.to(q.device)
-        q_dst, k_dst = q_dst.to(q.device), k_dst.to(q.device)
+        q_src, q_dst = _pad_index([q_starts[b] for b in bucket], b_n, mq, q.device)
+        k_src, k_dst = _pad_index([kv_starts[b] for b in bucket], b_c, mc, q.device)
         qp = _padded(q, q_src, q_dst, nb * mq).view(nb, mq, h, dk)
         kp = _padded(kv, k_src, k_dst, nb * mc).view(nb, mc, dk)
         # padded queries see nothing (position -1); padded keys are never seen (position max)

@@ -17,9 +17,9 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 def cu_seqlens(lengths: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
     """`[0, l0, l0+l1, ...]` (int32) for packed images of `lengths` tokens."""
-    out = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
-    out[1:] = torch.tensor(lengths, dtype=torch.int32, device=device).cumsum(0)
-    return out
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    out[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+    return out.to(device, non_blocking=True)
 
 
 def grid_positions(

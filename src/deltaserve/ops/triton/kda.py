@@ -153,7 +153,7 @@ _last_plan: list = [None, None]  # [key, _Plan]: every KDA layer of a step plans
 
 def _plan(cu_seqlens: torch.Tensor, n: int, export_offsets, chunk_size: int, dev: torch.device) -> _Plan:
     """The batch's plan, reused while the same boundaries and offsets come back (keyed on their
-    values: every KDA layer of a step plans once, after reading `cu_seqlens` on the host)."""
+    values: every KDA layer of a step plans once, from `cu_seqlens`' host copy)."""
     cu = checked_cu_seqlens(cu_seqlens, n)
     offs = None if export_offsets is None else tuple(tuple(int(o) for o in e) for e in export_offsets)
     key = (tuple(cu.tolist()), offs, chunk_size, dev)
@@ -166,10 +166,10 @@ def _plan(cu_seqlens: torch.Tensor, n: int, export_offsets, chunk_size: int, dev
         if ex_chunk is not None:
             uniq, inverse = torch.unique(ex_chunk, return_inverse=True)
             slot[uniq] = torch.arange(uniq.numel(), dtype=torch.int32)
-            plan.inverse, plan.n_saved = inverse.to(dev), uniq.numel()
-        i32 = dict(device=dev, dtype=torch.int32)
+            plan.inverse, plan.n_saved = inverse.to(dev, non_blocking=True), uniq.numel()
+        i32 = dict(device=dev, dtype=torch.int32, non_blocking=True)
         plan.nc, plan.starts, plan.lens = start.numel(), start.to(**i32), length.to(**i32)
-        plan.first, plan.count, plan.slot = excl_cumsum(n_chunks, 0).to(**i32), n_chunks.to(**i32), slot.to(dev)
+        plan.first, plan.count, plan.slot = excl_cumsum(n_chunks, 0).to(**i32), n_chunks.to(**i32), slot.to(**i32)
     _last_plan[:] = [key, plan]
     return plan
 

@@ -170,9 +170,11 @@ def _combine_kernel(y, w, out, D, K: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 def _schedule(flat: torch.Tensor, num_experts: int, block_m: int):
-    """(pairs sorted by expert, per block: expert (E past the last), first sorted row, end row)."""
+    """(pairs sorted by expert, per block: expert (E past the last), first sorted row, end row),
+    all computed on the device: the grid is sized from host numbers alone."""
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    counts.index_add_(0, flat, torch.ones_like(flat))  # bincount would read its max back to the host
     ends = torch.cumsum(counts, 0)
     blocks = (counts + block_m - 1) // block_m
     block_ends = torch.cumsum(blocks, 0)
