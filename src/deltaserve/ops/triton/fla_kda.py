@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import os
 
 import torch
+
+from ...kernels.transfer import host_copy
 
 
 @functools.cache
@@ -22,6 +25,14 @@ def _chunk_kda():
         return importlib.import_module("fla.ops.kda").chunk_kda
     except (ImportError, AttributeError):
         return None
+
+
+@functools.cache
+def _takes_host_cu() -> bool:
+    """Whether this fla's `chunk_kda` accepts `cu_seqlens_cpu` (newer releases): it then plans
+    from our host copy instead of reading `cu_seqlens` back from the GPU."""
+    fn = _chunk_kda()
+    return fn is not None and "cu_seqlens_cpu" in inspect.signature(fn).parameters
 
 
 def available() -> bool:
@@ -42,6 +53,7 @@ def chunk_kda(q, k, v, g, beta, cu_seqlens, scale, initial_state=None, dtype=tor
     nseq = cu_seqlens.numel() - 1
     if initial_state is None:
         initial_state = torch.zeros(nseq, h, dk, v.shape[-1], device=q.device, dtype=torch.float32)
+    host = {"cu_seqlens_cpu": host_copy(cu_seqlens).to(torch.long)} if _takes_host_cu() else {}
     o, final = _chunk_kda()(
         q.to(dtype).unsqueeze(0),
         k.to(dtype).unsqueeze(0),
@@ -52,5 +64,6 @@ def chunk_kda(q, k, v, g, beta, cu_seqlens, scale, initial_state=None, dtype=tor
         initial_state=initial_state.float().contiguous(),
         output_final_state=True,
         cu_seqlens=cu_seqlens.to(device=q.device, dtype=torch.long),
+        **host,
     )
     return o.squeeze(0).float(), final.float()
