@@ -32,7 +32,10 @@ def _takes_host_cu() -> bool:
     """Whether this fla's `chunk_kda` accepts `cu_seqlens_cpu` (newer releases): it then plans
     from our host copy instead of reading `cu_seqlens` back from the GPU."""
     fn = _chunk_kda()
-    return fn is not None and "cu_seqlens_cpu" in inspect.signature(fn).parameters
+    try:
+        return fn is not None and "cu_seqlens_cpu" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no introspectable signature: call it the old way
+        return False
 
 
 def available() -> bool:
