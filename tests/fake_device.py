@@ -168,8 +168,10 @@ def watch_steps(mode: FakeDevice, monkeypatch) -> None:
 def step_workload(llm, image=None) -> list[list[int]]:
     """Tokens of a workload that takes every path of a step: a prefill exporting KDA checkpoints,
     a prefill over its cached prefix (absorbed MLA), decode, a sampler with penalties, top-k/top-p
-    and logprobs, and with `image` (a PIL image; K3) a chat turn that runs the vision encoder."""
+    and logprobs, a JSON-constrained request with banned ids (`min_tokens`), and with `image` (a
+    PIL image; K3) a chat turn that runs the vision encoder."""
     from deltaserve import SamplingParams
+    from deltaserve.engine.structured import StructuredOutput
 
     params = SamplingParams(
         max_tokens=5, temperature=0.7, top_p=0.9, top_k=20, repetition_penalty=1.1, presence_penalty=0.2,
@@ -177,6 +179,8 @@ def step_workload(llm, image=None) -> list[list[int]]:
     )  # fmt: skip
     shared = list(range(300, 317))
     outs = [llm.generate([p], params, use_tqdm=False)[0] for p in (shared, shared + [5, 6, 7])]
+    constrained = SamplingParams(max_tokens=6, temperature=0, min_tokens=2, structured=StructuredOutput.json())
+    outs += llm.generate([list(range(40, 52))], constrained, use_tqdm=False)
     if image is not None:
         turn = [{"type": "text", "text": "what is this?"}, {"type": "image_pil", "image_pil": image}]
         outs += llm.chat([{"role": "user", "content": turn}], params, use_tqdm=False)

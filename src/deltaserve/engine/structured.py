@@ -266,16 +266,15 @@ def apply_bitmask(
     if not rows:
         return
     vocab = x.shape[1]
-    packed = torch.stack(list(masks)).to(x.device)
-    bits = (packed.unsqueeze(-1) >> _SHIFTS.to(x.device)) & 1
+    packed = torch.stack(list(masks)).to(x.device, non_blocking=True)
+    bits = (packed.unsqueeze(-1) >> _SHIFTS.to(x.device, non_blocking=True)) & 1
     allowed = bits.reshape(len(rows), -1)[:, :vocab].bool()
     if allowed.shape[1] < vocab:
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-    idx = torch.tensor(list(rows), dtype=torch.long, device=x.device)
+    idx = torch.tensor(list(rows), dtype=torch.long).to(x.device, non_blocking=True)
     sub = x.index_select(0, idx).masked_fill_(~allowed, float("-inf"))
-    if fallback is not None:
-        dead = torch.isneginf(sub).all(dim=-1)
-        if bool(dead.any()):
-            refill = fallback.to(sub.device, sub.dtype).masked_fill(~allowed, float("-inf"))
-            sub = torch.where(dead.unsqueeze(1), refill, sub)
+    if fallback is not None:  # no test on the host: the refill is chosen row by row on the device
+        dead = torch.isneginf(sub).all(dim=-1, keepdim=True)
+        refill = fallback.to(sub.device, sub.dtype).masked_fill(~allowed, float("-inf"))
+        sub = torch.where(dead, refill, sub)
     x.index_copy_(0, idx, sub)
