@@ -19,9 +19,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.ranks import WORKER_ENV, plan_ranks
+from deltaserve.engine.ranks import WORKER_ENV, plan_ranks, rank_device
+from deltaserve.parallel.context import process_group_backend
 from tests.server.live_server import ready_codes_until_exit, wait_healthy
 
 from .engine_fixtures import write_checkpoints
@@ -177,3 +179,27 @@ def test_launch_plan_and_config_refuse_what_cannot_work():
             plan_ranks(EngineConfig("m", **bad), {})
     with pytest.raises(ValueError):
         EngineConfig("m", tensor_parallel_size=0)
+
+
+def test_each_cuda_rank_takes_the_gpu_of_its_local_rank(monkeypatch):
+    """`rank_device` (no GPU needed: the CUDA calls are stood in for): one GPU per rank of a node,
+    LOCAL_RANK under torchrun, made current before the group is joined; CPU and one-process
+    configs pass through; an explicit GPU index with several ranks and too few GPUs refused."""
+    current = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    two_nodes = EngineConfig("m", device="cuda", tensor_parallel_size=4, nnodes=2, node_rank=1)
+    assert [rank_device(two_nodes, r, {}) for r in (2, 3)] == ["cuda:0", "cuda:1"] and current == [0, 1]
+    assert rank_device(two_nodes, 3, {"LOCAL_RANK": "0"}) == "cuda:0"
+    assert rank_device(EngineConfig("m", device="cpu", tensor_parallel_size=2), 1, {}) == "cpu"
+    assert rank_device(EngineConfig("m", device="cuda:1"), 0, {}) == "cuda:1"
+    with pytest.raises(ValueError, match="give --device cuda"):
+        rank_device(EngineConfig("m", device="cuda:1", tensor_parallel_size=2), 1, {})
+    with pytest.raises(ValueError, match="one GPU per rank"):
+        rank_device(EngineConfig("m", device="cuda", tensor_parallel_size=4), 2, {})
+    assert current == [0, 1, 0]
+
+
+def test_cuda_groups_carry_host_tensors_over_gloo():
+    assert process_group_backend("cuda") == "cpu:gloo,cuda:nccl"
+    assert process_group_backend("cpu") == "gloo"

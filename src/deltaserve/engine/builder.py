@@ -36,7 +36,7 @@ from .channel import ControlChannel
 from .config import EngineConfig
 from .core import EngineCore
 from .messages import PROTOCOL_VERSION, Hello, Shutdown
-from .ranks import RankGroup, plan_ranks
+from .ranks import RankGroup, plan_ranks, rank_device
 from .worker import load_rank_model, run_worker
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,8 @@ def build_engine(config: EngineConfig) -> Engine:
     ranks, tp, control = None, SINGLE, None
     if plan is not None:
         ranks = RankGroup(plan, c)
-        ranks.launch()
+        ranks.launch()  # the workers get `c` and choose their own GPUs
+        c = dataclasses.replace(c, device=rank_device(c, plan.rank))
         tp, control = ranks.join()
         if tp.rank != 0:
             try:

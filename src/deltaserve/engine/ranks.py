@@ -10,7 +10,11 @@ Launch modes (`plan_ranks`):
 - an external launcher (`torchrun`: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set): each process
   is the rank it is given and spawns nothing.
 
-Every rank joins the default group (gloo on CPU, NCCL on CUDA; model collectives, bounded by
+On CUDA each rank runs on GPU <local rank> of its node (`rank_device`: LOCAL_RANK under torchrun,
+else the rank's place among its node's ranks).
+
+Every rank joins the default group (gloo on CPU; NCCL for CUDA tensors and gloo for host ones on
+CUDA; model collectives, bounded by
 `distributed_timeout`; on one machine the CPU ranks reduce through shared memory instead,
 `parallel.shm`) and a gloo control group for the step messages, whose wait is unbounded (an
 idle server sends nothing). A spawned worker that exits marks the group failed
@@ -88,6 +92,27 @@ def plan_ranks(config: EngineConfig, env: dict | None = None) -> RankPlan | None
         raise ValueError("--nnodes > 1 needs --distributed-init-method tcp://HOST:PORT (node 0's address)")
     first = config.node_rank * per_node
     return RankPlan(world, first, init or f"tcp://127.0.0.1:{_free_port()}", tuple(range(first + 1, first + per_node)))
+
+
+def rank_device(config: EngineConfig, rank: int, env: dict | None = None) -> str:
+    """The device `rank` runs on. CUDA with several ranks: GPU <local rank> of the rank's node,
+    made current (NCCL needs one GPU per rank); otherwise `config.device` as given."""
+    device = torch.device(config.device)
+    world = config.tensor_parallel_size
+    if device.type != "cuda" or world == 1:
+        return config.device
+    if device.index is not None:
+        raise ValueError(
+            f"--device {config.device} with --tensor-parallel-size {world}: give --device cuda "
+            "(each rank takes GPU <local rank> of its node)"
+        )
+    env = os.environ if env is None else env
+    local = int(env["LOCAL_RANK"]) if "LOCAL_RANK" in env else rank % (world // config.nnodes)
+    count = torch.cuda.device_count()
+    if local >= count:
+        raise ValueError(f"rank {rank} runs on GPU {local} of its node, which has {count}: one GPU per rank")
+    torch.cuda.set_device(local)
+    return f"cuda:{local}"
 
 
 def config_json(config: EngineConfig) -> str:

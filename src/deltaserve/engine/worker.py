@@ -10,6 +10,7 @@ process non-zero, which rank 0 sees (`RankGroup`) and turns into a failed engine
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ from .channel import ControlChannel
 from .config import EngineConfig
 from .messages import PROTOCOL_VERSION, Hello, Shutdown, Snapshot, Step
 from .pool_snapshot import pool_snapshot
-from .ranks import WORKER_ENV, RankFailure, config_from_json, join, memory_report, reset_peak_rss
+from .ranks import WORKER_ENV, RankFailure, config_from_json, join, memory_report, rank_device, reset_peak_rss
 from .step_batch import forward_batch
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ def main() -> int:
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     config = config_from_json(spec["config"])
     try:
+        config = dataclasses.replace(config, device=rank_device(config, spec["rank"]))
         tp, control = join(config, spec["rank"], spec["init_method"])
         run_worker(config, tp, control)
     except Exception:

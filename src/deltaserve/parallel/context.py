@@ -138,6 +138,11 @@ def shard(p: nn.Parameter, dim: int) -> nn.Parameter:
     return p
 
 
+def process_group_backend(device: str | torch.device) -> str:
+    """gloo on CPU; on CUDA nccl for device tensors and gloo for host ones (the load report)."""
+    return "cpu:gloo,cuda:nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
 def init_tensor_parallel(
     rank: int,
     world: int,
@@ -148,11 +153,11 @@ def init_tensor_parallel(
     dcp_world: int = 1,
     shm_slot_bytes: int = 0,
 ) -> ParallelContext:
-    """Join the default process group (gloo for CPU, nccl for CUDA) as `rank` of `world` and
+    """Join the default process group (`process_group_backend(device)`) as `rank` of `world` and
     return the context a model is built with (its DCP subgroups created on every rank). With
     `shm_slot_bytes` > 0, CPU ranks that all run on this machine reduce and gather tensors up to
     that size through shared memory (`shm.ShmCollectives`)."""
-    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    backend = process_group_backend(device)
     if not dist.is_initialized():
         dist.init_process_group(
             backend, init_method=init_method, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
