@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from deltaserve.cache.handoff import expected_bytes, mla_regions, pool_tensors, region_digests
+from deltaserve.cache.handoff import digest, expected_bytes, mla_regions, pool_tensors, region_digests
 from deltaserve.cache.mla_pool import MlaPagePool
 from deltaserve.engine import handoff
 from deltaserve.engine.sampling_params import SamplingParams
@@ -30,6 +30,16 @@ def test_mla_regions_split_at_pages():
     assert [(r.layer, r.offset, r.length) for r in regs] == [
         (i, (i * 32 + a) * row, n * row) for i in range(2) for a, n in want
     ]
+
+
+def test_digest_in_place_equals_the_copied_bytes():
+    """Host pools hash their regions in place; device pools copy each layer's regions to the host
+    in one transfer first: the same bytes, the same digest (both branches forced here)."""
+    pool = torch.arange(64, dtype=torch.uint8)
+    parts = [pool[3:9], pool[20:21], pool[40:64]]
+    assert digest(parts) == digest(parts, copy=False) == digest(parts, copy=True)
+    assert digest(parts, copy=True) != digest(parts[::-1], copy=True)
+    assert digest([]) == digest([], copy=True)
 
 
 @pytest.fixture(scope="module", params=["kimi_k3", "kimi_linear"])

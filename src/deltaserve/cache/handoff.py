@@ -91,14 +91,25 @@ def pool_tensors(cache: CacheManager) -> dict[str, torch.Tensor]:
 
 
 def region_digests(cache: CacheManager, regions: list[Region]) -> list[str]:
-    """One blake2b digest per (tensor kind, layer), over that layer's regions in order."""
+    """One blake2b digest per (tensor kind, layer), over that layer's regions in order. Host pools
+    are hashed in place; device pools copy each layer's regions to the host in one transfer."""
     flat = {k: t.view(-1).view(torch.uint8) for k, t in pool_tensors(cache).items()}
-    hashers: dict[tuple[str, int], object] = {}
+    layers: dict[tuple[str, int], list[torch.Tensor]] = {}
     for r in regions:
         key = ("mla" if r.tensor == "mla" else "kda", r.layer)
-        h = hashers.setdefault(key, hashlib.blake2b(digest_size=16))
-        h.update(flat[r.tensor][r.offset : r.offset + r.length].numpy())  # hashed in place, no copy
-    return [h.hexdigest() for h in hashers.values()]
+        layers.setdefault(key, []).append(flat[r.tensor][r.offset : r.offset + r.length])
+    return [digest(parts) for parts in layers.values()]
+
+
+def digest(parts: list[torch.Tensor], copy: bool | None = None) -> str:
+    """blake2b of the byte tensors `parts` in order: read in place, or (`copy`, the default for
+    device tensors) gathered and copied to the host once."""
+    h = hashlib.blake2b(digest_size=16)
+    if copy is None:
+        copy = any(p.device.type != "cpu" for p in parts)
+    for p in [torch.cat(parts).cpu()] if copy and parts else parts:
+        h.update(p.numpy())
+    return h.hexdigest()
 
 
 def expected_bytes(cache: CacheManager, num_tokens: int) -> int:
