@@ -91,6 +91,23 @@ def test_latency(capsys, ckpts):
         ],
     )
     assert out["decode_bytes"]["context"] == 64 + 2 and out["prefill_flops"]["prompt_len"] == 64
+    assert out["paired"] is None
+
+
+def test_latency_paired_with_bandwidth_readings(capsys, ckpts):
+    """`--paired 2`: two more decode runs, each ratio against the mean of its own two readings."""
+    out = bench(
+        capsys, "latency", "--model", ckpts["kimi_k3"], "--prompt-len", "16", "--output-len", "3", "--reps", "1",
+        "--paired", "2", *ENGINE, *SMALL_ROOF,
+    )  # fmt: skip
+    runs = out["paired"]["runs"]
+    assert len(runs) == 2
+    for r in runs:
+        positive(r, ["decode_tok_s", "bandwidth_gb_s", "roofline_tok_s", "fraction"])
+        assert math.isclose(r["roofline_tok_s"], r["bandwidth_gb_s"] * 1e9 / out["decode_bytes_per_token"])
+        assert math.isclose(r["fraction"], r["decode_tok_s"] / r["roofline_tok_s"])
+    fractions = sorted(r["fraction"] for r in runs)
+    assert math.isclose(out["paired"]["median_fraction"], (fractions[0] + fractions[1]) / 2)
 
 
 def test_throughput(capsys, ckpts):

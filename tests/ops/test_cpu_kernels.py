@@ -180,11 +180,12 @@ def test_kda_decode_matches_torch_step_and_updates_slots_in_place():
 
 
 @needs_kernels
-def test_mla_decode_matches_absorbed_attention_over_scattered_rows():
+@pytest.mark.parametrize("heads, rank", [(4, 64), (8, 64), (12, 80)])  # per head; 8 a pass; 8 + 4, 80 = 64 + 16
+def test_mla_decode_matches_absorbed_attention_over_scattered_rows(heads, rank):
     gen = torch.Generator().manual_seed(5)
-    heads, rank, rope = 4, 64, 16
+    rope = 16
     d = rank + rope
-    lens = [1, 300, 700]  # > one 256-row chunk: the split-merge path runs
+    lens = [1, 300, 700]  # > one 256-row chunk: the split-merge path runs (chunks of 160 + 140, 3 x ~240)
     pool = torch.randn(2048, d, generator=gen).to(BF)
     perm = torch.randperm(2048, generator=gen)
     read_rows = perm[: sum(lens)]

@@ -8,6 +8,10 @@ each set beside this machine's roofline measured in the same run.
   `--enable-prefix-caching` is given (then the repeats hit it: don't);
 - `decode_vs_bandwidth_roofline` = decode tok/s ÷ (bandwidth ÷ bytes read per decode token at
   the mean decode context L + output_len / 2);
+- with `--paired N`: N more decode runs, each between two bandwidth readings (best of 2 passes
+  each, the roofline's measure), and `paired`: each run's ratio to the mean of its own two
+  readings and the median ratio. On a host whose bandwidth moves within seconds this compares
+  decode with the bandwidth of the same moment, where the headline pairs best with best;
 - `prefill_vs_gemm_roofline` = prefill tok/s ÷ (GEMM FLOP/s of the run's dtype ÷ FLOPs per
   prefill token). Both denominators come from `bench.accounting`.
 - with `--tensor-parallel-size N`: `parallel.comm_ms_per_step` (rank 0 inside collectives) and
@@ -17,6 +21,7 @@ each set beside this machine's roofline measured in the same run.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 from . import accounting
@@ -33,7 +38,7 @@ from .common import (
     timed,
     with_tp_baseline,
 )
-from .roofline import add_roofline_args, gemm_gflops, measure
+from .roofline import add_roofline_args, gemm_gflops, measure, read_bandwidth, stream_tensor
 
 
 def add_parser(sub) -> None:
@@ -42,6 +47,7 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--reps", type=int, default=3, help="best-of repetitions of each timed run (the roofline: 5)")
+    p.add_argument("--paired", type=int, default=0, help="decode runs each between two bandwidth readings")
     add_roofline_args(p)
     p.set_defaults(func=main)
 
@@ -73,11 +79,12 @@ def run(args: argparse.Namespace) -> dict:
     ttft = min(timed(lambda: llm.generate([prompt], greedy(1), use_tqdm=False))[0] for _ in range(max(1, args.reps)))
     decode_s = min(_decode_seconds(llm, f"latency-{i}", prompt, n_out) for i in range(max(1, args.reps)))
     full = ttft + decode_s
+    sizes = accounting.cache_itemsizes(llm)
+    dbytes = accounting.decode_bytes(llm.model, L + n_out // 2, **sizes)
+    paired = _paired(llm, prompt, n_out, dbytes["total_bytes"], args) if args.paired > 0 else None
     steps = llm.stats()["steps"]
     llm.shutdown()
     roof = measure(args)
-    sizes = accounting.cache_itemsizes(llm)
-    dbytes = accounting.decode_bytes(llm.model, L + n_out // 2, **sizes)
     flops = accounting.prefill_flops(llm.model, L)
     decode_tok_s, prefill_tok_s = n_out / decode_s, L / ttft
     decode_roof = roof["bandwidth_gb_s"] * 1e9 / dbytes["total_bytes"]
@@ -102,8 +109,22 @@ def run(args: argparse.Namespace) -> dict:
         "decode_bytes": dbytes,
         "prefill_flops": flops,
         "roofline": roof,
+        "paired": paired,
         "meta": meta(args, model_dir(args)),
     }
+
+
+def _paired(llm, prompt: list[int], n_out: int, bytes_per_token: int, args) -> dict:
+    """`args.paired` decode runs, each between two readings of the roofline's bandwidth."""
+    x = stream_tensor(args.bandwidth_mib)
+    runs = []
+    for i in range(args.paired):
+        before = max(read_bandwidth(x, 2))
+        tok_s = n_out / _decode_seconds(llm, f"paired-{i}", prompt, n_out)
+        bw = (before + max(read_bandwidth(x, 2))) / 2
+        roof = bw * 1e9 / bytes_per_token
+        runs.append({"decode_tok_s": tok_s, "bandwidth_gb_s": bw, "roofline_tok_s": roof, "fraction": tok_s / roof})
+    return {"runs": runs, **{f"median_{k}": statistics.median(r[k] for r in runs) for k in runs[0]}}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -127,4 +148,16 @@ def main(args: argparse.Namespace) -> int:
             "limit": f"{r['bandwidth_gb_s']:.4g} GB/s",
         },
     ]
+    if r["paired"] is not None:
+        p = r["paired"]
+        rows.append(
+            {
+                "phase": f"decode, paired (median of {len(p['runs'])})",
+                "measured_tok_s": p["median_decode_tok_s"],
+                "roofline_tok_s": p["median_roofline_tok_s"],
+                "fraction": p["median_fraction"],
+                "per_token": f"{r['decode_bytes_per_token']:.4g} B",
+                "limit": f"{p['median_bandwidth_gb_s']:.4g} GB/s",
+            }
+        )
     return emit(args, r, rows, ["phase", "measured_tok_s", "roofline_tok_s", "fraction", "per_token", "limit"])

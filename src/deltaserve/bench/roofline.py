@@ -27,13 +27,19 @@ def add_roofline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--roofline-reps", type=int, default=5, help="best-of repetitions")
 
 
-def measure_bandwidth(mib: int, reps: int) -> dict:
+def stream_tensor(mib: int):
+    """The fp32 tensor the bandwidth is read over."""
     import torch
 
-    n = max(1, mib * 2**20 // 4)
-    x = torch.ones(n, dtype=torch.float32)
-    y = torch.empty_like(x)
-    nbytes = x.numel() * 4
+    return torch.ones(max(1, mib * 2**20 // 4), dtype=torch.float32)
+
+
+def read_bandwidth(x, reps: int) -> tuple[float, float]:
+    """(GB/s of `x.sum()` on torch's threads, GB/s of one slice per thread summed from Python
+    threads), best of `reps` each."""
+    import torch
+
+    nbytes = x.numel() * x.element_size()
     threads = torch.get_num_threads()
     x.sum()
     t_sum = best_time(x.sum, reps)
@@ -45,9 +51,18 @@ def measure_bandwidth(mib: int, reps: int) -> dict:
 
         split_sum()
         t_split = best_time(split_sum, reps)
+    return nbytes / t_sum / 1e9, nbytes / t_split / 1e9
+
+
+def measure_bandwidth(mib: int, reps: int) -> dict:
+    import torch
+
+    x = stream_tensor(mib)
+    y = torch.empty_like(x)
+    nbytes = x.numel() * 4
+    read_sum, read_split = read_bandwidth(x, reps)
     y.copy_(x)
     t_copy = best_time(lambda: y.copy_(x), reps)
-    read_sum, read_split = nbytes / t_sum / 1e9, nbytes / t_split / 1e9
     return {
         "bandwidth_gb_s": max(read_sum, read_split),
         "read_sum_gb_s": read_sum,

@@ -3,7 +3,8 @@
  *   o[b, h, :R] = sum_j softmax_j(scale * q[b, h, :] . row_j) * row_j[:R]
  * with row_j = rows[read_rows[cu_kv[b] + j]], j over the whole context of b (new row included).
  * fp32 scores, softmax and accumulation (as torch's SDPA runs bf16 inputs); bf16 output.
- * Work splits each sequence's context into chunks (flash-decoding style) whose partial
+ * Work splits each sequence's context into chunks of at most MLA_CHUNK rows, as even as
+ * `chunk_rows` makes them (flash-decoding style), whose partial
  * (max, sum, accumulator) triples are merged per sequence, so one long sequence uses every thread.
  */
 #include <float.h>
@@ -14,12 +15,14 @@
 #include <omp.h>
 #include "ds_abi.h"
 #include "bf16.h"
+#include "vmath.h"
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define ML_AVX512BF16 1
 #endif
 
 #define MLA_CHUNK 256
+#define ML_GROUP 8   /* heads whose 32-column accumulators share the registers (16 of 32 zmm) */
 #define LANES 16   /* independent partial sums: lets the compiler vectorise the dot products */
 
 /* sum_d a[d] * b[d] in LANES interleaved partial sums (a fixed order, vectorisable under ISO C). */
@@ -34,6 +37,19 @@ static inline float dot_f32(const float *a, const float *b, int n) {
     return s;
 }
 
+#ifdef ML_AVX512BF16
+/* The sums of 8 vectors, one each (halves added, then a horizontal-add tree). */
+static inline void ml_sum8(const __m512 *a, float *out) {
+    __m256 y[8];
+    for (int k = 0; k < 8; ++k)
+        y[k] = _mm256_add_ps(_mm512_castps512_ps256(a[k]),
+                             _mm256_castsi256_ps(_mm512_extracti64x4_epi64(_mm512_castps_si512(a[k]), 1)));
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(y[0], y[1]), _mm256_hadd_ps(y[2], y[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(y[4], y[5]), _mm256_hadd_ps(y[6], y[7]));
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+}
+#endif
+
 /* Partial attention of all heads over rows [j0, j1) of one sequence. part: H * (R + 2) floats
  * laid out per head as [m, l, acc(R)]. scratch: D + H * MLA_CHUNK floats. */
 static void mla_chunk(const float *qf, const uint16_t *qb, int H, int D, int R, const uint16_t *rows,
@@ -46,7 +62,18 @@ static void mla_chunk(const float *qf, const uint16_t *qb, int H, int D, int R, 
         float dots[DS_MLA_MAX_HEADS];
 #ifdef ML_AVX512BF16
         if (D % 32 == 0 && H <= DS_MLA_MAX_HEADS) {
-            for (int h = 0; h < H; ++h) {
+            int h = 0;
+            for (; h + ML_GROUP <= H; h += ML_GROUP) {   /* 8 heads per pass: the row is loaded once */
+                __m512 acc[ML_GROUP];
+                for (int k = 0; k < ML_GROUP; ++k) acc[k] = _mm512_setzero_ps();
+                for (int d = 0; d < D; d += 32) {
+                    const __m512bh x = (__m512bh)_mm512_loadu_si512(r + d);
+                    for (int k = 0; k < ML_GROUP; ++k)
+                        acc[k] = _mm512_dpbf16_ps(acc[k], (__m512bh)_mm512_loadu_si512(qb + (int64_t)(h + k) * D + d), x);
+                }
+                ml_sum8(acc, dots + h);
+            }
+            for (; h < H; ++h) {
                 __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
                 const uint16_t *qh = qb + (int64_t)h * D;
                 int d = 0;
@@ -72,23 +99,52 @@ static void mla_chunk(const float *qf, const uint16_t *qb, int H, int D, int R, 
         }
     }
 #ifdef ML_AVX512BF16
-    /* Per head, 64 output columns at a time stay in registers across the chunk's rows. */
-    for (int h = 0; h < H; ++h) {
+    for (int h = 0; h < H; ++h) {   /* the softmax weights, vectorised (ds_exp: within ~2 ulp of expf) */
         float *ph = part + h * (R + 2), *pv = s + h * MLA_CHUNK, l = 0.f;
-        for (int j = 0; j < n; ++j) { pv[j] = expf(pv[j] - ph[0]); l += pv[j]; }
+        const float m = ph[0];
+        #pragma omp simd reduction(+ : l)
+        for (int j = 0; j < n; ++j) {
+            pv[j] = ds_exp(pv[j] - m);
+            l += pv[j];
+        }
         ph[1] = l;
-        int d = 0;
+    }
+#define ML_LOAD(r, o) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((r) + (o)))), 16))
+    /* Groups of 8 heads: 32 output columns of the 8 heads stay in 16 registers across the chunk's
+     * rows, so each row's columns are widened once per group, not once per head. Every column still
+     * sums its rows in order with one FMA each: the same values as the per-head loop below. */
+    int h0 = 0;
+    for (; h0 + ML_GROUP <= H; h0 += ML_GROUP)
+        for (int d = 0; d + 32 <= R; d += 32) {
+            __m512 lo[ML_GROUP], hi[ML_GROUP];
+            for (int k = 0; k < ML_GROUP; ++k) lo[k] = hi[k] = _mm512_setzero_ps();
+            for (int j = 0; j < n; ++j) {
+                const uint16_t *r = rows + idx[j0 + j] * (int64_t)D + d;
+                const __m512 x0 = ML_LOAD(r, 0), x1 = ML_LOAD(r, 16);
+                for (int k = 0; k < ML_GROUP; ++k) {
+                    const __m512 p = _mm512_set1_ps(s[(h0 + k) * MLA_CHUNK + j]);
+                    lo[k] = _mm512_fmadd_ps(p, x0, lo[k]);
+                    hi[k] = _mm512_fmadd_ps(p, x1, hi[k]);
+                }
+            }
+            for (int k = 0; k < ML_GROUP; ++k) {
+                _mm512_storeu_ps(part + (h0 + k) * (R + 2) + 2 + d, lo[k]);
+                _mm512_storeu_ps(part + (h0 + k) * (R + 2) + 2 + d + 16, hi[k]);
+            }
+        }
+    /* The other heads (and columns past the last 32) one head at a time, 64 columns in registers. */
+    for (int h = 0; h < H; ++h) {
+        float *ph = part + h * (R + 2), *pv = s + h * MLA_CHUNK;
+        int d = h < h0 ? R / 32 * 32 : 0;
         for (; d + 64 <= R; d += 64) {
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (int j = 0; j < n; ++j) {
                 const uint16_t *r = rows + idx[j0 + j] * (int64_t)D + d;
                 const __m512 p = _mm512_set1_ps(pv[j]);
-#define ML_LOAD(o) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(r + (o)))), 16))
-                a0 = _mm512_fmadd_ps(p, ML_LOAD(0), a0);
-                a1 = _mm512_fmadd_ps(p, ML_LOAD(16), a1);
-                a2 = _mm512_fmadd_ps(p, ML_LOAD(32), a2);
-                a3 = _mm512_fmadd_ps(p, ML_LOAD(48), a3);
-#undef ML_LOAD
+                a0 = _mm512_fmadd_ps(p, ML_LOAD(r, 0), a0);
+                a1 = _mm512_fmadd_ps(p, ML_LOAD(r, 16), a1);
+                a2 = _mm512_fmadd_ps(p, ML_LOAD(r, 32), a2);
+                a3 = _mm512_fmadd_ps(p, ML_LOAD(r, 48), a3);
             }
             _mm512_storeu_ps(ph + 2 + d, a0);
             _mm512_storeu_ps(ph + 2 + d + 16, a1);
@@ -101,6 +157,7 @@ static void mla_chunk(const float *qf, const uint16_t *qb, int H, int D, int R, 
             ph[2 + d] = a;
         }
     }
+#undef ML_LOAD
     (void)row;
 #else
     for (int h = 0; h < H; ++h) {
@@ -120,6 +177,15 @@ static void mla_chunk(const float *qf, const uint16_t *qb, int H, int D, int R, 
         }
     }
 #endif
+}
+
+/* Rows per chunk of a context of `len` rows cut into `chunks` = ceil(len / MLA_CHUNK): as even
+ * as multiples of 16 allow (320 rows: 160 + 160, not 256 + 64), at most MLA_CHUNK, the last chunk
+ * never empty. A function of the sequence's own length only, so a sequence attends alike alone
+ * and in any batch. */
+static inline int64_t chunk_rows(int64_t len, int64_t chunks) {
+    const int64_t even = ((len + chunks - 1) / chunks + 15) / 16 * 16;
+    return even < MLA_CHUNK ? even : MLA_CHUNK;
 }
 
 int ds_mla_decode(int B, int H, int D, int R, const uint16_t *q, const uint16_t *rows,
@@ -149,8 +215,9 @@ int ds_mla_decode(int B, int H, int D, int R, const uint16_t *q, const uint16_t 
             if (!scratch) continue;
             while (first[b + 1] <= it) ++b;   /* items ascend within each thread's share */
             while (first[b] > it) --b;
-            const int64_t j0 = cu_kv[b] + (it - first[b]) * MLA_CHUNK;
-            const int64_t j1 = j0 + MLA_CHUNK < cu_kv[b + 1] ? j0 + MLA_CHUNK : cu_kv[b + 1];
+            const int64_t size = chunk_rows(cu_kv[b + 1] - cu_kv[b], first[b + 1] - first[b]);
+            const int64_t j0 = cu_kv[b] + (it - first[b]) * size;
+            const int64_t j1 = j0 + size < cu_kv[b + 1] ? j0 + size : cu_kv[b + 1];
             mla_chunk(qf + (int64_t)b * H * D, q + (int64_t)b * H * D, H, D, R, rows, read_rows, j0, j1, scale,
                       parts + it * H * (R + 2), scratch);
         }
