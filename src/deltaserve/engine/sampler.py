@@ -35,6 +35,7 @@ import torch
 
 from deltaserve.engine.sampling_params import SAMPLING_EPS, SamplingParams
 from deltaserve.engine.structured import GrammarState, apply_bitmask
+from deltaserve.kernels.transfer import tensor_on
 
 _Q_MIN = 1e-10  # floor for exponential noise, so probs / q is always finite
 
@@ -90,13 +91,8 @@ def _counts(id_lists: Sequence[Sequence[int]], vocab: int, device) -> torch.Tens
     return counts[:, :vocab]
 
 
-def _on(values, device, dtype=torch.long) -> torch.Tensor:
-    """`values` as a tensor on `device`, built on the host and copied without waiting."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-
 def _column(values, device, dtype=torch.float32) -> torch.Tensor:
-    return _on(values, device, dtype).unsqueeze(1)
+    return tensor_on(values, device, dtype).unsqueeze(1)
 
 
 class Sampler:
@@ -111,7 +107,7 @@ class Sampler:
         tokens = x.argmax(dim=-1)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
-            idx = _on(sampled, x.device)
+            idx = tensor_on(sampled, x.device)
             sub = [rows[i] for i in sampled]
             probs = self.sampling_probs(x[idx], [r.params for r in sub])
             q = self._noise(probs.shape, [r.generator for r in sub], x.device)
@@ -129,8 +125,8 @@ class Sampler:
         apply_bitmask(x, constrained, [rows[i].grammar.bitmask() for i in constrained], unbanned)
         forced = [(i, r.forced) for i, r in enumerate(rows) if r.forced is not None]
         if forced:
-            idx = _on([i for i, _ in forced], x.device)
-            tok = _on([t for _, t in forced], x.device)
+            idx = tensor_on([i for i, _ in forced], x.device)
+            tok = tensor_on([t for _, t in forced], x.device)
             x[idx] = float("-inf")
             x[idx, tok] = 0.0
         return x
@@ -176,7 +172,7 @@ class Sampler:
         if len(rows) == len(ps):
             x = Sampler._top_k_top_p(x, ps)
         elif rows:
-            idx = _on(rows, dev)
+            idx = tensor_on(rows, dev)
             x[idx] = Sampler._top_k_top_p(x[idx], [ps[j] for j in rows])
         return torch.softmax(x, dim=-1)
 
@@ -188,7 +184,7 @@ class Sampler:
         vocab, dev, neg_inf = x.shape[1], x.device, float("-inf")
         k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in ps]
         desc = (x.topk(max(k), dim=-1) if max(k) < vocab else x.sort(dim=-1, descending=True)).values
-        kth = desc.gather(1, _on(k, dev).unsqueeze(1) - 1)
+        kth = desc.gather(1, tensor_on(k, dev).unsqueeze(1) - 1)
         x = x.masked_fill(x < kth, neg_inf)
         if any(p.top_p < 1.0 for p in ps):
             width = int((x > neg_inf).sum(dim=-1).max())
@@ -219,7 +215,7 @@ class Sampler:
         out: list[TokenLogprobs | None] = [None] * len(rows)
         if not want:
             return out
-        idx = _on(want, logits.device)
+        idx = tensor_on(want, logits.device)
         lp = torch.log_softmax(logits[idx].float(), dim=-1)
         chosen = tokens[idx].unsqueeze(1)
         chosen_lp = lp.gather(1, chosen)

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.transfer import tensor_on
 from .schema_check import no_finite_instance
 
 ANY_JSON_OBJECT: dict = {"type": "object"}
@@ -271,7 +272,7 @@ def apply_bitmask(
     allowed = bits.reshape(len(rows), -1)[:, :vocab].bool()
     if allowed.shape[1] < vocab:
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-    idx = torch.tensor(list(rows), dtype=torch.long).to(x.device, non_blocking=True)
+    idx = tensor_on(list(rows), x.device)
     sub = x.index_select(0, idx).masked_fill_(~allowed, float("-inf"))
     if fallback is not None:  # no test on the host: the refill is chosen row by row on the device
         dead = torch.isneginf(sub).all(dim=-1, keepdim=True)

@@ -36,6 +36,12 @@ def to_device(host: dict[str, torch.Tensor], device: torch.device | str) -> dict
     return out
 
 
+def tensor_on(values, device: torch.device | str, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """`values` (a list) as a tensor on `device`: built on the host, copied without blocking
+    (`torch.tensor(values, device=...)` would wait for the device)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def host_copy(t: torch.Tensor) -> torch.Tensor:
     """`t`'s values on the host: the tensor `to_device` made it from, `t` itself on CPU, else a
     copy (which waits for the device)."""

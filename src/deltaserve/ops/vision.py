@@ -7,8 +7,12 @@ patches row-major over its `(h, w)` grid. Nothing here loops over heads or token
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
+
+from ..kernels.transfer import tensor_on
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -17,9 +21,7 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 def cu_seqlens(lengths: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
     """`[0, l0, l0+l1, ...]` (int32) for packed images of `lengths` tokens."""
-    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    out[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
-    return out.to(device, non_blocking=True)
+    return tensor_on([0, *itertools.accumulate(lengths)], device, torch.int32)
 
 
 def grid_positions(
