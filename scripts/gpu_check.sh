@@ -16,6 +16,7 @@ cd "$(dirname "$0")/.."
 dry=0
 [ "${1:-}" = "--dry-run" ] && dry=1
 out="${OUT:-$(mktemp -d)}"
+mkdir -p "$out"
 work="$(mktemp -d)"
 venv="${DELTASERVE_GPU_VENV:-${TMPDIR:-/tmp}/deltaserve-gpu-venv}"
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
