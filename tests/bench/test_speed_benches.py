@@ -57,6 +57,7 @@ def test_roofline(capsys):
         ],
     )
     assert set(out["gemm_bf16_by_size"]) == set(out["gemm_fp32_by_size"]) == {"64", "128"}
+    assert out["device"] == "cpu"  # the figures are for `--device` (a GPU's own with `--device cuda`)
 
 
 def test_latency(capsys, ckpts):

@@ -38,7 +38,7 @@ from .common import (
     timed,
     with_tp_baseline,
 )
-from .roofline import add_roofline_args, gemm_gflops, measure, read_bandwidth, stream_tensor
+from .roofline import add_roofline_args, bench_device, gemm_gflops, measure, read_bandwidth, stream_tensor
 
 
 def add_parser(sub) -> None:
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def _paired(llm, prompt: list[int], n_out: int, bytes_per_token: int, args) -> dict:
     """`args.paired` decode runs, each between two readings of the roofline's bandwidth."""
-    x = stream_tensor(args.bandwidth_mib)
+    x = stream_tensor(args.bandwidth_mib, bench_device(args))
     runs = []
     for i in range(args.paired):
         before = max(read_bandwidth(x, 2))

@@ -8,7 +8,9 @@
   dtype (bf16, fp32); the headline per dtype is the best size.
 
 GB and GFLOP are 1e9. Use a tensor far larger than the last-level cache for a DRAM figure
-(tests use small sizes, which then measure cache bandwidth).
+(tests use small sizes, which then measure cache bandwidth). With `--device cuda` every figure is
+the GPU's (HBM bandwidth, tensor-core GEMMs), each timing waiting for the device; there is no
+Python-thread split there.
 """
 
 from __future__ import annotations
@@ -27,19 +29,46 @@ def add_roofline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--roofline-reps", type=int, default=5, help="best-of repetitions")
 
 
-def stream_tensor(mib: int):
+def bench_device(args: argparse.Namespace):
+    """The device the run's figures are for (`--device`, `auto` resolved)."""
+    import torch
+
+    from ..engine.builder import resolve_device
+
+    return torch.device(resolve_device(getattr(args, "device", None) or "cpu"))
+
+
+def _waited(fn, device):
+    """`fn`, then a wait for `device` (CUDA work is asynchronous); `fn` itself elsewhere."""
+    import torch
+
+    if device.type != "cuda":
+        return fn
+
+    def run():
+        out = fn()
+        torch.cuda.synchronize(device)
+        return out
+
+    return run
+
+
+def stream_tensor(mib: int, device="cpu"):
     """The fp32 tensor the bandwidth is read over."""
     import torch
 
-    return torch.ones(max(1, mib * 2**20 // 4), dtype=torch.float32)
+    return torch.ones(max(1, mib * 2**20 // 4), dtype=torch.float32, device=device)
 
 
 def read_bandwidth(x, reps: int) -> tuple[float, float]:
     """(GB/s of `x.sum()` on torch's threads, GB/s of one slice per thread summed from Python
-    threads), best of `reps` each."""
+    threads), best of `reps` each; on CUDA the device's `x.sum()` twice."""
     import torch
 
     nbytes = x.numel() * x.element_size()
+    if x.is_cuda:
+        read = nbytes / best_time(_waited(x.sum, x.device), reps) / 1e9
+        return read, read
     threads = torch.get_num_threads()
     x.sum()
     t_sum = best_time(x.sum, reps)
@@ -54,15 +83,16 @@ def read_bandwidth(x, reps: int) -> tuple[float, float]:
     return nbytes / t_sum / 1e9, nbytes / t_split / 1e9
 
 
-def measure_bandwidth(mib: int, reps: int) -> dict:
+def measure_bandwidth(mib: int, reps: int, device="cpu") -> dict:
     import torch
 
-    x = stream_tensor(mib)
+    device = torch.device(device)
+    x = stream_tensor(mib, device)
     y = torch.empty_like(x)
     nbytes = x.numel() * 4
     read_sum, read_split = read_bandwidth(x, reps)
     y.copy_(x)
-    t_copy = best_time(lambda: y.copy_(x), reps)
+    t_copy = best_time(_waited(lambda: y.copy_(x), device), reps)
     return {
         "bandwidth_gb_s": max(read_sum, read_split),
         "read_sum_gb_s": read_sum,
@@ -72,35 +102,37 @@ def measure_bandwidth(mib: int, reps: int) -> dict:
     }
 
 
-def measure_gemm(dtype_name: str, sizes: list[int], reps: int) -> dict:
+def measure_gemm(dtype_name: str, sizes: list[int], reps: int, device="cpu") -> dict:
     """{"gflops": best over sizes, "by_size": {n: GFLOP/s}}."""
     import torch
 
-    dtype = getattr(torch, dtype_name)
+    dtype, device = getattr(torch, dtype_name), torch.device(device)
     by_size = {}
     for n in sizes:
         g = torch.Generator().manual_seed(n)
-        a = torch.randn(n, n, generator=g).to(dtype)
-        b = torch.randn(n, n, generator=g).to(dtype)
-        out = torch.empty(n, n, dtype=dtype)
+        a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+        b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+        out = torch.empty(n, n, dtype=dtype, device=device)
         torch.matmul(a, b, out=out)
-        t = best_time(lambda: torch.matmul(a, b, out=out), reps)
+        t = best_time(_waited(lambda: torch.matmul(a, b, out=out), device), reps)
         by_size[str(n)] = 2 * n**3 / t / 1e9
     return {"gflops": max(by_size.values()), "by_size": by_size}
 
 
 def measure(args: argparse.Namespace) -> dict:
-    """The roofline figures at the current torch thread count."""
+    """The roofline figures of `--device` (at the current torch thread count on CPU)."""
     import torch
 
+    device = bench_device(args)
     with torch.inference_mode():
-        out = measure_bandwidth(args.bandwidth_mib, args.roofline_reps)
+        out = measure_bandwidth(args.bandwidth_mib, args.roofline_reps, device)
         for name in DTYPES:
-            g = measure_gemm(name, args.gemm_sizes, args.roofline_reps)
+            g = measure_gemm(name, args.gemm_sizes, args.roofline_reps, device)
             short = "bf16" if name == "bfloat16" else "fp32"
             out[f"gemm_{short}_gflops"] = g["gflops"]
             out[f"gemm_{short}_by_size"] = g["by_size"]
     out["threads"] = torch.get_num_threads()
+    out["device"] = str(device)
     return out
 
 
