@@ -14,6 +14,7 @@ refuse a DCP batch.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..kernels.transfer import to_device
@@ -32,13 +33,17 @@ def _page_table(page_tables: list[list[int]]) -> torch.Tensor:
 
 
 def _flat_rows(page_tables: list[list[int]], starts: list[int], ends: list[int], page_size: int) -> torch.Tensor:
-    """Flat MLA row of every position in [starts[b], ends[b]) for each b, concatenated."""
-    lens = torch.tensor([e - s for s, e in zip(starts, ends)], dtype=torch.long)
-    table = _page_table(page_tables)
-    seq = torch.repeat_interleave(torch.arange(len(page_tables)), lens)
-    first = torch.cumsum(lens, 0) - lens
-    pos = torch.arange(int(lens.sum())) - first[seq] + torch.tensor(starts, dtype=torch.long)[seq]
-    return table[seq, pos // page_size] * page_size + pos % page_size
+    """Flat MLA row of every position in [starts[b], ends[b]) for each b, concatenated (planned in
+    numpy: a few µs a step where torch's per-op overhead took ~80)."""
+    lens = np.subtract(ends, starts, dtype=np.int64)
+    table = np.zeros((len(page_tables), max((len(p) for p in page_tables), default=0) or 1), dtype=np.int64)
+    for b, pages in enumerate(page_tables):
+        table[b, : len(pages)] = pages
+    seq = np.repeat(np.arange(len(page_tables)), lens)
+    pos = np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(
+        np.asarray(starts, dtype=np.int64) - (lens.cumsum() - lens), lens
+    )
+    return torch.from_numpy(table[seq, pos // page_size] * page_size + pos % page_size)
 
 
 def _strided_positions(starts: list[int], ends: list[int], d: int, dcp: int) -> tuple[torch.Tensor, torch.Tensor]:
