@@ -2,6 +2,8 @@
 tiny random checkpoints, with prefix caching off and on (the second run of a shared prefix
 restores a KDA checkpoint exported inside the first prefill). fp32 token streams must be equal
 (exit 1 otherwise); bf16 ones are reported as the share of equal tokens (near-ties may differ).
+The reference backend itself also runs on `--device` (what `--device cuda` serves without the
+`gpu` extra), fp32, cache on: its tokens must equal the CPU's too.
 
     python scripts/gpu_engine_check.py --device cuda
 """
@@ -52,14 +54,16 @@ def main() -> int:
             ckpt = make_tiny(Path(tmp) / family, family=family, preset="tiny", seed=17)
             for dtype in args.dtypes.split(","):
                 ref = run(ckpt, "cpu", dtype, False, False, args.max_tokens)
-                for cache in (False, True):
-                    got = run(ckpt, args.device, dtype, True, cache, args.max_tokens)
+                runs = [(True, False), (True, True)] + ([(False, True)] if dtype == "float32" else [])
+                for triton, cache in runs:
+                    got = run(ckpt, args.device, dtype, triton, cache, args.max_tokens)
                     same = sum(a == b for x, y in zip(got, ref) for a, b in zip(x, y))
                     total = sum(len(x) for x in ref)
                     ok = got == ref
                     failures += dtype == "float32" and not ok
                     print(
-                        f"engine {family} {dtype} cache={'on' if cache else 'off'}: triton on {args.device} vs "
+                        f"engine {family} {dtype} cache={'on' if cache else 'off'}: "
+                        f"{'triton' if triton else 'reference'} on {args.device} vs "
                         f"reference on cpu: {same}/{total} tokens equal{'' if ok else ' (MISMATCH)'}"
                     )
     print("engine check:", "FAILED" if failures else "ok")
