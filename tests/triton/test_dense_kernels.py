@@ -9,6 +9,7 @@ import torch
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
+from deltaserve.cache.forward_batch import MlaRowsView  # noqa: E402
 from deltaserve.ops.backend import REFERENCE, ExpertWeights, GluAct, RouteSpec  # noqa: E402
 from deltaserve.ops.mla import mla_absorbed_attention  # noqa: E402
 from deltaserve.ops.mxfp4 import mxfp4_decode  # noqa: E402
@@ -248,6 +249,22 @@ def test_mla_decode_block_table_and_splits(splits):
     _close(paged, o_lat)
     flat = mla_decode_attention(q_latd, rowsd, cu_kvd, 32, scale, read_rows=read_rowsd, splits=splits)
     _close(flat, o_lat)
+
+
+def test_mla_decode_takes_the_views_page_table():
+    """A view with a page table (the engine's `MlaRowsView`) runs the paged kernel and never asks
+    for the flat row list (O(context) to plan and send each step)."""
+    rows, table, read_rows, cu_kv, q, w_uk, w_uv = _mla_case(5, [13, 3, 30, 7], heads=20, rank=32, page=8, num_pages=24)
+    _, _, ref = _absorbed_ref(rows, read_rows, cu_kv, q, w_uk, w_uv, 32, 0.2)
+    qd, ukd, uvd, rowsd, tabled, cu = _dev(q, w_uk, w_uv, rows, table, cu_kv)
+
+    class NoFlatRows:
+        @property
+        def read_rows(self):
+            raise AssertionError("the flat rows were planned")
+
+    view = MlaRowsView(rowsd, cu, tabled, 8, NoFlatRows())
+    _close(OPS.mla_decode(qd, ukd, uvd, view, 32, 0.2), ref)
 
 
 def test_mla_decode_without_rope_part():

@@ -61,3 +61,22 @@ def test_greedy_tokens_equal_the_reference_backend(tmp_path, device, monkeypatch
     assert got == ref
     assert any(name == "chunk_kda" and offsets and any(offsets) for name, offsets in calls)  # exported in-pass
     assert {name for name, _ in calls} == {"chunk_kda", "conv_step", "recurrent_step"}
+
+
+def test_decode_steps_read_the_page_table_not_flat_rows(tmp_path, device, monkeypatch):
+    """On the Triton backend a decode step's MLA attention reads pages through the block table:
+    the flat row list (O(context) to plan and send) is never built for a decode-only batch."""
+    from deltaserve.cache.forward_batch import ForwardBatch
+
+    ckpt = make_tiny(tmp_path / "k3", family="kimi_k3", preset="tiny", seed=9)
+    built = []
+    flat = ForwardBatch.read_rows.func
+
+    def recorded(self):
+        built.append(self.decode_only)
+        return flat(self)
+
+    monkeypatch.setattr(ForwardBatch, "read_rows", property(recorded))
+    _, llm = _run(ckpt, device, True, monkeypatch)
+    assert llm.stats()["steps"] > 4  # decode steps ran
+    assert not any(built)  # only prefills over a cached prefix planned flat rows

@@ -14,6 +14,9 @@ refuse a DCP batch.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -55,6 +58,50 @@ def _strided_positions(starts: list[int], ends: list[int], d: int, dcp: int) -> 
     first = torch.cumsum(lens, 0) - lens
     pos = (torch.arange(int(lens.sum())) - first[seq]) * dcp + torch.tensor(firsts, dtype=torch.long)[seq]
     return seq, pos
+
+
+class _LazyTuple:
+    """Iterates and indexes as the tuple of its `_parts()` (callables), evaluating only the
+    elements asked for (the flat rows are O(context) to build)."""
+
+    def _parts(self) -> tuple:
+        raise NotImplementedError
+
+    def __iter__(self):
+        return (part() for part in self._parts())
+
+    def __getitem__(self, i: int):
+        return self._parts()[i]()
+
+
+@dataclass(frozen=True)
+class MlaRowsView(_LazyTuple):
+    """A layer's context in place: pool `rows` [num_rows, R + Dr]; sequence b's positions are rows
+    `block_table[b, t // page_size] * page_size + t % page_size` for t < cu_kv[b+1] - cu_kv[b].
+    Unpacks and indexes as (rows, read_rows, cu_kv), `read_rows` planned on first use."""
+
+    rows: torch.Tensor
+    cu_kv: torch.Tensor
+    block_table: torch.Tensor
+    page_size: int
+    batch: "ForwardBatch"
+
+    def _parts(self) -> tuple:
+        return (lambda: self.rows, lambda: self.batch.read_rows, lambda: self.cu_kv)
+
+
+@dataclass(frozen=True)
+class MlaPoolView(_LazyTuple):
+    """`MlaRowsView`'s context plus the rows this step writes: unpacks and indexes as (rows,
+    write_rows, read_rows, cu_kv), `read_rows` planned on first use."""
+
+    rows: torch.Tensor
+    write_rows: torch.Tensor
+    cu_kv: torch.Tensor
+    batch: "ForwardBatch"
+
+    def _parts(self) -> tuple:
+        return (lambda: self.rows, lambda: self.write_rows, lambda: self.batch.read_rows, lambda: self.cu_kv)
 
 
 class ForwardBatch:
@@ -105,8 +152,9 @@ class ForwardBatch:
         else:
             host["write_rows"] = _flat_rows(page_tables, context_lens, ends, mla.page_size)
             if self.any_context:
-                host["read_rows"] = _flat_rows(page_tables, [0] * len(ends), ends, mla.page_size)
+                host["block_table"] = _page_table(page_tables)
                 host["cu_kv"] = torch.tensor([0, *ends], dtype=torch.long).cumsum(0)
+                self._context = (page_tables, ends, device)
         if input_ids.is_cpu:
             host["input_ids"] = input_ids.long()
         else:
@@ -133,6 +181,13 @@ class ForwardBatch:
         out["cu_kv"] = torch.cat([cu.new_zeros(1), torch.bincount(seq, minlength=len(ends)).cumsum(0)])
         out["q_pos"] = _strided_positions(self.context_lens, ends, 0, 1)[1]
         return out
+
+    @functools.cached_property
+    def read_rows(self) -> torch.Tensor:
+        """Flat pool row of every context position, by sequence (O(context) to plan and send:
+        built on first use; kernels that take `block_table` never ask)."""
+        page_tables, ends, device = self._context
+        return to_device({"r": _flat_rows(page_tables, [0] * len(ends), ends, self.mla.page_size)}, device)["r"]
 
     @property
     def num_seqs(self) -> int:
@@ -168,22 +223,22 @@ class ForwardBatch:
         self.mla.rows(layer).index_copy_(0, self.write_rows, latent.to(self.mla.storage.dtype))
 
     def mla_rows_view(self, layer: int):
-        """(the layer's pool rows [num_rows, R + Dr], read_rows, cu_kv): the context addressed in
-        place, for kernels that read the pages directly; None without earlier context."""
+        """`MlaRowsView` of the layer: (pool rows [num_rows, R + Dr], read_rows, cu_kv) as a tuple,
+        and the page table for kernels that take pages; None without earlier context."""
         if self.dcp is not None:
             raise RuntimeError(_DCP_VIEW)
         if not self.any_context:
             return None
-        return self.mla.rows(layer), self.read_rows, self.cu_kv
+        return MlaRowsView(self.mla.rows(layer), self.cu_kv, self.block_table, self.mla.page_size, self)
 
     def mla_pool_view(self, layer: int):
-        """(the layer's pool rows, write_rows, read_rows, cu_kv) for kernels that write this step's
-        rows and read the context in place; None without earlier context."""
+        """`MlaPoolView` of the layer, (pool rows, write_rows, read_rows, cu_kv), for kernels that
+        write this step's rows and read the context in place; None without earlier context."""
         if self.dcp is not None:
             raise RuntimeError(_DCP_VIEW)
         if not self.any_context:
             return None
-        return self.mla.rows(layer), self.write_rows, self.read_rows, self.cu_kv
+        return MlaPoolView(self.mla.rows(layer), self.write_rows, self.cu_kv, self)
 
     def mla_context(self, layer):
         if self.dcp is not None:

@@ -5,7 +5,8 @@ Overrides, each falling back to the `TorchOps` method (super()) for what it does
   route               the grouped top-k selection after the fp32 router GEMM (`triton.router`);
   experts             grouped GEMMs over the routed pairs, MXFP4 decoded in the weight loads,
                       SiTU or SwiGLU fused after gate/up (`triton.moe`), fp32/bf16 activations;
-  mla_decode          paged absorbed decode attention over the pool rows in place (`triton.mla`).
+  mla_decode          paged absorbed decode attention over the pool rows in place (`triton.mla`),
+                      through the view's page table where it has one (no flat row list).
 Kernels run on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (the tests); anything else
 (float64, other devices, shapes a kernel refuses) takes the reference path. Each kernel matches its
 reference within fp32 rounding: only summation orders differ.
@@ -97,16 +98,22 @@ class TritonDenseOps(TorchOps):
         """Absorb W_UK, the paged decode kernel over the pool rows, then W_UV (the layer's einsums)."""
         if rows_view is None:
             return None
-        rows, read_rows, cu_kv = rows_view
+        table = getattr(rows_view, "block_table", None)  # pages where the view has them: no flat rows
+        if table is not None:
+            rows, cu_kv, index = rows_view.rows, rows_view.cu_kv, table
+            where = dict(block_table=table, page_size=rows_view.page_size)
+        else:
+            rows, index, cu_kv = rows_view
+            where = dict(read_rows=index)
         if (
             q.dtype not in _FLOATS
             or rows.dtype not in (*_FLOATS, torch.float16)
             or rows.stride(-1) != 1
-            or not runs_here(q, rows, read_rows, cu_kv)
+            or not runs_here(q, rows, index, cu_kv)
         ):
             return None
         nope = w_uk.shape[1]
         q_hat = torch.einsum("nhd,hdr->nhr", q[..., :nope], w_uk)
         q_lat = torch.cat([q_hat, q[..., nope:]], dim=-1)
-        o_lat = mla_kernels.mla_decode_attention(q_lat, rows, cu_kv, rank, scale, read_rows=read_rows)
+        o_lat = mla_kernels.mla_decode_attention(q_lat, rows, cu_kv, rank, scale, **where)
         return torch.einsum("nhr,hvr->nhv", o_lat, w_uv)
