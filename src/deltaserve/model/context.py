@@ -22,7 +22,7 @@ class LayerCache(Protocol):
     for them with getattr and otherwise use the methods below (`DenseCache` has neither):
     `kda_slot_view(layer)` -> (tails [S, W-1, 3P], states [S, H, K, V], slots [B]) and
     `mla_rows_view(layer)` -> (pool rows [num_rows, R + Dr], read_rows [Nkv], cu_kv [B+1]) or
-    None without earlier context.
+    None without earlier context (the engine's view also has `block_table` and `page_size`).
 
     A cache for a decode-context-parallel rank (`ParallelContext.dcp_world` D > 1) keeps only the
     positions t with t % D == its DCP rank: `store_mla` still receives all N rows and keeps its own,
