@@ -11,6 +11,20 @@ import torch
 from .abi import MLA_MAX_HEADS, MLA_MAX_RANK
 
 
+def kda_pool_fits(tails: torch.Tensor, states: torch.Tensor, heads: int, head_dim: int, width: int) -> bool:
+    """Whether (tails [S, W-1, 3HK] bf16, states [S, H, K, K] fp32) is a contiguous KDA slot pool
+    for a layer of `heads` x `head_dim` with a conv of `width`: what the in-place kernels write."""
+    return (
+        tails.dtype == torch.bfloat16
+        and tails.is_contiguous()
+        and tuple(tails.shape[1:]) == (width - 1, 3 * heads * head_dim)
+        and states.dtype == torch.float32
+        and states.is_contiguous()
+        and tuple(states.shape[1:]) == (heads, head_dim, head_dim)
+        and tails.shape[0] == states.shape[0]
+    )
+
+
 class AttentionDecodeBindings:
     """Mixin of `NativeKernels` (`self.lib`: the library, its signatures declared from ds_abi.h)."""
 
@@ -49,13 +63,7 @@ class AttentionDecodeBindings:
             and all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in bf)
             and all(tuple(t.shape) == (bsz, p) for t in (k, v, f, gate))
             and tuple(b_logit.shape) == (bsz, h)
-            and tails.dtype == torch.bfloat16
-            and tails.is_contiguous()
-            and tuple(tails.shape[1:]) == (w - 1, 3 * p)
-            and states.dtype == torch.float32
-            and states.is_contiguous()
-            and tuple(states.shape[2:]) == (kd, kd)
-            and tails.shape[0] == states.shape[0]
+            and kda_pool_fits(tails, states, h, kd, w)
             and slots.dtype == torch.int64
             and slots.numel() == bsz
             and all(t.dtype == torch.float32 and t.is_contiguous() for t in (conv_weight, a_log, dt_bias, norm_weight))

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .abi import MLA_MAX_HEADS, MLA_MAX_RANK, STRUCTS
+from .attention import kda_pool_fits
 from .decode import expert_operands
 
 MoeBlockPlan = STRUCTS["ds_moe_block_t"]
@@ -199,18 +200,11 @@ class BlockBindings:
         """One KDA decode step of x [N, D] bf16 (N within `multi_rows` of D, K and P), updating the
         pool's `tails` [S, W-1, 3P] bf16 and `states` [S, H, K, K] fp32 at `slots` in place."""
         n, d = x.shape
-        p = plan.H * plan.K
         ok = (
             x.dtype == torch.bfloat16
             and d == plan.D
             and 0 < n <= self.kda_block_rows(plan)
-            and tails.dtype == torch.bfloat16
-            and tails.is_contiguous()
-            and tuple(tails.shape[1:]) == (plan.W - 1, 3 * p)
-            and states.dtype == torch.float32
-            and states.is_contiguous()
-            and tuple(states.shape[1:]) == (plan.H, plan.K, plan.K)
-            and tails.shape[0] == states.shape[0]
+            and kda_pool_fits(tails, states, plan.H, plan.K, plan.W)
             and slots.dtype == torch.int64
             and slots.numel() == n
         )

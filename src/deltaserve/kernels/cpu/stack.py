@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .abi import MAX_MIX, STRUCTS
+from .attention import kda_pool_fits
 
 StackStruct = STRUCTS["ds_stack_t"]
 StackLayerStruct = STRUCTS["ds_stack_layer_t"]
@@ -183,16 +184,7 @@ class StackBindings:
         num_rows = {v[0].shape[0] for v in mla_views}
         for i, (t, s, _) in zip(plan.kda_layers, kda_views):
             b = plan.struct.layers[i].kda.contents
-            p = b.H * b.K
-            if not (
-                t.dtype == torch.bfloat16
-                and t.is_contiguous()
-                and tuple(t.shape[1:]) == (b.W - 1, 3 * p)
-                and s.dtype == torch.float32
-                and s.is_contiguous()
-                and tuple(s.shape[1:]) == (b.H, b.K, b.K)
-                and t.shape[0] == s.shape[0]
-            ):
+            if not kda_pool_fits(t, s, b.H, b.K, b.W):
                 raise ValueError("decode_stack: a KDA pool disagrees with its layer")
             tails[i], states[i] = t.data_ptr(), s.data_ptr()
         for i, (r, *_) in zip(plan.mla_layers, mla_views):
