@@ -29,20 +29,19 @@ from .mla_pool import MlaPagePool
 _DCP_VIEW = "this ForwardBatch is context-parallel: its MLA rows are read through mla_dcp_context"
 
 
-def _page_table(page_tables: list[list[int]]) -> torch.Tensor:
-    """[B, max pages] page ids, zero-padded."""
-    width = max((len(p) for p in page_tables), default=0)
-    return torch.tensor([p + [0] * (max(width, 1) - len(p)) for p in page_tables], dtype=torch.long)
-
-
-def _flat_rows(page_tables: list[list[int]], starts: list[int], ends: list[int], page_size: int) -> torch.Tensor:
-    """Flat MLA row of every position in [starts[b], ends[b]) for each b, concatenated (planned in
-    numpy: a few µs a step where torch's per-op overhead took ~80)."""
-    lens = np.subtract(ends, starts, dtype=np.int64)
+def _page_table(page_tables: list[list[int]]) -> np.ndarray:
+    """[B, max pages] int64 page ids, zero-padded (at least one column)."""
     table = np.zeros((len(page_tables), max((len(p) for p in page_tables), default=0) or 1), dtype=np.int64)
     for b, pages in enumerate(page_tables):
         table[b, : len(pages)] = pages
-    seq = np.repeat(np.arange(len(page_tables)), lens)
+    return table
+
+
+def _flat_rows(table: np.ndarray, starts: list[int], ends: list[int], page_size: int) -> torch.Tensor:
+    """Flat MLA row of every position in [starts[b], ends[b]) for each b (pages `table`), concatenated
+    (planned in numpy: a few µs a step where torch's per-op overhead took ~80)."""
+    lens = np.subtract(ends, starts, dtype=np.int64)
+    seq = np.repeat(np.arange(len(table)), lens)
     pos = np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(
         np.asarray(starts, dtype=np.int64) - (lens.cumsum() - lens), lens
     )
@@ -150,11 +149,12 @@ class ForwardBatch:
         if self.dcp is not None:
             host.update(self._dcp_rows(page_tables, ends))
         else:
-            host["write_rows"] = _flat_rows(page_tables, context_lens, ends, mla.page_size)
+            table = _page_table(page_tables)
+            host["write_rows"] = _flat_rows(table, context_lens, ends, mla.page_size)
             if self.any_context:
-                host["block_table"] = _page_table(page_tables)
+                host["block_table"] = torch.from_numpy(table)
                 host["cu_kv"] = torch.tensor([0, *ends], dtype=torch.long).cumsum(0)
-                self._context = (page_tables, ends, device)
+                self._context = (table, ends, device)
         if input_ids.is_cpu:
             host["input_ids"] = input_ids.long()
         else:
@@ -167,7 +167,7 @@ class ForwardBatch:
         """This DCP rank's write rows (and which step tokens they take), read rows, the global
         position of each read row (`kv_pos`) and of each step token (`q_pos`), and local `cu_kv`."""
         dcp, d = self.dcp.dcp_world, self.dcp.dcp_rank
-        table, size, local = _page_table(page_tables), self.mla.page_size, self.mla.rows_per_page
+        table, size, local = torch.from_numpy(_page_table(page_tables)), self.mla.page_size, self.mla.rows_per_page
         starts = torch.tensor(self.context_lens, dtype=torch.long)
         cu = torch.tensor([0, *self.new_lens], dtype=torch.long).cumsum(0)
         seq, pos = _strided_positions(self.context_lens, ends, d, dcp)
@@ -186,8 +186,8 @@ class ForwardBatch:
     def read_rows(self) -> torch.Tensor:
         """Flat pool row of every context position, by sequence (O(context) to plan and send:
         built on first use; kernels that take `block_table` never ask)."""
-        page_tables, ends, device = self._context
-        return to_device({"r": _flat_rows(page_tables, [0] * len(ends), ends, self.mla.page_size)}, device)["r"]
+        table, ends, device = self._context
+        return to_device({"r": _flat_rows(table, [0] * len(ends), ends, self.mla.page_size)}, device)["r"]
 
     @property
     def num_seqs(self) -> int:
