@@ -79,4 +79,4 @@ def test_decode_steps_read_the_page_table_not_flat_rows(tmp_path, device, monkey
     monkeypatch.setattr(ForwardBatch, "read_rows", property(recorded))
     _, llm = _run(ckpt, device, True, monkeypatch)
     assert llm.stats()["steps"] > 4  # decode steps ran
-    assert not any(built)  # only prefills over a cached prefix planned flat rows
+    assert built and not any(built)  # only the prefill over the cached prefix planned flat rows
