@@ -156,6 +156,7 @@ def _worker(rank: int, world: int, init_method: str, ckpts: dict[str, str], out:
             if rank == 0:
                 meta = {"ops": model.ops.name}
                 save_file({k: v.contiguous() for k, v in got.items()}, f"{out}/{name}_{dtype}.safetensors", meta)
+        dist.barrier()  # no rank tears the group down while rank 0 still writes
     finally:
         dist.destroy_process_group()
 
