@@ -5,8 +5,10 @@
 #      fp32 (must match) and bf16 (reported), prefix caching off and on;
 #   3. `deltaserve bench latency --device cuda` on a `mini` K3 checkpoint;
 #   4. the KDA prefill kernel bench (ours, ours with exports, fla-core) at T = 4k..32k beside the
-#      HBM and tensor-core rooflines it measures.
-# Meant to finish in a few minutes on one GPU (each step has a time limit, about 12 min in all).
+#      HBM and tensor-core rooflines it measures;
+#   5. the MLA attention bench (prefill: ours, torch's flash varlen, padded SDPA; extend over a
+#      cached prefix: ours through the page table, gather + SDPA) at the same T.
+# Meant to finish in a few minutes on one GPU (each step has a time limit, about 14 min in all).
 # Logs go to $OUT (or a temp dir) as well as stdout; the exit status is 1 if any step failed.
 #
 #   bash scripts/gpu_check.sh            # on a machine with CUDA
@@ -40,7 +42,7 @@ else
   DEVICE=cuda
   "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
     || { echo "no CUDA device: use --dry-run"; exit 2; }
-  if ! "$py" -c "import triton, fla.ops.kda" 2>/dev/null; then  # the gpu extra; wheels in .whl/ if any
+  if ! "$py" -c "import triton, fla.ops.kda, flashinfer" 2>/dev/null; then  # the gpu extra; wheels in .whl/ if any
     extra=$("$py" -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['gpu']))")
     links=(); [ -d .whl ] && links=(--find-links .whl)
     # shellcheck disable=SC2086
@@ -51,7 +53,7 @@ fi
 "$py" - <<'EOF' | tee "$out/environment.log"
 import importlib.util, torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else "-")
-for mod in ("triton", "fla"):
+for mod in ("triton", "fla", "flashinfer"):
     print(mod, "importable" if importlib.util.find_spec(mod) else "missing")
 EOF
 
@@ -87,6 +89,14 @@ if [ "$dry" = 1 ]; then
     --bandwidth-mib 16 --gemm 256 --torch
 else
   run kda_bench 150 "$py" scripts/kda_bench.py --device cuda --lengths 4096,8192,16384,32768 --torch
+fi
+
+step "5. MLA attention bench"
+if [ "$dry" = 1 ]; then
+  run mla_bench 120 "$py" scripts/mla_bench.py --device cpu --lengths 48 --heads 2 --nope 16 --rope 8 --v-dim 16 \
+    --rank 32 --chunk 16 --reps 1 --bandwidth-mib 16 --gemm 256
+else
+  run mla_bench 120 "$py" scripts/mla_bench.py --device cuda --lengths 4096,8192,16384,32768
 fi
 
 rm -rf "$work"

@@ -1,10 +1,10 @@
 """The dense Triton kernels (`ops.triton.dense.TritonDenseOps`) against the reference ops, in fp32 on
 tiny shapes: under TRITON_INTERPRET=1 on CPU, or on CUDA where a GPU is present."""
 
-import os
-
 import pytest
 import torch
+
+from .common import DEVICE, KERNEL_MARKS, close, cuda_only
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
@@ -24,12 +24,7 @@ from deltaserve.ops.triton.dense import TritonDenseOps, runs_here  # noqa: E402
 from deltaserve.ops.triton.mla import mla_decode_attention  # noqa: E402
 from deltaserve.ops.triton.moe import _tanh  # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
-pytestmark = [
-    pytest.mark.triton,
-    pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET, reason="needs CUDA or TRITON_INTERPRET=1"),
-]
+pytestmark = KERNEL_MARKS
 OPS = TritonDenseOps()
 
 
@@ -43,11 +38,6 @@ def _dev(*ts):
     return out
 
 
-def _close(got, ref, rtol=1e-5):
-    got, ref = got.cpu().double(), ref.cpu().double()
-    torch.testing.assert_close(got, ref, rtol=rtol, atol=rtol * float(ref.abs().max()))
-
-
 # ---------------------------------------------------------------- norms and AttnRes
 
 
@@ -55,7 +45,7 @@ def test_rms_norm_any_leading_shape():
     g = _gen(0)
     x, w = torch.randn(2, 3, 40, generator=g), torch.randn(40, generator=g)
     (xd, wd) = _dev(x, w)
-    _close(OPS.rms_norm(xd, wd, 1e-6), naive_rms_norm(x, w, 1e-6))
+    close(OPS.rms_norm(xd, wd, 1e-6), naive_rms_norm(x, w, 1e-6))
 
 
 @pytest.mark.parametrize("depth", [1, 2, 4])
@@ -71,7 +61,7 @@ def test_attn_res_mix_and_norm(depth, then):
         ref = naive_rms_norm(ref, w, 1e-6)
     curd, projd, normd, wd, *bankd = _dev(cur, proj, norm, w, *bank)
     got = OPS.attn_res(curd, bankd, projd, normd, None, (wd, 1e-6, None) if then else None)
-    _close(got, ref)
+    close(got, ref)
 
 
 # ---------------------------------------------------------------- router
@@ -97,8 +87,8 @@ def test_route_matches_naive_router(e, spec, bias):
     xd, gated, downd = _dev(x, gate, down)
     weights, ids, z = OPS.route(xd, gated, None if b is None else b.to(DEVICE), spec, downd)
     assert torch.equal(ids.cpu(), ref_ids)
-    _close(weights, ref_w)
-    _close(z, x @ down.T)
+    close(weights, ref_w)
+    close(z, x @ down.T)
 
 
 def test_route_falls_back_where_the_kernel_does_not_apply():
@@ -150,7 +140,7 @@ def test_experts_match_naive_grouped_experts(act, packed):
         ex = ExpertWeights(*_dev(*dense))
     ref = naive_grouped_experts(x, ids, weights, *dense, ACTS[act])
     xd, idsd, wd = _dev(x, ids, weights)
-    _close(OPS.experts(xd, idsd, wd, ex, ACTS[act]), ref)
+    close(OPS.experts(xd, idsd, wd, ex, ACTS[act]), ref)
 
 
 def test_experts_read_strided_weights_in_place():
@@ -166,12 +156,12 @@ def test_experts_read_strided_weights_in_place():
     assert not views[0][0].is_contiguous()
     ref = naive_grouped_experts(x, ids, weights, *(_decoded(v) for v in views), act)
     ex = ExpertWeights(*(tuple(_dev(*v)) for v in views), dtype=torch.float32)
-    _close(OPS.experts(*_dev(x, ids, weights), ex, act), ref)
+    close(OPS.experts(*_dev(x, ids, weights), ex, act), ref)
     # dense: transposed storage
     w1, w3 = (torch.randn(e, d, inter, generator=g).transpose(1, 2) for _ in range(2))
     w2 = torch.randn(e, inter, d, generator=g).transpose(1, 2)
     ref = naive_grouped_experts(x, ids, weights, w1, w3, w2, act)
-    _close(OPS.experts(*_dev(x, ids, weights), ExpertWeights(*_dev(w1, w3, w2)), act), ref)
+    close(OPS.experts(*_dev(x, ids, weights), ExpertWeights(*_dev(w1, w3, w2)), act), ref)
 
 
 def test_local_experts_run_the_kernel_on_the_rank_share():
@@ -184,7 +174,7 @@ def test_local_experts_run_the_kernel_on_the_rank_share():
     act = ACTS["situ"]
     ref = REFERENCE.local_experts(x, ids, weights, ExpertWeights(*pairs, dtype=torch.float32), act, 2)
     ex = ExpertWeights(*(tuple(_dev(*w)) for w in pairs), dtype=torch.float32)
-    _close(OPS.local_experts(*_dev(x, ids, weights), ex, act, 2), ref)
+    close(OPS.local_experts(*_dev(x, ids, weights), ex, act, 2), ref)
 
 
 @triton.jit
@@ -235,7 +225,7 @@ def test_mla_decode_over_the_pool_rows(ctx_lens):
     _, _, ref = _absorbed_ref(rows, read_rows, cu_kv, q, w_uk, w_uv, 24, scale)
     qd, ukd, uvd, rowsd, rr, cu = _dev(q, w_uk, w_uv, rows, read_rows, cu_kv)
     got = OPS.mla_decode(qd, ukd, uvd, (rowsd, rr, cu), 24, scale)
-    _close(got, ref)
+    close(got, ref)
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -246,9 +236,9 @@ def test_mla_decode_block_table_and_splits(splits):
     q_lat, o_lat, _ = _absorbed_ref(rows, read_rows, cu_kv, q, w_uk, w_uv, 32, scale)
     q_latd, rowsd, tabled, cu_kvd, read_rowsd = _dev(q_lat, rows, table, cu_kv, read_rows)
     paged = mla_decode_attention(q_latd, rowsd, cu_kvd, 32, scale, block_table=tabled, page_size=8, splits=splits)
-    _close(paged, o_lat)
+    close(paged, o_lat)
     flat = mla_decode_attention(q_latd, rowsd, cu_kvd, 32, scale, read_rows=read_rowsd, splits=splits)
-    _close(flat, o_lat)
+    close(flat, o_lat)
 
 
 def test_mla_decode_takes_the_views_page_table():
@@ -264,14 +254,14 @@ def test_mla_decode_takes_the_views_page_table():
             raise AssertionError("the flat rows were planned")
 
     view = MlaRowsView(rowsd, cu, tabled, 8, NoFlatRows())
-    _close(OPS.mla_decode(qd, ukd, uvd, view, 32, 0.2), ref)
+    close(OPS.mla_decode(qd, ukd, uvd, view, 32, 0.2), ref)
 
 
 def test_mla_decode_without_rope_part():
     rows, _, read_rows, cu_kv, q, w_uk, w_uv = _mla_case(9, [6, 11], rope=0)
     _, _, ref = _absorbed_ref(rows, read_rows, cu_kv, q, w_uk, w_uv, 24, 0.3)
     qd, ukd, uvd, rowsd, rr, cu = _dev(q, w_uk, w_uv, rows, read_rows, cu_kv)
-    _close(OPS.mla_decode(qd, ukd, uvd, (rowsd, rr, cu), 24, 0.3), ref)
+    close(OPS.mla_decode(qd, ukd, uvd, (rowsd, rr, cu), 24, 0.3), ref)
 
 
 def test_describe_names_the_triton_families():
@@ -282,11 +272,9 @@ def test_describe_names_the_triton_families():
 
 # ---------------------------------------------------------------- bf16 on CUDA (the interpreter's bf16 dot is wrong)
 
-cuda_only = pytest.mark.skipif(DEVICE != "cuda", reason="bf16 kernels are checked on CUDA only")
-
 
 def _close_bf16(got, ref):
-    _close(got.float(), ref.float(), rtol=2e-2)
+    close(got.float(), ref.float(), rtol=2e-2)
 
 
 @cuda_only
@@ -306,7 +294,7 @@ def test_bf16_norm_attn_res_and_router_on_cuda():
     xd, gated, biasd = x.to(DEVICE, torch.bfloat16), gate.to(DEVICE, torch.bfloat16), bias.to(DEVICE)
     got, ref = OPS.route(xd, gated, biasd, spec), REFERENCE.route(xd, gated, biasd, spec)
     assert torch.equal(got[1], ref[1])
-    _close(got[0], ref[0])
+    close(got[0], ref[0])
 
 
 @cuda_only

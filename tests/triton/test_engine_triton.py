@@ -1,6 +1,7 @@
 """The engine on `TritonOps` (CPU interpreter, or CUDA where present) against the reference
 backend: a tiny fp32 K3 checkpoint gives the same greedy tokens, with prefix caching on so the
-second prompt restores a KDA checkpoint the first one exported inside its prefill pass."""
+second prompt restores a KDA checkpoint the first one exported inside its prefill pass and its
+MLA attention runs over the cached prefix in the pool (the extend kernel)."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ pytest.importorskip("triton")
 
 from deltaserve import LLM, SamplingParams  # noqa: E402
 from deltaserve.ops.backend import REFERENCE  # noqa: E402
-from deltaserve.ops.triton import backend  # noqa: E402
+from deltaserve.ops.triton import backend, mla, mla_prefill  # noqa: E402
 from deltaserve.ops.triton.backend import TritonOps  # noqa: E402
 from deltaserve.tiny import make_tiny  # noqa: E402
 
@@ -39,14 +40,14 @@ def _run(ckpt, device, triton: bool, monkeypatch):
     return tokens, llm
 
 
-def _counted(monkeypatch, name, calls):
-    real = getattr(backend, name)
+def _counted(monkeypatch, name, calls, module=backend):
+    real = getattr(module, name)
 
     def wrapped(*args, **kwargs):
         calls.append((name, kwargs.get("export_offsets")))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(backend, name, wrapped)
+    monkeypatch.setattr(module, name, wrapped)
 
 
 def test_greedy_tokens_equal_the_reference_backend(tmp_path, device, monkeypatch):
@@ -57,15 +58,20 @@ def test_greedy_tokens_equal_the_reference_backend(tmp_path, device, monkeypatch
     calls = []
     for name in ("chunk_kda", "conv_step", "recurrent_step"):
         _counted(monkeypatch, name, calls)
+    _counted(monkeypatch, "mla_decode_attention", calls, mla)
+    for name in ("mla_prefill_attention", "mla_extend_attention"):
+        _counted(monkeypatch, name, calls, mla_prefill)
     got, _ = _run(ckpt, device, True, monkeypatch)
     assert got == ref
     assert any(name == "chunk_kda" and offsets and any(offsets) for name, offsets in calls)  # exported in-pass
-    assert {name for name, _ in calls} == {"chunk_kda", "conv_step", "recurrent_step"}
+    kernels = {"chunk_kda", "conv_step", "recurrent_step", "mla_decode_attention"}
+    assert {name for name, _ in calls} == kernels | {"mla_prefill_attention", "mla_extend_attention"}
 
 
-def test_decode_steps_read_the_page_table_not_flat_rows(tmp_path, device, monkeypatch):
-    """On the Triton backend a decode step's MLA attention reads pages through the block table:
-    the flat row list (O(context) to plan and send) is never built for a decode-only batch."""
+def test_steps_read_the_page_table_not_flat_rows(tmp_path, device, monkeypatch):
+    """On the Triton backend MLA attention over a context (decode steps, the prefill over the cached
+    prefix) reads pages through the block table: the flat row list (O(context) to plan and send)
+    is never built."""
     from deltaserve.cache.forward_batch import ForwardBatch
 
     ckpt = make_tiny(tmp_path / "k3", family="kimi_k3", preset="tiny", seed=9)
@@ -77,6 +83,9 @@ def test_decode_steps_read_the_page_table_not_flat_rows(tmp_path, device, monkey
         return flat(self)
 
     monkeypatch.setattr(ForwardBatch, "read_rows", property(recorded))
+    calls = []
+    _counted(monkeypatch, "mla_extend_attention", calls, mla_prefill)
     _, llm = _run(ckpt, device, True, monkeypatch)
     assert llm.stats()["steps"] > 4  # decode steps ran
-    assert built and not any(built)  # only the prefill over the cached prefix planned flat rows
+    assert calls  # a prefill over the cached prefix attended through the pages
+    assert built == []

@@ -108,11 +108,11 @@ class MlaAttention(OpsModule):
             o = self._plain(q, latent, ctx.cu_seqlens)
         else:
             cache.store_mla(self.layer_id, latent)
-            o = None
-            if cache.decode_only:
-                o = self.ops.mla_decode(
-                    q, *self.kv_b_split(), self._view(cache, "mla_rows_view"), self.rank, self.scale, self.prepared
-                )
+            o, view = None, self._view(cache, "mla_rows_view")
+            if view is not None and cache.decode_only:
+                o = self.ops.mla_decode(q, *self.kv_b_split(), view, self.rank, self.scale, self.prepared)
+            elif view is not None:
+                o = self.ops.mla_extend(q, *self.kv_b_split(), view, ctx.cu_seqlens, self.rank, self.scale)
             if o is None:
                 context = cache.mla_context(self.layer_id)
                 o = (
@@ -126,9 +126,7 @@ class MlaAttention(OpsModule):
         n, h = q.shape[0], self.num_heads
         kv = self.kv_b_proj(latent[:, : self.rank]).view(n, h, self.nope + self.v_dim)
         k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
-        k_rot = latent[:, None, self.rank :].expand(n, h, self.rope)
-        k = torch.cat([k_nope, k_rot], dim=-1)
-        return mla_ops.mla_prefill_attention(q, k, v.contiguous(), cu_seqlens, self.scale)
+        return self.ops.mla_prefill(q, k_nope, latent[:, self.rank :], v, cu_seqlens, self.scale)
 
     def _latent_queries(self, q):
         w_uk, _ = self.kv_b_split()

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from . import kda as kda_ops
 from .activations import silu_and_mul, situ_and_mul
 from .attn_res import attn_res_mix
+from .mla import mla_prefill_attention
 from .moe import grouped_experts, route
 from .mxfp4 import mxfp4_decode
 from .norms import gated_rms_norm, rms_norm
@@ -343,6 +344,35 @@ class TorchOps:
         """Absorbed decode attention reading the pool's rows in place ([N, H, v]), or None (the layer
         gathers its context and runs `ops.mla`)."""
         return None
+
+    def mla_extend(
+        self,
+        q: torch.Tensor,
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+        rows_view,
+        cu_q: torch.Tensor,
+        rank: int,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """Absorbed attention of a step with several queries per sequence (cu_q) over the contexts in
+        the pool, read in place ([N, H, v]), or None (the layer gathers its context)."""
+        return None
+
+    def mla_prefill(
+        self,
+        q: torch.Tensor,
+        k_nope: torch.Tensor,
+        k_rot: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal unabsorbed attention within each packed sequence, [N, H, Dv] in q's dtype: q
+        [N, H, Dn + Dr], k_nope [N, H, Dn], k_rot [N, Dr] shared by the heads, v [N, H, Dv]."""
+        n, h = k_nope.shape[:2]
+        k = torch.cat([k_nope, k_rot[:, None].expand(n, h, k_rot.shape[-1])], dim=-1)
+        return mla_prefill_attention(q, k, v.contiguous(), cu_seqlens, scale)
 
     # plans -------------------------------------------------------------------------------------
     def prepare_norm(self, w: torch.Tensor):

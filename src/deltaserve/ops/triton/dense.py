@@ -5,8 +5,15 @@ Overrides, each falling back to the `TorchOps` method (super()) for what it does
   route               the grouped top-k selection after the fp32 router GEMM (`triton.router`);
   experts             grouped GEMMs over the routed pairs, MXFP4 decoded in the weight loads,
                       SiTU or SwiGLU fused after gate/up (`triton.moe`), fp32/bf16 activations;
-  mla_decode          paged absorbed decode attention over the pool rows in place (`triton.mla`),
-                      through the view's page table where it has one (no flat row list).
+  mla_decode          paged absorbed decode attention over the pool rows in place: FlashInfer's MLA
+                      kernel where it imports and fits (`.flashinfer_mla`: CUDA, bf16/fp16, rank
+                      512 + rope 64), else ours (`triton.mla`), through the view's page table
+                      where it has one (no flat row list);
+  mla_extend          absorbed attention of many queries per sequence over the pool through the
+                      page table (prefill over a cached prefix, mixed steps; `triton.mla_prefill`);
+  mla_prefill         causal unabsorbed attention of fresh prompts: torch's FlashAttention varlen
+                      kernel on CUDA in half precision (`.flash_prefill`), else ours, which reads
+                      the keys as their two parts in place.
 Kernels run on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1 (the tests); anything else
 (float64, other devices, shapes a kernel refuses) takes the reference path. Each kernel matches its
 reference within fp32 rounding: only summation orders differ.
@@ -18,8 +25,9 @@ import torch
 
 from ..attn_res import ATTN_RES_EPS
 from ..backend import ExpertWeights, GluAct, RouteSpec, TorchOps
-from . import interpreted
+from . import flash_prefill, flashinfer_mla, interpreted
 from . import mla as mla_kernels
+from . import mla_prefill as mla_prefill_kernels
 from . import moe as moe_kernels
 from .norm import mix_norm
 from .router import route_select
@@ -37,10 +45,12 @@ class TritonDenseOps(TorchOps):
     """See the module docstring."""
 
     name = "triton"
-    dense_families = {"norms": "triton", "attn_res": "triton", "moe": "triton", "mla": "triton (decode)"}
+    dense_families = {"norms": "triton", "attn_res": "triton", "moe": "triton"}
 
     def describe(self) -> dict[str, str]:
-        return {**super().describe(), **self.dense_families}
+        libs = (("flashinfer-decode", flashinfer_mla), ("torch-flash-prefill", flash_prefill))
+        mla = "+".join(["triton", *(name for name, lib in libs if lib.available())])
+        return {**super().describe(), **self.dense_families, "mla": mla}
 
     # dense -------------------------------------------------------------------------------------
     def rms_norm(self, x, w, eps, prepared=None):
@@ -94,6 +104,41 @@ class TritonDenseOps(TorchOps):
         return moe_kernels.grouped_experts(x, ids, weights, *ops, kind, act.beta, act.linear_beta)
 
     # MLA ---------------------------------------------------------------------------------------
+    def mla_prefill(self, q, k_nope, k_rot, v, cu_seqlens, scale):
+        """torch's FlashAttention varlen kernel where it fits (`.flash_prefill`), else ours."""
+        if flash_prefill.fits(q, v.shape[-1]):
+            return flash_prefill.prefill(q, k_nope, k_rot, v, cu_seqlens, scale)
+        tensors = (q, k_nope, k_rot, v, cu_seqlens)
+        if q.dtype not in _FLOATS or not runs_here(*tensors) or any(t.stride(-1) != 1 for t in tensors[:4]):
+            return super().mla_prefill(q, k_nope, k_rot, v, cu_seqlens, scale)
+        return mla_prefill_kernels.mla_prefill_attention(q, k_nope, k_rot, v, cu_seqlens, scale)
+
+    def mla_extend(self, q, w_uk, w_uv, rows_view, cu_q, rank, scale):
+        """Absorb W_UK, the paged kernel over each sequence's context, then W_UV; None without a
+        page table in the view or where the kernel does not run."""
+        table = getattr(rows_view, "block_table", None)
+        if table is None or not self._latent_fits(q, rows_view.rows, table, rows_view.cu_kv, cu_q):
+            return None
+        o_lat = mla_prefill_kernels.mla_extend_attention(
+            self._absorb(q, w_uk), rows_view.rows, table, rows_view.page_size, cu_q, rows_view.cu_kv, rank, scale
+        )
+        return torch.einsum("nhr,hvr->nhv", o_lat, w_uv)
+
+    @staticmethod
+    def _latent_fits(q, rows, *index) -> bool:
+        return (
+            q.dtype in _FLOATS
+            and rows.dtype in (*_FLOATS, torch.float16)
+            and rows.stride(-1) == 1
+            and runs_here(q, rows, *index)
+        )
+
+    @staticmethod
+    def _absorb(q, w_uk):
+        """[W_UK^T q_nope | q_rot] per head."""
+        nope = w_uk.shape[1]
+        return torch.cat([torch.einsum("nhd,hdr->nhr", q[..., :nope], w_uk), q[..., nope:]], dim=-1)
+
     def mla_decode(self, q, w_uk, w_uv, rows_view, rank, scale, prepared=None):
         """Absorb W_UK, the paged decode kernel over the pool rows, then W_UV (the layer's einsums)."""
         if rows_view is None:
@@ -105,15 +150,11 @@ class TritonDenseOps(TorchOps):
         else:
             rows, index, cu_kv = rows_view
             where = dict(read_rows=index)
-        if (
-            q.dtype not in _FLOATS
-            or rows.dtype not in (*_FLOATS, torch.float16)
-            or rows.stride(-1) != 1
-            or not runs_here(q, rows, index, cu_kv)
-        ):
+        if not self._latent_fits(q, rows, index, cu_kv):
             return None
-        nope = w_uk.shape[1]
-        q_hat = torch.einsum("nhd,hdr->nhr", q[..., :nope], w_uk)
-        q_lat = torch.cat([q_hat, q[..., nope:]], dim=-1)
-        o_lat = mla_kernels.mla_decode_attention(q_lat, rows, cu_kv, rank, scale, **where)
+        q_lat = self._absorb(q, w_uk)
+        if table is not None and flashinfer_mla.fits(q_lat, rows, rank, rows_view.page_size):
+            o_lat = flashinfer_mla.decode(q_lat, rows_view, rank, scale)
+        else:
+            o_lat = mla_kernels.mla_decode_attention(q_lat, rows, cu_kv, rank, scale, **where)
         return torch.einsum("nhr,hvr->nhv", o_lat, w_uv)

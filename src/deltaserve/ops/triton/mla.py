@@ -22,6 +22,17 @@ from ..mla import lse_combine
 
 
 @triton.jit
+def softmax_step(s, m, total):
+    """One key block of an online softmax: scores s [M, N] (masked entries -inf), running max m and
+    denominator total [M] -> (p = exp(s - new max), alpha = the factor for what was accumulated,
+    new max, new denominator). Rows must have seen a finite score by their first block."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    return p, alpha, m_new, total * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _mla_decode_kernel(
     q,
     rows,
@@ -88,12 +99,8 @@ def _mla_decode_kernel(
             kpe = tl.load(row_base + R + offs_p[None, :], mask=nmask[:, None] & pmask[None, :], other=0.0)
             s = tl.dot(q_pe, tl.trans(kpe.to(q_pe.dtype)), s, input_precision=PRECISION)
         s = tl.where(nmask[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        total = total * alpha + tl.sum(p, 1)
+        p, alpha, m, total = softmax_step(s, m, total)
         acc = tl.dot(p.to(kv.dtype), kv, acc * alpha[:, None], input_precision=PRECISION)
-        m = m_new
     seen = total > 0
     out = acc / tl.where(seen, total, 1.0)[:, None]
     o_ptr = o + split * stride_os + b * stride_ob + offs_h[:, None] * stride_oh + offs_r[None, :]
