@@ -5,6 +5,8 @@ Overrides, each falling back to the `TorchOps` method (super()) for what it does
   route               the grouped top-k selection after the fp32 router GEMM (`triton.router`);
   experts             grouped GEMMs over the routed pairs, MXFP4 decoded in the weight loads,
                       SiTU or SwiGLU fused after gate/up (`triton.moe`), fp32/bf16 activations;
+                      OpenAI's `triton_kernels` `matmul_ogs` instead where enabled and it fits
+                      (`.ogs_moe`, opt-in: its converted copy doubles the experts' memory);
   mla_decode          paged absorbed decode attention over the pool rows in place: FlashInfer's MLA
                       kernel where it imports and fits (`.flashinfer_mla`: CUDA, bf16/fp16, rank
                       512 + rope 64), else ours (`triton.mla`), through the view's page table
@@ -24,8 +26,8 @@ from __future__ import annotations
 import torch
 
 from ..attn_res import ATTN_RES_EPS
-from ..backend import ExpertWeights, GluAct, RouteSpec, TorchOps
-from . import flash_prefill, flashinfer_mla, interpreted
+from ..backend import ExpertWeights, GluAct, MoeWeights, RouteSpec, TorchOps
+from . import flash_prefill, flashinfer_mla, interpreted, ogs_moe
 from . import mla as mla_kernels
 from . import mla_prefill as mla_prefill_kernels
 from . import moe as moe_kernels
@@ -45,12 +47,13 @@ class TritonDenseOps(TorchOps):
     """See the module docstring."""
 
     name = "triton"
-    dense_families = {"norms": "triton", "attn_res": "triton", "moe": "triton"}
+    dense_families = {"norms": "triton", "attn_res": "triton"}
 
     def describe(self) -> dict[str, str]:
         libs = (("flashinfer-decode", flashinfer_mla), ("torch-flash-prefill", flash_prefill))
         mla = "+".join(["triton", *(name for name, lib in libs if lib.available())])
-        return {**super().describe(), **self.dense_families, "mla": mla}
+        moe = "triton+triton_kernels" if ogs_moe.available() else "triton"
+        return {**super().describe(), **self.dense_families, "mla": mla, "moe": moe}
 
     # dense -------------------------------------------------------------------------------------
     def rms_norm(self, x, w, eps, prepared=None):
@@ -100,8 +103,18 @@ class TritonDenseOps(TorchOps):
             or not runs_here(x, ids, weights, *flat)
         ):
             return super().experts(x, ids, weights, ex, act)
+        prepared = ogs_moe.prepared_for(ex)
+        if prepared is not None and ogs_moe.fits(x, ex, act):
+            return ogs_moe.experts(x, ids, weights, prepared, act)
         kind = moe_kernels.ACT_SITU if act.kind == "situ" else moe_kernels.ACT_SILU
         return moe_kernels.grouped_experts(x, ids, weights, *ops, kind, act.beta, act.linear_beta)
+
+    def prepare_moe(self, w: MoeWeights):
+        """The routed experts in `triton_kernels`' layout where it is enabled and fits (`.ogs_moe`
+        keeps them, keyed by the packed tensors)."""
+        if ogs_moe.weights_fit(w.experts, w.act):
+            ogs_moe.prepare(w.experts)
+        return super().prepare_moe(w)
 
     # MLA ---------------------------------------------------------------------------------------
     def mla_prefill(self, q, k_nope, k_rot, v, cu_seqlens, scale):
