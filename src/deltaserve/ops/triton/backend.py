@@ -19,16 +19,8 @@ from .. import kda as kda_ops
 from ..backend import KdaSpec, KdaWeights, TorchOps
 from ..norms import gated_rms_norm
 from . import fla_kda, interpreted
+from .dense import TritonDenseOps
 from .kda import GATE_SIGMOID, GATE_SOFTPLUS, chunk_kda, conv_step, recurrent_step
-
-try:
-    from .dense import TritonDenseOps
-except ModuleNotFoundError as err:  # `.dense` not written yet: the reference for those families
-    if err.name != f"{__package__}.dense":
-        raise
-
-    class TritonDenseOps(TorchOps):
-        """The reference for every non-KDA family."""
 
 
 @dataclass
