@@ -144,6 +144,7 @@ def _fake_flashinfer(structural: bool, calls: dict):
 def _reset():
     FI._mla.cache_clear()
     FI._device.cache_clear()
+    FI._refused_plan.cache_clear()
 
 
 @pytest.fixture(params=[True, False], ids=["metadata-packed", "flat-split"])
@@ -219,6 +220,26 @@ def test_decode_matches_reference_and_plans_once_per_step(fake):
     # so does the same step at another dtype
     _close(FI.decode(q3.half(), dataclasses.replace(view3, rows=view3.rows.half()), R, scale), ref3)
     assert len(fake["plan"]) == 3
+
+
+def test_a_refused_plan_falls_back_once_per_step(fake, monkeypatch, caplog):
+    """FlashInfer's planner refusing a step (ValueError) gives None for every layer of that step,
+    asked once and logged; the next step plans again."""
+    q, _, view, scale, ref = _case(5, LENS)
+    wrapper_type = type(FI._device(q.device).wrapper)
+    real_plan = wrapper_type.plan
+
+    def refusing(self, *args, **kw):
+        fake["plan"].append("refused")
+        raise ValueError("too many work items")
+
+    monkeypatch.setattr(wrapper_type, "plan", refusing)
+    assert FI.decode(q, view, R, scale) is None and FI.decode(q, view, R, scale) is None
+    assert fake["plan"] == ["refused"] and not fake["run"]
+    assert "too many work items" in caplog.text
+    monkeypatch.setattr(wrapper_type, "plan", real_plan)
+    q3, _, view3, _, ref3 = _case(6, [30, 2, 5])
+    _close(FI.decode(q3, view3, R, scale), ref3)
 
 
 def test_decode_passes_the_pool_without_copies(fake):

@@ -165,9 +165,9 @@ class TritonDenseOps(TorchOps):
             where = dict(read_rows=index)
         if not self._latent_fits(q, rows, index, cu_kv):
             return None
-        q_lat = self._absorb(q, w_uk)
+        q_lat, o_lat = self._absorb(q, w_uk), None
         if table is not None and flashinfer_mla.fits(q_lat, rows, rank, rows_view.page_size):
-            o_lat = flashinfer_mla.decode(q_lat, rows_view, rank, scale)
-        else:
+            o_lat = flashinfer_mla.decode(q_lat, rows_view, rank, scale)  # None: it refused the step
+        if o_lat is None:
             o_lat = mla_kernels.mla_decode_attention(q_lat, rows, cu_kv, rank, scale, **where)
         return torch.einsum("nhr,hvr->nhv", o_lat, w_uv)

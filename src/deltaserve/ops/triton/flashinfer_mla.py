@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import os
 import weakref
 
@@ -88,12 +89,19 @@ def _plan_args(view) -> dict[str, torch.Tensor]:
 
 
 class _Device:
-    """A device's workspace, wrapper and the step and shape it was last planned for."""
+    """A device's workspace, wrapper and the step and shape it was last planned for (`planned`: False
+    where FlashInfer refused that plan, so the step's layers use our kernel without asking again)."""
 
     def __init__(self, device: torch.device):
         workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.wrapper = _mla().BatchMLAPagedAttentionWrapper(workspace, backend="auto")
-        self.batch, self.shape = None, None
+        self.batch, self.shape, self.planned = None, None, False
+
+
+@functools.cache
+def _refused_plan(reason: str) -> None:
+    """Log each distinct refusal once."""
+    logging.getLogger(__name__).warning("FlashInfer refused an MLA decode plan (%s); using ours", reason)
 
 
 @functools.cache
@@ -121,9 +129,10 @@ def _run(wrapper, q: torch.Tensor, pages: torch.Tensor, rank: int) -> torch.Tens
     )
 
 
-def decode(q_latent: torch.Tensor, view, rank: int, scale: float) -> torch.Tensor:
+def decode(q_latent: torch.Tensor, view, rank: int, scale: float) -> torch.Tensor | None:
     """Latent outputs [B, H, R] in q_latent's dtype of one query per sequence over its context in
-    the pool (`view`: an `MlaRowsView` with a block table). Caller checked `fits`."""
+    the pool (`view`: an `MlaRowsView` with a block table), or None where FlashInfer refuses to plan
+    the step (logged once; the caller runs its own kernel). Caller checked `fits`."""
     b, heads, dk = q_latent.shape
     state = _device(q_latent.device)
     shape = (b, heads, dk, rank, view.page_size, float(scale), q_latent.dtype)
@@ -131,7 +140,14 @@ def decode(q_latent: torch.Tensor, view, rank: int, scale: float) -> torch.Tenso
         meta = _plan_args(view)
         if q_latent.is_cuda:  # FlashInfer sends the page list to the GPU: from pinned memory, no stall
             meta["kv_indices"] = meta["kv_indices"].pin_memory()
-        _plan(state.wrapper, meta, heads, rank, dk - rank, view.page_size, scale, q_latent.dtype)
         state.batch, state.shape = weakref.ref(view.batch), shape
+        try:
+            _plan(state.wrapper, meta, heads, rank, dk - rank, view.page_size, scale, q_latent.dtype)
+            state.planned = True
+        except (ValueError, RuntimeError) as err:  # e.g. more work items than its planner takes
+            state.planned = False
+            _refused_plan(str(err))
+    if not state.planned:
+        return None
     pages = view.rows.view(-1, view.page_size, dk)
     return _run(state.wrapper, q_latent.contiguous(), pages, rank)
