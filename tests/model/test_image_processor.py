@@ -93,6 +93,31 @@ def test_pipeline_shapes(size):
     assert res.image_size == size
 
 
+@pytest.mark.parametrize("orientation", [3, 6, 8])
+def test_exif_orientation_is_applied(orientation):
+    """A JPEG tagged to be shown rotated (phone cameras) is processed as shown: same pixels and
+    size as the image rotated by hand; an untagged one is processed as it is."""
+    import io
+
+    arr = np.zeros((16, 40, 3), dtype=np.uint8)
+    arr[:, :8] = (250, 10, 10)  # a red bar on the left of the stored pixels
+    arr[12:, :, 1] = 240
+    buf = io.BytesIO()
+    exif = Image.Image().getexif()
+    exif[0x0112] = orientation
+    Image.fromarray(arr).save(buf, format="JPEG", quality=95, exif=exif)
+    tagged = Image.open(io.BytesIO(buf.getvalue()))
+    shown = {3: Image.Transpose.ROTATE_180, 6: Image.Transpose.ROTATE_270, 8: Image.Transpose.ROTATE_90}
+    by_hand = Image.fromarray(np.asarray(Image.open(io.BytesIO(buf.getvalue())).transpose(shown[orientation])))
+    p = proc()
+    got, want = p(tagged), p(by_hand)
+    assert got.image_size == by_hand.size == ((16, 40) if orientation != 3 else (40, 16))
+    assert torch.equal(got.pixel_values, want.pixel_values) and got.grid_thw == want.grid_thw
+    plain = Image.open(io.BytesIO(buf.getvalue()))
+    plain.getexif()[0x0112] = 1  # the tag says: as stored
+    assert torch.equal(p(plain).pixel_values, p(Image.fromarray(np.asarray(plain))).pixel_values)
+
+
 def test_padding_is_zero_before_normalising():
     res = proc()(Image.new("RGB", (27, 29), (255, 255, 255)))
     x = canvas(res)

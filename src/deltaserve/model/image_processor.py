@@ -8,6 +8,8 @@ Invariants:
   tower always yields `(h/m)·(w/m)` rows), `transparent_bg_config` (null: alpha dropped),
   `transparent_bg_fill_stage` ("before_resize"). A present `transparent_bg_config` must spell out
   every field its pattern uses: the upstream dataclass defaults differ from the shipped values.
+- An EXIF `Orientation` other than 1 is applied to the pixels first (as vLLM's and transformers'
+  image loaders do): the model sees the image as a viewer shows it, and sizes are of that image.
 - Resize size: the navit formula (float `scale`, `int()` truncation, per-side cap), PIL BICUBIC.
   Padding comes after the budget, so tokens may exceed `in_patch_limit / m²` slightly.
 - Alpha: mode "RGB" as is; an "A" band or a "transparency" entry is composited onto the
@@ -30,12 +32,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 
 if TYPE_CHECKING:
     from .tokenizer import Tokenizer
 
 PROCESSOR_FILE = "preprocessor_config.json"
+_ORIENTATION = 0x0112  # the EXIF tag
 MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_PAD, MEDIA_END = (
     "<|media_begin|>",
     "<|media_content|>",
@@ -265,6 +268,8 @@ class ImageProcessor:
         """Resize, composite, pad, normalise and patchify one image."""
         if not isinstance(image, Image.Image):
             raise TypeError(f"expected a PIL image, got {type(image).__name__}")
+        if image.getexif().get(_ORIENTATION, 1) != 1:
+            image = ImageOps.exif_transpose(image)
         width, height = image.size
         plan = self.resize_plan(width, height)
         rgb = self._resized_rgb(image, (plan.new_width, plan.new_height))
