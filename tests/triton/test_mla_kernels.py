@@ -102,6 +102,27 @@ def test_extend_over_pages_matches_the_per_query_reference(ctx_lens, new_lens, h
     close(got, ref)
 
 
+def test_a_steps_layers_plan_their_tiles_once(monkeypatch):
+    """Every MLA layer of a step passes the same boundaries: the tile plan is made (and sent) once."""
+    from deltaserve.ops.triton import mla_prefill as kernels
+
+    sent, real = [], kernels.to_device
+
+    def counted(host, device):
+        sent.append(1)
+        return real(host, device)
+
+    monkeypatch.setattr(kernels, "to_device", counted)
+    rows, table, read_rows, cu_q, cu_kv, q_lat = _extend_case(3, [5, 2], [3, 4], heads=4)
+    args = [t.to(DEVICE) for t in (q_lat, rows, table)]
+    cu_qd, cu_kvd = cu_q.to(DEVICE), cu_kv.to(DEVICE)
+    first = mla_extend_attention(*args, 4, cu_qd, cu_kvd, 24, 0.2)
+    close(mla_extend_attention(*args, 4, cu_qd, cu_kvd, 24, 0.2), first)
+    assert len(sent) == 1
+    mla_extend_attention(*args, 4, cu_q.clone().to(DEVICE), cu_kvd, 24, 0.2)  # the next step's boundaries
+    assert len(sent) == 2
+
+
 def test_extend_through_the_view_never_plans_flat_rows():
     rows, table, read_rows, cu_q, cu_kv, q_lat = _extend_case(7, [13, 0, 6], [4, 3, 1], heads=4)
     g = torch.Generator().manual_seed(8)
