@@ -52,6 +52,16 @@ def rooflines(device: torch.device, mib: int, gemm: int, reps: int) -> dict:
     return out
 
 
+def report(label: str, row: dict, as_json: bool) -> None:
+    """One figure's line (time, TFLOP/s, its share of each roofline), then its JSON when asked."""
+    print(
+        f"{label} {row['ms']:9.3f} ms  {row['tflops']:7.2f} TFLOP/s ({100 * row['of_tc_roofline']:5.1f}% of bf16 TC, "
+        f"{100 * row['of_hbm_roofline']:5.1f}% of HBM)"
+    )
+    if as_json:
+        print(json.dumps(row))
+
+
 def kda_cost(t: int, h: int, dk: int, dv: int, chunk: int = 64) -> tuple[float, float]:
     """(FLOPs, bytes) of one chunked KDA prefill of t tokens (see the module docstring)."""
     flops = t * h * (2 * 2 * chunk * dk + 2 * chunk * (dk + dv) + 2 * 3 * dk * dv + 2 * chunk * dv)
@@ -120,13 +130,7 @@ def main() -> int:
                     "T": t, "impl": name, "ms": sec * 1e3, "tflops": flops / sec / 1e12, "gb_s": nbytes / sec / 1e9,
                     "roofline_ms": max(t_bw, t_tc) * 1e3, "of_hbm_roofline": t_bw / sec, "of_tc_roofline": t_tc / sec,
                 }  # fmt: skip
-                print(
-                    f"T={t:6d} H={args.heads} d={args.head_dim} {name:13s} {row['ms']:9.3f} ms  "
-                    f"{row['tflops']:7.2f} TFLOP/s ({100 * row['of_tc_roofline']:5.1f}% of bf16 TC)  "
-                    f"{row['gb_s']:7.1f} GB/s ({100 * row['of_hbm_roofline']:5.1f}% of HBM)"
-                )
-                if args.json:
-                    print(json.dumps(row))
+                report(f"T={t:6d} H={args.heads} d={args.head_dim} {name:13s}", row, args.json)
     return 0
 
 

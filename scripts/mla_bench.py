@@ -17,10 +17,9 @@ o once (extend).
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
-from kda_bench import _timer, rooflines
+from kda_bench import _timer, report, rooflines
 
 from deltaserve.ops import mla as mla_ops
 from deltaserve.ops.backend import REFERENCE
@@ -110,13 +109,7 @@ def main() -> int:
             for name, fn in ext.items():
                 rows.append(_row("extend", t, name, _timer(device, fn, a.reps), flops, nbytes, roof))
             for r in rows:
-                print(
-                    f"{r['kind']:7s} T={t:6d} H={a.heads} {r['impl']:12s} {r['ms']:9.3f} ms  "
-                    f"{r['tflops']:7.2f} TFLOP/s ({100 * r['of_tc_roofline']:5.1f}% of bf16 TC, "
-                    f"{100 * r['of_hbm_roofline']:5.1f}% of HBM)"
-                )
-                if a.json:
-                    print(json.dumps(r))
+                report(f"{r['kind']:7s} T={t:6d} H={a.heads} {r['impl']:12s}", r, a.json)
     return 0
 
 
