@@ -8,6 +8,7 @@ where they import and fit (`.fla`); ours everywhere else.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 
@@ -17,6 +18,17 @@ import torch
 def available() -> bool:
     """Whether `triton` is importable (checked without importing it)."""
     return importlib.util.find_spec("triton") is not None
+
+
+def optional_import(module: str, attr: str, switch: str):
+    """`module.attr` where it imports and the environment variable `switch` is not "0" (the
+    optional libraries: fla-core, torch's flash varlen); None otherwise."""
+    if os.environ.get(switch, "1") == "0":
+        return None
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError):
+        return None
 
 
 def interpreted() -> bool:
@@ -37,4 +49,4 @@ def triton_ops(device: torch.device | str):
     return TritonOps()
 
 
-__all__ = ["available", "interpreted", "triton_ops"]
+__all__ = ["available", "interpreted", "optional_import", "triton_ops"]

@@ -8,23 +8,17 @@ kernel), no export offsets (fla cannot export states inside the pass), and not d
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
-import os
 
 import torch
 
 from ...kernels.transfer import host_copy
+from . import optional_import
 
 
 @functools.cache
 def _chunk_kda():
-    if os.environ.get("DELTASERVE_FLA", "1") == "0":
-        return None
-    try:
-        return importlib.import_module("fla.ops.kda").chunk_kda
-    except (ImportError, AttributeError):
-        return None
+    return optional_import("fla.ops.kda", "chunk_kda", "DELTASERVE_FLA")
 
 
 @functools.cache

@@ -11,25 +11,19 @@ from `cu_seqlens`' host copy (no device read).
 from __future__ import annotations
 
 import functools
-import importlib
-import os
 
 import torch
 import torch.nn.functional as F
 
 from ...kernels.transfer import host_copy
+from . import optional_import
 
 _MAX_WIDTH = 256
 
 
 @functools.cache
 def _varlen_attn():
-    if os.environ.get("DELTASERVE_TORCH_FLASH", "1") == "0":
-        return None
-    try:
-        return importlib.import_module("torch.nn.attention.varlen").varlen_attn
-    except (ImportError, AttributeError):
-        return None
+    return optional_import("torch.nn.attention.varlen", "varlen_attn", "DELTASERVE_TORCH_FLASH")
 
 
 def available() -> bool:

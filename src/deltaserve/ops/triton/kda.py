@@ -23,12 +23,9 @@ import triton
 import triton.language as tl
 
 from ...kernels.chunking import checked_cu_seqlens, chunk_plan, excl_cumsum
+from .sizes import pow2
 
 GATE_GIVEN, GATE_SIGMOID, GATE_SOFTPLUS = 0, 1, 2
-
-
-def _pow2(n: int, least: int = 16) -> int:
-    return max(least, triton.next_power_of_2(n))
 
 
 @triton.jit
@@ -199,7 +196,7 @@ def chunk_kda(
         final = torch.zeros(nseq, h, dk, dv, **f32) if initial_state is None else initial_state.to(**f32).clone()
         return torch.zeros(0, h, dv, **f32), final, None if export_offsets is None else final.new_empty(0, h, dk, dv)
     starts, lens = plan.starts, plan.lens
-    bt, kp, vp = _pow2(chunk_size), _pow2(dk), _pow2(dv)
+    bt, kp, vp = pow2(chunk_size), pow2(dk), pow2(dv)
     q, k, v, g = (t.contiguous() for t in (q, k, v, g))
     beta = beta.contiguous()
     w_, qg, kd = (torch.empty(nc, h, bt, kp, **f32) for _ in range(3))
@@ -314,8 +311,8 @@ def recurrent_step(
         raise ValueError("recurrent_step needs a contiguous fp32 state pool")
     out = torch.empty(b, h, dv, device=mixed.device, dtype=torch.float32)
     if b:
-        kp = _pow2(dk, 1)
-        bv = min(_pow2(dv, 1), 32)
+        kp = pow2(dk, 1)
+        bv = min(pow2(dv, 1), 32)
         dummy = beta
         _recurrent_step[(b * h, triton.cdiv(dv, bv))](
             mixed.contiguous(), f.contiguous(), dummy if a_log is None else a_log.contiguous(),

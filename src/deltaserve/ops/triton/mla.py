@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ..mla import lse_combine
+from .sizes import dot_precision, pow2
 
 
 @triton.jit
@@ -139,7 +140,7 @@ def mla_decode_attention(
         total = read_rows.shape[0]
         table = read_rows
     block_h = 16
-    block_r = max(16, triton.next_power_of_2(r))
+    block_r = pow2(r)
     block_n = 32 if q_latent.is_cuda else 16
     head_blocks = triton.cdiv(h, block_h)
     if splits is None:
@@ -176,9 +177,9 @@ def mla_decode_attention(
             HAS_PE=dr > 0,
             BLOCK_H=block_h,
             BLOCK_R=block_r,
-            BLOCK_DR=max(16, triton.next_power_of_2(max(dr, 1))),
+            BLOCK_DR=pow2(dr),
             BLOCK_N=block_n,
-            PRECISION="ieee" if q.dtype == torch.float32 else None,
+            PRECISION=dot_precision(q.dtype),
             num_warps=8 if block_r >= 256 else 4,
         )
     out = o[0] if splits == 1 else lse_combine(o, lse)[0]

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from ...kernels.transfer import host_copy, to_device
 from .mla import softmax_step
+from .sizes import dot_precision, pow2
 
 _NEVER: tl.constexpr = tl.constexpr(1 << 62)  # a padded query row's position: sees every key, not stored
 
@@ -143,14 +144,6 @@ def _tiles(cu_q: torch.Tensor, block: int, device: torch.device) -> tuple[torch.
     return _last_tiles[1]
 
 
-def _block(d: int) -> int:
-    return max(16, triton.next_power_of_2(max(d, 1)))
-
-
-def _precision(dtype: torch.dtype) -> str | None:
-    return "ieee" if dtype == torch.float32 else None
-
-
 def mla_prefill_attention(
     q: torch.Tensor, k_nope: torch.Tensor, k_rot: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -168,8 +161,8 @@ def mla_prefill_attention(
         q, k_nope, k_rot, v, out, cu_seqlens, seq, q0,
         q.stride(0), q.stride(1), k_nope.stride(0), k_nope.stride(1), k_rot.stride(0), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), dn, dr, dv, float(scale),
-        HAS_ROT=dr > 0, BLOCK_M=block_m, BLOCK_N=32 if q.is_cuda else 16, BLOCK_DN=_block(dn),
-        BLOCK_DR=_block(dr), BLOCK_DV=_block(dv), PRECISION=_precision(q.dtype),
+        HAS_ROT=dr > 0, BLOCK_M=block_m, BLOCK_N=32 if q.is_cuda else 16, BLOCK_DN=pow2(dn),
+        BLOCK_DR=pow2(dr), BLOCK_DV=pow2(dv), PRECISION=dot_precision(q.dtype),
     )  # fmt: skip
     return out
 
@@ -191,16 +184,16 @@ def mla_extend_attention(
     out = q_latent.new_empty(nq, h, r)
     if nq == 0:
         return out
-    block_h = min(16, _block(h))
+    block_h = min(16, pow2(h))
     block_q = max(1, (64 if q_latent.is_cuda else 32) // block_h)
     seq, q0 = _tiles(cu_q, block_q, q_latent.device)
     q, table = q_latent.contiguous(), block_table.contiguous()
-    block_r = _block(r)
+    block_r = pow2(r)
     _extend_kernel[(seq.numel(), triton.cdiv(h, block_h))](
         q, rows, table, cu_q, cu_kv, out, seq, q0,
         q.stride(0), q.stride(1), rows.stride(0), table.stride(0), out.stride(0), out.stride(1),
         h, r, dr, float(scale),
         PAGE=page_size, HAS_PE=dr > 0, BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=32 if q.is_cuda else 16,
-        BLOCK_R=block_r, BLOCK_DR=_block(dr), PRECISION=_precision(q.dtype), num_warps=8 if block_r >= 256 else 4,
+        BLOCK_R=block_r, BLOCK_DR=pow2(dr), PRECISION=dot_precision(q.dtype), num_warps=8 if block_r >= 256 else 4,
     )  # fmt: skip
     return out

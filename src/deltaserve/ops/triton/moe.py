@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .sizes import dot_precision
+
 ACT_SITU, ACT_SILU = 0, 1
 
 
@@ -207,7 +209,7 @@ def grouped_experts(x, ids, weights, w1, w3, w2, act: int, beta: float = 0.0, li
     # prefill-sized batches (>= 32 pairs per expert on average) reuse each weight tile over more rows
     block_m = 64 if cuda and n * k >= 32 * num_experts else 16
     block_n, block_k = (64, 64) if cuda else (16, 32)
-    precision = "ieee" if x.dtype == torch.float32 else None
+    precision = dot_precision(x.dtype)
     order, expert, first, end = _schedule(ids.reshape(-1), num_experts, block_m)
     x = x.contiguous()
     h = torch.empty(n * k, inter, dtype=x.dtype, device=x.device)
