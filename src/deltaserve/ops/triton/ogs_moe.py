@@ -162,8 +162,9 @@ def prepare(ex: ExpertWeights) -> Prepared:
 
 
 def prepared_for(ex: ExpertWeights) -> Prepared | None:
-    """What `prepare` made from exactly these packed tensors, or None."""
-    if not ex.packed:
+    """What `prepare` made from exactly these packed tensors, or None (at once when nothing was
+    prepared: the default, opt-out case on every MoE call)."""
+    if not _CACHE or not ex.packed:
         return None
     tensors = tuple(t for pair in ex.operands() for t in pair)
     hit = _CACHE.get(id(tensors[0]))
