@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from . import kda as kda_ops
 from .activations import silu_and_mul, situ_and_mul
 from .attn_res import attn_res_mix
-from .mla import mla_prefill_attention
+from .mla import joined_keys, mla_prefill_attention
 from .moe import grouped_experts, route
 from .mxfp4 import mxfp4_decode
 from .norms import gated_rms_norm, rms_norm
@@ -370,9 +370,7 @@ class TorchOps:
     ) -> torch.Tensor:
         """Causal unabsorbed attention within each packed sequence, [N, H, Dv] in q's dtype: q
         [N, H, Dn + Dr], k_nope [N, H, Dn], k_rot [N, Dr] shared by the heads, v [N, H, Dv]."""
-        n, h = k_nope.shape[:2]
-        k = torch.cat([k_nope, k_rot[:, None].expand(n, h, k_rot.shape[-1])], dim=-1)
-        return mla_prefill_attention(q, k, v.contiguous(), cu_seqlens, scale)
+        return mla_prefill_attention(q, joined_keys(k_nope, k_rot), v.contiguous(), cu_seqlens, scale)
 
     # plans -------------------------------------------------------------------------------------
     def prepare_norm(self, w: torch.Tensor):

@@ -70,6 +70,13 @@ def _lens(cu: torch.Tensor) -> tuple[list[int], list[int]]:
     return cu[:-1], [b - a for a, b in zip(cu[:-1], cu[1:])]
 
 
+def joined_keys(k_nope: torch.Tensor, k_rot: torch.Tensor) -> torch.Tensor:
+    """The unabsorbed keys [N, H, Dn + Dr]: each head's k_nope [N, H, Dn] beside the rope part
+    k_rot [N, Dr] all heads share."""
+    n, h = k_nope.shape[:2]
+    return torch.cat([k_nope, k_rot[:, None].expand(n, h, k_rot.shape[-1])], dim=-1)
+
+
 def mla_prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
 ) -> torch.Tensor:

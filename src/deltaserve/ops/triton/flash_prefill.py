@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ...kernels.transfer import host_copy
+from ..mla import joined_keys
 from . import optional_import
 
 _MAX_WIDTH = 256
@@ -38,9 +39,8 @@ def fits(q: torch.Tensor, v_dim: int) -> bool:
 
 def prefill(q, k_nope, k_rot, v, cu_seqlens, scale) -> torch.Tensor:
     """`TorchOps.mla_prefill` on the flash kernel: [N, H, Dv] in q's dtype."""
-    n, h = k_nope.shape[:2]
     dv, width = v.shape[-1], max(q.shape[-1], v.shape[-1])
-    k = torch.cat([k_nope, k_rot[:, None].expand(n, h, k_rot.shape[-1])], dim=-1).to(q.dtype)
+    k = joined_keys(k_nope, k_rot)
     q, k, v = (F.pad(t.to(q.dtype), (0, width - t.shape[-1])).contiguous() for t in (q, k, v))
     lens = host_copy(cu_seqlens).diff()
     longest = int(lens.max()) if lens.numel() else 0
