@@ -234,7 +234,9 @@ def _is_mapped(t, ranges):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
-def test_tensors_needing_no_conversion_stay_memory_mapped(ckpts):
+def test_tensors_needing_no_conversion_stay_memory_mapped(ckpts, monkeypatch):
+    """Without the huge-page arena (`model.huge_pages`, its own tests) weights are not copied."""
+    monkeypatch.setenv("DELTASERVE_HUGE_PAGES", "0")
     path = ckpts[("kimi_k3", False)]
     shards = sorted(path.glob("*.safetensors"))
     bf16 = load_model(path, dtype=torch.bfloat16, progress=False)

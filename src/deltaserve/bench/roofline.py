@@ -1,8 +1,9 @@
 """`deltaserve bench roofline`: this machine's limits at the chosen thread count.
 
 - streaming read bandwidth: best-of-`reps` wall time of `x.sum()` over an fp32 tensor of
-  `--bandwidth-mib` MiB, both with torch's own intra-op threads and split into one slice per
-  thread summed from Python threads (torch releases the GIL); `bandwidth_gb_s` is the better;
+  `--bandwidth-mib` MiB (on CPU in huge pages, as the weights are), both with torch's own
+  intra-op threads and split into one slice per thread summed from Python threads (torch
+  releases the GIL); `bandwidth_gb_s` is the better;
 - copy bandwidth: `y.copy_(x)`, counted as read + write bytes (reported, not used as the limit);
 - GEMM: best-of-`reps` `torch.matmul` of square n×n at each `--gemm-sizes` n, 2n³ FLOPs, per
   dtype (bf16, fp32); the headline per dtype is the best size.
@@ -54,10 +55,16 @@ def _waited(fn, device):
 
 
 def stream_tensor(mib: int, device="cpu"):
-    """The fp32 tensor the bandwidth is read over."""
+    """The fp32 tensor (ones) the bandwidth is read over; on CPU in huge pages where the weights
+    are (`model.huge_pages`: the limit is what the weights' own pages allow)."""
     import torch
 
-    return torch.ones(max(1, mib * 2**20 // 4), dtype=torch.float32, device=device)
+    from ..model.huge_pages import huge_page_bytes, huge_pages_enabled
+
+    n = max(1, mib * 2**20 // 4)
+    if torch.device(device).type == "cpu" and huge_pages_enabled():
+        return huge_page_bytes(4 * n).view(torch.float32).fill_(1.0)
+    return torch.ones(n, dtype=torch.float32, device=device)
 
 
 def read_bandwidth(x, reps: int) -> tuple[float, float]:

@@ -16,6 +16,9 @@ stream one tensor at a time (memory-mapped; the checkpoint is never held twice):
 3. validate (`_validate`): missing, unexpected, duplicated, mis-shaped or non-floating tensors
    (and index entries whose shard lacks them) raise one `CheckpointError` listing all of them,
    whichever phase found them; the model receives nothing before this passes.
+
+On CPU the validated weights then move into one transparent-huge-page arena (`huge_pages`), each
+original freed once copied, unless they would not fit in the memory available (they stay mapped).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from ..parallel.loading import ShardError, ShardReader
 from .config import ModelConfig
 from .expert_stacking import stack_experts, stack_packed
 from .fused import prepare_model
+from .huge_pages import place_weights
 from .kimi import KimiForCausalLM
 
 log = logging.getLogger(__name__)
@@ -97,8 +101,12 @@ def load_model(
         mapped = _map_tensors(tensors, expected, cfg.kda.num_heads, dtype, device, moe_weights, problems, shards)
     except ShardError as err:
         raise CheckpointError(str(err)) from None
-    params = _validate(mapped, expected, cfg.tie_word_embeddings, problems, model_dir)
-    _install(model, params, mapped.packed, dtype)
+    weights: dict = _validate(mapped, expected, cfg.tie_word_embeddings, problems, model_dir)
+    weights.update({(name, part): t for name, pair in mapped.packed.items() for part, t in enumerate(pair)})
+    del mapped  # the weights are held only by `weights` now, so placing them frees each original
+    if torch.device(device).type == "cpu":
+        place_weights(weights)
+    _install(model, weights, dtype)
     model.train(False)  # inference mode
     prepare_model(model)
     return model
@@ -319,19 +327,16 @@ def _report(kind: str, items: list[str]) -> list[str]:
     return [f"{kind} tensors ({len(items)}): " + ", ".join(items[:_MAX_LISTED]) + more]
 
 
-def _install(
-    model: KimiForCausalLM,
-    params: dict[str, torch.Tensor],
-    packed: dict[str, tuple[torch.Tensor, torch.Tensor]],
-    dtype: torch.dtype,
-) -> None:
-    """Replace the meta parameters with the validated tensors (packed experts via `set_packed`)."""
-    for name, tensor in params.items():
-        module_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(tensor, requires_grad=False))
-    for name, (codes, scales) in packed.items():
-        module_name, _, attr = name.rpartition(".")
-        model.get_submodule(module_name).set_packed(attr, codes, scales, dtype)
+def _install(model: KimiForCausalLM, weights: dict, dtype: torch.dtype) -> None:
+    """Replace the meta parameters with the validated tensors: `weights[name]` a parameter,
+    `weights[(name, 0)]` / `weights[(name, 1)]` the codes and scales of packed experts (`set_packed`)."""
+    for name, tensor in weights.items():
+        if isinstance(name, str):
+            module_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(module_name), attr, torch.nn.Parameter(tensor, requires_grad=False))
+        elif name[1] == 0:
+            module_name, _, attr = name[0].rpartition(".")
+            model.get_submodule(module_name).set_packed(attr, tensor, weights[(name[0], 1)], dtype)
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
