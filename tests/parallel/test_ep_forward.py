@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from deltaserve.model.experts import StackedExperts
-from deltaserve.model.fused import bound_ops
+from deltaserve.model.fused import bound_ops, prepare_model
 from deltaserve.model.kimi import KimiForCausalLM
 from deltaserve.model.moe_layer import MoeBlock
 from deltaserve.model.weights import load_model
@@ -178,6 +178,25 @@ def test_ep_rank_holds_its_experts_whole_and_reads_only_them(checkpoints, monkey
                 else:
                     assert torch.equal(t, tp[key]), key
             assert routed == 3 * len(_moe_blocks(ep)) * (2 if dtype == "bfloat16" else 1)
+
+
+def test_every_rank_slice_reaches_prepare_experts(checkpoints):
+    """A backend converting routed experts at load (the Triton backend's `triton_kernels` layout)
+    is handed each rank's slice too, though a sliced block gets no whole-block plan."""
+
+    class Recording(TorchOps):
+        def __init__(self):
+            self.seen: list[int] = []
+
+        def prepare_experts(self, ex, act):
+            self.seen.append(ex.num)
+
+    model = load_model(checkpoints["k3_mx"], "bfloat16", progress=False, tp=_ep(1))
+    ops = Recording()
+    prepare_model(model, ops)
+    blocks = _moe_blocks(model)
+    assert blocks and all(m.experts.sliced and m.prepared is None for m in blocks)
+    assert ops.seen == [model.config.moe.num_experts // WORLD] * len(blocks)
 
 
 def test_local_experts_runs_only_local_pairs():

@@ -82,6 +82,7 @@ def _mla(m: MlaAttention, ops: TorchOps):
 
 
 def _moe(m: MoeBlock, ops: TorchOps):
+    ops.prepare_experts(m.experts.weights(), m.act)
     if m.experts.sliced:
         return None  # a whole-block plan routes over every expert; this rank holds a slice of them
     latent = hasattr(m, "routed_expert_down_proj")

@@ -385,6 +385,10 @@ class TorchOps:
     def prepare_mla(self, w: MlaWeights):
         return None
 
+    def prepare_experts(self, ex: ExpertWeights, act: GluAct) -> None:
+        """Called at load for every layer's routed experts, whole or an expert-parallel slice
+        (where no block plan is made): a backend converting them for its kernels does it here."""
+
     def prepare_moe(self, w: MoeWeights):
         return None
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..attn_res import ATTN_RES_EPS
-from ..backend import ExpertWeights, GluAct, MoeWeights, RouteSpec, TorchOps
+from ..backend import ExpertWeights, GluAct, RouteSpec, TorchOps
 from . import flash_prefill, flashinfer_mla, interpreted, ogs_moe
 from . import mla as mla_kernels
 from . import mla_prefill as mla_prefill_kernels
@@ -109,12 +109,11 @@ class TritonDenseOps(TorchOps):
         kind = moe_kernels.ACT_SITU if act.kind == "situ" else moe_kernels.ACT_SILU
         return moe_kernels.grouped_experts(x, ids, weights, *ops, kind, act.beta, act.linear_beta)
 
-    def prepare_moe(self, w: MoeWeights):
-        """The routed experts in `triton_kernels`' layout where it is enabled and fits (`.ogs_moe`
-        keeps them, keyed by the packed tensors)."""
-        if ogs_moe.weights_fit(w.experts, w.act):
-            ogs_moe.prepare(w.experts)
-        return super().prepare_moe(w)
+    def prepare_experts(self, ex: ExpertWeights, act: GluAct) -> None:
+        """The routed experts (an expert-parallel slice too) in `triton_kernels`' layout where it
+        is enabled and fits (`.ogs_moe` keeps them, keyed by the packed tensors)."""
+        if ogs_moe.weights_fit(ex, act):
+            ogs_moe.prepare(ex)
 
     # MLA ---------------------------------------------------------------------------------------
     def mla_prefill(self, q, k_nope, k_rot, v, cu_seqlens, scale):

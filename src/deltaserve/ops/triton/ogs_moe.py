@@ -109,9 +109,11 @@ def weights_fit(ex: ExpertWeights, act: GluAct) -> bool:
 
 
 def fits(x: torch.Tensor, ex: ExpertWeights, act: GluAct) -> bool:
-    """Whether the library runs these experts on x: bf16 [N, D] on the experts' device, `weights_fit`."""
+    """Whether the library runs packed experts on x: bf16 [N, D] on their device, SiTU or SwiGLU.
+    The weights' own conditions (`weights_fit`) are not checked again: ask only for experts that
+    `prepared_for` finds prepared (`prepare` ran where they held). Runs on every MoE call."""
     on_device = x.is_cuda and ex.packed and x.device == ex.w1[0].device
-    return on_device and x.dtype == torch.bfloat16 and x.dim() == 2 and weights_fit(ex, act)
+    return on_device and x.dtype == torch.bfloat16 and x.dim() == 2 and act.kind in ("situ", "silu")
 
 
 @dataclasses.dataclass
