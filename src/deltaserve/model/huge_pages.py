@@ -9,7 +9,8 @@ boundary: the kernel backs it with huge pages when THP is `always` or `madvise` 
 is an ordinary anonymous copy). It is skipped, with a log line, where the weights would not fit in
 the memory available now (the memory map then keeps a model larger than RAM runnable), and by
 `DELTASERVE_HUGE_PAGES=0`. Values are unchanged (a byte copy); tensors that are one object (a
-tied `lm_head`) stay one object.
+tied `lm_head`) stay one object. Each process holds its own copy: data-parallel replicas on one
+machine no longer share the checkpoint's page cache (as in vLLM, where each loads its weights).
 """
 
 from __future__ import annotations
