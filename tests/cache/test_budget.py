@@ -42,7 +42,8 @@ def test_default_with_prefix_caching_doubles_pages_and_adds_checkpoints(cfg):
     assert n_ckpt * slot >= layout.total_bytes / 4 > (n_ckpt - 1) * slot
 
 
-def test_explicit_budget_is_unchanged(cfg):
+def test_explicit_budget_is_unchanged(cfg, monkeypatch):
+    monkeypatch.setattr(budget, "available_bytes", lambda: None)  # 5 GiB need not be free here
     for given in (10**7, 5 * 2**30):
         assert size_layout(cfg, given, 16, 8192, 16, BF16) == plan_layout(cfg, given, 16, 8192, 16, BF16)
     big = size_layout(cfg, 5 * 2**30, 16, 8192, 16, BF16, checkpoint_fraction=0.25)
@@ -77,3 +78,20 @@ def test_on_cuda_the_budget_is_device_memory(cfg, monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (gib // 4, 2 * gib))
     with pytest.raises(ValueError, match="left for the KV cache after the weights"):
         size_layout(cfg, None, 16, 2**20, 16, BF16, device="cuda")
+
+
+def test_on_cpu_the_budget_fits_the_ram_available_after_the_weights(cfg, monkeypatch, caplog):
+    """MemAvailable (faked) caps the default and refuses an explicit budget above it, before any
+    pool is allocated (pools past it would be the kernel's to kill the process for)."""
+    monkeypatch.setattr(budget, "total_ram_bytes", lambda: 10**9)  # 10 %: 100 MB, more than the tiny workload
+    monkeypatch.setattr(budget, "available_bytes", lambda: 10**7)
+    with caplog.at_level(logging.INFO, logger="deltaserve.cache.budget"):
+        layout = size_layout(cfg, None, 16, 8192, 16, BF16)
+    assert layout == plan_layout(cfg, 10**7, 16, 8192, 16, BF16)
+    assert "default: the RAM available after the weights, less than the 20.4 MiB" in caplog.text
+    assert size_layout(cfg, 10**7, 16, 8192, 16, BF16) == layout
+    for given in (2 * 10**7, 0.5):
+        with pytest.raises(ValueError, match="available after the weights"):
+            size_layout(cfg, given, 16, 8192, 16, BF16)
+    monkeypatch.setattr(budget, "available_bytes", lambda: None)  # no /proc/meminfo: RAM as before
+    assert size_layout(cfg, 0.5, 2, 64, 16, BF16) == plan_layout(cfg, 5 * 10**8, 2, 64, 16, BF16)

@@ -5,10 +5,12 @@ with prefix caching, `checkpoint_fraction` of the budget becomes checkpoint slot
 every remaining byte goes to MLA pages. The budget must hold at least `max_model_len` tokens of MLA
 pages, otherwise a lone long request could never run (it would re-prefill forever).
 
-`size_layout` picks the budget: an explicit `kv_cache_memory` as given; by default the smaller of
-`DEFAULT_RAM_FRACTION` of RAM (on CUDA: the device memory free after the weights, keeping
-`1 - DEFAULT_GPU_FRACTION` of the device spare) and `workload_layout`, what `max_num_seqs`
-sequences of `max_model_len` tokens can use (a tiny model never reserves gigabytes it cannot fill).
+`size_layout` picks the budget: an explicit `kv_cache_memory` as given (on CPU an error where it
+exceeds the RAM available after the weights, instead of pools the kernel would kill the process
+for); by default the smaller of `DEFAULT_RAM_FRACTION` of RAM (at most the RAM available; on CUDA:
+the device memory free after the weights, keeping `1 - DEFAULT_GPU_FRACTION` of the device spare)
+and `workload_layout`, what `max_num_seqs` sequences of `max_model_len` tokens can use (a tiny model
+never reserves gigabytes it cannot fill).
 
 Under tensor parallelism (`tp`) every figure is per rank: a slot holds only the rank's KDA heads
 (H/W heads, 3P/W conv channels) and, under decode context parallelism, a page only the rank's
@@ -27,6 +29,7 @@ from fractions import Fraction
 import torch
 
 from ..model.config import ModelConfig
+from ..model.huge_pages import available_bytes
 from ..parallel import SINGLE, ParallelContext
 from .kda_pool import KdaStatePool
 from .mla_pool import MlaPagePool
@@ -44,14 +47,17 @@ def total_ram_bytes() -> int:
 
 
 def device_memory(device: torch.device | str = "cpu") -> tuple[int, int]:
-    """(free, total) bytes of the memory the pools live in: the CUDA device's (after the weights,
-    which are loaded first), else physical RAM (free taken as total: the CPU default is a
-    fraction of RAM)."""
+    """(free, total) bytes of the memory the pools live in, free measured now (after the weights,
+    which are loaded first): the CUDA device's, else physical RAM and MemAvailable (total where
+    /proc/meminfo cannot be read). On CPU the weights are anonymous memory (`model.huge_pages`),
+    so MemAvailable leaves them out; memory-mapped ones (`DELTASERVE_HUGE_PAGES=0`) count as
+    reclaimable page cache there."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)
     total = total_ram_bytes()
-    return total, total
+    free = available_bytes()
+    return (total if free is None else free), total
 
 
 def resolve_budget(kv_cache_memory: int | float, device: torch.device | str = "cpu") -> int:
@@ -199,6 +205,9 @@ def size_layout(
                 )
         else:
             ram, pct = resolve_budget(DEFAULT_RAM_FRACTION), f"{DEFAULT_RAM_FRACTION:.0%} of RAM"
+            free = device_memory(device)[0]
+            if free < ram:
+                ram, pct = free, "the RAM available after the weights"
         use = f"max_num_seqs={max_num_seqs} x max_model_len={max_model_len} tokens can use" + (
             f" (MLA pages x{PREFIX_HEADROOM} for cached prefixes)" if checkpoint_fraction else ""
         )
@@ -207,6 +216,13 @@ def size_layout(
         else:
             layout = plan_layout(cfg, ram, *args)
             why = f"default: {pct}, less than the {fit.total_bytes / 2**20:.1f} MiB {use}"
+    if kv_cache_memory is not None and torch.device(device).type == "cpu":
+        free = device_memory(device)[0]
+        if layout.total_bytes > free:
+            raise ValueError(
+                f"kv_cache_memory={kv_cache_memory!r} asks for {layout.total_bytes / 2**20:.0f} MiB of KV cache but "
+                f"only {free / 2**20:.0f} MiB of RAM are available after the weights; lower it"
+            )
     slots = max_num_seqs + layout.num_checkpoint_slots
     log.info(
         "KV cache %.1f MiB%s (%s): %d MLA pages x %d tokens = %d tokens (%.1f MiB), %d live KDA slots "
