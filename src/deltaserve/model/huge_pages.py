@@ -86,5 +86,5 @@ def place_weights(tensors: dict) -> dict:
             offset += sizes[id(t)]
         tensors[key] = moved[id(t)]
         del t
-    log.info("weights in huge pages: %.2f GiB", total / 2**30)
+    log.info("weights in huge pages: %.1f MiB", total / 2**20)
     return tensors
