@@ -57,6 +57,18 @@ def _weight_tile(w, s, e, offs_o, offs_i, n_out, n_in, ws, ss, PACKED: tl.conste
 
 
 @triton.jit
+def _block_rows(block_expert, block_row, block_end, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's expert (E or more: a padding block), its rows of the sorted pairs with their
+    mask, and its output columns."""
+    pid = tl.program_id(0)
+    e = tl.load(block_expert + pid).to(tl.int64)
+    rows = tl.load(block_row + pid) + tl.arange(0, BLOCK_M)
+    rmask = rows < tl.load(block_end + pid)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return e, rows, rmask, offs_n
+
+
+@triton.jit
 def _gate_up_kernel(
     x,
     tokens,
@@ -86,14 +98,10 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    e = tl.load(block_expert + pid).to(tl.int64)
+    e, rows, rmask, offs_n = _block_rows(block_expert, block_row, block_end, BLOCK_M, BLOCK_N)
     if e >= E:
         return
-    rows = tl.load(block_row + pid) + tl.arange(0, BLOCK_M)
-    rmask = rows < tl.load(block_end + pid)
     tok = tl.load(tokens + rows, mask=rmask, other=0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     xdt = x.dtype.element_ty
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -138,13 +146,9 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    e = tl.load(block_expert + pid).to(tl.int64)
+    e, rows, rmask, offs_n = _block_rows(block_expert, block_row, block_end, BLOCK_M, BLOCK_N)
     if e >= E:
         return
-    rows = tl.load(block_row + pid) + tl.arange(0, BLOCK_M)
-    rmask = rows < tl.load(block_end + pid)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
