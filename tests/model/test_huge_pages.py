@@ -8,7 +8,10 @@ import torch
 from deltaserve.model import huge_pages, load_model
 from deltaserve.tiny import make_tiny
 
-needs_proc = pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs /proc/self/smaps")
+needs_proc = pytest.mark.skipif(
+    not (os.path.exists("/proc/self/smaps") and huge_pages.huge_pages_enabled()),
+    reason="needs /proc/self/smaps and a kernel with transparent huge pages",
+)
 
 
 def _advised_ranges() -> list[tuple[int, int]]:
@@ -57,7 +60,14 @@ def test_place_weights_is_skipped_when_off_or_too_large(monkeypatch):
     monkeypatch.setattr(huge_pages, "available_bytes", lambda: 4096)
     assert huge_pages.place_weights({"t": t})["t"] is t
     monkeypatch.setattr(huge_pages, "available_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(huge_pages, "huge_pages_enabled", lambda: True)
     assert huge_pages.place_weights({"t": t})["t"] is not t
+
+    def refused(nbytes):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(huge_pages, "huge_page_bytes", refused)  # a kernel refusing the advice
+    assert huge_pages.place_weights({"t": t})["t"] is t
 
 
 @needs_proc

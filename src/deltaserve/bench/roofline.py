@@ -63,7 +63,10 @@ def stream_tensor(mib: int, device="cpu"):
 
     n = max(1, mib * 2**20 // 4)
     if torch.device(device).type == "cpu" and huge_pages_enabled():
-        return huge_page_bytes(4 * n).view(torch.float32).fill_(1.0)
+        try:
+            return huge_page_bytes(4 * n).view(torch.float32).fill_(1.0)
+        except OSError:  # refused: the weights stayed mapped too (`place_weights`)
+            pass
     return torch.ones(n, dtype=torch.float32, device=device)
 
 

@@ -28,8 +28,13 @@ ALIGN = 4096  # each tensor starts on its own 4 KiB page of the arena
 SPARE = 0.9  # fraction of MemAvailable the arena may take
 
 
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
 def huge_pages_enabled() -> bool:
-    return os.environ.get("DELTASERVE_HUGE_PAGES", "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE")
+    """Not turned off, and a kernel with transparent huge pages (without them `MADV_HUGEPAGE` fails)."""
+    off = os.environ.get("DELTASERVE_HUGE_PAGES", "1") == "0"
+    return not off and hasattr(mmap, "MADV_HUGEPAGE") and os.path.exists(THP_SETTING)
 
 
 def huge_page_bytes(nbytes: int) -> torch.Tensor:
@@ -75,7 +80,12 @@ def place_weights(tensors: dict) -> dict:
     if free is not None and total > SPARE * free:
         log.info("weights stay memory-mapped: %.1f GiB do not fit in %.1f GiB available", total / 2**30, free / 2**30)
         return tensors
-    arena, offset, moved = huge_page_bytes(total), 0, {}
+    try:
+        arena = huge_page_bytes(total)
+    except OSError as err:  # the mapping or the advice refused: nothing gained by a copy
+        log.info("weights stay memory-mapped: no huge-page arena (%s)", err)
+        return tensors
+    offset, moved = 0, {}
     for key in list(tensors):
         t = tensors[key]
         if id(t) not in sizes:  # every value was alive when `sizes` was taken: ids are unambiguous
