@@ -87,9 +87,9 @@ def test_on_cpu_the_budget_fits_the_ram_available_after_the_weights(cfg, monkeyp
     monkeypatch.setattr(budget, "available_bytes", lambda: 10**7)
     with caplog.at_level(logging.INFO, logger="deltaserve.cache.budget"):
         layout = size_layout(cfg, None, 16, 8192, 16, BF16)
-    assert layout == plan_layout(cfg, 10**7, 16, 8192, 16, BF16)
-    assert "default: the RAM available after the weights, less than the 20.4 MiB" in caplog.text
-    assert size_layout(cfg, 10**7, 16, 8192, 16, BF16) == layout
+    assert layout == plan_layout(cfg, 9 * 10**6, 16, 8192, 16, BF16)
+    assert "default: 90% of the RAM available after the weights, less than the 20.4 MiB" in caplog.text
+    assert size_layout(cfg, 10**7, 16, 8192, 16, BF16) == plan_layout(cfg, 10**7, 16, 8192, 16, BF16)
     for given in (2 * 10**7, 0.5):
         with pytest.raises(ValueError, match="available after the weights"):
             size_layout(cfg, given, 16, 8192, 16, BF16)

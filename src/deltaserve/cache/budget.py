@@ -6,11 +6,12 @@ every remaining byte goes to MLA pages. The budget must hold at least `max_model
 pages, otherwise a lone long request could never run (it would re-prefill forever).
 
 `size_layout` picks the budget: an explicit `kv_cache_memory` as given (on CPU an error where it
-exceeds the RAM available after the weights, instead of pools the kernel would kill the process
-for); by default the smaller of `DEFAULT_RAM_FRACTION` of RAM (at most the RAM available; on CUDA:
-the device memory free after the weights, keeping `1 - DEFAULT_GPU_FRACTION` of the device spare)
-and `workload_layout`, what `max_num_seqs` sequences of `max_model_len` tokens can use (a tiny model
-never reserves gigabytes it cannot fill).
+exceeds the RAM available after the weights, in this process, instead of pools the kernel would
+kill the process for); by default the smaller of `DEFAULT_RAM_FRACTION` of RAM (at most
+`DEFAULT_AVAILABLE_FRACTION` of the RAM available; on CUDA: the device memory free after the
+weights, keeping `1 - DEFAULT_GPU_FRACTION` of the device spare) and `workload_layout`, what
+`max_num_seqs` sequences of `max_model_len` tokens can use (a tiny model never reserves gigabytes
+it cannot fill).
 
 Under tensor parallelism (`tp`) every figure is per rank: a slot holds only the rank's KDA heads
 (H/W heads, 3P/W conv channels) and, under decode context parallelism, a page only the rank's
@@ -38,6 +39,7 @@ from .slot_journal import CHECKPOINT, LIVE
 log = logging.getLogger(__name__)
 
 DEFAULT_RAM_FRACTION = 0.1
+DEFAULT_AVAILABLE_FRACTION = 0.9  # of the RAM available after the weights the CPU default may take
 DEFAULT_GPU_FRACTION = 0.9  # of a CUDA device's memory the weights and the default KV cache may use
 PREFIX_HEADROOM = 2  # default sizing with prefix caching: MLA pages for the live sequences, twice
 
@@ -205,9 +207,9 @@ def size_layout(
                 )
         else:
             ram, pct = resolve_budget(DEFAULT_RAM_FRACTION), f"{DEFAULT_RAM_FRACTION:.0%} of RAM"
-            free = device_memory(device)[0]
+            free = int(DEFAULT_AVAILABLE_FRACTION * device_memory(device)[0])
             if free < ram:
-                ram, pct = free, "the RAM available after the weights"
+                ram, pct = free, f"{DEFAULT_AVAILABLE_FRACTION:.0%} of the RAM available after the weights"
         use = f"max_num_seqs={max_num_seqs} x max_model_len={max_model_len} tokens can use" + (
             f" (MLA pages x{PREFIX_HEADROOM} for cached prefixes)" if checkpoint_fraction else ""
         )

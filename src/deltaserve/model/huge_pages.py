@@ -1,6 +1,6 @@
 """Host weights in transparent huge pages (2 MiB), so decode's weight streams walk one page table
-entry per 2 MiB instead of per 4 KiB (on an AMD EPYC without AMX: +5-7 % batch-1 decode; see
-docs/performance.md, "Weights in huge pages").
+entry per 2 MiB instead of per 4 KiB (on an AMD EPYC without AMX: batch-1 decode x1.14 median in
+interleaved pairs; see docs/performance.md, "Weights in huge pages").
 
 The loader memory-maps the checkpoint (file pages, 4 KiB) and stacks experts in torch's allocator
 (4 KiB pages unless `THP_MEM_ALLOC_ENABLE` was set before torch started). `place_weights` copies
@@ -26,8 +26,6 @@ log = logging.getLogger(__name__)
 HUGE_PAGE = 2 << 20
 ALIGN = 4096  # each tensor starts on its own 4 KiB page of the arena
 SPARE = 0.9  # fraction of MemAvailable the arena may take
-
-
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
