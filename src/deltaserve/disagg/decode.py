@@ -7,7 +7,8 @@
    reserve cache (`engine.handoff.reserve`): pages its prefix cache holds are shared, the
    transfer starts after them. While the pools are short the reservation waits on the engine
    thread (`AsyncEngine.call_when`: FIFO, retried as slots and pages free), as a queued request
-   would, never falling back to computing the prompt here before the handoff timeout.
+   would, behind the requests queued here before it (`reserve_behind`), never falling back to
+   computing the prompt here before the handoff timeout.
 2. Ask the prefill instance for the prompt minus its last token (`/disagg/prefill`), check the
    header against this request and instance (its fresh handoff id, fingerprint, token count,
    prompt hash, start, region shapes).
@@ -83,9 +84,19 @@ class PrefillTarget:
             PREFILL_TARGET.reset(token)
 
 
-def _pool_state(core) -> tuple[int, int, int]:
-    """What a waiting reservation's chance depends on: free slots and pages, live sequences."""
-    return core.cache.kda.num_free, core.cache.mla.num_free, len(core.cache.seqs)
+def _pool_state(core) -> tuple[int, int, int, int]:
+    """What a waiting reservation's chance depends on: free slots and pages, live sequences, the
+    requests queued ahead of it."""
+    return core.cache.kda.num_free, core.cache.mla.num_free, len(core.cache.seqs), len(core.scheduler.waiting)
+
+
+def reserve_behind(core, ids: list[int], marker: int) -> Reservation | None:
+    """`reserve`, once no request queued here before the reservation began waiting (a sequence id
+    below `marker`: ids grow with arrival; preempted ones return to the queue's head) is still
+    waiting: a reservation takes its place in the queue, never the pages those requests wait for."""
+    if any(seq.seq_id < marker for seq in core.scheduler.waiting):
+        return None
+    return reserve(core, ids)
 
 
 class DecodeHandoff:
@@ -110,30 +121,32 @@ class DecodeHandoff:
         self.counters: Counter[str] = Counter()
         self.tamper: Callable[[str, object], object] | None = None
 
-    def _plan(self, core, ids: list[int], params) -> Reservation | int | None:
-        """On the engine thread: a reservation; or the joint hit length if the request runs
+    def _plan(self, core, ids: list[int], params) -> tuple[Reservation | int | None, int]:
+        """On the engine thread: (a reservation; or the joint hit length if the request runs
         here; or -1 if it is refused (the local way answers the refusal); or None while the
-        pools are short (every live slot taken: the caller waits for one)."""
+        pools are short or requests queued before it wait, and the caller waits behind them;
+        the next sequence id, the arrival mark of `reserve_behind`)."""
         try:
             core.validate(f"handoff-check-{core._next_seq}", ids, params)
         except InvalidRequestError:
-            return -1
+            return -1, core._next_seq
         if self.local_prefill_tokens and core.cache.prefix_enabled:
             hit = core.cache.lookup(ids)
             if len(ids) - hit.length <= self.local_prefill_tokens:
-                return hit.length
-        return reserve(core, ids)
+                return hit.length, core._next_seq
+        return reserve_behind(core, ids, core._next_seq), core._next_seq
 
     async def _reserve(self, ids: list[int], params) -> Reservation | int:
-        """`_plan`; while the pools are short, a reservation queued on the engine thread (FIFO behind
-        earlier ones, retried as running requests free slots and pages: the queueing a local
-        request would see), or -1 (run it locally) after the handoff timeout."""
-        plan = await self.engine.call(lambda core: self._plan(core, ids, params))
+        """`_plan`; while the pools are short or earlier requests wait, a reservation queued on the
+        engine thread (FIFO behind earlier reservations, after the requests queued before it,
+        retried as running requests free slots and pages: the queueing a local request would
+        see), or -1 (run it locally) after the handoff timeout."""
+        plan, marker = await self.engine.call(lambda core: self._plan(core, ids, params))
         if plan is not None:
             return plan
         self.counters["reserve_waits"] += 1
         plan = await self.engine.call_when(
-            lambda core: reserve(core, ids),
+            lambda core: reserve_behind(core, ids, marker),
             lambda core, res: cancel(core, res.seq_id),
             self.timeout_s,
             key=_pool_state,
