@@ -53,15 +53,17 @@ def test_place_weights_copies_bytes_into_one_advised_arena():
 
 
 def test_place_weights_is_skipped_when_off_or_too_large(monkeypatch):
+    """Decided by the switch, MemAvailable and the kernel's answer (all faked: any host)."""
     t = torch.ones(1000)
     monkeypatch.setenv("DELTASERVE_HUGE_PAGES", "0")
-    assert huge_pages.place_weights({"t": t})["t"] is t
-    monkeypatch.delenv("DELTASERVE_HUGE_PAGES")
+    assert not huge_pages.huge_pages_enabled() and huge_pages.place_weights({"t": t})["t"] is t
+    monkeypatch.setattr(huge_pages, "huge_pages_enabled", lambda: True)
+    monkeypatch.setattr(huge_pages, "huge_page_bytes", lambda n: torch.zeros(n, dtype=torch.uint8))
     monkeypatch.setattr(huge_pages, "available_bytes", lambda: 4096)
     assert huge_pages.place_weights({"t": t})["t"] is t
     monkeypatch.setattr(huge_pages, "available_bytes", lambda: 1 << 30)
-    monkeypatch.setattr(huge_pages, "huge_pages_enabled", lambda: True)
-    assert huge_pages.place_weights({"t": t})["t"] is not t
+    moved = huge_pages.place_weights({"t": t})["t"]
+    assert moved is not t and torch.equal(moved, t)
 
     def refused(nbytes):
         raise OSError(22, "Invalid argument")
