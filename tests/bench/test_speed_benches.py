@@ -60,6 +60,13 @@ def test_roofline(capsys):
     assert out["device"] == "cpu"  # the figures are for `--device` (a GPU's own with `--device cuda`)
 
 
+def test_meta_says_whether_huge_pages_hold_the_weights(capsys, monkeypatch):
+    on = bench(capsys, "roofline", "--threads", "1", *SMALL_ROOF)["meta"]["huge_pages"]
+    assert on == "off" or "[" in on  # the kernel's THP setting, its mode in brackets
+    monkeypatch.setenv("DELTASERVE_HUGE_PAGES", "0")
+    assert bench(capsys, "roofline", "--threads", "1", *SMALL_ROOF)["meta"]["huge_pages"] == "off"
+
+
 def test_latency(capsys, ckpts):
     out = bench(
         capsys,

@@ -152,7 +152,19 @@ def meta(args: argparse.Namespace, model: Path | None = None) -> dict:
         "threads": torch.get_num_threads(),
         "dtype": args.dtype,
         "model": str(model) if model is not None else None,
+        "huge_pages": _huge_pages(),
     }
+
+
+def _huge_pages() -> str:
+    """Whether CPU weights (and the roofline's stream) sit in huge pages: the kernel's THP setting,
+    or "off" (`DELTASERVE_HUGE_PAGES=0`, or a kernel without THP)."""
+    from ..model.huge_pages import THP_SETTING, huge_pages_enabled
+
+    if not huge_pages_enabled():
+        return "off"
+    with open(THP_SETTING) as f:
+        return f.read().strip()
 
 
 def _fmt(v) -> str:
