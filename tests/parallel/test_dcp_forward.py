@@ -93,6 +93,7 @@ def _worker(rank: int, init_method: str, ckpts: dict[str, str], out: str) -> Non
                     m.setattr(mla_ops, "lse_combine", _sum_combine)
                     got["broken"] = _drive(model, tp)[0]
             save_file({k: v.contiguous() for k, v in got.items()}, f"{out}/{family}_{rank}.safetensors")
+        dist.barrier()  # no rank tears the group down while the other still works (gloo aborts it)
     finally:
         dist.destroy_process_group()
 
