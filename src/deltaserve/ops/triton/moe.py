@@ -36,6 +36,15 @@ def _tanh(x):
 
 
 @triton.jit
+def situ(g, u, beta, linear_beta, HAS_LIN: tl.constexpr):
+    """SiTU of the fp32 gate and up values (already rounded to the activation dtype), in fp32."""
+    right = u
+    if HAS_LIN:
+        right = linear_beta * _tanh(u / linear_beta)
+    return beta * _tanh(g / beta) * tl.sigmoid(g) * right
+
+
+@triton.jit
 def _weight_tile(w, s, e, offs_o, offs_i, n_out, n_in, ws, ss, PACKED: tl.constexpr):
     """The fp32 tile W_e[o, i] as [len(offs_i), len(offs_o)] (transposed for x @ W^T); ws, ss: the
     (expert, row, column) strides of the weights (bytes of two codes when packed) and scales."""
@@ -116,10 +125,7 @@ def _gate_up_kernel(
     g = acc_g.to(xdt).to(tl.float32)
     u = acc_u.to(xdt).to(tl.float32)
     if ACT == 0:
-        right = u
-        if HAS_LIN:
-            right = linear_beta * _tanh(u / linear_beta)
-        out = (beta * _tanh(g / beta) * tl.sigmoid(g) * right).to(xdt)
+        out = situ(g, u, beta, linear_beta, HAS_LIN).to(xdt)
     else:
         out = ((g * tl.sigmoid(g)).to(xdt).to(tl.float32) * u).to(xdt)
     tl.store(h + rows[:, None] * INTER + offs_n[None, :], out, mask=rmask[:, None] & (offs_n[None, :] < INTER))

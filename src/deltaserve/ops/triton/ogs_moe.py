@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ..backend import ExpertWeights, GluAct
-from .moe import _tanh
+from .moe import situ
 
 WIDTH_MULTIPLE = 128  # D and I (conservative: TMA rows, Hopper's scale swizzle without K padding)
 
@@ -48,9 +48,7 @@ def _deltaserve_situ(acc, situ_beta, situ_linear_beta):
     g, u = tl.split(tl.reshape(acc, (acc.shape[0], acc.shape[1] // 2, 2)))
     g = g.to(tl.bfloat16).to(tl.float32)
     u = u.to(tl.bfloat16).to(tl.float32)
-    if situ_linear_beta is not None:
-        u = situ_linear_beta * _tanh(u / situ_linear_beta)
-    return situ_beta * _tanh(g / situ_beta) * tl.sigmoid(g) * u
+    return situ(g, u, situ_beta, situ_linear_beta, situ_linear_beta is not None)
 
 
 @triton.jit
