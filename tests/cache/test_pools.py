@@ -132,3 +132,31 @@ def test_paged_batch_equals_dense_cache(k3):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
         done = [done[0] + na, done[1] + nb]
     assert done == [23, 9]
+
+
+@pytest.mark.parametrize("plain", [True, False])
+def test_flat_rows_plain_and_numpy_equal_the_page_walk(monkeypatch, plain):
+    """`_flat_rows` by list comprehension (few rows) and by numpy (many): both the row of every
+    position by its page table, against a loop over positions."""
+    from deltaserve.cache import forward_batch as fbm
+
+    monkeypatch.setattr(fbm, "_PYTHON_ROWS", 10**9 if plain else 0)
+    g = torch.Generator().manual_seed(1)
+    size = 4
+    pages = [torch.randperm(50, generator=g)[: int(n)].tolist() for n in (3, 1, 7, 5)]
+    ends = [len(p) * size - int(k) for p, k in zip(pages, (1, 0, 3, 2))]
+    starts = [0, ends[1] - 1, 9, ends[3]]  # whole, one (decode), a chunk, none
+    want = [p[t // size] * size + t % size for p, s, e in zip(pages, starts, ends) for t in range(s, e)]
+    got = fbm._flat_rows(pages, fbm._page_table(pages), starts, ends, size)
+    assert got.dtype == torch.long and got.tolist() == want
+
+
+def test_layer_views_are_made_once_and_alias_the_pools():
+    kda = KdaStatePool([1, 3], 2, (2, 6), (2, 4, 4), torch.bfloat16)
+    mla = MlaPagePool([0, 2], 3, 4, 5, torch.bfloat16)
+    tails, states = kda.layer_view(3)
+    assert kda.layer_view(3)[0] is tails and mla.rows(2) is mla.rows(2)
+    states[1].fill_(2.0)
+    mla.rows(2)[7].fill_(1.0)
+    assert kda.states[1, 1].eq(2.0).all() and kda.states[0].eq(0).all()
+    assert mla.storage[1].view(-1, 5)[7].eq(1.0).all() and mla.storage[0].eq(0).all()

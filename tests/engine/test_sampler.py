@@ -271,3 +271,21 @@ def test_logprobs_are_raw_log_softmax():
             assert list(got.top) == want.indices.tolist()
             assert list(got.top.values()) == pytest.approx(want.values.tolist(), abs=1e-6)
     assert out.logprobs[3].rank > 1  # the penalty moved greedy off the raw argmax
+
+
+def test_penalized_logits_copy_only_when_something_changes_them():
+    """No penalty, ban, grammar or forced token: the fp32 input itself (no copy a step); otherwise a
+    copy, and the input is left as it was."""
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.0], [1.5, 0.0, 3.0, -2.0]])
+    plain = [row(), row(SP(temperature=0.7))]
+    assert Sampler.penalized_logits(logits, plain) is logits
+    before = logits.clone()
+    for rows in (
+        [row(SP(presence_penalty=1.0), out=[1]), row()],
+        [row(SP(min_tokens=2), banned=[2]), row()],
+    ):
+        got = Sampler.penalized_logits(logits, rows)
+        assert got is not logits and torch.equal(logits, before)
+        assert not torch.equal(got, logits)
+    out = Sampler()(logits, plain)
+    assert out.token_ids[0] == 1 and torch.equal(logits, before)

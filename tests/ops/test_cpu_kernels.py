@@ -136,9 +136,10 @@ def _kda_torch(q, k, v, conv_w, tails, states, f, a_log, dt_bias, b, gate, norm_
 
 
 @needs_kernels
-def test_kda_decode_matches_torch_step_and_updates_slots_in_place():
+@pytest.mark.parametrize("heads, dk", [(2, 32), (3, 24), (1, 128)])  # 24: no 16-wide state path, a conv tail
+def test_kda_decode_matches_torch_step_and_updates_slots_in_place(heads, dk):
     gen = torch.Generator().manual_seed(3)
-    heads, dk, w, bsz, num_slots = 2, 32, 4, 3, 5
+    w, bsz, num_slots = 4, 3, 5
     p = heads * dk
 
     def rnd(*s):

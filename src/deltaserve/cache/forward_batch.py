@@ -37,15 +37,25 @@ def _page_table(page_tables: list[list[int]]) -> np.ndarray:
     return table
 
 
-def _flat_rows(table: np.ndarray, starts: list[int], ends: list[int], page_size: int) -> torch.Tensor:
-    """Flat MLA row of every position in [starts[b], ends[b]) for each b (pages `table`), concatenated
-    (planned in numpy: a few µs a step where torch's per-op overhead took ~80)."""
+_PYTHON_ROWS = 256  # up to this many rows (decode steps) a list comprehension, past it numpy
+
+
+def _flat_rows(
+    pages: list[list[int]], table: np.ndarray, starts: list[int], ends: list[int], size: int
+) -> torch.Tensor:
+    """Flat MLA row of every position in [starts[b], ends[b]) for each b (pages `pages`, or the
+    same as the zero-padded array `table`), concatenated. Few rows: plain Python (a decode step's
+    rows in a few µs, where numpy's and torch's per-call overhead took ~100 µs with cold caches
+    after a step's weight streaming); many: planned in numpy."""
+    if sum(ends) - sum(starts) <= _PYTHON_ROWS:
+        rows = [p[t // size] * size + t % size for p, s, e in zip(pages, starts, ends) for t in range(s, e)]
+        return torch.tensor(rows, dtype=torch.long)
     lens = np.subtract(ends, starts, dtype=np.int64)
     seq = np.repeat(np.arange(len(table)), lens)
     pos = np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(
         np.asarray(starts, dtype=np.int64) - (lens.cumsum() - lens), lens
     )
-    return torch.from_numpy(table[seq, pos // page_size] * page_size + pos % page_size)
+    return torch.from_numpy(table[seq, pos // size] * size + pos % size)
 
 
 def _strided_positions(starts: list[int], ends: list[int], d: int, dcp: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,11 +160,11 @@ class ForwardBatch:
             host.update(self._dcp_rows(page_tables, ends))
         else:
             table = _page_table(page_tables)
-            host["write_rows"] = _flat_rows(table, context_lens, ends, mla.page_size)
+            host["write_rows"] = _flat_rows(page_tables, table, context_lens, ends, mla.page_size)
             if self.any_context:
                 host["block_table"] = torch.from_numpy(table)
                 host["cu_kv"] = torch.tensor([0, *ends], dtype=torch.long).cumsum(0)
-                self._context = (table, ends, device)
+                self._context = (page_tables, table, ends, device)
         if input_ids.is_cpu:
             host["input_ids"] = input_ids.long()
         else:
@@ -186,8 +196,8 @@ class ForwardBatch:
     def read_rows(self) -> torch.Tensor:
         """Flat pool row of every context position, by sequence (O(context) to plan and send:
         built on first use; kernels that take `block_table` never ask)."""
-        table, ends, device = self._context
-        return to_device({"r": _flat_rows(table, [0] * len(ends), ends, self.mla.page_size)}, device)["r"]
+        pages, table, ends, device = self._context
+        return to_device({"r": _flat_rows(pages, table, [0] * len(ends), ends, self.mla.page_size)}, device)["r"]
 
     @property
     def num_seqs(self) -> int:

@@ -41,6 +41,7 @@ class KdaStatePool:
         n = len(self.layer_ids)
         self.tails = torch.zeros(n, num_slots, *tail_shape, dtype=tail_dtype, device=device)
         self.states = torch.zeros(n, num_slots, *state_shape, dtype=state_dtype, device=device)
+        self._views = [(self.tails[i], self.states[i]) for i in range(n)]  # made once: a step asks per layer
         self.owned = [False] * num_slots
         self.tags: list[CheckpointTag | None] = [None] * num_slots
         self._free: deque[int] = deque(range(num_slots))
@@ -99,8 +100,7 @@ class KdaStatePool:
 
     def layer_view(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(tails [S, W-1, 3P], states [S, H, K, V]) of one layer: views, not copies."""
-        i = self._index[layer_id]
-        return self.tails[i], self.states[i]
+        return self._views[self._index[layer_id]]
 
     def read(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies (tail [B, W-1, 3P], fp32 state [B, H, K, V]) of `slots` for one layer."""

@@ -45,6 +45,7 @@ class MlaPagePool:
         self.storage = torch.zeros(
             len(self.layer_ids), num_pages, self.rows_per_page, row_dim, dtype=dtype, device=device
         )
+        self._rows = [layer.view(-1, row_dim) for layer in self.storage]  # made once: a step asks per layer
         self.refcount = [0] * num_pages
         self._free: deque[int] = deque(range(num_pages))
 
@@ -66,7 +67,7 @@ class MlaPagePool:
 
     def rows(self, layer_id: int) -> torch.Tensor:
         """Flat `[num_pages * rows_per_page, R + Dr]` view of one layer; row = page * rows_per_page + local row."""
-        return self.storage[self._index[layer_id]].view(-1, self.row_dim)
+        return self._rows[self._index[layer_id]]
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):

@@ -30,7 +30,7 @@ from .pool_snapshot import pool_snapshot
 from .ranks import RankFailure, RankGroup
 from .sampler import Sampler, SamplerOutput, SamplingRow
 from .scheduler import ScheduledSeq
-from .step_batch import forward_batch, step_of
+from .step_batch import forward_batch, logit_hidden, step_of
 
 
 class ModelRunner:
@@ -97,5 +97,5 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, ctx) if embeds is None else self.model(batch.input_ids, ctx, embeds)
         if not pick:
             return None
-        logits = self.model.compute_logits(hidden.index_select(0, batch.logit_rows))
+        logits = self.model.compute_logits(logit_hidden(hidden, step, batch))
         return self.sampler(logits, [rows[i] for i in pick])

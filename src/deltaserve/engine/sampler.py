@@ -116,14 +116,21 @@ class Sampler:
 
     @classmethod
     def penalized_logits(cls, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Steps 1-2 (penalties, min_tokens bans, grammar masks) on a fp32 copy of `logits`."""
-        x = logits.to(torch.float32, copy=True)
-        cls._penalize(x, rows)
+        """Steps 1-2 (penalties, min_tokens bans, grammar masks) on a fp32 copy of `logits`; `logits`
+        itself where it is fp32 and no row has any of them (callers never write to the result)."""
+        ps = [r.params for r in rows]
+        rep = any(p.repetition_penalty != 1.0 for p in ps)
+        freq_pres = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in ps)
+        bans = [r.banned_ids if len(r.output_ids) < r.params.min_tokens else () for r in rows]
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
-        unbanned = x[constrained] if constrained else None
-        cls._ban(x, rows)
-        apply_bitmask(x, constrained, [rows[i].grammar.bitmask() for i in constrained], unbanned)
         forced = [(i, r.forced) for i, r in enumerate(rows) if r.forced is not None]
+        if not (rep or freq_pres or any(bans) or constrained or forced):
+            return logits.to(torch.float32)
+        x = logits.to(torch.float32, copy=True)
+        cls._penalize(x, rows, rep, freq_pres)
+        unbanned = x[constrained] if constrained else None
+        cls._ban(x, bans)
+        apply_bitmask(x, constrained, [rows[i].grammar.bitmask() for i in constrained], unbanned)
         if forced:
             idx = tensor_on([i for i, _ in forced], x.device)
             tok = tensor_on([t for _, t in forced], x.device)
@@ -132,12 +139,11 @@ class Sampler:
         return x
 
     @staticmethod
-    def _penalize(x: torch.Tensor, rows: list[SamplingRow]) -> None:
-        ps = [r.params for r in rows]
-        rep = any(p.repetition_penalty != 1.0 for p in ps)
-        freq_pres = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in ps)
+    def _penalize(x: torch.Tensor, rows: list[SamplingRow], rep: bool, freq_pres: bool) -> None:
+        """Repetition (`rep`: some row has one), frequency and presence (`freq_pres`) penalties."""
         if not (rep or freq_pres):
             return
+        ps = [r.params for r in rows]
         vocab, dev = x.shape[1], x.device
         out_counts = _counts([r.output_ids for r in rows], vocab, dev)
         if rep:
@@ -149,12 +155,12 @@ class Sampler:
             x -= _column([p.presence_penalty for p in ps], dev) * (out_counts > 0).float()
 
     @staticmethod
-    def _ban(x: torch.Tensor, rows: list[SamplingRow]) -> None:
-        lists = [r.banned_ids if len(r.output_ids) < r.params.min_tokens else () for r in rows]
+    def _ban(x: torch.Tensor, lists: list) -> None:
+        """Row i's `lists[i]` (its banned ids while under min_tokens, else empty) to -inf."""
         if not any(lists):
             return
         vocab = x.shape[1]
-        mask = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=x.device)
+        mask = torch.zeros(len(lists), vocab + 1, dtype=torch.bool, device=x.device)
         mask.scatter_(1, _padded(lists, vocab, x.device), True)
         x.masked_fill_(mask[:, :vocab], float("-inf"))
 

@@ -64,3 +64,12 @@ def forward_batch(
         step.logit_rows,
         device,
     )
+
+
+def logit_hidden(hidden: torch.Tensor, step: Step, batch: ForwardBatch) -> torch.Tensor:
+    """The rows of `hidden` the sampler reads (`step.logit_rows`): `hidden` itself where they are
+    every row in order (a decode step), else a gathered copy."""
+    rows = step.logit_rows
+    if len(rows) == hidden.shape[0] and rows == list(range(len(rows))):
+        return hidden
+    return hidden.index_select(0, batch.logit_rows)

@@ -29,7 +29,7 @@ from .config import EngineConfig
 from .messages import PROTOCOL_VERSION, Hello, Shutdown, Snapshot, Step
 from .pool_snapshot import pool_snapshot
 from .ranks import WORKER_ENV, RankFailure, config_from_json, join, memory_report, rank_device, reset_peak_rss
-from .step_batch import forward_batch
+from .step_batch import forward_batch, logit_hidden
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def run_worker(config: EngineConfig, tp: ParallelContext, control) -> None:
             index = torch.tensor(msg.embeds.index, dtype=torch.long)
             hidden = model(batch.input_ids, batch.context(), (index, msg.embeds.rows.tensor(model.device)))
         if msg.logit_rows:
-            model.compute_logits(hidden.index_select(0, batch.logit_rows))
+            model.compute_logits(logit_hidden(hidden, msg, batch))
 
 
 def _exit_with_parent(parent: int) -> None:

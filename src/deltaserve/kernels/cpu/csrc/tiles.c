@@ -54,23 +54,30 @@ void ds_tiles_begin(void) {
 #define ROW_DW (SPAN * 16)           /* dwords (bf16 pairs) per staged row */
 
 /* st[r * ROW_DW + (kb - kb0) * 16 + kp] = pair kp of weight row r in k-block kb, kb0 <= kb < kb1;
- * the next span's source lines are prefetched meanwhile. */
+ * the source lines of the span staged after this one are prefetched meanwhile: the same rows' next span,
+ * or after a row's last span the first span (and scales) of row r + next, the block the caller stages
+ * next (without it each block's first span came in at the memory's latency: M = 32 x 1024 x 4096 from
+ * DRAM 262 -> 274 GFLOP/s, M = 16 182 -> 194, AMD EPYC Zen 4, bit-identical). Past a matrix's end
+ * the hint is harmless. */
 static inline void stage(const void *w, const uint8_t *s, int packed, int64_t row0, int K, int kb0, int kb1,
-                         uint32_t *st) {
-    const int KB = K / 32;
+                         int64_t next, uint32_t *st) {
+    const int KB = K / 32, last = kb1 >= KB;
     for (int r = 0; r < DS_TILE; ++r) {
         uint32_t *dst = st + r * ROW_DW;
         if (packed) {
             const uint8_t *p = (const uint8_t *)w + (row0 + r) * (K / 2);
             const uint8_t *sc = s + (row0 + r) * KB;
+            const uint8_t *ahead = last ? p + next * (K / 2) - (int64_t)kb0 * 16 : p + SPAN * 16;
+            if (last) _mm_prefetch((const char *)(sc + next * KB), _MM_HINT_T0);
             for (int kb = kb0; kb < kb1; ++kb) {
-                if ((kb - kb0) % 4 == 0) _mm_prefetch((const char *)(p + (kb + SPAN) * 16), _MM_HINT_T0);
+                if ((kb - kb0) % 4 == 0) _mm_prefetch((const char *)(ahead + kb * 16), _MM_HINT_T0);
                 _mm512_store_si512((void *)(dst + (kb - kb0) * 16), mxfp4_group(p + kb * 16, sc[kb]));
             }
         } else {
             const uint16_t *a = (const uint16_t *)w + (row0 + r) * K;
+            const uint16_t *ahead = last ? a + next * K - (int64_t)kb0 * 32 : a + SPAN * 32;
             for (int kb = kb0; kb < kb1; ++kb) {
-                _mm_prefetch((const char *)(a + (kb + SPAN) * 32), _MM_HINT_T0);
+                _mm_prefetch((const char *)(ahead + kb * 32), _MM_HINT_T0);
                 _mm512_store_si512((void *)(dst + (kb - kb0) * 16), _mm512_loadu_si512((const void *)(a + kb * 32)));
             }
         }
@@ -105,10 +112,13 @@ static void reg_rows(const void *const *w, const uint8_t *const *s, int packed, 
                      const uint16_t *xv, int MB, float *c) {
     __attribute__((aligned(64))) uint32_t st[DS_TILE * ROW_DW];
     const int KB = K / 32;
+    int run = 1;   /* the nw blocks are consecutive rows of one matrix: the caller's next call starts nw blocks on */
+    for (int b = 1; b < nw; ++b) run &= w[b] == w[0] && row0[b] == row0[0] + (int64_t)b * DS_TILE;
+    const int64_t next = (int64_t)DS_TILE * (run ? nw : 1);
     for (int kb0 = 0; kb0 < KB; kb0 += SPAN) {
         const int kb1 = kb0 + SPAN < KB ? kb0 + SPAN : KB;
         for (int b = 0; b < nw; ++b) {
-            stage(w[b], packed ? s[b] : NULL, packed, row0[b], K, kb0, kb1, st);
+            stage(w[b], packed ? s[b] : NULL, packed, row0[b], K, kb0, kb1, next, st);
             for (int mb = 0; mb < MB; ++mb)
                 span_product(st, xv, MB, mb, kb0, kb1, kb0 == 0, c + ((int64_t)b * MB + mb) * DS_TILE * DS_TILE);
         }
