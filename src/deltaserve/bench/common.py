@@ -144,6 +144,8 @@ def _cpu_model() -> str:
 def meta(args: argparse.Namespace, model: Path | None = None) -> dict:
     import torch
 
+    from ..model.huge_pages import huge_page_setting
+
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cpu": _cpu_model(),
@@ -152,19 +154,8 @@ def meta(args: argparse.Namespace, model: Path | None = None) -> dict:
         "threads": torch.get_num_threads(),
         "dtype": args.dtype,
         "model": str(model) if model is not None else None,
-        "huge_pages": _huge_pages(),
+        "huge_pages": huge_page_setting(),
     }
-
-
-def _huge_pages() -> str:
-    """Whether CPU weights (and the roofline's stream) sit in huge pages: the kernel's THP setting,
-    or "off" (`DELTASERVE_HUGE_PAGES=0`, or a kernel without THP)."""
-    from ..model.huge_pages import THP_SETTING, huge_pages_enabled
-
-    if not huge_pages_enabled():
-        return "off"
-    with open(THP_SETTING) as f:
-        return f.read().strip()
 
 
 def _fmt(v) -> str:

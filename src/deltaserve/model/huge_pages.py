@@ -35,6 +35,18 @@ def huge_pages_enabled() -> bool:
     return not off and hasattr(mmap, "MADV_HUGEPAGE") and os.path.exists(THP_SETTING)
 
 
+def huge_page_setting() -> str:
+    """The kernel's THP setting line (e.g. "always [madvise] never") where weights go to huge pages,
+    else "off" (`DELTASERVE_HUGE_PAGES=0`, or a kernel without THP)."""
+    if not huge_pages_enabled():
+        return "off"
+    try:
+        with open(THP_SETTING) as f:
+            return f.read().strip()
+    except OSError:
+        return "off"
+
+
 def huge_page_bytes(nbytes: int) -> torch.Tensor:
     """A uint8 tensor of `nbytes` (zeros) in private anonymous memory advised `MADV_HUGEPAGE`, its
     first byte on a 2 MiB boundary. The tensor keeps the mapping alive."""
