@@ -68,17 +68,18 @@ static inline void stage(const void *w, const uint8_t *s, int packed, int64_t ro
         if (packed) {
             const uint8_t *p = (const uint8_t *)w + (row0 + r) * (K / 2);
             const uint8_t *sc = s + (row0 + r) * KB;
-            const uint8_t *ahead = last ? p + next * (K / 2) - (int64_t)kb0 * 16 : p + SPAN * 16;
-            if (last) _mm_prefetch((const char *)(sc + next * KB), _MM_HINT_T1);
+            /* addresses as integers: they may lie past the matrix (hints never fault) */
+            const uintptr_t ahead = (uintptr_t)p + (uintptr_t)(last ? next * (K / 2) - (int64_t)kb0 * 16 : SPAN * 16);
+            if (last) _mm_prefetch((const char *)((uintptr_t)sc + (uintptr_t)(next * KB)), _MM_HINT_T1);
             for (int kb = kb0; kb < kb1; ++kb) {
-                if ((kb - kb0) % 4 == 0) _mm_prefetch((const char *)(ahead + kb * 16), _MM_HINT_T1);
+                if ((kb - kb0) % 4 == 0) _mm_prefetch((const char *)(ahead + (uintptr_t)kb * 16), _MM_HINT_T1);
                 _mm512_store_si512((void *)(dst + (kb - kb0) * 16), mxfp4_group(p + kb * 16, sc[kb]));
             }
         } else {
             const uint16_t *a = (const uint16_t *)w + (row0 + r) * K;
-            const uint16_t *ahead = last ? a + next * K - (int64_t)kb0 * 32 : a + SPAN * 32;
+            const uintptr_t ahead = (uintptr_t)a + 2 * (uintptr_t)(last ? next * K - (int64_t)kb0 * 32 : SPAN * 32);
             for (int kb = kb0; kb < kb1; ++kb) {
-                _mm_prefetch((const char *)(ahead + kb * 32), _MM_HINT_T1);
+                _mm_prefetch((const char *)(ahead + (uintptr_t)kb * 64), _MM_HINT_T1);
                 _mm512_store_si512((void *)(dst + (kb - kb0) * 16), _mm512_loadu_si512((const void *)(a + kb * 32)));
             }
         }
