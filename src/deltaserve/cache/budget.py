@@ -187,13 +187,19 @@ def size_layout(
     device: torch.device | str = "cpu",
 ) -> CacheLayout:
     """The layout for `kv_cache_memory` (bytes, a fraction of the device's memory, or None for
-    the default: the smaller of `workload_layout` and, on CPU, `DEFAULT_RAM_FRACTION` of RAM, on
-    CUDA what is free after the weights less `1 - DEFAULT_GPU_FRACTION` of the device, as vLLM's
-    `gpu_memory_utilization`); logs the sizes and why."""
+    the default: the smaller of `workload_layout` and, on CPU, `DEFAULT_RAM_FRACTION` of RAM capped
+    at `DEFAULT_AVAILABLE_FRACTION` of the RAM available, on CUDA what is free after the weights
+    less `1 - DEFAULT_GPU_FRACTION` of the device, as vLLM's `gpu_memory_utilization`); on CPU an
+    explicit budget above the RAM available is a ValueError. Logs the sizes and why."""
     args = (max_num_seqs, max_model_len, page_size, kv_dtype, state_dtype, checkpoint_fraction, tp)
     if kv_cache_memory is not None:
         layout = plan_layout(cfg, resolve_budget(kv_cache_memory, device), *args)
         why = f"kv_cache_memory={kv_cache_memory!r} as given"
+        if torch.device(device).type == "cpu" and layout.total_bytes > (free := device_memory(device)[0]):
+            raise ValueError(
+                f"kv_cache_memory={kv_cache_memory!r} asks for {layout.total_bytes / 2**20:.0f} MiB of KV cache but "
+                f"only {free / 2**20:.0f} MiB of RAM are available after the weights; lower it"
+            )
     else:
         fit = workload_layout(cfg, *args)
         if torch.device(device).type == "cuda":
@@ -218,13 +224,6 @@ def size_layout(
         else:
             layout = plan_layout(cfg, ram, *args)
             why = f"default: {pct}, less than the {fit.total_bytes / 2**20:.1f} MiB {use}"
-    if kv_cache_memory is not None and torch.device(device).type == "cpu":
-        free = device_memory(device)[0]
-        if layout.total_bytes > free:
-            raise ValueError(
-                f"kv_cache_memory={kv_cache_memory!r} asks for {layout.total_bytes / 2**20:.0f} MiB of KV cache but "
-                f"only {free / 2**20:.0f} MiB of RAM are available after the weights; lower it"
-            )
     slots = max_num_seqs + layout.num_checkpoint_slots
     log.info(
         "KV cache %.1f MiB%s (%s): %d MLA pages x %d tokens = %d tokens (%.1f MiB), %d live KDA slots "

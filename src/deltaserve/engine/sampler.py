@@ -127,7 +127,7 @@ class Sampler:
         if not (rep or freq_pres or any(bans) or constrained or forced):
             return logits.to(torch.float32)
         x = logits.to(torch.float32, copy=True)
-        cls._penalize(x, rows, rep, freq_pres)
+        cls._penalize(x, rows, ps, rep, freq_pres)
         unbanned = x[constrained] if constrained else None
         cls._ban(x, bans)
         apply_bitmask(x, constrained, [rows[i].grammar.bitmask() for i in constrained], unbanned)
@@ -139,11 +139,13 @@ class Sampler:
         return x
 
     @staticmethod
-    def _penalize(x: torch.Tensor, rows: list[SamplingRow], rep: bool, freq_pres: bool) -> None:
-        """Repetition (`rep`: some row has one), frequency and presence (`freq_pres`) penalties."""
+    def _penalize(
+        x: torch.Tensor, rows: list[SamplingRow], ps: list[SamplingParams], rep: bool, freq_pres: bool
+    ) -> None:
+        """Repetition (`rep`: some row has one), frequency and presence (`freq_pres`) penalties;
+        `ps` the rows' params."""
         if not (rep or freq_pres):
             return
-        ps = [r.params for r in rows]
         vocab, dev = x.shape[1], x.device
         out_counts = _counts([r.output_ids for r in rows], vocab, dev)
         if rep:

@@ -32,7 +32,8 @@ static void conv_step(const uint16_t *x, uint16_t *tail, const float *cw, int W,
 #ifdef __AVX512F__
     const __m512i lane = _mm512_mullo_epi32(
         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(W));
-    for (; i + 16 <= n && (int64_t)C3 * W < INT32_MAX; i += 16) {
+    const int gathers = (int64_t)C3 * W < INT32_MAX;   /* the weight indices fit the gather's int32 */
+    for (; gathers && i + 16 <= n; i += 16) {
         const int c = c0 + i;
         const __m512i at = _mm512_add_epi32(lane, _mm512_set1_epi32(c * W));
         __m512 acc = _mm512_setzero_ps();
