@@ -6,6 +6,11 @@
  * Work splits each sequence's context into chunks of at most MLA_CHUNK rows, as even as
  * `chunk_rows` makes them (flash-decoding style), whose partial
  * (max, sum, accumulator) triples are merged per sequence, so one long sequence uses every thread.
+ * Each thread takes a contiguous share of the chunks and prefetches the next one's rows while it
+ * computes this one: a chunk's score pass reads its rows at the dot products' pace (~19 GB/s a
+ * thread, more than one core streams), its value pass reads nothing new; spread over both passes
+ * the reads keep up (AMD EPYC Zen 4, 2 threads, 16-row pages in random order: 1.2-1.5x a call at
+ * 16-64k rows, batch-1 decode steps 1.03x at 4k context, 1.07x at 16k). Bit-identical results.
  */
 #include <float.h>
 #include <math.h>
@@ -22,6 +27,7 @@
 #endif
 
 #define MLA_CHUNK 256
+#define ML_AHEAD 4   /* the score pass prefetches the row this far ahead (and the one after) where it starts a page run */
 #define ML_GROUP 8   /* heads whose 32-column accumulators share the registers (16 of 32 zmm) */
 #define LANES 16   /* independent partial sums: lets the compiler vectorise the dot products */
 
@@ -50,17 +56,39 @@ static inline void ml_sum8(const __m512 *a, float *out) {
 }
 #endif
 
+#ifdef ML_AVX512BF16
+/* Sweep t of a chunk's `sweeps` passes over its rows (the score pass, then one per 32 value columns)
+ * prefetches lines [first_line(t), first_line(t + 1)) of each of the next chunk's rows into L2: the
+ * next chunk's reads spread evenly over this chunk's compute. */
+static inline int first_line(int t, int sweeps, int lines) { return (t * lines + sweeps - 1) / sweeps; }
+
+static inline void prefetch_lines(const uint16_t *rows, int64_t at, int D, int c0, int c1) {
+    const char *p = (const char *)(rows + at * (int64_t)D);
+    for (int c = c0; c < c1; ++c) _mm_prefetch(p + c * 64, _MM_HINT_T1);
+}
+#endif
+
 /* Partial attention of all heads over rows [j0, j1) of one sequence. part: H * (R + 2) floats
- * laid out per head as [m, l, acc(R)]. scratch: D + H * MLA_CHUNK floats. */
+ * laid out per head as [m, l, acc(R)]. scratch: D + H * MLA_CHUNK floats. next: the next_n row
+ * indices of the chunk the thread runs next (NULL: none), prefetched meanwhile. */
 static void mla_chunk(const float *qf, const uint16_t *qb, int H, int D, int R, const uint16_t *rows,
-                      const int64_t *idx, int64_t j0, int64_t j1, float scale, float *part, float *scratch) {
+                      const int64_t *idx, int64_t j0, int64_t j1, const int64_t *next, int next_n, float scale,
+                      float *part, float *scratch) {
     float *row = scratch, *s = scratch + D;
     const int n = (int)(j1 - j0);
+#ifdef ML_AVX512BF16
+    const int lines = (D * 2 + 63) / 64, sweeps = 1 + R / 32;
+#endif
     for (int h = 0; h < H; ++h) part[h * (R + 2)] = -FLT_MAX;
     for (int j = 0; j < n; ++j) {
         const uint16_t *r = rows + idx[j0 + j] * (int64_t)D;
         float dots[DS_MLA_MAX_HEADS];
 #ifdef ML_AVX512BF16
+        if (next && j < next_n) prefetch_lines(rows, next[j], D, 0, first_line(1, sweeps, lines));
+        if (j + ML_AHEAD < n && idx[j0 + j + ML_AHEAD] != idx[j0 + j + ML_AHEAD - 1] + 1) {   /* a new page run */
+            const uintptr_t ahead = (uintptr_t)(rows + idx[j0 + j + ML_AHEAD] * (int64_t)D);   /* the row after may end the pool */
+            for (int c = 0; c < 2 * lines; ++c) _mm_prefetch((const char *)(ahead + (uintptr_t)c * 64), _MM_HINT_T0);
+        }
         if (D % 32 == 0 && H <= DS_MLA_MAX_HEADS) {
             int h = 0;
             for (; h + ML_GROUP <= H; h += ML_GROUP) {   /* 8 heads per pass: the row is loaded once */
@@ -118,7 +146,11 @@ static void mla_chunk(const float *qf, const uint16_t *qb, int H, int D, int R, 
         for (int d = 0; d + 32 <= R; d += 32) {
             __m512 lo[ML_GROUP], hi[ML_GROUP];
             for (int k = 0; k < ML_GROUP; ++k) lo[k] = hi[k] = _mm512_setzero_ps();
+            /* this sweep's share of the next chunk's lines (the first group's sweeps cover them all) */
+            const int c0 = h0 == 0 && next ? first_line(1 + d / 32, sweeps, lines) : 0;
+            const int c1 = h0 == 0 && next ? first_line(2 + d / 32, sweeps, lines) : 0;
             for (int j = 0; j < n; ++j) {
+                if (j < next_n) prefetch_lines(rows, next[j], D, c0, c1);
                 const uint16_t *r = rows + idx[j0 + j] * (int64_t)D + d;
                 const __m512 x0 = ML_LOAD(r, 0), x1 = ML_LOAD(r, 16);
                 for (int k = 0; k < ML_GROUP; ++k) {
@@ -127,6 +159,7 @@ static void mla_chunk(const float *qf, const uint16_t *qb, int H, int D, int R, 
                     hi[k] = _mm512_fmadd_ps(p, x1, hi[k]);
                 }
             }
+            for (int j = n; j < next_n; ++j) prefetch_lines(rows, next[j], D, c0, c1);
             for (int k = 0; k < ML_GROUP; ++k) {
                 _mm512_storeu_ps(part + (h0 + k) * (R + 2) + 2 + d, lo[k]);
                 _mm512_storeu_ps(part + (h0 + k) * (R + 2) + 2 + d + 16, hi[k]);
@@ -188,6 +221,15 @@ static inline int64_t chunk_rows(int64_t len, int64_t chunks) {
     return even < MLA_CHUNK ? even : MLA_CHUNK;
 }
 
+/* Item it (ascending calls): its sequence *b (advanced from the previous item's) and rows [*j0, *j1). */
+static inline void item_span(const int64_t *first, const int64_t *cu_kv, int64_t it, int *b, int64_t *j0,
+                             int64_t *j1) {
+    while (first[*b + 1] <= it) ++*b;
+    const int64_t size = chunk_rows(cu_kv[*b + 1] - cu_kv[*b], first[*b + 1] - first[*b]);
+    *j0 = cu_kv[*b] + (it - first[*b]) * size;
+    *j1 = *j0 + size < cu_kv[*b + 1] ? *j0 + size : cu_kv[*b + 1];
+}
+
 int ds_mla_decode(int B, int H, int D, int R, const uint16_t *q, const uint16_t *rows,
                   const int64_t *read_rows, const int64_t *cu_kv, float scale, uint16_t *out,
                   int nthreads) {
@@ -209,17 +251,19 @@ int ds_mla_decode(int B, int H, int D, int R, const uint16_t *q, const uint16_t 
     {
         float *scratch = malloc(sizeof(float) * (size_t)(D + H * MLA_CHUNK));
         if (!scratch) bad |= 1;
+        /* a contiguous share of the items, so the next one's rows are known (prefetched meanwhile) */
+        const int nt = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t lo = items * me / nt, hi = items * (me + 1) / nt;
         int b = 0;
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; ++it) {
-            if (!scratch) continue;
-            while (first[b + 1] <= it) ++b;   /* items ascend within each thread's share */
-            while (first[b] > it) --b;
-            const int64_t size = chunk_rows(cu_kv[b + 1] - cu_kv[b], first[b + 1] - first[b]);
-            const int64_t j0 = cu_kv[b] + (it - first[b]) * size;
-            const int64_t j1 = j0 + size < cu_kv[b + 1] ? j0 + size : cu_kv[b + 1];
-            mla_chunk(qf + (int64_t)b * H * D, q + (int64_t)b * H * D, H, D, R, rows, read_rows, j0, j1, scale,
-                      parts + it * H * (R + 2), scratch);
+        int64_t j0 = 0, j1 = 0;
+        if (scratch && lo < hi) item_span(first, cu_kv, lo, &b, &j0, &j1);
+        for (int64_t it = lo; scratch && it < hi; ++it) {
+            int nb = b;
+            int64_t n0 = 0, n1 = 0;
+            if (it + 1 < hi) item_span(first, cu_kv, it + 1, &nb, &n0, &n1);
+            mla_chunk(qf + (int64_t)b * H * D, q + (int64_t)b * H * D, H, D, R, rows, read_rows, j0, j1,
+                      it + 1 < hi ? read_rows + n0 : NULL, (int)(n1 - n0), scale, parts + it * H * (R + 2), scratch);
+            b = nb, j0 = n0, j1 = n1;
         }
         free(scratch);
     }
