@@ -67,6 +67,32 @@ def test_an_index_out_of_range_raises_before_any_write(stack, bad):
     assert untouched(kda, mla)
 
 
+def test_logits_are_the_head_over_the_stack_of_the_embeddings(stack):
+    """`decode_logits` (embedding rows, the stack and the output head in one call) gives the values
+    of `compute_logits(decode_stack(embed_tokens(ids)))` bit for bit, and writes the pools alike."""
+    llm, plan, d, shapes, width = stack
+    assert plan.logits
+    ids = torch.tensor([5, 170])
+    kda, mla = pools(plan, shapes, width, torch.tensor([2, 0]), torch.tensor([5, 9]))
+    kda2, mla2 = pools(plan, shapes, width, torch.tensor([2, 0]), torch.tensor([5, 9]))
+    logits = NK.decode_logits(plan, ids, kda, mla)
+    with torch.inference_mode():
+        want = llm.model.compute_logits(NK.decode_stack(plan, llm.model.model.embed_tokens(ids), kda2, mla2))
+    assert logits.dtype == torch.float32 and logits.shape == (2, llm.model.config.vocab_size)
+    assert torch.equal(logits, want) and logits[0].ne(logits[1]).any()
+    assert all(torch.equal(a, b) for (t, s, _), (t2, s2, _) in zip(kda, kda2) for a, b in ((t, t2), (s, s2)))
+    assert all(torch.equal(r, r2) for (r, *_), (r2, *_) in zip(mla, mla2))
+
+
+def test_a_token_id_out_of_range_raises_before_any_write(stack):
+    llm, plan, d, shapes, width = stack
+    kda, mla = pools(plan, shapes, width, torch.tensor([1, 0]), torch.tensor([3, 2]))
+    for bad in (llm.model.config.vocab_size, -1):
+        with pytest.raises(ValueError, match="out of range"):
+            NK.decode_logits(plan, torch.tensor([0, bad]), kda, mla)
+    assert untouched(kda, mla)
+
+
 def test_a_router_outside_its_limits_declines_before_any_write(stack):
     """-3 from a router's static check: None (the caller runs the layers), nothing written."""
     _, plan, d, shapes, width = stack

@@ -30,7 +30,7 @@ from .pool_snapshot import pool_snapshot
 from .ranks import RankFailure, RankGroup
 from .sampler import Sampler, SamplerOutput, SamplingRow
 from .scheduler import ScheduledSeq
-from .step_batch import forward_batch, logit_hidden, step_of
+from .step_batch import every_row, forward_batch, logit_hidden, step_of
 
 
 class ModelRunner:
@@ -94,6 +94,10 @@ class ModelRunner:
     def _run(self, step, rows: list[SamplingRow | None], pick: list[int], embeds=None) -> SamplerOutput | None:
         batch = forward_batch(step, self.cache.mla, self.cache.kda, self.cache.ckpt_pool, self.model.device, self.tp)
         ctx = batch.context()
+        if embeds is None and every_row(step, batch.input_ids.shape[0]):
+            logits = self.model.decode_logits(batch.input_ids, ctx)
+            if logits is not None:
+                return self.sampler(logits, [rows[i] for i in pick])
         hidden = self.model(batch.input_ids, ctx) if embeds is None else self.model(batch.input_ids, ctx, embeds)
         if not pick:
             return None

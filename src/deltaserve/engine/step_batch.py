@@ -66,10 +66,16 @@ def forward_batch(
     )
 
 
+def every_row(step: Step, num_rows: int) -> bool:
+    """The sampler reads every one of the step's `num_rows` rows, in order (a decode step where every
+    sequence samples)."""
+    rows = step.logit_rows
+    return len(rows) == num_rows and rows == list(range(num_rows))
+
+
 def logit_hidden(hidden: torch.Tensor, step: Step, batch: ForwardBatch) -> torch.Tensor:
     """The rows of `hidden` the sampler reads (`step.logit_rows`): `hidden` itself where they are
     every row in order (a decode step), else a gathered copy."""
-    rows = step.logit_rows
-    if len(rows) == hidden.shape[0] and rows == list(range(len(rows))):
+    if every_row(step, hidden.shape[0]):
         return hidden
     return hidden.index_select(0, batch.logit_rows)

@@ -83,7 +83,7 @@ class DecoderStack(OpsModule):
     ) -> torch.Tensor:
         """Final-normed hidden states [N, D] of the packed tokens."""
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        if self.prepared is not None and ctx.cache is not None and ctx.cache.decode_only:
+        if self._whole_step(ctx):
             out = self.ops.decode_stack(h, self.prepared, ctx.cache)
             if out is not None:
                 return out
@@ -97,3 +97,12 @@ class DecoderStack(OpsModule):
                 h = layer.forward_attn_res(h, bank, block, ctx)
             h = attn_res(h, bank, self.output_attn_res_proj, self.output_attn_res_norm)
         return self.norm(h)
+
+    def decode_logits(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
+        """fp32 logits [N, vocab] of a decode step of `input_ids`, the embedding lookup, the layers
+        and the model's output head in one call (`ops.decode_logits`), or None (run `forward` and
+        the head)."""
+        return self.ops.decode_logits(input_ids, self.prepared, ctx.cache) if self._whole_step(ctx) else None
+
+    def _whole_step(self, ctx: ForwardContext) -> bool:
+        return self.prepared is not None and ctx.cache is not None and ctx.cache.decode_only

@@ -117,9 +117,9 @@ def _norm(m: RMSNorm) -> NormOperands:
     return NormOperands(m.prepared, m.eps)
 
 
-def _stack(stack: DecoderStack) -> StackOperands | None:
-    """The whole-stack decode operands of `stack`: None where a layer is sharded (TP, EP, DCP) or
-    lacks a prepared attention or MoE plan."""
+def _stack(stack: DecoderStack, lm_head: torch.Tensor | None) -> StackOperands | None:
+    """The whole-stack decode operands of `stack` (with its model's `lm_head` weight, if any): None
+    where a layer is sharded (TP, EP, DCP) or lacks a prepared attention or MoE plan."""
     attn_res = stack.cfg.attn_res_block_size is not None
     layers = []
     for layer in stack.layers:
@@ -142,7 +142,8 @@ def _stack(stack: DecoderStack) -> StackOperands | None:
             )
         )
     out_mix = stack.output_attn_res_proj.prepared if attn_res else None
-    return StackOperands(stack.cfg.hidden_size, layers, stack.cfg.attn_res_block_size, out_mix, _norm(stack.norm))
+    head = None if lm_head is None else (stack.embed_tokens.weight, lm_head)
+    return StackOperands(stack.cfg.hidden_size, layers, stack.cfg.attn_res_block_size, out_mix, _norm(stack.norm), head)
 
 
 @torch.no_grad()
@@ -168,7 +169,8 @@ def prepare_model(model: nn.Module, ops: TorchOps | None = None, fuse_blocks: bo
             m.prepared = _moe(m, ops)
     for m in model.modules():
         if isinstance(m, DecoderStack):
-            operands = _stack(m)
+            head = getattr(model, "lm_head", None)
+            operands = _stack(m, None if head is None else head.weight)
             m.prepared = None if operands is None else ops.prepare_stack(operands)
     model.ops = ops
     return ops

@@ -332,6 +332,11 @@ class TorchOps:
         in one call (`prepare_stack`), or None (the layers run one by one)."""
         return None
 
+    def decode_logits(self, ids: torch.Tensor, prepared, cache) -> torch.Tensor | None:
+        """fp32 logits of a whole decode step of the token ids (`decode_stack` with the embedding
+        lookup before it and the output head after, in one call), or None (the caller runs them)."""
+        return None
+
     def mla_block(self, x: torch.Tensor, prepared, pool_view) -> tuple | None:
         """(o [N, H, v], gate or None) of an MLA decode step in one call (projections, norms, the pool
         write, absorbed attention), or None (the layer runs its modules). Reads whole contexts: not

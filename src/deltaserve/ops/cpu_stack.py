@@ -57,13 +57,32 @@ class CpuStackOps(TorchOps):
                 )
             )
         final = (stack.final_norm.prepared, stack.final_norm.eps)
-        return self.k.stack_plan(stack.hidden, layers, stack.block_size, ATTN_RES_EPS, stack.out_mix, final)
+        return self.k.stack_plan(stack.hidden, layers, stack.block_size, ATTN_RES_EPS, stack.out_mix, final, stack.head)
 
     def decode_stack(self, x, prepared: StackPlan | None, cache):
         """One native call for up to `prepared.max_rows` bf16 rows over bf16 pools (fp32 KDA states)
         the cache addresses in place; None otherwise."""
         if prepared is None or x.dtype != torch.bfloat16 or not 0 < x.shape[0] <= prepared.max_rows:
             return None
+        views = self._pool_views(prepared, cache)
+        return None if views is None else self.k.decode_stack(prepared, x, *views)
+
+    def decode_logits(self, ids, prepared: StackPlan | None, cache):
+        """As `decode_stack`, from the token ids to the logits, where the plan holds the embeddings
+        and the output head."""
+        if (
+            prepared is None
+            or not prepared.logits
+            or ids.device.type != "cpu"
+            or not 0 < ids.numel() <= prepared.max_rows
+        ):
+            return None
+        views = self._pool_views(prepared, cache)
+        return None if views is None else self.k.decode_logits(prepared, ids, *views)
+
+    def _pool_views(self, prepared: StackPlan, cache) -> tuple[list, list] | None:
+        """Each KDA and MLA layer's pool view as the stack reads them, or None where the cache has
+        none or its pools are not bf16 (fp32 KDA states)."""
         kda_view = getattr(cache, "kda_slot_view", None)
         mla_view = getattr(cache, "mla_pool_view", None)
         if (prepared.kda_layers and kda_view is None) or (prepared.mla_layers and mla_view is None):
@@ -76,4 +95,4 @@ class CpuStackOps(TorchOps):
             return None
         if mla_views and mla_views[0][0].dtype != torch.bfloat16:
             return None
-        return self.k.decode_stack(prepared, x, kda_views, mla_views)
+        return kda_views, mla_views

@@ -43,10 +43,12 @@ class StackLayerOperands:
 @dataclass
 class StackOperands:
     """The decoder stack: its layers, Block AttnRes' block size (None: pre-norm residuals), the
-    output mix's query and the final norm."""
+    output mix's query and the final norm; `head`, the (embedding, lm_head) weights around it (None:
+    a stack without its model's output head)."""
 
     hidden: int
     layers: list[StackLayerOperands]
     block_size: int | None
     out_mix: object | None
     final_norm: NormOperands
+    head: tuple[torch.Tensor, torch.Tensor] | None = None

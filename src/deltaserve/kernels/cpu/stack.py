@@ -38,7 +38,8 @@ class StackLayerPlan:
 class StackPlan:
     """The filled `ds_stack_t` and everything its pointers reach (kept alive here), which layers are
     KDA (the rest MLA), and the most rows a step takes (the tile kernels' AMX_ROWS where they run
-    every projection, else MAX_ROWS). `pools` memoises the last step's per-layer pool pointers."""
+    every projection, else MAX_ROWS). `logits`: the plan holds the embeddings and the output head
+    (`decode_logits` runs). `pools` memoises the last step's per-layer pool pointers."""
 
     struct: object
     kda_layers: list[int]
@@ -46,6 +47,7 @@ class StackPlan:
     max_rows: int
     keep: list = field(default_factory=list)
     pools: tuple | None = None
+    logits: bool = False
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -73,9 +75,11 @@ class StackBindings:
         res_eps: float,
         out_q: torch.Tensor | None,
         final_norm: tuple[torch.Tensor, float],
+        head: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> StackPlan | None:
         """The plan of `ds_decode_stack`, or None where a layer does not fit it (the caller runs the
-        layers one by one)."""
+        layers one by one). `head`: the (embedding, lm_head) weights, bf16 [vocab, d] each, for
+        `decode_logits` (left out where they do not fit)."""
         if block_size is not None and -(-len(layers) // block_size) + 1 >= MAX_MIX:
             return None
         if not (_f32(out_q, d) and _f32(final_norm[0], d)) or (block_size is None) != (out_q is None):
@@ -123,12 +127,16 @@ class StackBindings:
             final_norm[0].data_ptr(),
         )
         keep += [out_q, final_norm]
+        logits = head is not None and all(_bf16(w, (head[1].shape[0], d)) for w in head)
+        if logits:
+            struct.vocab, struct.embed, struct.lm_head = head[1].shape[0], head[0].data_ptr(), head[1].data_ptr()
+            keep.append(head)
         widths = [d]
         for y in layers:
             a = y.attn
             widths += [a.q_rank or d, a.H * a.v] if isinstance(a, MlaBlockPlan) else [a.K, a.H * a.K]
             widths += [y.moe.L] if y.moe is not None and y.moe.down else []
-        return StackPlan(struct, kda_layers, mla_layers, min(self.multi_rows(k) for k in widths), keep)
+        return StackPlan(struct, kda_layers, mla_layers, min(self.multi_rows(k) for k in widths), keep, logits=logits)
 
     def decode_stack(self, plan: StackPlan, x: torch.Tensor, kda_views: list, mla_views: list) -> torch.Tensor | None:
         """The final-normed hidden states [N, D] of one decode step of the embeddings x [N <=
@@ -140,16 +148,34 @@ class StackBindings:
         n, d = x.shape
         if not (x.dtype == torch.bfloat16 and d == plan.struct.D and 0 < n <= plan.max_rows):
             raise ValueError("decode_stack: bad input")
+        out = torch.empty(n, d, dtype=torch.bfloat16)
+        return out if self._decode(plan, x.contiguous(), None, n, kda_views, mla_views, out, None) else None
+
+    def decode_logits(
+        self, plan: StackPlan, ids: torch.Tensor, kda_views: list, mla_views: list
+    ) -> torch.Tensor | None:
+        """fp32 logits [N, vocab] of one decode step of the token ids [N] (the values of
+        `lm_head(decode_stack(embed(ids))).float()`: the embedding rows, the stack and the output head
+        in the one call), or None as `decode_stack`. Needs `plan.logits`."""
+        n = ids.numel()
+        if not (plan.logits and ids.dim() == 1 and 0 < n <= plan.max_rows):
+            raise ValueError("decode_logits: bad input")
+        out = torch.empty(n, plan.struct.D, dtype=torch.bfloat16)
+        logits = torch.empty(n, plan.struct.vocab, dtype=torch.float32)
+        ids = ids.to(torch.int64).contiguous()
+        return logits if self._decode(plan, None, ids, n, kda_views, mla_views, out, logits) else None
+
+    def _decode(self, plan: StackPlan, x, ids, n: int, kda_views: list, mla_views: list, out, logits) -> bool:
+        """One `ds_decode_stack` call; False where a router's limits or the tiles declined the step."""
         tails, states, rows, num_slots, num_rows = self._pools(plan, kda_views, mla_views)
         slots = kda_views[0][2].contiguous() if kda_views else None
         _, write_rows, read_rows, cu_kv = mla_views[0] if mla_views else (None,) * 4
         if (slots is not None and slots.numel() != n) or (write_rows is not None and write_rows.numel() != n):
             raise ValueError("decode_stack: the step's slots or rows disagree with its tokens")
-        x = x.contiguous()
-        out = torch.empty(n, d, dtype=torch.bfloat16)
         rc = self.lib.ds_decode_stack(
             ctypes.byref(plan.struct),
-            x.data_ptr(),
+            _ptr(x),
+            _ptr(ids),
             n,
             tails,
             states,
@@ -159,15 +185,16 @@ class StackBindings:
             num_rows,
             *(_ptr(t if t is None else t.contiguous()) for t in (write_rows, read_rows, cu_kv)),
             out.data_ptr(),
+            _ptr(logits),
             torch.get_num_threads(),
         )
         if rc in (-3, -4):  # a router's limits; more rows than the tiles take now (`set_tiles(False)`)
-            return None
+            return False
         if rc == -2:
-            raise ValueError("decode_stack: slot or row index out of range")
+            raise ValueError("decode_stack: token id, slot or row index out of range")
         if rc != 0:
             raise MemoryError(f"decode_stack: failed ({rc})")
-        return out
+        return True
 
     def _pools(self, plan: StackPlan, kda_views: list, mla_views: list) -> tuple:
         """Per-layer pointer arrays of the pools (checked against the plan once per set of pools)."""

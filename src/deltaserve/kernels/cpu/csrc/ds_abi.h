@@ -13,7 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define DS_ABI_VERSION 3
+#define DS_ABI_VERSION 4
 
 #define DS_MAX_M 8             /* rows of the register-accumulator (GEMV) kernels: small-M decode */
 #define DS_AMX_ROWS 64         /* rows the AMX tile kernels take in one pass (batched decode) */
@@ -74,12 +74,15 @@ typedef struct {
     float attn_eps, mlp_eps;
 } ds_stack_layer_t;
 
-/* The decoder stack of ds_decode_stack: its layers, the output AttnRes mix and the final norm. */
+/* The decoder stack of ds_decode_stack: its layers, the output AttnRes mix and the final norm; the token
+ * embeddings and the output head around it (either may be NULL: the caller embeds, or takes hidden states). */
 typedef struct {
     int D, L, block_size;                          /* Block AttnRes block size; 0: pre-norm residuals */
     float res_eps, final_eps;
     const ds_stack_layer_t *layers;                /* [L] */
     const float *out_q, *final_norm;               /* output AttnRes query [D] (or NULL), final norm [D] */
+    int vocab;                                     /* rows of embed and lm_head */
+    const uint16_t *embed, *lm_head;               /* bf16 [vocab, D] each (or NULL) */
 } ds_stack_t;
 
 /* abi.c: DS_ABI_VERSION as compiled; sizeof the struct named `name` above (0 for another name). */
@@ -163,9 +166,9 @@ int ds_mla_block(const ds_mla_block_t *b, const uint16_t *x, int N, uint16_t *ro
 /* stack.c: a whole decode step of the decoder stack in one call; the MLA output gate it shares with
  * the module path. */
 void ds_sigmoid_mul_bf16(const uint16_t *o, const uint16_t *g, int64_t n, uint16_t *out, int nthreads);
-int ds_decode_stack(const ds_stack_t *s, const uint16_t *x, int N, uint16_t *const *tails, float *const *states,
-                    const int64_t *slots, int64_t num_slots, uint16_t *const *mla_rows, int64_t num_rows,
-                    const int64_t *write_rows, const int64_t *read_rows, const int64_t *cu_kv, uint16_t *out,
-                    int nthreads);
+int ds_decode_stack(const ds_stack_t *s, const uint16_t *x, const int64_t *ids, int N, uint16_t *const *tails,
+                    float *const *states, const int64_t *slots, int64_t num_slots, uint16_t *const *mla_rows,
+                    int64_t num_rows, const int64_t *write_rows, const int64_t *read_rows, const int64_t *cu_kv,
+                    uint16_t *out, float *logits, int nthreads);
 
 #endif

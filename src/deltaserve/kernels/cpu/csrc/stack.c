@@ -8,7 +8,8 @@
  *   AttnRes: on a block's first layer the running sum is banked and a starts the next one, else added;
  *   pre-norm residuals: h + a
  *   x = mix + norm again; f = ds_moe_block(x) or the dense GLU (one expert of weight 1); h + f
- * then the output mix and the final norm. What it saves is the Python between ~6 calls a layer.
+ * then the output mix and the final norm; optionally the embedding rows before and the output head
+ * after (token ids in, fp32 logits out). What it saves is the Python between ~6 calls a layer.
  * Every index and the routers' static limits are checked before any pool is written. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -78,17 +79,45 @@ static int check_step(const ds_stack_t *s, int N, const int64_t *slots, int64_t 
     return 0;
 }
 
-/* out [N, D] = the final-normed hidden states of one decode step of x [N, D] (the token
- * embeddings). tails[l] / states[l]: KDA layer l's pools (as ds_kda_block), mla_rows[l]: MLA layer l's
- * rows (as ds_mla_block); the step's slots / write_rows / read_rows / cu_kv are shared by the layers.
+/* y [N, vocab] bf16 = x [N, K] @ w [vocab, K]^T as ops.linear computes it: the GEMV kernel up to
+ * DS_MAX_M rows, the tile kernel above. */
+static int linear(const uint16_t *x, int N, int K, const uint16_t *w, int rows, uint16_t *y, int nthreads) {
+    if (N <= DS_MAX_M) {
+        ds_linear_bf16(x, N, K, w, rows, y, rows, nthreads);
+        return 0;
+    }
+    const int f0 = 0;
+    void *yv = y;
+    return ds_linear_amx_multi(x, N, K, &w, &rows, &f0, &yv, 1, nthreads) ? -1 : 0;
+}
+
+/* logits [N, vocab] fp32 = the bf16 lm_head outputs of the hidden states h [N, D], widened (the values
+ * of `lm_head(h).float()`). */
+static int head_logits(const ds_stack_t *s, const uint16_t *h, int N, float *logits, int nthreads) {
+    const int64_t n = (int64_t)N * s->vocab;
+    uint16_t *y = malloc(sizeof(uint16_t) * (size_t)n);
+    if (!y || linear(h, N, s->D, s->lm_head, s->vocab, y, nthreads)) { free(y); return -1; }
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= (1 << 18))
+    for (int64_t i = 0; i < n; ++i) logits[i] = bf16_to_f32(y[i]);
+    free(y);
+    return 0;
+}
+
+/* out [N, D] = the final-normed hidden states of one decode step of x [N, D] (the token embeddings), or
+ * with x NULL of the embedding rows ids [N] (s->embed); logits (or NULL) as head_logits (s->lm_head).
+ * tails[l] / states[l]: KDA layer l's pools (as ds_kda_block), mla_rows[l]: MLA layer l's rows (as
+ * ds_mla_block); the step's slots / write_rows / read_rows / cu_kv are shared by the layers.
  * N is at most stack_rows(s). Returns 0; -1 allocation or a kernel's failure; -2 an index out of range;
- * -3 a router's limits do not hold; -4 N out of range (nothing written but for 0 and -1). */
-int ds_decode_stack(const ds_stack_t *s, const uint16_t *x, int N, uint16_t *const *tails, float *const *states,
-                    const int64_t *slots, int64_t num_slots, uint16_t *const *mla_rows, int64_t num_rows,
-                    const int64_t *write_rows, const int64_t *read_rows, const int64_t *cu_kv, uint16_t *out,
-                    int nthreads) {
+ * -3 a router's limits do not hold; -4 N out of range, or ids or logits without their weights (nothing
+ * written but for 0 and -1). */
+int ds_decode_stack(const ds_stack_t *s, const uint16_t *x, const int64_t *ids, int N, uint16_t *const *tails,
+                    float *const *states, const int64_t *slots, int64_t num_slots, uint16_t *const *mla_rows,
+                    int64_t num_rows, const int64_t *write_rows, const int64_t *read_rows, const int64_t *cu_kv,
+                    uint16_t *out, float *logits, int nthreads) {
     const int D = s->D, L = s->L, blk = s->block_size;
-    if (N < 1 || N > stack_rows(s)) return -4;
+    if (N < 1 || N > stack_rows(s) || (!x && !(ids && s->embed)) || (logits && !s->lm_head)) return -4;
+    for (int n = 0; !x && n < N; ++n)
+        if (ids[n] < 0 || ids[n] >= s->vocab) return -2;
     int rc = check_step(s, N, slots, num_slots, write_rows, read_rows, cu_kv, num_rows);
     if (rc) return rc;
     const int banked = blk > 0 ? (L + blk - 1) / blk : 0, nbuf = banked + 4;
@@ -108,7 +137,8 @@ int ds_decode_stack(const ds_stack_t *s, const uint16_t *x, int N, uint16_t *con
     uint16_t *cur = buf, *a = buf + nd, *xin = a + nd, *mix = xin + nd, *next = mix + nd;
     uint16_t *o = buf + nd * nbuf, *g = o + (size_t)N * hv;
     int nbank = 0;
-    if (rc == 0) memcpy(cur, x, sizeof(uint16_t) * nd);
+    for (int n = 0; rc == 0 && n < N; ++n)
+        memcpy(cur + (size_t)n * D, x ? x + (size_t)n * D : s->embed + ids[n] * (int64_t)D, sizeof(uint16_t) * D);
     for (int l = 0; rc == 0 && l < L; ++l) {
         const ds_stack_layer_t *y = &s->layers[l];
         layer_input(bank, nbank, cur, N, D, y->attn_q, s->res_eps, y->attn_norm, y->attn_eps, mix, xin, nthreads);
@@ -120,12 +150,7 @@ int ds_decode_stack(const ds_stack_t *s, const uint16_t *x, int N, uint16_t *con
             rc = ds_mla_block(m, xin, N, mla_rows[l], num_rows, write_rows, read_rows, cu_kv, o,
                               m->gated ? g : NULL, nthreads) ? -1 : 0;
             if (rc == 0 && m->gated) ds_sigmoid_mul_bf16(o, g, (int64_t)N * w, o, nthreads);
-            if (rc == 0 && N <= DS_MAX_M) ds_linear_bf16(o, N, w, y->o_proj, D, a, D, nthreads);
-            if (rc == 0 && N > DS_MAX_M) {   /* as ops.linear: the tile kernel above DS_MAX_M rows */
-                const int f0 = 0;
-                void *ya = a;
-                rc = ds_linear_amx_multi(o, N, w, &y->o_proj, &D, &f0, &ya, 1, nthreads) ? -1 : 0;
-            }
+            if (rc == 0) rc = linear(o, N, w, y->o_proj, D, a, nthreads);
         }
         if (rc) break;
         if (y->attn_q && blk > 0 && l % blk == 0) {
@@ -146,6 +171,7 @@ int ds_decode_stack(const ds_stack_t *s, const uint16_t *x, int N, uint16_t *con
     }
     if (rc == 0) layer_input(bank, nbank, cur, N, D, s->out_q, s->res_eps, s->final_norm, s->final_eps, mix, out,
                              nthreads);
+    if (rc == 0 && logits) rc = head_logits(s, out, N, logits, nthreads);
     free(buf);
     free(bank);
     free(zero);
