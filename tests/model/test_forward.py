@@ -7,6 +7,8 @@ import torch
 
 from deltaserve.model import load_model
 from deltaserve.model.context import DenseCache
+from deltaserve.ops import mla
+from deltaserve.ops.backend import TorchOps
 from deltaserve.tiny import make_tiny
 
 CASES = [("kimi_k3", False), ("kimi_k3", True), ("kimi_linear", False)]
@@ -55,8 +57,22 @@ def test_prefill_then_decode_matches_full(model):
 
 
 @torch.inference_mode()
-def test_packed_chunks_match_full(model):
-    """Two sequences packed in one step, continued in uneven chunks (absorbed MLA with context)."""
+def test_packed_chunks_match_full(model, monkeypatch):
+    """Two sequences packed in one step, continued in uneven chunks: MLA over the cached context
+    unabsorbed for a chunk of more queries than the break-even (32 at the tiny sizes: the 64-token
+    chunk), absorbed for the rest, both in the middle step."""
+    forms = {"unabsorbed": 0, "absorbed": 0}
+    for name, owner, attr in (
+        ("unabsorbed", TorchOps, "mla_context_prefill"),
+        ("absorbed", mla, "mla_absorbed_attention"),
+    ):
+        real = getattr(owner, attr)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            forms[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, attr, counted)
     a, b = prompt(model, 90, 7), prompt(model, 33, 8)
     cache = DenseCache(2)
     out_a, out_b = [], []
@@ -67,6 +83,7 @@ def test_packed_chunks_match_full(model):
         cache.end()
         out_a.append(h[:la])
         out_b.append(h[la:])
+    assert forms["unabsorbed"] > 0 and forms["absorbed"] > 0, forms
     torch.testing.assert_close(torch.cat(out_a), model.forward_full(a), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(torch.cat(out_b), model.forward_full(b), rtol=1e-4, atol=1e-4)
 

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 import deltaserve.ops.mla as mla
-from deltaserve.ops.mla import length_buckets, mla_absorbed_attention, mla_prefill_attention
+from deltaserve.ops.mla import (
+    length_buckets,
+    mla_absorbed_attention,
+    mla_context_attention,
+    mla_prefill_attention,
+    unabsorbed_sequences,
+)
 from deltaserve.ops.reference.dense import (
     naive_mla_absorbed_attention,
     naive_mla_layer_absorbed,
@@ -124,6 +130,37 @@ def test_absorbed_decode_batch_and_bf16():
         q_lat.bfloat16().double(), kv_rows.bfloat16().double(), _cu(new), _cu(ctx), R, SCALE
     )
     torch.testing.assert_close(b.double(), ref, rtol=2**-7, atol=2e-2 * float(ref.abs().max()))
+
+
+def test_context_form_matches_plain_prefill_rows():
+    """The unabsorbed form over decompressed context rows (prefill chunks over a cached prefix,
+    decode among them) equals the plain form's rows of the whole sequences, and the float64 oracle."""
+    ctx, new = [5, 64, 100, 1, 30, 7], [2, 7, 60, 1, 30, 1]
+    c_hat, k_rot, q, w_kvb, rows = _latent_case(ctx, new, seed=4)
+    n = c_hat.shape[0]
+    kv = (c_hat @ w_kvb.T).view(n, H, NOPE + DV)
+    k = torch.cat([kv[..., :NOPE], k_rot[:, None].expand(n, H, ROPE)], dim=-1)
+    v = kv[..., NOPE:].contiguous()
+    got = mla_context_attention(q[rows], k, v, _cu(new), _cu(ctx), SCALE)
+    _close(got, _plain(c_hat, k_rot, q, w_kvb, _cu(ctx))[rows])
+    ref = naive_mla_prefill_attention(q.double(), k.double(), v.double(), _cu(ctx), SCALE)[rows]
+    _close(got, ref)
+    b = mla_context_attention(q[rows].bfloat16(), k.bfloat16(), v.bfloat16(), _cu(new), _cu(ctx), SCALE)
+    assert b.dtype == torch.bfloat16 and b.shape == (len(rows), H, DV)
+    torch.testing.assert_close(b.double(), ref, rtol=2**-7, atol=2e-2 * float(ref.abs().max()))
+    with pytest.raises(ValueError):
+        mla_context_attention(q[:3], k[:2], v[:2], _cu([3]), _cu([2]), SCALE)
+
+
+def test_unabsorbed_for_prefill_chunks_not_decode(monkeypatch):
+    """K3's sizes (rank 512, rope 64, nope 128, v 128): the break-even is ~170 queries a sequence,
+    whatever its context; the sequences chosen must fit the bytes their keys and values take."""
+    sizes = dict(heads=64, rank=512, rope=64, nope=128, v=128)
+    assert unabsorbed_sequences(_cu([2048]), _cu([8192]), **sizes) == [0]
+    assert unabsorbed_sequences(_cu([1, 512, 1, 171, 170]), _cu([9000, 4096, 5, 300, 300]), **sizes) == [1, 3]
+    assert unabsorbed_sequences(_cu([1] * 8), _cu([4096] * 8), **sizes) == []  # decode
+    monkeypatch.setattr(mla, "UNABSORBED_BYTES", 8192 * 64 * 256 * 2 - 1)
+    assert unabsorbed_sequences(_cu([2048, 300]), _cu([8192, 400]), **sizes) == [1]
 
 
 def test_absorbed_rejects_more_queries_than_context():

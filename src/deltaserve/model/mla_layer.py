@@ -1,7 +1,9 @@
 """NoPE Multi-head Latent Attention layer (spec/model.md §7).
 
 Without earlier context the plain (unabsorbed) form runs over the new tokens; with a cached
-context the absorbed form attends over the latent rows `[c_hat | k_rot]` directly.
+context a prefill chunk decompresses the context's rows into keys and values and runs the same
+form over them (cheaper from ~170 queries a sequence on), while decode attends over the latent
+rows `[c_hat | k_rot]` directly in the absorbed form.
 `DcpMlaAttention` is the layer built under decode context parallelism (`tp.dcp_world` > 1).
 """
 
@@ -118,15 +120,38 @@ class MlaAttention(OpsModule):
                 o = (
                     self._plain(q, latent, ctx.cu_seqlens)
                     if context is None
-                    else self._absorbed(q, *context, ctx.cu_seqlens)
+                    else self._cached(q, *context, ctx.cu_seqlens)
                 )
         return o, gate
 
+    def _keys_values(self, c_hat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_nope [N, H, nope], v [N, H, v]) of latent rows' c_hat [N, rank]."""
+        kv = self.kv_b_proj(c_hat).view(c_hat.shape[0], self.num_heads, self.nope + self.v_dim)
+        return kv[..., : self.nope], kv[..., self.nope :]
+
     def _plain(self, q, latent, cu_seqlens):
-        n, h = q.shape[0], self.num_heads
-        kv = self.kv_b_proj(latent[:, : self.rank]).view(n, h, self.nope + self.v_dim)
-        k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
+        k_nope, v = self._keys_values(latent[:, : self.rank])
         return self.ops.mla_prefill(q, k_nope, latent[:, self.rank :], v, cu_seqlens, self.scale)
+
+    def _cached(self, q, rows, cu_kv, cu_q):
+        """Attention over cached contexts: unabsorbed, the rows' keys and values decompressed, for the
+        sequences where that costs fewer multiply-adds (`unabsorbed_sequences`: prefill chunks), the
+        absorbed form for the rest (decode); a step with both runs each on its sequences."""
+        wide = mla_ops.unabsorbed_sequences(cu_q, cu_kv, self.num_heads, self.rank, self.rope, self.nope, self.v_dim)
+        num_seqs = cu_q.numel() - 1
+        if len(wide) in (0, num_seqs):
+            return (self._unabsorbed if wide else self._absorbed)(q, rows, cu_kv, cu_q)
+        out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
+        narrow = sorted(set(range(num_seqs)) - set(wide))
+        for seqs, attend in ((wide, self._unabsorbed), (narrow, self._absorbed)):
+            q_rows, kv_rows, sub_q, sub_kv = mla_ops.sequence_subset(cu_q, cu_kv, seqs)
+            dev = q.device
+            out[q_rows.to(dev)] = attend(q[q_rows.to(dev)], rows[kv_rows.to(dev)], sub_kv.to(dev), sub_q.to(dev))
+        return out
+
+    def _unabsorbed(self, q, rows, cu_kv, cu_q):
+        k_nope, v = self._keys_values(rows[:, : self.rank])
+        return self.ops.mla_context_prefill(q, k_nope, rows[:, self.rank :], v, cu_q, cu_kv, self.scale)
 
     def _latent_queries(self, q):
         w_uk, _ = self.kv_b_split()

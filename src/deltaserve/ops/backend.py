@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from . import kda as kda_ops
 from .activations import silu_and_mul, situ_and_mul
 from .attn_res import attn_res_mix
-from .mla import joined_keys, mla_prefill_attention
+from .mla import joined_keys, mla_context_attention, mla_prefill_attention
 from .moe import grouped_experts, route
 from .mxfp4 import mxfp4_decode
 from .norms import gated_rms_norm, rms_norm
@@ -363,6 +363,21 @@ class TorchOps:
         """Absorbed attention of a step with several queries per sequence (cu_q) over the contexts in
         the pool, read in place ([N, H, v]), or None (the layer gathers its context)."""
         return None
+
+    def mla_context_prefill(
+        self,
+        q: torch.Tensor,
+        k_nope: torch.Tensor,
+        k_rot: torch.Tensor,
+        v: torch.Tensor,
+        cu_q: torch.Tensor,
+        cu_kv: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Unabsorbed attention of a step's queries (packed by cu_q) over each sequence's whole
+        context, its rows decompressed (k_nope [Nkv, H, Dn], k_rot [Nkv, Dr], v [Nkv, H, Dv], packed
+        by cu_kv): [N, H, Dv] in q's dtype (`mla.mla_context_attention`)."""
+        return mla_context_attention(q, joined_keys(k_nope, k_rot), v.contiguous(), cu_q, cu_kv, scale)
 
     def mla_prefill(
         self,

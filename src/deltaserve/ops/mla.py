@@ -3,12 +3,15 @@
 The latent cache row of a token is `[c_hat (kv_lora_rank) | k_rot (qk_rope_head_dim)]`,
 c_hat already normalised. Nothing here is rotated: there are no positions in the text model.
 
-Both ops pad the packed sequences into batches and call torch's scaled_dot_product_attention,
+The ops pad the packed sequences into batches and call torch's scaled_dot_product_attention,
 whose CPU flash kernel is blockwise (no [T, T] score matrix) and runs the softmax in fp32 for
 bf16 inputs (measured: bf16 output error equals that of an fp32 upcast, i.e. the output
 rounding). The flash kernel needs equal q/k/v head dims, so v is zero-padded where narrower.
 Sequences are grouped into length buckets (`length_buckets`) so that padding wastes at most
-about 2x the real attention work.
+about 2x the real attention work. Over a cached context, `mla_context_attention` runs the
+unabsorbed form on decompressed rows and `mla_absorbed_attention` the absorbed one;
+`unabsorbed_sequences` picks by multiply-adds (vLLM's MLA prefill likewise decompresses the cached
+context, where decode stays absorbed).
 
 Decode context parallelism splits a context's rows across ranks: `mla_absorbed_partial` attends
 over one rank's share (masked by global position) and returns its log-sum-exp, and
@@ -25,6 +28,7 @@ from ..kernels.transfer import host_copy
 _BUCKET_SLACK = 1 << 16  # padded work (query x key pairs) always tolerated per bucket
 _FOLD_LIMIT = 1 << 27  # max mask elements for the head-folded (MQA) absorbed path
 _SCORE_LIMIT = 1 << 24  # max fp32 score elements per block of the partial (explicit-softmax) path
+UNABSORBED_BYTES = 1 << 29  # most bytes of decompressed context keys and values (bf16) one step may hold
 
 
 def length_buckets(ns: list[int], cs: list[int], waste: float = 2.0, slack: int = _BUCKET_SLACK) -> list[list[int]]:
@@ -77,19 +81,27 @@ def joined_keys(k_nope: torch.Tensor, k_rot: torch.Tensor) -> torch.Tensor:
     return torch.cat([k_nope, k_rot[:, None].expand(n, h, k_rot.shape[-1])], dim=-1)
 
 
+def _equal_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """q, k, v in q's dtype, zero-padded to one head dim (SDPA's flash kernel needs equal dims;
+    the zero columns add nothing to the scores, and the output's are dropped)."""
+    d = max(q.shape[-1], v.shape[-1])
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    if q.shape[-1] < d:
+        q, k = F.pad(q, (0, d - q.shape[-1])), F.pad(k, (0, d - k.shape[-1]))
+    if v.shape[-1] < d:
+        v = F.pad(v, (0, d - v.shape[-1]))
+    return q, k, v
+
+
 def mla_prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Causal attention within each packed sequence (unabsorbed form).
     q, k: [N, H, Dqk]; v: [N, H, Dv]; returns [N, H, Dv] in q's dtype (softmax in fp32)."""
-    n_tok, h, dqk = q.shape
+    n_tok, h, _ = q.shape
     dv = v.shape[-1]
-    d = max(dqk, dv)
-    k, v = k.to(q.dtype), v.to(q.dtype)
-    if dqk < d:
-        q, k = F.pad(q, (0, d - dqk)), F.pad(k, (0, d - dqk))
-    if dv < d:
-        v = F.pad(v, (0, d - dv))
+    q, k, v = _equal_head_dims(q, k, v)
+    d = q.shape[-1]
     starts, lens = _lens(cu_seqlens)
     out = q.new_empty(n_tok, h, dv)
     for bucket in length_buckets(lens, lens):
@@ -111,6 +123,26 @@ def mla_prefill_attention(
     return out
 
 
+def _context_buckets(cu_q: torch.Tensor, cu_kv: torch.Tensor, dev):
+    """Per length bucket of the sequences (n_b new queries over c_b context rows each, the queries
+    the last n_b positions): (q_src, q_dst, k_src, k_dst) as `_pad_index` gives them, nb, mq, mc (the
+    bucket's sequences, most queries, most rows) and `allowed` [nb, mq, mc], query i of sequence b
+    seeing rows [0, c_b - n_b + i] (padded queries see padded zero rows: finite, dropped by q_dst)."""
+    q_starts, ns = _lens(cu_q)
+    kv_starts, cs = _lens(cu_kv)
+    if len(ns) != len(cs) or any(n > c for n, c in zip(ns, cs)):
+        raise ValueError("every sequence needs at least as many context rows as queries")
+    for bucket in length_buckets(ns, cs):
+        b_n = torch.tensor([ns[b] for b in bucket])
+        b_c = torch.tensor([cs[b] for b in bucket])
+        nb, mq, mc = len(bucket), int(b_n.max()), int(b_c.max())
+        q_src, q_dst = _pad_index([q_starts[b] for b in bucket], b_n, mq, dev)
+        k_src, k_dst = _pad_index([kv_starts[b] for b in bucket], b_c, mc, dev)
+        last = (b_c - b_n).to(dev, non_blocking=True).view(nb, 1, 1) + torch.arange(mq, device=dev).view(1, mq, 1)
+        allowed = torch.arange(mc, device=dev).view(1, 1, mc) <= last
+        yield q_src, q_dst, k_src, k_dst, nb, mq, mc, allowed
+
+
 def mla_absorbed_attention(
     q_latent: torch.Tensor,
     kv_latent: torch.Tensor,
@@ -130,24 +162,11 @@ def mla_absorbed_attention(
     output's last Dr columns are dropped. Few queries (decode): heads are folded into the query
     axis against one shared KV head; many queries: SDPA's native GQA broadcast."""
     nq, h, dk = q_latent.shape
-    dev = q_latent.device
     kv = kv_latent.to(q_latent.dtype)
-    q_starts, ns = _lens(cu_q)
-    kv_starts, cs = _lens(cu_kv)
-    if len(ns) != len(cs) or any(n > c for n, c in zip(ns, cs)):
-        raise ValueError("every sequence needs at least as many context rows as queries")
     out = q_latent.new_empty(nq, h, kv_lora_rank)
-    for bucket in length_buckets(ns, cs):
-        b_n = torch.tensor([ns[b] for b in bucket])
-        b_c = torch.tensor([cs[b] for b in bucket])
-        nb, mq, mc = len(bucket), int(b_n.max()), int(b_c.max())
-        q_src, q_dst = _pad_index([q_starts[b] for b in bucket], b_n, mq, dev)
-        k_src, k_dst = _pad_index([kv_starts[b] for b in bucket], b_c, mc, dev)
+    for q_src, q_dst, k_src, k_dst, nb, mq, mc, allowed in _context_buckets(cu_q, cu_kv, q_latent.device):
         qp = _padded(q_latent, q_src, q_dst, nb * mq).view(nb, mq, h, dk)
         kp = _padded(kv, k_src, k_dst, nb * mc).view(nb, 1, mc, dk)
-        # Padded query rows see padded (zero) keys: finite, and dropped below.
-        last = (b_c - b_n).to(dev, non_blocking=True).view(nb, 1, 1) + torch.arange(mq, device=dev).view(1, mq, 1)
-        allowed = torch.arange(mc, device=dev).view(1, 1, mc) <= last  # [nb, mq, mc]
         if nb * mq * h * mc <= _FOLD_LIMIT:
             mask = allowed[:, None, :, None, :].expand(nb, 1, mq, h, mc).reshape(nb, 1, mq * h, mc)
             o = F.scaled_dot_product_attention(qp.view(nb, 1, mq * h, dk), kp, kp, attn_mask=mask, scale=scale)
@@ -159,6 +178,57 @@ def mla_absorbed_attention(
             o = o.transpose(1, 2).reshape(nb * mq, h, dk)
         out[q_src] = o[q_dst, :, :kv_lora_rank]
     return out
+
+
+def mla_context_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_kv: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Unabsorbed attention of new queries over each sequence's whole context (cached + new): q
+    [Nq, H, Dqk] packed by cu_q, k [Nkv, H, Dqk] and v [Nkv, H, Dv] (the context rows decompressed)
+    packed by cu_kv; positions as `mla_absorbed_attention`. Returns [Nq, H, Dv] in q's dtype
+    (softmax in fp32); v is zero-padded to Dqk where narrower (SDPA's flash kernel)."""
+    nq, h, _ = q.shape
+    dv = v.shape[-1]
+    q, k, v = _equal_head_dims(q, k, v)
+    d = q.shape[-1]
+    out = q.new_empty(nq, h, dv)
+    for q_src, q_dst, k_src, k_dst, nb, mq, mc, allowed in _context_buckets(cu_q, cu_kv, q.device):
+        qp = _padded(q, q_src, q_dst, nb * mq).view(nb, mq, h, d).transpose(1, 2)
+        kp, vp = (_padded(t, k_src, k_dst, nb * mc).view(nb, mc, h, d).transpose(1, 2) for t in (k, v))
+        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=allowed[:, None], scale=scale)
+        out[q_src] = o.transpose(1, 2).reshape(nb * mq, h, d)[q_dst, :, :dv]
+    return out
+
+
+def unabsorbed_sequences(
+    cu_q: torch.Tensor, cu_kv: torch.Tensor, heads: int, rank: int, rope: int, nope: int, v: int
+) -> list[int]:
+    """The sequences whose attention over their cached context costs fewer multiply-adds unabsorbed
+    (each context row's keys and values decompressed, rank x H x (nope + v), then H x 2 x max(nope +
+    rope, v) a visible pair) than absorbed (H x 2 x (rank + rope) a pair): those with more than
+    rank (nope + v) / (2 (rank + rope - max(nope + rope, v))) queries, ~170 at K3's sizes (prefill
+    chunks; decode never), in order while their decompressed keys and values fit `UNABSORBED_BYTES`."""
+    _, ns = _lens(cu_q)
+    _, cs = _lens(cu_kv)
+    saved = 2 * (rank + rope - max(nope + rope, v))
+    row_bytes = heads * (nope + v) * 2
+    chosen, held = [], 0
+    for b, (n, c) in enumerate(zip(ns, cs)):
+        if n * saved > rank * (nope + v) and held + c * row_bytes <= UNABSORBED_BYTES:
+            chosen.append(b)
+            held += c * row_bytes
+    return chosen
+
+
+def sequence_subset(cu_q: torch.Tensor, cu_kv: torch.Tensor, seqs: list[int]):
+    """(query rows, context rows, cu_q, cu_kv) of sequences `seqs` of a packed batch, as host int64
+    tensors: the sub-batch of those sequences alone."""
+    q_starts, ns = _lens(cu_q)
+    kv_starts, cs = _lens(cu_kv)
+    q_rows = torch.cat([torch.arange(q_starts[b], q_starts[b] + ns[b]) for b in seqs])
+    kv_rows = torch.cat([torch.arange(kv_starts[b], kv_starts[b] + cs[b]) for b in seqs])
+    cu = [torch.tensor([0] + [lens[b] for b in seqs]).cumsum(0) for lens in (ns, cs)]
+    return q_rows, kv_rows, cu[0], cu[1]
 
 
 def mla_absorbed_partial(
