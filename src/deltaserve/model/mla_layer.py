@@ -144,9 +144,8 @@ class MlaAttention(OpsModule):
         out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
         narrow = sorted(set(range(num_seqs)) - set(wide))
         for seqs, attend in ((wide, self._unabsorbed), (narrow, self._absorbed)):
-            q_rows, kv_rows, sub_q, sub_kv = mla_ops.sequence_subset(cu_q, cu_kv, seqs)
-            dev = q.device
-            out[q_rows.to(dev)] = attend(q[q_rows.to(dev)], rows[kv_rows.to(dev)], sub_kv.to(dev), sub_q.to(dev))
+            q_rows, kv_rows, sub_q, sub_kv = (t.to(q.device) for t in mla_ops.sequence_subset(cu_q, cu_kv, seqs))
+            out[q_rows] = attend(q[q_rows], rows[kv_rows], sub_kv, sub_q)
         return out
 
     def _unabsorbed(self, q, rows, cu_kv, cu_q):
