@@ -163,6 +163,22 @@ def test_unabsorbed_for_prefill_chunks_not_decode(monkeypatch):
     assert unabsorbed_sequences(_cu([2048, 300]), _cu([8192, 400]), **sizes) == [1]
 
 
+def test_sub_batches_of_sequences():
+    """A mixed step's split: the chosen sequences as a batch of their own, the others' queries over
+    the whole batch's contexts (sequences without queries are skipped by the attention ops)."""
+    cu_q, cu_kv = _cu([2, 1, 3]), _cu([5, 4, 6])
+    q_rows, kv_rows, sub_q, sub_kv = mla.sequence_subset(cu_q, cu_kv, [0, 2])
+    assert q_rows.tolist() == [0, 1, 3, 4, 5] and kv_rows.tolist() == [0, 1, 2, 3, 4, 9, 10, 11, 12, 13, 14]
+    assert sub_q.tolist() == [0, 2, 5] and sub_kv.tolist() == [0, 5, 11]
+    rows, only = mla.queries_of(cu_q, [1])
+    assert rows.tolist() == [2] and only.tolist() == [0, 0, 1, 1]
+    ctx, new = [5, 4, 6], [2, 1, 3]
+    c_hat, k_rot, q, w_kvb, all_rows = _latent_case(ctx, new, seed=6)
+    _, q_lat, kv_rows = _absorbed(c_hat, k_rot, q, w_kvb, all_rows, _cu(new), _cu(ctx))
+    part = mla_absorbed_attention(q_lat[rows], kv_rows, only, _cu(ctx), R, SCALE)
+    _close(part, mla_absorbed_attention(q_lat, kv_rows, _cu(new), _cu(ctx), R, SCALE)[rows])
+
+
 def test_absorbed_rejects_more_queries_than_context():
     with pytest.raises(ValueError):
         mla_absorbed_attention(torch.randn(3, H, R + ROPE), torch.randn(2, R + ROPE), _cu([3]), _cu([2]), R, SCALE)

@@ -142,10 +142,11 @@ class MlaAttention(OpsModule):
         if len(wide) in (0, num_seqs):
             return (self._unabsorbed if wide else self._absorbed)(q, rows, cu_kv, cu_q)
         out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
+        q_rows, kv_rows, sub_q, sub_kv = (t.to(q.device) for t in mla_ops.sequence_subset(cu_q, cu_kv, wide))
+        out[q_rows] = self._unabsorbed(q[q_rows], rows[kv_rows], sub_kv, sub_q)
         narrow = sorted(set(range(num_seqs)) - set(wide))
-        for seqs, attend in ((wide, self._unabsorbed), (narrow, self._absorbed)):
-            q_rows, kv_rows, sub_q, sub_kv = (t.to(q.device) for t in mla_ops.sequence_subset(cu_q, cu_kv, seqs))
-            out[q_rows] = attend(q[q_rows], rows[kv_rows], sub_kv, sub_q)
+        q_rows, narrow_q = (t.to(q.device) for t in mla_ops.queries_of(cu_q, narrow))
+        out[q_rows] = self._absorbed(q[q_rows], rows, cu_kv, narrow_q)  # the others' rows skipped, not copied
         return out
 
     def _unabsorbed(self, q, rows, cu_kv, cu_q):

@@ -220,15 +220,30 @@ def unabsorbed_sequences(
     return chosen
 
 
+def _rows_of(cu: torch.Tensor, seqs: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """(the packed rows of sequences `seqs`, every sequence's row count with the others' zeroed)."""
+    starts, lens = _lens(cu)
+    rows = torch.cat([torch.arange(starts[b], starts[b] + lens[b]) for b in seqs])
+    kept = set(seqs)
+    return rows, [n if b in kept else 0 for b, n in enumerate(lens)]
+
+
+def _cumulative(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *lens]).cumsum(0)
+
+
 def sequence_subset(cu_q: torch.Tensor, cu_kv: torch.Tensor, seqs: list[int]):
-    """(query rows, context rows, cu_q, cu_kv) of sequences `seqs` of a packed batch, as host int64
-    tensors: the sub-batch of those sequences alone."""
-    q_starts, ns = _lens(cu_q)
-    kv_starts, cs = _lens(cu_kv)
-    q_rows = torch.cat([torch.arange(q_starts[b], q_starts[b] + ns[b]) for b in seqs])
-    kv_rows = torch.cat([torch.arange(kv_starts[b], kv_starts[b] + cs[b]) for b in seqs])
-    cu = [torch.tensor([0] + [lens[b] for b in seqs]).cumsum(0) for lens in (ns, cs)]
-    return q_rows, kv_rows, cu[0], cu[1]
+    """(query rows, context rows, cu_q, cu_kv) of sequences `seqs` (ascending) of a packed batch, as
+    host int64 tensors: the sub-batch of those sequences alone."""
+    (q_rows, ns), (kv_rows, cs) = _rows_of(cu_q, seqs), _rows_of(cu_kv, seqs)
+    return q_rows, kv_rows, _cumulative([ns[b] for b in seqs]), _cumulative([cs[b] for b in seqs])
+
+
+def queries_of(cu_q: torch.Tensor, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query rows of sequences `seqs`, cu_q where every other sequence has no query): their
+    attention over the whole batch's contexts as they are (the others' rows skipped, not copied)."""
+    q_rows, ns = _rows_of(cu_q, seqs)
+    return q_rows, _cumulative(ns)
 
 
 def mla_absorbed_partial(
