@@ -141,8 +141,10 @@ def test_context_form_matches_plain_prefill_rows():
     kv = (c_hat @ w_kvb.T).view(n, H, NOPE + DV)
     k = torch.cat([kv[..., :NOPE], k_rot[:, None].expand(n, H, ROPE)], dim=-1)
     v = kv[..., NOPE:].contiguous()
-    got = mla_context_attention(q[rows], k, v, _cu(new), _cu(ctx), SCALE)
+    got = mla_context_attention(q[rows], k, v, _cu(new), _cu(ctx), SCALE)  # one padded bucket
     _close(got, _plain(c_hat, k_rot, q, w_kvb, _cu(ctx))[rows])
+    alone = mla_context_attention(q[rows][9:69], k[69:169], v[69:169], _cu([60]), _cu([100]), SCALE)  # views
+    _close(alone, got[9:69])
     ref = naive_mla_prefill_attention(q.double(), k.double(), v.double(), _cu(ctx), SCALE)[rows]
     _close(got, ref)
     b = mla_context_attention(q[rows].bfloat16(), k.bfloat16(), v.bfloat16(), _cu(new), _cu(ctx), SCALE)
@@ -159,7 +161,7 @@ def test_unabsorbed_for_prefill_chunks_not_decode(monkeypatch):
     assert unabsorbed_sequences(_cu([2048]), _cu([8192]), **sizes) == [0]
     assert unabsorbed_sequences(_cu([1, 512, 1, 171, 170]), _cu([9000, 4096, 5, 300, 300]), **sizes) == [1, 3]
     assert unabsorbed_sequences(_cu([1] * 8), _cu([4096] * 8), **sizes) == []  # decode
-    monkeypatch.setattr(mla, "UNABSORBED_BYTES", 8192 * 64 * 256 * 2 - 1)
+    monkeypatch.setattr(mla, "UNABSORBED_BYTES", 8192 * 64 * 2 * (256 + 2 * 192) - 1)
     assert unabsorbed_sequences(_cu([2048, 300]), _cu([8192, 400]), **sizes) == [1]
 
 

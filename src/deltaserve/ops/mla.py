@@ -28,7 +28,7 @@ from ..kernels.transfer import host_copy
 _BUCKET_SLACK = 1 << 16  # padded work (query x key pairs) always tolerated per bucket
 _FOLD_LIMIT = 1 << 27  # max mask elements for the head-folded (MQA) absorbed path
 _SCORE_LIMIT = 1 << 24  # max fp32 score elements per block of the partial (explicit-softmax) path
-UNABSORBED_BYTES = 1 << 29  # most bytes of decompressed context keys and values (bf16) one step may hold
+UNABSORBED_BYTES = 1 << 30  # most bytes a step's decompressed context keys and values may hold (bf16)
 
 
 def length_buckets(ns: list[int], cs: list[int], waste: float = 2.0, slack: int = _BUCKET_SLACK) -> list[list[int]]:
@@ -126,8 +126,9 @@ def mla_prefill_attention(
 def _context_buckets(cu_q: torch.Tensor, cu_kv: torch.Tensor, dev):
     """Per length bucket of the sequences (n_b new queries over c_b context rows each, the queries
     the last n_b positions): (q_src, q_dst, k_src, k_dst) as `_pad_index` gives them, nb, mq, mc (the
-    bucket's sequences, most queries, most rows) and `allowed` [nb, mq, mc], query i of sequence b
-    seeing rows [0, c_b - n_b + i] (padded queries see padded zero rows: finite, dropped by q_dst)."""
+    bucket's sequences, most queries, most rows), `allowed` [nb, mq, mc], query i of sequence b
+    seeing rows [0, c_b - n_b + i] (padded queries see padded zero rows: finite, dropped by q_dst),
+    and the first query and context row of a bucket of one sequence (else None)."""
     q_starts, ns = _lens(cu_q)
     kv_starts, cs = _lens(cu_kv)
     if len(ns) != len(cs) or any(n > c for n, c in zip(ns, cs)):
@@ -140,7 +141,8 @@ def _context_buckets(cu_q: torch.Tensor, cu_kv: torch.Tensor, dev):
         k_src, k_dst = _pad_index([kv_starts[b] for b in bucket], b_c, mc, dev)
         last = (b_c - b_n).to(dev, non_blocking=True).view(nb, 1, 1) + torch.arange(mq, device=dev).view(1, mq, 1)
         allowed = torch.arange(mc, device=dev).view(1, 1, mc) <= last
-        yield q_src, q_dst, k_src, k_dst, nb, mq, mc, allowed
+        alone = (q_starts[bucket[0]], kv_starts[bucket[0]]) if nb == 1 else None
+        yield q_src, q_dst, k_src, k_dst, nb, mq, mc, allowed, alone
 
 
 def mla_absorbed_attention(
@@ -164,7 +166,7 @@ def mla_absorbed_attention(
     nq, h, dk = q_latent.shape
     kv = kv_latent.to(q_latent.dtype)
     out = q_latent.new_empty(nq, h, kv_lora_rank)
-    for q_src, q_dst, k_src, k_dst, nb, mq, mc, allowed in _context_buckets(cu_q, cu_kv, q_latent.device):
+    for q_src, q_dst, k_src, k_dst, nb, mq, mc, allowed, _ in _context_buckets(cu_q, cu_kv, q_latent.device):
         qp = _padded(q_latent, q_src, q_dst, nb * mq).view(nb, mq, h, dk)
         kp = _padded(kv, k_src, k_dst, nb * mc).view(nb, 1, mc, dk)
         if nb * mq * h * mc <= _FOLD_LIMIT:
@@ -192,7 +194,14 @@ def mla_context_attention(
     q, k, v = _equal_head_dims(q, k, v)
     d = q.shape[-1]
     out = q.new_empty(nq, h, dv)
-    for q_src, q_dst, k_src, k_dst, nb, mq, mc, allowed in _context_buckets(cu_q, cu_kv, q.device):
+    for q_src, q_dst, k_src, k_dst, nb, mq, mc, allowed, alone in _context_buckets(cu_q, cu_kv, q.device):
+        if alone is not None:  # one sequence (a long prompt's chunk): views, no padded copies
+            qs, ks = alone
+            qp = q[qs : qs + mq].unsqueeze(0).transpose(1, 2)
+            kp, vp = (t[ks : ks + mc].unsqueeze(0).transpose(1, 2) for t in (k, v))
+            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=allowed[:, None], scale=scale)
+            out[qs : qs + mq] = o[0].transpose(0, 1)[..., :dv]
+            continue
         qp = _padded(q, q_src, q_dst, nb * mq).view(nb, mq, h, d).transpose(1, 2)
         kp, vp = (_padded(t, k_src, k_dst, nb * mc).view(nb, mc, h, d).transpose(1, 2) for t in (k, v))
         o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=allowed[:, None], scale=scale)
@@ -207,11 +216,13 @@ def unabsorbed_sequences(
     (each context row's keys and values decompressed, rank x H x (nope + v), then H x 2 x max(nope +
     rope, v) a visible pair) than absorbed (H x 2 x (rank + rope) a pair): those with more than
     rank (nope + v) / (2 (rank + rope - max(nope + rope, v))) queries, ~170 at K3's sizes (prefill
-    chunks; decode never), in order while their decompressed keys and values fit `UNABSORBED_BYTES`."""
+    chunks; decode never), in order while what they hold at once fits `UNABSORBED_BYTES`: a context
+    row's keys and values as decompressed, its joined keys and its padded values, H x 2 x (nope + v
+    + 2 max(nope + rope, v)) bytes (10 KiB at 8 of K3's heads)."""
     _, ns = _lens(cu_q)
     _, cs = _lens(cu_kv)
     saved = 2 * (rank + rope - max(nope + rope, v))
-    row_bytes = heads * (nope + v) * 2
+    row_bytes = heads * 2 * (nope + v + 2 * max(nope + rope, v))
     chosen, held = [], 0
     for b, (n, c) in enumerate(zip(ns, cs)):
         if n * saved > rank * (nope + v) and held + c * row_bytes <= UNABSORBED_BYTES:
