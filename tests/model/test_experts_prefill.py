@@ -8,11 +8,11 @@ from deltaserve.kernels.cpu import library as cpu_kernels
 from deltaserve.model.experts import StackedExperts
 from deltaserve.model.fused import prepare_model
 from deltaserve.ops.activations import situ_and_mul
-from deltaserve.ops.backend import GluAct
 from deltaserve.ops.cpu_dense import FUSED_MAX_TOKENS
 from deltaserve.ops.cpu_native import CpuNativeOps
 from deltaserve.ops.moe import grouped_experts
 from deltaserve.ops.mxfp4 import mxfp4_decode, mxfp4_encode
+from deltaserve.ops.operands import GluAct
 
 NK = cpu_kernels.native()
 pytestmark = pytest.mark.skipif(NK is None, reason="native CPU kernels unavailable")

@@ -22,7 +22,8 @@ from deltaserve.model.fused import bound_ops, prepare_model
 from deltaserve.model.kimi import KimiForCausalLM
 from deltaserve.model.moe_layer import MoeBlock
 from deltaserve.model.weights import load_model
-from deltaserve.ops.backend import REFERENCE, ExpertWeights, GluAct, TorchOps
+from deltaserve.ops.backend import REFERENCE, TorchOps
+from deltaserve.ops.operands import ExpertWeights, GluAct
 from deltaserve.ops.select import select_ops
 from deltaserve.parallel import ParallelContext, init_tensor_parallel
 from deltaserve.parallel.loading import ShardReader

@@ -10,9 +10,10 @@ triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
 from deltaserve.cache.forward_batch import MlaRowsView  # noqa: E402
-from deltaserve.ops.backend import REFERENCE, ExpertWeights, GluAct, RouteSpec  # noqa: E402
+from deltaserve.ops.backend import REFERENCE  # noqa: E402
 from deltaserve.ops.mla import mla_absorbed_attention  # noqa: E402
 from deltaserve.ops.mxfp4 import mxfp4_decode  # noqa: E402
+from deltaserve.ops.operands import ExpertWeights, GluAct, RouteSpec  # noqa: E402
 from deltaserve.ops.reference.dense import (  # noqa: E402
     naive_attn_res_mix,
     naive_grouped_experts,

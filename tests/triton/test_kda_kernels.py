@@ -9,7 +9,8 @@ pytest.importorskip("triton")
 
 from deltaserve.ops import kda as K  # noqa: E402
 from deltaserve.ops import select  # noqa: E402
-from deltaserve.ops.backend import REFERENCE, KdaSpec, KdaWeights  # noqa: E402
+from deltaserve.ops.backend import REFERENCE  # noqa: E402
+from deltaserve.ops.operands import KdaSpec, KdaWeights  # noqa: E402
 from deltaserve.ops.reference import kda as R  # noqa: E402
 from deltaserve.ops.triton import kda as T  # noqa: E402
 from deltaserve.ops.triton.backend import TritonOps  # noqa: E402

@@ -28,8 +28,9 @@ from .common import DEVICE, KERNEL_MARKS, close
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-from deltaserve.ops.backend import REFERENCE, ExpertWeights, GluAct  # noqa: E402
+from deltaserve.ops.backend import REFERENCE  # noqa: E402
 from deltaserve.ops.mxfp4 import mxfp4_decode  # noqa: E402
+from deltaserve.ops.operands import ExpertWeights, GluAct  # noqa: E402
 from deltaserve.ops.reference.dense import naive_grouped_experts  # noqa: E402
 from deltaserve.ops.triton import ogs_moe as OGS  # noqa: E402
 

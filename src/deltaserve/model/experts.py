@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.backend import ExpertWeights, GluAct
+from ..ops.operands import ExpertWeights, GluAct
 from ..parallel import SINGLE, ParallelContext, shard
 from .modules import OpsModule
 

@@ -14,7 +14,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..ops.backend import KdaWeights, MlaWeights, MoeWeights, TorchOps
+from ..ops.backend import TorchOps
+from ..ops.operands import KdaWeights, MlaWeights, MoeWeights
 from ..ops.select import select_ops
 from ..ops.stack import NormOperands, StackLayerOperands, StackOperands
 from .decoder import DecoderLayer, DecoderStack

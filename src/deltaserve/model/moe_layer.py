@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.backend import GluAct, RouteSpec
+from ..ops.operands import GluAct, RouteSpec
 from ..parallel import SINGLE, ParallelContext, shard
 from .config import ModelConfig
 from .experts import StackedExperts

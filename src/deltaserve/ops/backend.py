@@ -6,7 +6,7 @@ later Triton) subclasses it and overrides what it runs faster. Model layers call
 methods on their bound backend and never choose kernels themselves.
 
 Whole-block decode plans are built once after loading (`prepare_*`, called by
-`model.fused.prepare_model`) from the weight bundles below; the reference builds none. A
+`model.fused.prepare_model`) from the weight bundles of `ops.operands`; the reference builds none. A
 method that takes `prepared` accepts None (nothing prepared) and must then give the reference
 result. A `*_block` or `*_decode` method returns None where it does not apply, and the layer
 runs its module-by-module math instead.
@@ -14,160 +14,16 @@ runs its module-by-module math instead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 
 from . import kda as kda_ops
-from .activations import silu_and_mul, situ_and_mul
 from .attn_res import attn_res_mix
 from .mla import joined_keys, mla_context_attention, mla_prefill_attention
 from .moe import grouped_experts, route
 from .mxfp4 import mxfp4_decode
 from .norms import gated_rms_norm, rms_norm
-
-
-@dataclass(frozen=True)
-class GluAct:
-    """A GLU activation: SiTU with (beta, linear_beta) for K3, SwiGLU (`silu`) for Kimi-Linear."""
-
-    kind: str  # "situ" | "silu"
-    beta: float = 0.0
-    linear_beta: float | None = None
-
-    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if self.kind == "situ":
-            return situ_and_mul(gate, up, self.beta, self.linear_beta)
-        return silu_and_mul(gate, up)
-
-
-@dataclass(frozen=True)
-class RouteSpec:
-    """The router's constants (`ops.moe.route` arguments after the bias)."""
-
-    top_k: int
-    num_expert_group: int = 1
-    topk_group: int = 1
-    renormalize: bool = True
-    routed_scaling_factor: float = 1.0
-    bias_in_weights: bool = False
-
-    def args(self) -> tuple:
-        return (
-            self.top_k,
-            self.num_expert_group,
-            self.topk_group,
-            self.renormalize,
-            self.routed_scaling_factor,
-            self.bias_in_weights,
-        )
-
-
-@dataclass(frozen=True)
-class KdaSpec:
-    """A KDA layer's constants."""
-
-    heads: int
-    head_dim: int
-    lower_bound: float | None  # K3's sigmoid gate bound; None: Kimi-Linear's softplus gate
-    eps: float  # output norm
-    scale: float
-
-
-@dataclass
-class ExpertWeights:
-    """Routed experts: dense `w1, w3 [E, I, Din]`, `w2 [E, Din, I]`, or MXFP4 `(packed, scale)` pairs
-    decoded on the fly to `dtype`."""
-
-    w1: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-    w3: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-    w2: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-    dtype: torch.dtype | None = None
-
-    @property
-    def packed(self) -> bool:
-        return isinstance(self.w1, tuple)
-
-    @property
-    def num(self) -> int:
-        """How many experts the tensors hold."""
-        return (self.w1[0] if self.packed else self.w1).shape[0]
-
-    def operands(self) -> tuple:
-        return self.w1, self.w3, self.w2
-
-
-class PackedExpertView:
-    """`[E, O, I]`-shaped read access to packed experts: `view[e]` decodes expert e with `decode`."""
-
-    def __init__(self, pair: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype, decode: Callable):
-        self.packed, self.scale = pair
-        self.dtype, self.decode = dtype, decode
-        self.shape = torch.Size((*self.packed.shape[:2], self.packed.shape[2] * 2))
-
-    def __getitem__(self, e: int) -> torch.Tensor:
-        return self.decode(self.packed[e], self.scale[e], self.dtype)
-
-
-@dataclass
-class KdaWeights:
-    """One KDA layer's tensors as loaded (the bundle `prepare_kda` reads)."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    f_a: torch.Tensor
-    f_b: torch.Tensor
-    b: torch.Tensor
-    g: torch.Tensor  # g_proj (full-rank gate) or g_a_proj
-    g_b: torch.Tensor | None  # g_b_proj (low-rank gate)
-    o: torch.Tensor
-    conv: torch.Tensor  # fused depthwise weight [3P, W]
-    a_log: torch.Tensor
-    dt_bias: torch.Tensor
-    norm: torch.Tensor  # output norm weight [K]
-
-
-@dataclass
-class MlaWeights:
-    """One MLA layer's tensors as loaded (the bundle `prepare_mla` reads)."""
-
-    q_first: torch.Tensor  # q_a_proj or q_proj
-    q_b: torch.Tensor | None
-    q_norm: torch.Tensor | None
-    kv_a: torch.Tensor
-    kv_norm: torch.Tensor
-    g: torch.Tensor | None
-    w_uk: torch.Tensor  # [H, nope, R] view of kv_b_proj
-    w_uv: torch.Tensor  # [H, v, R] view of kv_b_proj
-    heads: int
-    nope: int
-    rope: int
-    q_eps: float
-    kv_eps: float
-    scale: float
-
-
-@dataclass
-class MoeWeights:
-    """One MoE block's tensors as loaded (the bundle `prepare_moe` reads)."""
-
-    gate: torch.Tensor
-    bias: torch.Tensor | None
-    experts: ExpertWeights
-    act: GluAct
-    route: RouteSpec
-    down: torch.Tensor | None = None
-    up: torch.Tensor | None = None
-    norm: torch.Tensor | None = None
-    norm_eps: float = 0.0
-    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    shared_act: GluAct | None = None
-    # experts (and shared experts) hold one tensor-parallel shard of their intermediate dim: the
-    # routed sum is partial, so a block that applies `norm` to it would be wrong
-    partial: bool = False
+from .operands import ExpertWeights, GluAct, KdaSpec, KdaWeights, MlaWeights, MoeWeights, PackedExpertView, RouteSpec
 
 
 class TorchOps:

@@ -15,8 +15,9 @@ import torch
 from ..kernels.cpu import ACT_SILU, ACT_SITU, AMX_ROWS, MAX_ROWS, NativeKernels
 from ..kernels.cpu.blocks import MoeBlockWeights
 from .attn_res import ATTN_RES_EPS
-from .backend import ExpertWeights, GluAct, MoeWeights, PackedExpertView, RouteSpec, TorchOps
+from .backend import TorchOps
 from .mxfp4 import mxfp4_decode
+from .operands import ExpertWeights, GluAct, MoeWeights, PackedExpertView, RouteSpec
 
 FUSED_MAX_TOKENS = 64  # above this many tokens, per-expert GEMMs (oneDNN) beat the fused GEMVs
 ROW_BUCKET = 32  # prefill expert GEMMs run on row counts rounded up to a multiple of this

@@ -15,10 +15,10 @@ import torch
 
 from ..kernels.cpu import GATE_SIGMOID, GATE_SOFTPLUS, MAX_ROWS, MLA_MAX_HEADS, MLA_MAX_RANK
 from ..kernels.cpu.blocks import KdaBlockWeights, MlaBlockWeights
-from .backend import KdaSpec, KdaWeights, MlaWeights
 from .cpu_dense import CpuDenseOps
 from .cpu_stack import CpuStackOps
 from .norms import gated_rms_norm
+from .operands import KdaSpec, KdaWeights, MlaWeights
 
 
 @dataclass

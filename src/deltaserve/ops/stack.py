@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backend import GluAct
+from .operands import GluAct
 
 
 @dataclass

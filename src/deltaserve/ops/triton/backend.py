@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import kda as kda_ops
-from ..backend import KdaSpec, KdaWeights, TorchOps
+from ..backend import TorchOps
 from ..norms import gated_rms_norm
+from ..operands import KdaSpec, KdaWeights
 from . import fla_kda, interpreted
 from .dense import TritonDenseOps
 from .kda import GATE_SIGMOID, GATE_SOFTPLUS, chunk_kda, conv_step, recurrent_step

@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 
 from ..attn_res import ATTN_RES_EPS
-from ..backend import ExpertWeights, GluAct, RouteSpec, TorchOps
+from ..backend import TorchOps
+from ..operands import ExpertWeights, GluAct, RouteSpec
 from . import flash_prefill, flashinfer_mla, interpreted, ogs_moe
 from . import mla as mla_kernels
 from . import mla_prefill as mla_prefill_kernels

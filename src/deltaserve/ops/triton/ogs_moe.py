@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import ExpertWeights, GluAct
+from ..operands import ExpertWeights, GluAct
 from .moe import situ
 
 WIDTH_MULTIPLE = 128  # D and I (conservative: TMA rows, Hopper's scale swizzle without K padding)
