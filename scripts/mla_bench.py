@@ -5,7 +5,10 @@ device (`kda_bench.rooflines`: HBM copy bandwidth, bf16 matmul throughput):
   torch's FlashAttention varlen kernel (`ops.triton.flash_prefill`, where it fits) and the padded
   SDPA path (`TorchOps.mla_prefill`, what the reference backend runs);
 - extend: a chunk of C queries after a cached prefix (context T in pages of 16), absorbed: ours
-  through the block table against the reference's gather + SDPA (`ops.mla.mla_absorbed_attention`).
+  through the block table against the reference's gather + SDPA (`ops.mla.mla_absorbed_attention`),
+  and the same attention unabsorbed (the gathered rows decompressed by a kv_b of the same geometry,
+  then `TorchOps.mla_context_prefill`: what the CPU engine runs for prefill chunks; its TFLOP/s
+  counts the absorbed form's FLOPs, so the extend rows compare as times).
 
 FLOPs count the visible (causal) query-key pairs: prefill H T^2 / 2 pairs x 2 (Dqk + Dv), extend
 H C (T + C / 2) pairs x 2 (2 R + Dr). Bytes: q, k, v, o once (prefill); the context's rows, q and
@@ -58,6 +61,14 @@ def extend_case(t: int, a, dtype, device):
     return q, rows, table, read_rows, cu_q, cu_kv
 
 
+def unabsorbed_operands(a, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk's queries in the unabsorbed form [C, H, nope + rope] and a kv_b [H (nope + v), R]."""
+    g = torch.Generator(device=device).manual_seed(2)
+    q = torch.randn(a.chunk, a.heads, a.nope + a.rope, device=device, dtype=dtype, generator=g)
+    w = torch.randn(a.heads * (a.nope + a.v_dim), a.rank, device=device, dtype=dtype, generator=g) * a.rank**-0.5
+    return q, w
+
+
 def _row(kind, t, name, sec, flops, nbytes, roof) -> dict:
     t_bw, t_tc = nbytes / (roof["hbm_gb_s"] * 1e9), flops / (roof["bf16_tflops"] * 1e12)
     return {
@@ -102,9 +113,18 @@ def main() -> int:
             scale = (a.nope + a.rope) ** -0.5
             flops = 2 * a.heads * a.chunk * (t + a.chunk / 2) * (2 * a.rank + a.rope)
             nbytes = size * ((t + a.chunk) * (a.rank + a.rope) + a.chunk * a.heads * (2 * a.rank + a.rope))
+            q_plain, w_kvb = unabsorbed_operands(a, dtype, device)
+
+            def unabsorbed():
+                r = pool[read_rows]
+                kv = (r[:, : a.rank] @ w_kvb.T).view(-1, a.heads, a.nope + a.v_dim)
+                k_nope, v = kv[..., : a.nope], kv[..., a.nope :]
+                return REFERENCE.mla_context_prefill(q_plain, k_nope, r[:, a.rank :], v, cu_q, cu_kv, scale)
+
             ext = {
                 "ours": lambda: mla_extend_attention(q, pool, table, 16, cu_q, cu_kv, a.rank, scale),
                 "gather+sdpa": lambda: mla_ops.mla_absorbed_attention(q, pool[read_rows], cu_q, cu_kv, a.rank, scale),
+                "unabsorbed": unabsorbed,
             }
             for name, fn in ext.items():
                 rows.append(_row("extend", t, name, _timer(device, fn, a.reps), flops, nbytes, roof))
