@@ -98,37 +98,15 @@ def mla_prefill_attention(
 ) -> torch.Tensor:
     """Causal attention within each packed sequence (unabsorbed form).
     q, k: [N, H, Dqk]; v: [N, H, Dv]; returns [N, H, Dv] in q's dtype (softmax in fp32)."""
-    n_tok, h, _ = q.shape
-    dv = v.shape[-1]
-    q, k, v = _equal_head_dims(q, k, v)
-    d = q.shape[-1]
-    starts, lens = _lens(cu_seqlens)
-    out = q.new_empty(n_tok, h, dv)
-    for bucket in length_buckets(lens, lens):
-        b_lens = torch.tensor([lens[b] for b in bucket])
-        width = int(b_lens.max())
-        nb = len(bucket)
-        if nb == 1:
-            s0 = starts[bucket[0]]
-            sl = slice(s0, s0 + width)
-            qp, kp, vp = (t[sl].unsqueeze(0).transpose(1, 2) for t in (q, k, v))
-            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
-            out[sl] = o[0].transpose(0, 1)[..., :dv]
-            continue
-        src, dst = _pad_index([starts[b] for b in bucket], b_lens, width, q.device)
-        qp, kp, vp = (_padded(t, src, dst, nb * width).view(nb, width, h, d).transpose(1, 2) for t in (q, k, v))
-        # Left-aligned padding: the causal mask alone hides padded keys from real queries.
-        o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
-        out[src] = o.transpose(1, 2).reshape(nb * width, h, d)[dst, :, :dv]
-    return out
+    return _unabsorbed_attention(q, k, v, cu_seqlens, cu_seqlens, scale, square=True)
 
 
-def _context_buckets(cu_q: torch.Tensor, cu_kv: torch.Tensor, dev):
+def _context_buckets(cu_q: torch.Tensor, cu_kv: torch.Tensor, dev, masks: bool = True):
     """Per length bucket of the sequences (n_b new queries over c_b context rows each, the queries
     the last n_b positions): (q_src, q_dst, k_src, k_dst) as `_pad_index` gives them, nb, mq, mc (the
     bucket's sequences, most queries, most rows), `allowed` [nb, mq, mc], query i of sequence b
-    seeing rows [0, c_b - n_b + i] (padded queries see padded zero rows: finite, dropped by q_dst),
-    and the first query and context row of a bucket of one sequence (else None)."""
+    seeing rows [0, c_b - n_b + i] (padded queries see padded zero rows: finite, dropped by q_dst;
+    None without `masks`), and the first query and context row of a bucket of one sequence (else None)."""
     q_starts, ns = _lens(cu_q)
     kv_starts, cs = _lens(cu_kv)
     if len(ns) != len(cs) or any(n > c for n, c in zip(ns, cs)):
@@ -139,8 +117,10 @@ def _context_buckets(cu_q: torch.Tensor, cu_kv: torch.Tensor, dev):
         nb, mq, mc = len(bucket), int(b_n.max()), int(b_c.max())
         q_src, q_dst = _pad_index([q_starts[b] for b in bucket], b_n, mq, dev)
         k_src, k_dst = _pad_index([kv_starts[b] for b in bucket], b_c, mc, dev)
-        last = (b_c - b_n).to(dev, non_blocking=True).view(nb, 1, 1) + torch.arange(mq, device=dev).view(1, mq, 1)
-        allowed = torch.arange(mc, device=dev).view(1, 1, mc) <= last
+        allowed = None
+        if masks:
+            last = (b_c - b_n).to(dev, non_blocking=True).view(nb, 1, 1) + torch.arange(mq, device=dev).view(1, mq, 1)
+            allowed = torch.arange(mc, device=dev).view(1, 1, mc) <= last
         alone = (q_starts[bucket[0]], kv_starts[bucket[0]]) if nb == 1 else None
         yield q_src, q_dst, k_src, k_dst, nb, mq, mc, allowed, alone
 
@@ -189,22 +169,30 @@ def mla_context_attention(
     [Nq, H, Dqk] packed by cu_q, k [Nkv, H, Dqk] and v [Nkv, H, Dv] (the context rows decompressed)
     packed by cu_kv; positions as `mla_absorbed_attention`. Returns [Nq, H, Dv] in q's dtype
     (softmax in fp32); v is zero-padded to Dqk where narrower (SDPA's flash kernel)."""
+    return _unabsorbed_attention(q, k, v, cu_q, cu_kv, scale, square=False)
+
+
+def _unabsorbed_attention(q, k, v, cu_q, cu_kv, scale: float, square: bool) -> torch.Tensor:
+    """Both unabsorbed ops: `square` (every sequence queries all its rows) takes SDPA's causal flag
+    (top-left and bottom-right alignment agree; left-aligned padding stays hidden from real
+    queries), else the buckets' masks. A bucket of one sequence attends over views (no padded copies)."""
     nq, h, _ = q.shape
     dv = v.shape[-1]
     q, k, v = _equal_head_dims(q, k, v)
     d = q.shape[-1]
     out = q.new_empty(nq, h, dv)
-    for q_src, q_dst, k_src, k_dst, nb, mq, mc, allowed, alone in _context_buckets(cu_q, cu_kv, q.device):
-        if alone is not None:  # one sequence (a long prompt's chunk): views, no padded copies
+    for q_src, q_dst, k_src, k_dst, nb, mq, mc, allowed, alone in _context_buckets(cu_q, cu_kv, q.device, not square):
+        mask = dict(is_causal=True) if square else dict(attn_mask=allowed[:, None])
+        if alone is not None:
             qs, ks = alone
             qp = q[qs : qs + mq].unsqueeze(0).transpose(1, 2)
             kp, vp = (t[ks : ks + mc].unsqueeze(0).transpose(1, 2) for t in (k, v))
-            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=allowed[:, None], scale=scale)
+            o = F.scaled_dot_product_attention(qp, kp, vp, scale=scale, **mask)
             out[qs : qs + mq] = o[0].transpose(0, 1)[..., :dv]
             continue
         qp = _padded(q, q_src, q_dst, nb * mq).view(nb, mq, h, d).transpose(1, 2)
         kp, vp = (_padded(t, k_src, k_dst, nb * mc).view(nb, mc, h, d).transpose(1, 2) for t in (k, v))
-        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=allowed[:, None], scale=scale)
+        o = F.scaled_dot_product_attention(qp, kp, vp, scale=scale, **mask)
         out[q_src] = o.transpose(1, 2).reshape(nb * mq, h, d)[q_dst, :, :dv]
     return out
 
