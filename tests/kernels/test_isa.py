@@ -30,6 +30,8 @@ from deltaserve.ops.norms import rms_norm
 
 from ..engine.test_native_decode import TIE
 from ..ops.test_cpu_kernels import routed_case, ulps
+from ..ops.test_flash_attention import case as flash_case
+from ..ops.test_flash_attention import oracle as flash_oracle
 from ..ops.test_kda_native import _close, _cu, _inputs
 from ..ops.test_native_small_ops import _bf16_close
 
@@ -162,6 +164,18 @@ def test_mla_decode(kernels):
     got = kernels.mla_decode(q, pool, rows, cu_kv, rank, scale)
     ref = mla_absorbed_attention(q, pool[rows], torch.arange(len(lens) + 1), cu_kv, rank, scale)
     assert ulps(got, ref, ref) <= 2.0
+
+
+def test_flash_attention_runs_where_avx512_bf16_does(kernels):
+    """The prefill flash kernel: the oracle's values on AVX512-BF16 variants; the AVX2 variant declines
+    (None: the caller runs SDPA)."""
+    q, k_nope, k_rot, v, cu_q, cu_kv = flash_case([20, 70], [20, 150], 2, 16, 8, 16)
+    got = kernels.flash_attention(q, k_nope, k_rot, v, cu_q, cu_kv, 0.2)
+    if kernels.isa == "avx2":
+        assert got is None
+        return
+    ref = flash_oracle(q, k_nope, k_rot, v, [20, 70], [20, 150], 0.2)
+    assert float((got.double() - ref).abs().max()) <= 2**-6
 
 
 _AVX2 = "flags\t: fpu sse2 avx avx2 fma f16c bmi1 bmi2 movbe abm"

@@ -3,8 +3,8 @@
 Bound once per model by `ops.select.select_ops` when the model is bf16 on CPU and the library
 loaded; `CpuDenseOps` holds the dense and MoE families, this class adds KDA and MLA: the fused
 decode steps over the pools in place, the whole-block plans, and the KDA prefill kernels (fused
-conv + q/k L2 norm, the sigmoid gate, chunked prefill, the gated output norm); `CpuStackOps` the
-whole decode step in one call.
+conv + q/k L2 norm, the sigmoid gate, chunked prefill, the gated output norm) and the MLA prefill
+attention's flash kernel; `CpuStackOps` the whole decode step in one call.
 """
 
 from __future__ import annotations
@@ -57,11 +57,13 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 
 class CpuNativeOps(CpuStackOps, CpuDenseOps):
-    """See the module docstring (`fuse_blocks`: see `CpuDenseOps`; `fuse_stack`: `CpuStackOps`)."""
+    """See the module docstring (`fuse_blocks`: see `CpuDenseOps`; `fuse_stack`: `CpuStackOps`;
+    `flash_prefill`: the MLA prefill attention on the native flash kernel, else SDPA)."""
 
-    def __init__(self, kernels, fuse_blocks: bool = True, fuse_stack: bool = True):
+    def __init__(self, kernels, fuse_blocks: bool = True, fuse_stack: bool = True, flash_prefill: bool = True):
         super().__init__(kernels, fuse_blocks)
         self.fuse_stack = fuse_stack
+        self.flash_prefill = flash_prefill
 
     # KDA ---------------------------------------------------------------------------------------
     def prepare_kda(self, w: KdaWeights, spec: KdaSpec) -> KdaPrepared:
@@ -204,6 +206,21 @@ class CpuNativeOps(CpuStackOps, CpuDenseOps):
         ):
             return None
         return self.k.mla_block(prepared.plan, x, *pool_view)
+
+    def mla_prefill(self, q, k_nope, k_rot, v, cu_seqlens, scale):
+        out = self._flash(q, k_nope, k_rot, v, cu_seqlens, cu_seqlens, scale)
+        return super().mla_prefill(q, k_nope, k_rot, v, cu_seqlens, scale) if out is None else out
+
+    def mla_context_prefill(self, q, k_nope, k_rot, v, cu_q, cu_kv, scale):
+        out = self._flash(q, k_nope, k_rot, v, cu_q, cu_kv, scale)
+        return super().mla_context_prefill(q, k_nope, k_rot, v, cu_q, cu_kv, scale) if out is None else out
+
+    def _flash(self, q, k_nope, k_rot, v, cu_q, cu_kv, scale):
+        """The unabsorbed prefill attention on the native flash kernel (the keys' parts and the values
+        read in place), or None: switched off, operands other than bf16, or a build without AVX512-BF16."""
+        if not self.flash_prefill or any(t.dtype != torch.bfloat16 or t.stride(-1) != 1 for t in (q, k_nope, k_rot, v)):
+            return None
+        return self.k.flash_attention(q, k_nope, k_rot, v, cu_q.long(), cu_kv.long(), scale)
 
     def mla_decode(self, q, w_uk, w_uv, rows_view, rank, scale, prepared: MlaPrepared | None = None):
         """The paged decode kernel reading the pool's rows in place; up to MAX_ROWS queries also

@@ -6,7 +6,8 @@ The native paths apply only to bf16 operands, so an fp32 model on the native bac
 the reference everywhere anyway.
 
 `DELTASERVE_DECODE_STACK=0` keeps the native backend's decode steps layer by layer (block plans,
-no whole-stack plan; for side-by-side measurements).
+no whole-stack plan), `DELTASERVE_FLASH_PREFILL=0` its MLA prefill attention on SDPA (the reference's
+rounding) instead of the native flash kernel; both for side-by-side comparisons.
 
 CUDA models get `TritonOps` (`ops.triton`, imported only then) when `triton` is importable.
 `DELTASERVE_TRITON=0` never picks it; `DELTASERVE_TRITON=1` picks it on any device (on CPU the
@@ -42,7 +43,8 @@ def select_ops(device: torch.device | str, dtype: torch.dtype, fuse_blocks: bool
         kernels = native(device)
         if kernels is not None:
             stack = os.environ.get("DELTASERVE_DECODE_STACK", "1") != "0"
-            return CpuNativeOps(kernels, fuse_blocks=fuse_blocks, fuse_stack=stack)
+            flash = os.environ.get("DELTASERVE_FLASH_PREFILL", "1") != "0"
+            return CpuNativeOps(kernels, fuse_blocks=fuse_blocks, fuse_stack=stack, flash_prefill=flash)
     return REFERENCE
 
 

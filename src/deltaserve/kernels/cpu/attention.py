@@ -157,3 +157,66 @@ class AttentionDecodeBindings:
         if rc != 0:
             raise MemoryError("mla_decode: scratch allocation failed")
         return out
+
+    def flash_attention(
+        self,
+        q: torch.Tensor,
+        k_nope: torch.Tensor,
+        k_rot: torch.Tensor,
+        v: torch.Tensor,
+        cu_q: torch.Tensor,
+        cu_kv: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """Causal attention of the packed queries q [Nq, H, Dn + Dr] over each sequence's rows, keys
+        [k_nope [Nkv, H, Dn] | k_rot [Nkv, Dr] shared by the heads], values v [Nkv, H, Dv] (see
+        `ds_flash_attention`; views with a contiguous last dim are read in place): [Nq, H, Dv] bf16,
+        the values of `ops.mla.mla_context_attention`. None where the build lacks AVX512-BF16."""
+        nq, h, dqk = q.shape
+        nkv, _, dn = k_nope.shape
+        dr, dv = k_rot.shape[-1], v.shape[-1]
+        ok = (
+            all(t.dtype == torch.bfloat16 and t.stride(-1) == 1 for t in (q, k_nope, k_rot, v))
+            and dqk == dn + dr
+            and tuple(k_nope.shape[:2]) == (nkv, h)
+            and tuple(v.shape[:2]) == (nkv, h)
+            and tuple(k_rot.shape) == (nkv, dr)
+            and cu_q.dtype == cu_kv.dtype == torch.int64
+            and cu_q.numel() == cu_kv.numel() >= 1
+        )
+        if not ok:
+            raise ValueError("flash_attention: operand shapes or dtypes disagree")
+        cu_q, cu_kv = cu_q.contiguous(), cu_kv.contiguous()
+        if int(cu_q[0]) != 0 or int(cu_kv[0]) != 0 or int(cu_q[-1]) != nq or int(cu_kv[-1]) != nkv:
+            raise ValueError("flash_attention: cu_q / cu_kv do not span the rows")
+        out = torch.empty(nq, h, dv, dtype=torch.bfloat16)
+        rc = self.lib.ds_flash_attention(
+            cu_q.numel() - 1,
+            h,
+            dn,
+            dr,
+            dv,
+            q.data_ptr(),
+            q.stride(0),
+            q.stride(1),
+            k_nope.data_ptr(),
+            k_nope.stride(0),
+            k_nope.stride(1),
+            k_rot.data_ptr() if dr else None,
+            k_rot.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            v.stride(1),
+            cu_q.data_ptr(),
+            cu_kv.data_ptr(),
+            scale,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if rc == -3:
+            return None
+        if rc == -2:
+            raise ValueError("flash_attention: every sequence needs at least as many rows as queries")
+        if rc != 0:
+            raise MemoryError("flash_attention: scratch allocation failed")
+        return out

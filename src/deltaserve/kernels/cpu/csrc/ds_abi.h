@@ -13,7 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define DS_ABI_VERSION 4
+#define DS_ABI_VERSION 5
 
 #define DS_MAX_M 8             /* rows of the register-accumulator (GEMV) kernels: small-M decode */
 #define DS_AMX_ROWS 64         /* rows the AMX tile kernels take in one pass (batched decode) */
@@ -134,6 +134,16 @@ int ds_kda_decode(int B, int H, int K, int W, const uint16_t *xq, const uint16_t
                   uint16_t *out, int nthreads);
 int ds_mla_decode(int B, int H, int D, int R, const uint16_t *q, const uint16_t *rows, const int64_t *read_rows,
                   const int64_t *cu_kv, float scale, uint16_t *out, int nthreads);
+
+/* flash_attention.c: causal attention of packed queries over each sequence's key/value rows (MLA
+ * prefill, unabsorbed): q [Nq, H, Dn + Dr] (token and head strides sq_t, sq_h), keys [k_nope | k_rot]
+ * (k_nope [Nkv, H, Dn] strides sk_t, sk_h; k_rot [Nkv, Dr] stride sr_t, shared by the heads; NULL if
+ * Dr = 0), v [Nkv, H, Dv] (sv_t, sv_h), last dims contiguous; out [Nq, H, Dv] contiguous. 0, -1
+ * (allocation), -2 (a sequence with more queries than rows), -3 (the build lacks AVX512-BF16). */
+int ds_flash_attention(int B, int H, int Dn, int Dr, int Dv, const uint16_t *q, int64_t sq_t, int64_t sq_h,
+                       const uint16_t *k_nope, int64_t sk_t, int64_t sk_h, const uint16_t *k_rot, int64_t sr_t,
+                       const uint16_t *v, int64_t sv_t, int64_t sv_h, const int64_t *cu_q, const int64_t *cu_kv,
+                       float scale, uint16_t *out, int nthreads);
 
 /* kda_chunk.c: chunked KDA prefill, causal conv (+ q/k L2 norm). */
 int ds_kda_chunked(int B, int H, int K, int V, const float *q, int64_t sq, const float *k, int64_t sk,

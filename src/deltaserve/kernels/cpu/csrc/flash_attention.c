@@ -1,0 +1,292 @@
+/* deltaserve CPU kernel: causal softmax attention of a step's packed queries over each sequence's
+ * keys and values, flash-attention style (MLA prefill in the unabsorbed form, spec/model.md §7).
+ * Sequence b has n_b queries (from row cu_q[b]) and c_b >= n_b key/value rows (from row cu_kv[b]);
+ * query i sits at position c_b - n_b + i and sees rows [0, c_b - n_b + i]. A head's key is
+ * [k_nope (Dn) | k_rot (Dr)], k_rot one row every head shares; values are Dv wide.
+ *
+ * Numerics as torch's CPU flash attention on bf16 inputs: scores in fp32 (bf16 products summed in
+ * fp32), the online softmax in fp32, the probabilities rounded to bf16 for the value product,
+ * fp32 accumulators, bf16 output.
+ *
+ * Layout: per (sequence, head), keys are first packed in blocks of FA_BK rows, pair-interleaved
+ * ([pair p][key j] = dims 2p, 2p+1 of key j as one dword), values as [key pair][column] dwords, zero
+ * past the sequence's rows; both are read FA_QB queries at a time (their fp32 accumulators stay in
+ * L2 while the blocks stream once per task). A register tile is FA_MR queries x FA_BK keys: each
+ * `vdpbf16ps` takes one broadcast query pair and 16 keys' pairs, so the scores and the value
+ * product run on the dot-product unit alone. Tasks (sequence, head, query block) go out largest
+ * first. Heads are packed in groups that fit FA_PACK_BYTES. Without AVX512-BF16 in the build the
+ * function returns -3 and the caller takes PyTorch's path.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#include "ds_abi.h"
+#include "bf16.h"
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define FA_AVX512BF16 1
+#endif
+
+#define FA_BK 64                          /* keys a block */
+#define FA_NZ (FA_BK / 16)                /* vectors a block's scores take per query */
+#define FA_MR 6                           /* queries a register tile */
+#define FA_QB (16 * FA_MR)                /* queries a task */
+#define FA_PACK_BYTES ((int64_t)256 << 20) /* packed keys and values held at once (heads grouped to fit) */
+
+#ifdef FA_AVX512BF16
+typedef struct {
+    int H, Dn, Dr, Dv, D2, DvP;           /* D2 key pairs (odd widths zero-padded), DvP = Dv rounded up to 16 */
+    const uint16_t *q, *kn, *kr, *v;
+    int64_t sq_t, sq_h, sk_t, sk_h, sr_t, sv_t, sv_h;
+    const int64_t *cu_q, *cu_kv;
+    float scale_log2;
+} fa_args;
+
+/* Dwords of one (sequence, head)'s packed keys and values per block. */
+static inline int64_t block_dwords(const fa_args *a) { return (int64_t)a->D2 * FA_BK + (int64_t)(FA_BK / 2) * a->DvP; }
+
+/* The joined key row (Dn + Dr bf16, zero-padded to 2 * D2) of row t of head h. */
+static inline void key_row(const fa_args *a, int64_t t, int h, uint16_t *row) {
+    memcpy(row, a->kn + t * a->sk_t + (int64_t)h * a->sk_h, sizeof(uint16_t) * a->Dn);
+    if (a->Dr) memcpy(row + a->Dn, a->kr + t * a->sr_t, sizeof(uint16_t) * a->Dr);
+    if ((a->Dn + a->Dr) & 1) row[a->Dn + a->Dr] = 0;
+}
+
+/* Packs block kb of rows [r0, r0 + c) of head h into dst (block_dwords dwords). */
+static void pack_block(const fa_args *a, int64_t r0, int64_t c, int h, int64_t kb, uint32_t *dst) {
+    uint32_t *kp = dst, *vp = dst + (int64_t)a->D2 * FA_BK;
+    uint32_t row[a->D2];
+    for (int j = 0; j < FA_BK; ++j) {
+        const int64_t t = kb * FA_BK + j;
+        if (t < c) key_row(a, r0 + t, h, (uint16_t *)row);
+        else memset(row, 0, sizeof(row));
+        for (int p = 0; p < a->D2; ++p) kp[(int64_t)p * FA_BK + j] = row[p];
+    }
+    for (int jp = 0; jp < FA_BK / 2; ++jp) {
+        const int64_t t = kb * FA_BK + 2 * jp;
+        const uint16_t *v0 = t < c ? a->v + (r0 + t) * a->sv_t + (int64_t)h * a->sv_h : NULL;
+        const uint16_t *v1 = t + 1 < c ? v0 + a->sv_t : NULL;
+        uint32_t *o = vp + (int64_t)jp * a->DvP;
+        for (int d = 0; d < a->DvP; ++d) {
+            const uint32_t lo = v0 && d < a->Dv ? v0[d] : 0, hi = v1 && d < a->Dv ? v1[d] : 0;
+            o[d] = lo | hi << 16;
+        }
+    }
+}
+
+/* 2^x for x <= 0 (below -126: ~0, never a NaN): a degree-6 polynomial of the fraction, scaled. */
+static inline __m512 exp2_nonpos(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5403530e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Per-task state: the queries' pairs, fp32 accumulators, running max (log2 units) and sum. */
+typedef struct {
+    uint32_t *qp;          /* [FA_QB][D2] */
+    float *acc;            /* [FA_QB][DvP] */
+    float m[FA_QB], l[FA_QB];
+    uint32_t p[FA_MR * FA_BK / 2];   /* a tile's probabilities, bf16 pairs */
+} fa_task;
+
+/* P (rows x FA_BK, bf16) @ block values into acc rows [r0, r0 + FA_MR), columns [c0, c0 + 16 NZ). */
+static inline __attribute__((always_inline)) void
+value_tile(const uint32_t *p, const uint32_t *vp, int DvP, float *acc, int c0, const int NZ) {
+    __m512 o[FA_MR][FA_NZ];
+    for (int r = 0; r < FA_MR; ++r)
+        for (int z = 0; z < NZ; ++z) o[r][z] = _mm512_loadu_ps(acc + (int64_t)r * DvP + c0 + 16 * z);
+    for (int jp = 0; jp < FA_BK / 2; ++jp) {
+        __m512bh w[FA_NZ];
+        for (int z = 0; z < NZ; ++z) w[z] = (__m512bh)_mm512_loadu_si512(vp + (int64_t)jp * DvP + c0 + 16 * z);
+        for (int r = 0; r < FA_MR; ++r) {
+            const __m512bh pr = (__m512bh)_mm512_set1_epi32((int)p[r * (FA_BK / 2) + jp]);
+            for (int z = 0; z < NZ; ++z) o[r][z] = _mm512_dpbf16_ps(o[r][z], pr, w[z]);
+        }
+    }
+    for (int r = 0; r < FA_MR; ++r)
+        for (int z = 0; z < NZ; ++z) _mm512_storeu_ps(acc + (int64_t)r * DvP + c0 + 16 * z, o[r][z]);
+}
+
+/* One register tile: queries [i0, i0 + FA_MR) of the task (rows past n repeat the last query) against
+ * key block kb (`lim`: the last key position query i0 of the tile sees). */
+static void tile_block(const fa_args *a, fa_task *t, int i0, int64_t lim, int64_t kb, const uint32_t *blk) {
+    const int D2 = a->D2, DvP = a->DvP;
+    const uint32_t *kp = blk, *vp = blk + (int64_t)D2 * FA_BK;
+    __m512 s[FA_MR][FA_NZ];
+    for (int r = 0; r < FA_MR; ++r)
+        for (int z = 0; z < FA_NZ; ++z) s[r][z] = _mm512_setzero_ps();
+    const uint32_t *qr = t->qp + (int64_t)i0 * D2;
+    for (int pp = 0; pp < D2; ++pp) {
+        __m512bh k[FA_NZ];
+        for (int z = 0; z < FA_NZ; ++z) k[z] = (__m512bh)_mm512_loadu_si512(kp + (int64_t)pp * FA_BK + 16 * z);
+        for (int r = 0; r < FA_MR; ++r) {
+            const __m512bh qv = (__m512bh)_mm512_set1_epi32((int)qr[(int64_t)r * D2 + pp]);
+            for (int z = 0; z < FA_NZ; ++z) s[r][z] = _mm512_dpbf16_ps(s[r][z], qv, k[z]);
+        }
+    }
+    const __m512 scale = _mm512_set1_ps(a->scale_log2);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int r = 0; r < FA_MR; ++r) {
+        const int i = i0 + r;
+        __mmask16 keep[FA_NZ];
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int z = 0; z < FA_NZ; ++z) {
+            const int64_t first = kb * FA_BK + 16 * z, last = lim + r - first;   /* lanes [0, last] seen */
+            keep[z] = last >= 15 ? 0xFFFF : (last < 0 ? 0 : _mm512_cmple_epi32_mask(lane, _mm512_set1_epi32((int)last)));
+            s[r][z] = _mm512_mul_ps(s[r][z], scale);
+            mx = _mm512_mask_max_ps(mx, keep[z], mx, s[r][z]);
+        }
+        const float m_old = t->m[i], m_blk = _mm512_reduce_max_ps(mx), m_new = m_old > m_blk ? m_old : m_blk;
+        const __m512 mv = _mm512_set1_ps(m_new);
+        __m512 sum = _mm512_setzero_ps();
+        for (int z = 0; z < FA_NZ; ++z) {
+            s[r][z] = _mm512_maskz_mov_ps(keep[z], exp2_nonpos(_mm512_sub_ps(s[r][z], mv)));
+            sum = _mm512_add_ps(sum, s[r][z]);
+        }
+        for (int z = 0; z < FA_NZ; z += 2)
+            _mm512_storeu_si512(t->p + r * (FA_BK / 2) + 8 * z, (__m512i)_mm512_cvtne2ps_pbh(s[r][z + 1], s[r][z]));
+        const float alpha = m_old == -INFINITY ? 0.f : (m_old == m_new ? 1.f : _mm512_cvtss_f32(exp2_nonpos(_mm512_set1_ps(m_old - m_new))));
+        t->l[i] = t->l[i] * alpha + _mm512_reduce_add_ps(sum);
+        t->m[i] = m_new;
+        if (alpha != 1.f) {
+            float *o = t->acc + (int64_t)i * DvP;
+            const __m512 av = _mm512_set1_ps(alpha);
+            for (int d = 0; d < DvP; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(av, _mm512_loadu_ps(o + d)));
+        }
+    }
+    float *acc = t->acc + (int64_t)i0 * DvP;
+    int c0 = 0;
+    for (; c0 + 64 <= DvP; c0 += 64) value_tile(t->p, vp, DvP, acc, c0, 4);
+    switch ((DvP - c0) / 16) {
+    case 3: value_tile(t->p, vp, DvP, acc, c0, 3); break;
+    case 2: value_tile(t->p, vp, DvP, acc, c0, 2); break;
+    case 1: value_tile(t->p, vp, DvP, acc, c0, 1); break;
+    default: break;
+    }
+}
+
+/* Task: queries [q0, q0 + FA_QB) (clipped to n) of sequence b, head h; `packed` its blocks. */
+static void run_task(const fa_args *a, fa_task *t, int b, int h, int q0, const uint32_t *packed, uint16_t *out) {
+    const int64_t n = a->cu_q[b + 1] - a->cu_q[b], c = a->cu_kv[b + 1] - a->cu_kv[b];
+    const int rows = n - q0 < FA_QB ? (int)(n - q0) : FA_QB, tiles = (rows + FA_MR - 1) / FA_MR;
+    const int D = a->Dn + a->Dr;
+    for (int i = 0; i < tiles * FA_MR; ++i) {   /* rows past n repeat the last query */
+        const int64_t qi = a->cu_q[b] + q0 + (i < rows ? i : rows - 1);
+        uint16_t *dst = (uint16_t *)(t->qp + (int64_t)i * a->D2);
+        memcpy(dst, a->q + qi * a->sq_t + (int64_t)h * a->sq_h, sizeof(uint16_t) * D);
+        if (D & 1) dst[D] = 0;
+        t->m[i] = -INFINITY;
+        t->l[i] = 0.f;
+    }
+    memset(t->acc, 0, sizeof(float) * (size_t)tiles * FA_MR * a->DvP);
+    const int64_t base = c - n + q0;                       /* the last key query q0 sees */
+    const int64_t last_kb = (base + rows - 1) / FA_BK;
+    for (int64_t kb = 0; kb <= last_kb; ++kb) {
+        const uint32_t *blk = packed + kb * block_dwords(a);
+        for (int tl = 0; tl < tiles; ++tl) {
+            const int i0 = tl * FA_MR;
+            const int64_t lim = base + i0;
+            const int64_t tile_last = base + (i0 + FA_MR - 1 < rows ? i0 + FA_MR - 1 : rows - 1);
+            if (kb * FA_BK > tile_last) continue;          /* the block is past every query of the tile */
+            tile_block(a, t, i0, lim, kb, blk);
+        }
+    }
+    for (int i = 0; i < rows; ++i) {
+        uint16_t *o = out + ((a->cu_q[b] + q0 + i) * a->H + h) * (int64_t)a->Dv;
+        const float inv = 1.f / t->l[i], *src = t->acc + (int64_t)i * a->DvP;
+        for (int d = 0; d < a->Dv; ++d) o[d] = f32_to_bf16(src[d] * inv);
+    }
+}
+
+/* Tasks of one head group, largest first: (b, h, q0) and their cost (queries x keys seen). */
+typedef struct { int b, h, q0; int64_t cost; } fa_item;
+
+static int by_cost(const void *x, const void *y) {
+    const int64_t a = ((const fa_item *)x)->cost, b = ((const fa_item *)y)->cost;
+    return a < b ? 1 : (a > b ? -1 : 0);
+}
+#endif
+
+int ds_flash_attention(int B, int H, int Dn, int Dr, int Dv, const uint16_t *q, int64_t sq_t, int64_t sq_h,
+                       const uint16_t *k_nope, int64_t sk_t, int64_t sk_h, const uint16_t *k_rot, int64_t sr_t,
+                       const uint16_t *v, int64_t sv_t, int64_t sv_h, const int64_t *cu_q, const int64_t *cu_kv,
+                       float scale, uint16_t *out, int nthreads) {
+#ifndef FA_AVX512BF16
+    (void)B, (void)H, (void)Dn, (void)Dr, (void)Dv, (void)q, (void)sq_t, (void)sq_h, (void)k_nope, (void)sk_t;
+    (void)sk_h, (void)k_rot, (void)sr_t, (void)v, (void)sv_t, (void)sv_h, (void)cu_q, (void)cu_kv, (void)scale;
+    (void)out, (void)nthreads;
+    return -3;
+#else
+    const fa_args a = {H, Dn, Dr, Dv, (Dn + Dr + 1) / 2, (Dv + 15) / 16 * 16, q, k_nope, k_rot, v,
+                       sq_t, sq_h, sk_t, sk_h, sr_t, sv_t, sv_h, cu_q, cu_kv, scale * 1.44269504088896f};
+    int64_t blocks = 0, tasks = 0;   /* per head */
+    for (int b = 0; b < B; ++b) {
+        const int64_t n = cu_q[b + 1] - cu_q[b], c = cu_kv[b + 1] - cu_kv[b];
+        if (n < 0 || c < n) return -2;
+        blocks += (c + FA_BK - 1) / FA_BK;
+        tasks += (n + FA_QB - 1) / FA_QB;
+    }
+    if (tasks == 0) return 0;
+    const int64_t head_dwords = blocks * block_dwords(&a);
+    int group = (int)(FA_PACK_BYTES / 4 / (head_dwords > 0 ? head_dwords : 1));
+    group = group < 1 ? 1 : (group > H ? H : group);
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(B + 1));   /* each sequence's first block */
+    uint32_t *packed = malloc(sizeof(uint32_t) * (size_t)(head_dwords * group));
+    fa_item *items = malloc(sizeof(fa_item) * (size_t)(tasks * group));
+    if (!first || !packed || !items) { free(first); free(packed); free(items); return -1; }
+    first[0] = 0;
+    for (int b = 0; b < B; ++b) first[b + 1] = first[b] + (cu_kv[b + 1] - cu_kv[b] + FA_BK - 1) / FA_BK;
+    int bad = 0;
+    for (int h0 = 0; h0 < H; h0 += group) {
+        const int g = H - h0 < group ? H - h0 : group;
+        int64_t ni = 0;
+        for (int hh = 0; hh < g; ++hh)
+            for (int b = 0; b < B; ++b) {
+                const int64_t n = cu_q[b + 1] - cu_q[b], c = cu_kv[b + 1] - cu_kv[b];
+                for (int q0 = 0; q0 < n; q0 += FA_QB)
+                    items[ni++] = (fa_item){b, h0 + hh, q0, (n - q0 < FA_QB ? n - q0 : FA_QB) * (c - n + q0 + FA_QB)};
+            }
+        qsort(items, (size_t)ni, sizeof(fa_item), by_cost);
+        #pragma omp parallel num_threads(nthreads) reduction(| : bad)
+        {
+            #pragma omp for schedule(dynamic, 4)
+            for (int64_t it = 0; it < (int64_t)g * blocks; ++it) {
+                const int hh = (int)(it / blocks);
+                const int64_t kb = it % blocks;
+                int b = 0;
+                while (first[b + 1] <= kb) ++b;
+                pack_block(&a, cu_kv[b], cu_kv[b + 1] - cu_kv[b], h0 + hh, kb - first[b],
+                           packed + (hh * blocks + kb) * block_dwords(&a));
+            }
+            fa_task t;
+            t.qp = malloc(sizeof(uint32_t) * (size_t)FA_QB * a.D2);
+            t.acc = malloc(sizeof(float) * (size_t)FA_QB * a.DvP);
+            if (!t.qp || !t.acc) bad |= 1;
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t it = 0; it < ni; ++it) {
+                const fa_item *w = &items[it];
+                if (t.qp && t.acc)
+                    run_task(&a, &t, w->b, w->h, w->q0,
+                             packed + ((w->h - h0) * blocks + first[w->b]) * block_dwords(&a), out);
+            }
+            free(t.qp);
+            free(t.acc);
+        }
+        if (bad) break;
+    }
+    free(first);
+    free(packed);
+    free(items);
+    return bad ? -1 : 0;
+#endif
+}
