@@ -9,6 +9,7 @@ import torch
 from deltaserve.kernels.cpu import library as cpu_kernels
 from deltaserve.ops import mla
 from deltaserve.ops.cpu_native import CpuNativeOps
+from deltaserve.ops.reference.dense import naive_mla_absorbed_attention
 
 NK = cpu_kernels.native()
 needs_flash = pytest.mark.skipif(NK is None or not NK.avx512_bf16, reason="needs the AVX512-BF16 kernels")
@@ -123,3 +124,38 @@ def test_flash_prefill_switch(monkeypatch):
     monkeypatch.setenv("DELTASERVE_FLASH_PREFILL", "0")
     ops = select_ops("cpu", BF)
     assert not ops.flash_prefill and ops._flash(q, k_nope, k_rot, v, cu_q, cu_kv, 0.2) is None
+
+
+@needs_flash
+@pytest.mark.parametrize(
+    "ns, cs, heads, rank, rope",
+    [
+        ([3, 1, 0, 7], [10, 5, 4, 300], 2, 32, 8),  # chunks, a decode row, no queries
+        ([1, 1], [1, 64], 4, 64, 16),
+        ([20], [150], 8, 512, 64),  # K3's latent widths, heads folded into 160 query rows
+    ],
+)
+def test_absorbed_form_on_the_kernel(ns, cs, heads, rank, rope):
+    """`CpuNativeOps.mla_absorbed`: the kernel as MQA (one key head: the latent rows read in place; the
+    query heads folded into rows, group = heads) against the float64 oracle and SDPA."""
+    gen = torch.Generator().manual_seed(len(ns) * heads)
+    q = torch.randn(sum(ns), heads, rank + rope, generator=gen).to(BF)
+    rows = torch.randn(sum(cs), rank + rope, generator=gen).to(BF)
+    cu_q, cu_kv = (torch.tensor([0, *x]).cumsum(0) for x in (ns, cs))
+    scale = (rank + rope) ** -0.5
+    got = CpuNativeOps(NK).mla_absorbed(q, rows, cu_q, cu_kv, rank, scale)
+    ref = naive_mla_absorbed_attention(q.double(), rows.double(), cu_q, cu_kv, rank, scale)
+    sdpa = mla.mla_absorbed_attention(q, rows, cu_q, cu_kv, rank, scale)
+    assert got.shape == (sum(ns), heads, rank)
+    assert max_err(got, ref) <= 2 * max_err(sdpa, ref) + 2**-8
+    with pytest.raises(ValueError, match="span"):  # cu_q counts positions: group rows each
+        NK.flash_attention(
+            q.view(-1, 1, rank + rope),
+            rows[:, None, :rank],
+            rows[:, rank:],
+            rows[:, None, :rank],
+            cu_q,
+            cu_kv,
+            scale,
+            group=heads + 1,
+        )

@@ -162,7 +162,7 @@ class MlaAttention(OpsModule):
         return torch.einsum("nhr,hvr->nhv", o_lat, self.kv_b_split()[1])
 
     def _absorbed(self, q, rows, cu_kv, cu_q):
-        o_lat = mla_ops.mla_absorbed_attention(self._latent_queries(q), rows, cu_q, cu_kv, self.rank, self.scale)
+        o_lat = self.ops.mla_absorbed(self._latent_queries(q), rows, cu_q, cu_kv, self.rank, self.scale)
         return self._values(o_lat)
 
     def _view(self, cache, name: str):

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from . import kda as kda_ops
 from .attn_res import attn_res_mix
-from .mla import joined_keys, mla_context_attention, mla_prefill_attention
+from .mla import joined_keys, mla_absorbed_attention, mla_context_attention, mla_prefill_attention
 from .moe import grouped_experts, route
 from .mxfp4 import mxfp4_decode
 from .norms import gated_rms_norm, rms_norm
@@ -219,6 +219,20 @@ class TorchOps:
         """Absorbed attention of a step with several queries per sequence (cu_q) over the contexts in
         the pool, read in place ([N, H, v]), or None (the layer gathers its context)."""
         return None
+
+    def mla_absorbed(
+        self,
+        q_latent: torch.Tensor,
+        rows: torch.Tensor,
+        cu_q: torch.Tensor,
+        cu_kv: torch.Tensor,
+        rank: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Absorbed attention of a step's latent queries [N, H, R + Dr] (packed by cu_q) over each
+        sequence's latent rows [Nkv, R + Dr] (packed by cu_kv; keys the whole rows, values their first R
+        columns): [N, H, R] in the queries' dtype (`mla.mla_absorbed_attention`)."""
+        return mla_absorbed_attention(q_latent, rows, cu_q, cu_kv, rank, scale)
 
     def mla_context_prefill(
         self,

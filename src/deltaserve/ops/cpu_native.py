@@ -215,12 +215,20 @@ class CpuNativeOps(CpuStackOps, CpuDenseOps):
         out = self._flash(q, k_nope, k_rot, v, cu_q, cu_kv, scale)
         return super().mla_context_prefill(q, k_nope, k_rot, v, cu_q, cu_kv, scale) if out is None else out
 
-    def _flash(self, q, k_nope, k_rot, v, cu_q, cu_kv, scale):
-        """The unabsorbed prefill attention on the native flash kernel (the keys' parts and the values
-        read in place), or None: switched off, operands other than bf16, or a build without AVX512-BF16."""
+    def mla_absorbed(self, q_latent, rows, cu_q, cu_kv, rank, scale):
+        """The flash kernel as MQA: one key head (the latent rows, read in place), the query heads
+        folded into rows."""
+        nq, h, d = q_latent.shape
+        latent = rows[:, None, :rank]
+        out = self._flash(q_latent.reshape(nq * h, 1, d), latent, rows[:, rank:], latent, cu_q, cu_kv, scale, h)
+        return super().mla_absorbed(q_latent, rows, cu_q, cu_kv, rank, scale) if out is None else out.view(nq, h, rank)
+
+    def _flash(self, q, k_nope, k_rot, v, cu_q, cu_kv, scale, group: int = 1):
+        """MLA prefill attention on the native flash kernel (keys' parts and values read in place), or
+        None: switched off, operands other than bf16, or a build without AVX512-BF16."""
         if not self.flash_prefill or any(t.dtype != torch.bfloat16 or t.stride(-1) != 1 for t in (q, k_nope, k_rot, v)):
             return None
-        return self.k.flash_attention(q, k_nope, k_rot, v, cu_q.long(), cu_kv.long(), scale)
+        return self.k.flash_attention(q, k_nope, k_rot, v, cu_q.long(), cu_kv.long(), scale, group)
 
     def mla_decode(self, q, w_uk, w_uv, rows_view, rank, scale, prepared: MlaPrepared | None = None):
         """The paged decode kernel reading the pool's rows in place; up to MAX_ROWS queries also

@@ -167,11 +167,14 @@ class AttentionDecodeBindings:
         cu_q: torch.Tensor,
         cu_kv: torch.Tensor,
         scale: float,
+        group: int = 1,
     ) -> torch.Tensor | None:
-        """Causal attention of the packed queries q [Nq, H, Dn + Dr] over each sequence's rows, keys
-        [k_nope [Nkv, H, Dn] | k_rot [Nkv, Dr] shared by the heads], values v [Nkv, H, Dv] (see
-        `ds_flash_attention`; views with a contiguous last dim are read in place): [Nq, H, Dv] bf16,
-        the values of `ops.mla.mla_context_attention`. None where the build lacks AVX512-BF16."""
+        """Causal attention of the packed queries q [group * Nq, H, Dn + Dr] (`group` rows a position,
+        cu_q counting positions) over each sequence's rows: keys [k_nope [Nkv, H, Dn] | k_rot [Nkv, Dr]
+        shared by the heads], values v [Nkv, H, Dv] (see `ds_flash_attention`; views with a contiguous
+        last dim are read in place, a head stride of 0 included). Returns [group * Nq, H, Dv] bf16,
+        the values of `ops.mla.mla_context_attention` (group 1) or `mla_absorbed_attention` (the heads
+        folded into rows, group = heads); None where the build lacks AVX512-BF16."""
         nq, h, dqk = q.shape
         nkv, _, dn = k_nope.shape
         dr, dv = k_rot.shape[-1], v.shape[-1]
@@ -183,16 +186,18 @@ class AttentionDecodeBindings:
             and tuple(k_rot.shape) == (nkv, dr)
             and cu_q.dtype == cu_kv.dtype == torch.int64
             and cu_q.numel() == cu_kv.numel() >= 1
+            and group >= 1
         )
         if not ok:
             raise ValueError("flash_attention: operand shapes or dtypes disagree")
         cu_q, cu_kv = cu_q.contiguous(), cu_kv.contiguous()
-        if int(cu_q[0]) != 0 or int(cu_kv[0]) != 0 or int(cu_q[-1]) != nq or int(cu_kv[-1]) != nkv:
+        if int(cu_q[0]) != 0 or int(cu_kv[0]) != 0 or int(cu_q[-1]) * group != nq or int(cu_kv[-1]) != nkv:
             raise ValueError("flash_attention: cu_q / cu_kv do not span the rows")
         out = torch.empty(nq, h, dv, dtype=torch.bfloat16)
         rc = self.lib.ds_flash_attention(
             cu_q.numel() - 1,
             h,
+            group,
             dn,
             dr,
             dv,

@@ -136,11 +136,12 @@ int ds_mla_decode(int B, int H, int D, int R, const uint16_t *q, const uint16_t 
                   const int64_t *cu_kv, float scale, uint16_t *out, int nthreads);
 
 /* flash_attention.c: causal attention of packed queries over each sequence's key/value rows (MLA
- * prefill, unabsorbed): q [Nq, H, Dn + Dr] (token and head strides sq_t, sq_h), keys [k_nope | k_rot]
- * (k_nope [Nkv, H, Dn] strides sk_t, sk_h; k_rot [Nkv, Dr] stride sr_t, shared by the heads; NULL if
- * Dr = 0), v [Nkv, H, Dv] (sv_t, sv_h), last dims contiguous; out [Nq, H, Dv] contiguous. 0, -1
- * (allocation), -2 (a sequence with more queries than rows), -3 (the build lacks AVX512-BF16). */
-int ds_flash_attention(int B, int H, int Dn, int Dr, int Dv, const uint16_t *q, int64_t sq_t, int64_t sq_h,
+ * prefill): q [G Nq, H, Dn + Dr] (row and head strides sq_t, sq_h; G rows a position, cu_q counting
+ * positions), keys [k_nope | k_rot] (k_nope [Nkv, H, Dn] strides sk_t, sk_h; k_rot [Nkv, Dr] stride
+ * sr_t, shared by the heads; NULL if Dr = 0), v [Nkv, H, Dv] (sv_t, sv_h), last dims contiguous;
+ * out [G Nq, H, Dv] contiguous. 0, -1 (allocation), -2 (a sequence with more positions than rows),
+ * -3 (the build lacks AVX512-BF16). */
+int ds_flash_attention(int B, int H, int G, int Dn, int Dr, int Dv, const uint16_t *q, int64_t sq_t, int64_t sq_h,
                        const uint16_t *k_nope, int64_t sk_t, int64_t sk_h, const uint16_t *k_rot, int64_t sr_t,
                        const uint16_t *v, int64_t sv_t, int64_t sv_h, const int64_t *cu_q, const int64_t *cu_kv,
                        float scale, uint16_t *out, int nthreads);

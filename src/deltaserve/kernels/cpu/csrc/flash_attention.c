@@ -1,8 +1,10 @@
 /* deltaserve CPU kernel: causal softmax attention of a step's packed queries over each sequence's
- * keys and values, flash-attention style (MLA prefill in the unabsorbed form, spec/model.md §7).
- * Sequence b has n_b queries (from row cu_q[b]) and c_b >= n_b key/value rows (from row cu_kv[b]);
- * query i sits at position c_b - n_b + i and sees rows [0, c_b - n_b + i]. A head's key is
- * [k_nope (Dn) | k_rot (Dr)], k_rot one row every head shares; values are Dv wide.
+ * keys and values, flash-attention style (MLA prefill, spec/model.md §7).
+ * Sequence b has n_b query positions (G query rows each, from row G cu_q[b]) and c_b >= n_b
+ * key/value rows (from row cu_kv[b]); query row j sits at position c_b - n_b + j / G and sees rows
+ * [0, c_b - n_b + j / G]. A head's key is [k_nope (Dn) | k_rot (Dr)], k_rot one row every head
+ * shares; values are Dv wide. The unabsorbed forms take G = 1 and H heads; the absorbed form
+ * (MQA over the latent rows) one head with the H query heads folded into rows, G = H.
  *
  * Numerics as torch's CPU flash attention on bf16 inputs: scores in fp32 (bf16 products summed in
  * fp32), the online softmax in fp32, the probabilities rounded to bf16 for the value product,
@@ -10,10 +12,10 @@
  *
  * Layout: per (sequence, head), keys are first packed in blocks of FA_BK rows, pair-interleaved
  * ([pair p][key j] = dims 2p, 2p+1 of key j as one dword), values as [key pair][column] dwords, zero
- * past the sequence's rows; both are read FA_QB queries at a time (their fp32 accumulators stay in
- * L2 while the blocks stream once per task). A register tile is FA_MR queries x FA_BK keys: each
+ * past the sequence's rows; both are read FA_QB query rows at a time (their fp32 accumulators stay in
+ * L2 while the blocks stream once per task). A register tile is FA_MR query rows x FA_BK keys: each
  * `vdpbf16ps` takes one broadcast query pair and 16 keys' pairs, so the scores and the value
- * product run on the dot-product unit alone. Tasks (sequence, head, query block) go out largest
+ * product run on the dot-product unit alone. Tasks (sequence, head, block of query rows) go out largest
  * first. Heads are packed in groups that fit FA_PACK_BYTES. Without AVX512-BF16 in the build the
  * function returns -3 and the caller takes PyTorch's path.
  */
@@ -37,7 +39,7 @@
 
 #ifdef FA_AVX512BF16
 typedef struct {
-    int H, Dn, Dr, Dv, D2, DvP;           /* D2 key pairs (odd widths zero-padded), DvP = Dv rounded up to 16 */
+    int H, G, Dn, Dr, Dv, D2, DvP;        /* D2 key pairs (odd widths zero-padded), DvP = Dv rounded up to 16 */
     const uint16_t *q, *kn, *kr, *v;
     int64_t sq_t, sq_h, sk_t, sk_h, sr_t, sv_t, sv_h;
     const int64_t *cu_q, *cu_kv;
@@ -117,9 +119,9 @@ value_tile(const uint32_t *p, const uint32_t *vp, int DvP, float *acc, int c0, c
         for (int z = 0; z < NZ; ++z) _mm512_storeu_ps(acc + (int64_t)r * DvP + c0 + 16 * z, o[r][z]);
 }
 
-/* One register tile: queries [i0, i0 + FA_MR) of the task (rows past n repeat the last query) against
- * key block kb (`lim`: the last key position query i0 of the tile sees). */
-static void tile_block(const fa_args *a, fa_task *t, int i0, int64_t lim, int64_t kb, const uint32_t *blk) {
+/* One register tile: query rows [i0, i0 + FA_MR) of the task (rows past its last repeat that one)
+ * against key block kb; lim[r]: the last key position row i0 + r sees. */
+static void tile_block(const fa_args *a, fa_task *t, int i0, const int64_t *lim, int64_t kb, const uint32_t *blk) {
     const int D2 = a->D2, DvP = a->DvP;
     const uint32_t *kp = blk, *vp = blk + (int64_t)D2 * FA_BK;
     __m512 s[FA_MR][FA_NZ];
@@ -141,7 +143,7 @@ static void tile_block(const fa_args *a, fa_task *t, int i0, int64_t lim, int64_
         __mmask16 keep[FA_NZ];
         __m512 mx = _mm512_set1_ps(-INFINITY);
         for (int z = 0; z < FA_NZ; ++z) {
-            const int64_t first = kb * FA_BK + 16 * z, last = lim + r - first;   /* lanes [0, last] seen */
+            const int64_t first = kb * FA_BK + 16 * z, last = lim[r] - first;   /* lanes [0, last] seen */
             keep[z] = last >= 15 ? 0xFFFF : (last < 0 ? 0 : _mm512_cmple_epi32_mask(lane, _mm512_set1_epi32((int)last)));
             s[r][z] = _mm512_mul_ps(s[r][z], scale);
             mx = _mm512_mask_max_ps(mx, keep[z], mx, s[r][z]);
@@ -175,34 +177,34 @@ static void tile_block(const fa_args *a, fa_task *t, int i0, int64_t lim, int64_
     }
 }
 
-/* Task: queries [q0, q0 + FA_QB) (clipped to n) of sequence b, head h; `packed` its blocks. */
+/* Task: query rows [q0, q0 + FA_QB) (clipped) of sequence b, head h; `packed` its blocks. Row j of
+ * the sequence is position j / G of its n: it sees keys [0, c - n + j / G]. */
 static void run_task(const fa_args *a, fa_task *t, int b, int h, int q0, const uint32_t *packed, uint16_t *out) {
-    const int64_t n = a->cu_q[b + 1] - a->cu_q[b], c = a->cu_kv[b + 1] - a->cu_kv[b];
-    const int rows = n - q0 < FA_QB ? (int)(n - q0) : FA_QB, tiles = (rows + FA_MR - 1) / FA_MR;
+    const int64_t n = a->cu_q[b + 1] - a->cu_q[b], c = a->cu_kv[b + 1] - a->cu_kv[b], row0 = a->cu_q[b] * a->G;
+    const int rows = n * a->G - q0 < FA_QB ? (int)(n * a->G - q0) : FA_QB, tiles = (rows + FA_MR - 1) / FA_MR;
     const int D = a->Dn + a->Dr;
-    for (int i = 0; i < tiles * FA_MR; ++i) {   /* rows past n repeat the last query */
-        const int64_t qi = a->cu_q[b] + q0 + (i < rows ? i : rows - 1);
+    int64_t lim[FA_QB];
+    for (int i = 0; i < tiles * FA_MR; ++i) {   /* rows past the last repeat it */
+        const int j = q0 + (i < rows ? i : rows - 1);
         uint16_t *dst = (uint16_t *)(t->qp + (int64_t)i * a->D2);
-        memcpy(dst, a->q + qi * a->sq_t + (int64_t)h * a->sq_h, sizeof(uint16_t) * D);
+        memcpy(dst, a->q + (row0 + j) * a->sq_t + (int64_t)h * a->sq_h, sizeof(uint16_t) * D);
         if (D & 1) dst[D] = 0;
+        lim[i] = c - n + j / a->G;
         t->m[i] = -INFINITY;
         t->l[i] = 0.f;
     }
     memset(t->acc, 0, sizeof(float) * (size_t)tiles * FA_MR * a->DvP);
-    const int64_t base = c - n + q0;                       /* the last key query q0 sees */
-    const int64_t last_kb = (base + rows - 1) / FA_BK;
+    const int64_t last_kb = lim[rows - 1] / FA_BK;
     for (int64_t kb = 0; kb <= last_kb; ++kb) {
         const uint32_t *blk = packed + kb * block_dwords(a);
         for (int tl = 0; tl < tiles; ++tl) {
             const int i0 = tl * FA_MR;
-            const int64_t lim = base + i0;
-            const int64_t tile_last = base + (i0 + FA_MR - 1 < rows ? i0 + FA_MR - 1 : rows - 1);
-            if (kb * FA_BK > tile_last) continue;          /* the block is past every query of the tile */
-            tile_block(a, t, i0, lim, kb, blk);
+            if (kb * FA_BK > lim[i0 + FA_MR - 1]) continue;   /* the block is past every row of the tile */
+            tile_block(a, t, i0, lim + i0, kb, blk);
         }
     }
     for (int i = 0; i < rows; ++i) {
-        uint16_t *o = out + ((a->cu_q[b] + q0 + i) * a->H + h) * (int64_t)a->Dv;
+        uint16_t *o = out + ((row0 + q0 + i) * a->H + h) * (int64_t)a->Dv;
         const float inv = 1.f / t->l[i], *src = t->acc + (int64_t)i * a->DvP;
         for (int d = 0; d < a->Dv; ++d) o[d] = f32_to_bf16(src[d] * inv);
     }
@@ -217,24 +219,24 @@ static int by_cost(const void *x, const void *y) {
 }
 #endif
 
-int ds_flash_attention(int B, int H, int Dn, int Dr, int Dv, const uint16_t *q, int64_t sq_t, int64_t sq_h,
+int ds_flash_attention(int B, int H, int G, int Dn, int Dr, int Dv, const uint16_t *q, int64_t sq_t, int64_t sq_h,
                        const uint16_t *k_nope, int64_t sk_t, int64_t sk_h, const uint16_t *k_rot, int64_t sr_t,
                        const uint16_t *v, int64_t sv_t, int64_t sv_h, const int64_t *cu_q, const int64_t *cu_kv,
                        float scale, uint16_t *out, int nthreads) {
 #ifndef FA_AVX512BF16
-    (void)B, (void)H, (void)Dn, (void)Dr, (void)Dv, (void)q, (void)sq_t, (void)sq_h, (void)k_nope, (void)sk_t;
+    (void)B, (void)H, (void)G, (void)Dn, (void)Dr, (void)Dv, (void)q, (void)sq_t, (void)sq_h, (void)k_nope, (void)sk_t;
     (void)sk_h, (void)k_rot, (void)sr_t, (void)v, (void)sv_t, (void)sv_h, (void)cu_q, (void)cu_kv, (void)scale;
     (void)out, (void)nthreads;
     return -3;
 #else
-    const fa_args a = {H, Dn, Dr, Dv, (Dn + Dr + 1) / 2, (Dv + 15) / 16 * 16, q, k_nope, k_rot, v,
+    const fa_args a = {H, G, Dn, Dr, Dv, (Dn + Dr + 1) / 2, (Dv + 15) / 16 * 16, q, k_nope, k_rot, v,
                        sq_t, sq_h, sk_t, sk_h, sr_t, sv_t, sv_h, cu_q, cu_kv, scale * 1.44269504088896f};
     int64_t blocks = 0, tasks = 0;   /* per head */
     for (int b = 0; b < B; ++b) {
         const int64_t n = cu_q[b + 1] - cu_q[b], c = cu_kv[b + 1] - cu_kv[b];
         if (n < 0 || c < n) return -2;
         blocks += (c + FA_BK - 1) / FA_BK;
-        tasks += (n + FA_QB - 1) / FA_QB;
+        tasks += (n * G + FA_QB - 1) / FA_QB;
     }
     if (tasks == 0) return 0;
     const int64_t head_dwords = blocks * block_dwords(&a);
@@ -253,8 +255,9 @@ int ds_flash_attention(int B, int H, int Dn, int Dr, int Dv, const uint16_t *q, 
         for (int hh = 0; hh < g; ++hh)
             for (int b = 0; b < B; ++b) {
                 const int64_t n = cu_q[b + 1] - cu_q[b], c = cu_kv[b + 1] - cu_kv[b];
-                for (int q0 = 0; q0 < n; q0 += FA_QB)
-                    items[ni++] = (fa_item){b, h0 + hh, q0, (n - q0 < FA_QB ? n - q0 : FA_QB) * (c - n + q0 + FA_QB)};
+                for (int64_t q0 = 0; q0 < n * G; q0 += FA_QB)   /* cost: rows x the keys its last row sees */
+                    items[ni++] = (fa_item){b, h0 + hh, (int)q0, (n * G - q0 < FA_QB ? n * G - q0 : FA_QB) *
+                                                                     (c - n + (q0 + FA_QB) / G)};
             }
         qsort(items, (size_t)ni, sizeof(fa_item), by_cost);
         #pragma omp parallel num_threads(nthreads) reduction(| : bad)
