@@ -71,6 +71,21 @@ def test_flash_attention_matches_oracle_and_sdpa(ns, cs, heads, dn, dr, dv):
 
 
 @needs_flash
+def test_packing_modes_agree():
+    """A sequence of >= 8 tasks a head (8 x 96 query rows) has its blocks packed ahead, the others' tasks
+    pack what they read; with a budget of one head's blocks the heads are packed in turns, with none
+    nothing is packed ahead: the same values bit for bit, the oracle's."""
+    ns, cs, heads, dn, dr, dv = [800, 30], [900, 40], 3, 16, 8, 20
+    q, k_nope, k_rot, v, cu_q, cu_kv = case(ns, cs, heads, dn, dr, dv, seed=4)
+    got = NK.flash_attention(q, k_nope, k_rot, v, cu_q, cu_kv, 0.2)
+    assert max_err(got, oracle(q, k_nope, k_rot, v, ns, cs, 0.2)) <= 2**-6
+    blocks = (900 + 63) // 64  # the long sequence's 64-row blocks: keys [pairs][64], values [32 pairs][Dv to 16]
+    one_head = 4 * blocks * ((dn + dr + 1) // 2 * 64 + 32 * ((dv + 15) // 16 * 16))
+    for budget in (one_head, 1):
+        assert torch.equal(NK.flash_attention(q, k_nope, k_rot, v, cu_q, cu_kv, 0.2, pack_bytes=budget), got)
+
+
+@needs_flash
 def test_flash_attention_first_query_returns_its_row():
     """Query 0 of a prompt sees row 0 alone: its weight is exactly 1, its output that value row."""
     q, k_nope, k_rot, v, cu_q, cu_kv = case([9], [9], 2, 16, 8, 16, seed=3)

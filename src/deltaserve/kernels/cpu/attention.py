@@ -10,6 +10,8 @@ import torch
 
 from .abi import MLA_MAX_HEADS, MLA_MAX_RANK
 
+FLASH_PACK_BYTES = 256 << 20  # the flash kernel's keys and values packed ahead, at most
+
 
 def kda_pool_fits(tails: torch.Tensor, states: torch.Tensor, heads: int, head_dim: int, width: int) -> bool:
     """Whether (tails [S, W-1, 3HK] bf16, states [S, H, K, K] fp32) is a contiguous KDA slot pool
@@ -168,13 +170,15 @@ class AttentionDecodeBindings:
         cu_kv: torch.Tensor,
         scale: float,
         group: int = 1,
+        pack_bytes: int = FLASH_PACK_BYTES,
     ) -> torch.Tensor | None:
         """Causal attention of the packed queries q [group * Nq, H, Dn + Dr] (`group` rows a position,
         cu_q counting positions) over each sequence's rows: keys [k_nope [Nkv, H, Dn] | k_rot [Nkv, Dr]
         shared by the heads], values v [Nkv, H, Dv] (see `ds_flash_attention`; views with a contiguous
         last dim are read in place, a head stride of 0 included). Returns [group * Nq, H, Dv] bf16,
         the values of `ops.mla.mla_context_attention` (group 1) or `mla_absorbed_attention` (the heads
-        folded into rows, group = heads); None where the build lacks AVX512-BF16."""
+        folded into rows, group = heads); None where the build lacks AVX512-BF16. `pack_bytes` bounds
+        the keys and values packed ahead (past one head's, each task packs the block it reads)."""
         nq, h, dqk = q.shape
         nkv, _, dn = k_nope.shape
         dr, dv = k_rot.shape[-1], v.shape[-1]
@@ -215,6 +219,7 @@ class AttentionDecodeBindings:
             cu_q.data_ptr(),
             cu_kv.data_ptr(),
             scale,
+            pack_bytes,
             out.data_ptr(),
             torch.get_num_threads(),
         )

@@ -139,12 +139,13 @@ int ds_mla_decode(int B, int H, int D, int R, const uint16_t *q, const uint16_t 
  * prefill): q [G Nq, H, Dn + Dr] (row and head strides sq_t, sq_h; G rows a position, cu_q counting
  * positions), keys [k_nope | k_rot] (k_nope [Nkv, H, Dn] strides sk_t, sk_h; k_rot [Nkv, Dr] stride
  * sr_t, shared by the heads; NULL if Dr = 0), v [Nkv, H, Dv] (sv_t, sv_h), last dims contiguous;
- * out [G Nq, H, Dv] contiguous. 0, -1 (allocation), -2 (a sequence with more positions than rows),
- * -3 (the build lacks AVX512-BF16). */
+ * out [G Nq, H, Dv] contiguous; pack_bytes: the most the keys and values packed ahead take (heads in
+ * groups that fit; past one head, each task packs the block it reads). 0, -1 (allocation), -2 (a
+ * sequence with more positions than rows), -3 (the build lacks AVX512-BF16). */
 int ds_flash_attention(int B, int H, int G, int Dn, int Dr, int Dv, const uint16_t *q, int64_t sq_t, int64_t sq_h,
                        const uint16_t *k_nope, int64_t sk_t, int64_t sk_h, const uint16_t *k_rot, int64_t sr_t,
                        const uint16_t *v, int64_t sv_t, int64_t sv_h, const int64_t *cu_q, const int64_t *cu_kv,
-                       float scale, uint16_t *out, int nthreads);
+                       float scale, int64_t pack_bytes, uint16_t *out, int nthreads);
 
 /* kda_chunk.c: chunked KDA prefill, causal conv (+ q/k L2 norm). */
 int ds_kda_chunked(int B, int H, int K, int V, const float *q, int64_t sq, const float *k, int64_t sk,

@@ -16,8 +16,12 @@
  * L2 while the blocks stream once per task). A register tile is FA_MR query rows x FA_BK keys: each
  * `vdpbf16ps` takes one broadcast query pair and 16 keys' pairs, so the scores and the value
  * product run on the dot-product unit alone. Tasks (sequence, head, block of query rows) go out largest
- * first. Heads are packed in groups that fit FA_PACK_BYTES. Without AVX512-BF16 in the build the
- * function returns -3 and the caller takes PyTorch's path.
+ * first. A sequence with FA_AHEAD_TASKS tasks a head or more has its blocks packed once ahead, read by
+ * each task (heads in groups that fit the caller's `pack_bytes`; nothing ahead where one head's
+ * blocks alone exceed it); the others' tasks pack each block they read into their own buffer
+ * (packing ahead costs the writes and first-touch page faults, ~15 us a block of K3's sizes, against
+ * ~1.7 us to pack one in cache: Zen 4). Without AVX512-BF16 in the build the function returns -3 and
+ * the caller takes PyTorch's path.
  */
 #include <math.h>
 #include <stdint.h>
@@ -26,6 +30,7 @@
 #include <omp.h>
 #include "ds_abi.h"
 #include "bf16.h"
+#include "internal.h"
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define FA_AVX512BF16 1
@@ -35,7 +40,7 @@
 #define FA_NZ (FA_BK / 16)                /* vectors a block's scores take per query */
 #define FA_MR 6                           /* queries a register tile */
 #define FA_QB (16 * FA_MR)                /* queries a task */
-#define FA_PACK_BYTES ((int64_t)256 << 20) /* packed keys and values held at once (heads grouped to fit) */
+#define FA_AHEAD_TASKS 8                  /* tasks a head from which a sequence's blocks are packed ahead */
 
 #ifdef FA_AVX512BF16
 typedef struct {
@@ -56,24 +61,39 @@ static inline void key_row(const fa_args *a, int64_t t, int h, uint16_t *row) {
     if ((a->Dn + a->Dr) & 1) row[a->Dn + a->Dr] = 0;
 }
 
-/* Packs block kb of rows [r0, r0 + c) of head h into dst (block_dwords dwords). */
+/* Packs block kb of rows [r0, r0 + c) of head h into dst (block_dwords dwords), zero past c. Keys:
+ * 16 rows joined side by side (pairs zero-padded to a multiple of 16), then 16 x 16 dword transposes;
+ * values: two rows' 16 columns widened to dwords and interleaved. */
 static void pack_block(const fa_args *a, int64_t r0, int64_t c, int h, int64_t kb, uint32_t *dst) {
     uint32_t *kp = dst, *vp = dst + (int64_t)a->D2 * FA_BK;
-    uint32_t row[a->D2];
-    for (int j = 0; j < FA_BK; ++j) {
-        const int64_t t = kb * FA_BK + j;
-        if (t < c) key_row(a, r0 + t, h, (uint16_t *)row);
-        else memset(row, 0, sizeof(row));
-        for (int p = 0; p < a->D2; ++p) kp[(int64_t)p * FA_BK + j] = row[p];
+    const int D2 = a->D2, P16 = (D2 + 15) & ~15;
+    uint32_t rows[16 * P16];
+    for (int j0 = 0; j0 < FA_BK; j0 += 16) {
+        for (int j = 0; j < 16; ++j) {
+            const int64_t t = kb * FA_BK + j0 + j;
+            uint32_t *row = rows + j * P16;
+            if (t < c) key_row(a, r0 + t, h, (uint16_t *)row);
+            else memset(row, 0, sizeof(uint32_t) * D2);
+            memset(row + D2, 0, sizeof(uint32_t) * (P16 - D2));
+        }
+        for (int p0 = 0; p0 < D2; p0 += 16) {
+            __m512i z[16];
+            for (int j = 0; j < 16; ++j) z[j] = _mm512_loadu_si512(rows + j * P16 + p0);
+            ds_transpose16(z);   /* z[i] = pair p0 + i of the 16 keys */
+            for (int i = 0; i < 16 && p0 + i < D2; ++i) _mm512_storeu_si512(kp + (int64_t)(p0 + i) * FA_BK + j0, z[i]);
+        }
     }
     for (int jp = 0; jp < FA_BK / 2; ++jp) {
         const int64_t t = kb * FA_BK + 2 * jp;
         const uint16_t *v0 = t < c ? a->v + (r0 + t) * a->sv_t + (int64_t)h * a->sv_h : NULL;
         const uint16_t *v1 = t + 1 < c ? v0 + a->sv_t : NULL;
         uint32_t *o = vp + (int64_t)jp * a->DvP;
-        for (int d = 0; d < a->DvP; ++d) {
-            const uint32_t lo = v0 && d < a->Dv ? v0[d] : 0, hi = v1 && d < a->Dv ? v1[d] : 0;
-            o[d] = lo | hi << 16;
+        for (int d = 0; d < a->DvP; d += 16) {
+            const int left = a->Dv - d;
+            const __mmask16 m = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+            const __m512i lo = v0 ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, v0 + d)) : _mm512_setzero_si512();
+            const __m512i hi = v1 ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, v1 + d)) : _mm512_setzero_si512();
+            _mm512_storeu_si512(o + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
         }
     }
 }
@@ -98,6 +118,7 @@ typedef struct {
     uint32_t *qp;          /* [FA_QB][D2] */
     float *acc;            /* [FA_QB][DvP] */
     float m[FA_QB], l[FA_QB];
+    uint32_t *blk;         /* one packed block (block_dwords) where nothing is packed ahead, else NULL */
     uint32_t p[FA_MR * FA_BK / 2];   /* a tile's probabilities, bf16 pairs */
 } fa_task;
 
@@ -177,7 +198,8 @@ static void tile_block(const fa_args *a, fa_task *t, int i0, const int64_t *lim,
     }
 }
 
-/* Task: query rows [q0, q0 + FA_QB) (clipped) of sequence b, head h; `packed` its blocks. Row j of
+/* Task: query rows [q0, q0 + FA_QB) (clipped) of sequence b, head h; `packed` its blocks (NULL: the
+ * task packs each into t->blk). Row j of
  * the sequence is position j / G of its n: it sees keys [0, c - n + j / G]. */
 static void run_task(const fa_args *a, fa_task *t, int b, int h, int q0, const uint32_t *packed, uint16_t *out) {
     const int64_t n = a->cu_q[b + 1] - a->cu_q[b], c = a->cu_kv[b + 1] - a->cu_kv[b], row0 = a->cu_q[b] * a->G;
@@ -194,9 +216,10 @@ static void run_task(const fa_args *a, fa_task *t, int b, int h, int q0, const u
         t->l[i] = 0.f;
     }
     memset(t->acc, 0, sizeof(float) * (size_t)tiles * FA_MR * a->DvP);
-    const int64_t last_kb = lim[rows - 1] / FA_BK;
+    const int64_t last_kb = (c - n + (q0 + rows - 1) / a->G) / FA_BK;   /* the last row's last block */
     for (int64_t kb = 0; kb <= last_kb; ++kb) {
-        const uint32_t *blk = packed + kb * block_dwords(a);
+        const uint32_t *blk = packed ? packed + kb * block_dwords(a) : t->blk;
+        if (!packed) pack_block(a, a->cu_kv[b], c, h, kb, t->blk);
         for (int tl = 0; tl < tiles; ++tl) {
             const int i0 = tl * FA_MR;
             if (kb * FA_BK > lim[i0 + FA_MR - 1]) continue;   /* the block is past every row of the tile */
@@ -222,32 +245,32 @@ static int by_cost(const void *x, const void *y) {
 int ds_flash_attention(int B, int H, int G, int Dn, int Dr, int Dv, const uint16_t *q, int64_t sq_t, int64_t sq_h,
                        const uint16_t *k_nope, int64_t sk_t, int64_t sk_h, const uint16_t *k_rot, int64_t sr_t,
                        const uint16_t *v, int64_t sv_t, int64_t sv_h, const int64_t *cu_q, const int64_t *cu_kv,
-                       float scale, uint16_t *out, int nthreads) {
+                       float scale, int64_t pack_bytes, uint16_t *out, int nthreads) {
 #ifndef FA_AVX512BF16
     (void)B, (void)H, (void)G, (void)Dn, (void)Dr, (void)Dv, (void)q, (void)sq_t, (void)sq_h, (void)k_nope, (void)sk_t;
     (void)sk_h, (void)k_rot, (void)sr_t, (void)v, (void)sv_t, (void)sv_h, (void)cu_q, (void)cu_kv, (void)scale;
-    (void)out, (void)nthreads;
+    (void)pack_bytes, (void)out, (void)nthreads;
     return -3;
 #else
     const fa_args a = {H, G, Dn, Dr, Dv, (Dn + Dr + 1) / 2, (Dv + 15) / 16 * 16, q, k_nope, k_rot, v,
                        sq_t, sq_h, sk_t, sk_h, sr_t, sv_t, sv_h, cu_q, cu_kv, scale * 1.44269504088896f};
-    int64_t blocks = 0, tasks = 0;   /* per head */
-    for (int b = 0; b < B; ++b) {
-        const int64_t n = cu_q[b + 1] - cu_q[b], c = cu_kv[b + 1] - cu_kv[b];
-        if (n < 0 || c < n) return -2;
-        blocks += (c + FA_BK - 1) / FA_BK;
-        tasks += (n * G + FA_QB - 1) / FA_QB;
-    }
-    if (tasks == 0) return 0;
-    const int64_t head_dwords = blocks * block_dwords(&a);
-    int group = (int)(FA_PACK_BYTES / 4 / (head_dwords > 0 ? head_dwords : 1));
-    group = group < 1 ? 1 : (group > H ? H : group);
-    int64_t *first = malloc(sizeof(int64_t) * (size_t)(B + 1));   /* each sequence's first block */
-    uint32_t *packed = malloc(sizeof(uint32_t) * (size_t)(head_dwords * group));
-    fa_item *items = malloc(sizeof(fa_item) * (size_t)(tasks * group));
-    if (!first || !packed || !items) { free(first); free(packed); free(items); return -1; }
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(B + 1));   /* each sequence's first block packed ahead */
+    if (!first) return -1;
+    int64_t tasks = 0;   /* per head */
     first[0] = 0;
-    for (int b = 0; b < B; ++b) first[b + 1] = first[b] + (cu_kv[b + 1] - cu_kv[b] + FA_BK - 1) / FA_BK;
+    for (int b = 0; b < B; ++b) {
+        const int64_t n = cu_q[b + 1] - cu_q[b], c = cu_kv[b + 1] - cu_kv[b], nt = (n * G + FA_QB - 1) / FA_QB;
+        if (n < 0 || c < n) { free(first); return -2; }
+        tasks += nt;
+        first[b + 1] = first[b] + (nt >= FA_AHEAD_TASKS ? (c + FA_BK - 1) / FA_BK : 0);
+    }
+    const int64_t blocks = first[B], head_dwords = blocks * block_dwords(&a);
+    const int ahead = blocks > 0 && 4 * head_dwords <= pack_bytes;   /* else every task packs what it reads */
+    const int64_t fit = ahead ? pack_bytes / (4 * head_dwords) : H;
+    const int group = fit > H ? H : (int)fit;
+    uint32_t *packed = ahead ? malloc(sizeof(uint32_t) * (size_t)(head_dwords * group)) : NULL;
+    fa_item *items = malloc(sizeof(fa_item) * (size_t)(tasks * group + 1));
+    if ((ahead && !packed) || !items) { free(first); free(packed); free(items); return -1; }
     int bad = 0;
     for (int h0 = 0; h0 < H; h0 += group) {
         const int g = H - h0 < group ? H - h0 : group;
@@ -263,7 +286,7 @@ int ds_flash_attention(int B, int H, int G, int Dn, int Dr, int Dv, const uint16
         #pragma omp parallel num_threads(nthreads) reduction(| : bad)
         {
             #pragma omp for schedule(dynamic, 4)
-            for (int64_t it = 0; it < (int64_t)g * blocks; ++it) {
+            for (int64_t it = 0; it < (ahead ? (int64_t)g * blocks : 0); ++it) {
                 const int hh = (int)(it / blocks);
                 const int64_t kb = it % blocks;
                 int b = 0;
@@ -274,16 +297,20 @@ int ds_flash_attention(int B, int H, int G, int Dn, int Dr, int Dv, const uint16
             fa_task t;
             t.qp = malloc(sizeof(uint32_t) * (size_t)FA_QB * a.D2);
             t.acc = malloc(sizeof(float) * (size_t)FA_QB * a.DvP);
-            if (!t.qp || !t.acc) bad |= 1;
+            t.blk = malloc(sizeof(uint32_t) * (size_t)block_dwords(&a));
+            const int ok = t.qp && t.acc && t.blk;
+            if (!ok) bad |= 1;
             #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < ni; ++it) {
                 const fa_item *w = &items[it];
-                if (t.qp && t.acc)
+                const int own = ahead && first[w->b + 1] > first[w->b];   /* its blocks were packed ahead */
+                if (ok)
                     run_task(&a, &t, w->b, w->h, w->q0,
-                             packed + ((w->h - h0) * blocks + first[w->b]) * block_dwords(&a), out);
+                             own ? packed + ((w->h - h0) * blocks + first[w->b]) * block_dwords(&a) : NULL, out);
             }
             free(t.qp);
             free(t.acc);
+            free(t.blk);
         }
         if (bad) break;
     }
