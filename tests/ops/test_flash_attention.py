@@ -174,3 +174,22 @@ def test_absorbed_form_on_the_kernel(ns, cs, heads, rank, rope):
             scale,
             group=heads + 1,
         )
+
+
+@needs_flash
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("ns, cs", [([90], [90]), ([40], [700])])
+def test_key_spans_merge(threads, ns, cs):
+    """Fewer tasks than 2 x threads: each task's key blocks are split into spans whose partials merge by
+    their maxima (one task here: 2 x threads spans; in the prompt, empty ones and ones past the first
+    rows' keys); the oracle's values."""
+    q, k_nope, k_rot, v, cu_q, cu_kv = case(ns, cs, 1, 16, 8, 16, seed=6)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = NK.flash_attention(q, k_nope, k_rot, v, cu_q, cu_kv, 0.2)
+    finally:
+        torch.set_num_threads(old)
+    ref = oracle(q, k_nope, k_rot, v, ns, cs, 0.2)
+    sdpa = mla.mla_context_attention(q, mla.joined_keys(k_nope, k_rot), v.contiguous(), cu_q, cu_kv, 0.2)
+    assert max_err(got, ref) <= 2 * max_err(sdpa, ref) + 2**-8

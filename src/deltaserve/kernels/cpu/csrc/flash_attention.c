@@ -20,8 +20,10 @@
  * each task (heads in groups that fit the caller's `pack_bytes`; nothing ahead where one head's
  * blocks alone exceed it); the others' tasks pack each block they read into their own buffer
  * (packing ahead costs the writes and first-touch page faults, ~15 us a block of K3's sizes, against
- * ~1.7 us to pack one in cache: Zen 4). Without AVX512-BF16 in the build the function returns -3 and
- * the caller takes PyTorch's path.
+ * ~1.7 us to pack one in cache: Zen 4). Where the tasks are fewer than 2 x threads (few queries over
+ * a long context), each task's key blocks are split into spans whose partials are merged after
+ * (`spans_for`, `merge_task`). Without AVX512-BF16 in the build the function returns -3 and the
+ * caller takes PyTorch's path.
  */
 #include <math.h>
 #include <stdint.h>
@@ -41,6 +43,7 @@
 #define FA_MR 6                           /* queries a register tile */
 #define FA_QB (16 * FA_MR)                /* queries a task */
 #define FA_AHEAD_TASKS 8                  /* tasks a head from which a sequence's blocks are packed ahead */
+#define FA_MAX_SPANS 64                   /* key spans a task is split into at most (spans_for) */
 
 #ifdef FA_AVX512BF16
 typedef struct {
@@ -198,12 +201,23 @@ static void tile_block(const fa_args *a, fa_task *t, int i0, const int64_t *lim,
     }
 }
 
-/* Task: query rows [q0, q0 + FA_QB) (clipped) of sequence b, head h; `packed` its blocks (NULL: the
- * task packs each into t->blk). Row j of
- * the sequence is position j / G of its n: it sees keys [0, c - n + j / G]. */
-static void run_task(const fa_args *a, fa_task *t, int b, int h, int q0, const uint32_t *packed, uint16_t *out) {
+/* A task: query rows [q0, q0 + FA_QB) (clipped) of sequence b, head h. Row j of the sequence is
+ * position j / G of its n: it sees keys [0, c - n + j / G]. */
+typedef struct { int b, h, q0, s; int64_t slot, cost; } fa_item;
+
+static inline int task_rows(const fa_args *a, const fa_item *k) {
+    const int64_t left = (a->cu_q[k->b + 1] - a->cu_q[k->b]) * a->G - k->q0;
+    return left < FA_QB ? (int)left : FA_QB;
+}
+
+/* Span s of S of a task's key blocks (`packed` its blocks, or NULL: each is packed into t->blk as it
+ * is read). S = 1: the normalised rows go to `out`; else the span's partial rows (max, sum, fp32
+ * accumulators: FA_QB rows of DvP + 2) to `part`. */
+static void run_task(const fa_args *a, fa_task *t, const fa_item *k, int S, const uint32_t *packed, float *part,
+                     uint16_t *out) {
+    const int b = k->b, h = k->h, q0 = k->q0;
     const int64_t n = a->cu_q[b + 1] - a->cu_q[b], c = a->cu_kv[b + 1] - a->cu_kv[b], row0 = a->cu_q[b] * a->G;
-    const int rows = n * a->G - q0 < FA_QB ? (int)(n * a->G - q0) : FA_QB, tiles = (rows + FA_MR - 1) / FA_MR;
+    const int rows = task_rows(a, k), tiles = (rows + FA_MR - 1) / FA_MR;
     const int D = a->Dn + a->Dr;
     int64_t lim[FA_QB];
     for (int i = 0; i < tiles * FA_MR; ++i) {   /* rows past the last repeat it */
@@ -216,8 +230,8 @@ static void run_task(const fa_args *a, fa_task *t, int b, int h, int q0, const u
         t->l[i] = 0.f;
     }
     memset(t->acc, 0, sizeof(float) * (size_t)tiles * FA_MR * a->DvP);
-    const int64_t last_kb = (c - n + (q0 + rows - 1) / a->G) / FA_BK;   /* the last row's last block */
-    for (int64_t kb = 0; kb <= last_kb; ++kb) {
+    const int64_t nkb = (c - n + (q0 + rows - 1) / a->G) / FA_BK + 1;   /* through the last row's last block */
+    for (int64_t kb = nkb * k->s / S; kb < nkb * (k->s + 1) / S; ++kb) {
         const uint32_t *blk = packed ? packed + kb * block_dwords(a) : t->blk;
         if (!packed) pack_block(a, a->cu_kv[b], c, h, kb, t->blk);
         for (int tl = 0; tl < tiles; ++tl) {
@@ -227,15 +241,49 @@ static void run_task(const fa_args *a, fa_task *t, int b, int h, int q0, const u
         }
     }
     for (int i = 0; i < rows; ++i) {
+        const float *src = t->acc + (int64_t)i * a->DvP;
+        if (part) {
+            float *p = part + (int64_t)i * (a->DvP + 2);
+            p[0] = t->m[i], p[1] = t->l[i];
+            memcpy(p + 2, src, sizeof(float) * a->DvP);
+            continue;
+        }
         uint16_t *o = out + ((row0 + q0 + i) * a->H + h) * (int64_t)a->Dv;
-        const float inv = 1.f / t->l[i], *src = t->acc + (int64_t)i * a->DvP;
+        const float inv = 1.f / t->l[i];
         for (int d = 0; d < a->Dv; ++d) o[d] = f32_to_bf16(src[d] * inv);
     }
 }
 
-/* Tasks of one head group, largest first: (b, h, q0) and their cost (queries x keys seen). */
-typedef struct { int b, h, q0; int64_t cost; } fa_item;
+/* The S spans' partials of task k (`parts`: S x FA_QB rows of DvP + 2) merged by their maxima, in span
+ * order, into its output rows. A span past a row's keys holds max -inf, sum 0: weight 0. */
+static void merge_task(const fa_args *a, const fa_item *k, int S, const float *parts, uint16_t *out) {
+    const int rows = task_rows(a, k), pw = a->DvP + 2;
+    for (int i = 0; i < rows; ++i) {
+        float mx = -INFINITY, l = 0.f, w[FA_MAX_SPANS];
+        for (int s = 0; s < S; ++s) mx = fmaxf(mx, parts[((int64_t)s * FA_QB + i) * pw]);
+        for (int s = 0; s < S; ++s) {
+            const float *p = parts + ((int64_t)s * FA_QB + i) * pw;
+            w[s] = p[0] == -INFINITY ? 0.f : exp2f(p[0] - mx);
+            l += w[s] * p[1];
+        }
+        uint16_t *o = out + ((a->cu_q[k->b] * a->G + k->q0 + i) * a->H + k->h) * (int64_t)a->Dv;
+        for (int d = 0; d < a->Dv; ++d) {
+            float acc = 0.f;
+            for (int s = 0; s < S; ++s) acc += w[s] * parts[((int64_t)s * FA_QB + i) * pw + 2 + d];
+            o[d] = f32_to_bf16(acc / l);
+        }
+    }
+}
 
+/* Spans a task's keys are split into: 1 where the tasks keep 2 x nthreads busy, else enough for that
+ * (few queries over long contexts: a chunk after a prefix hit; flash-decoding style merge). */
+static int spans_for(int64_t tasks, int nthreads) {
+    if (tasks >= 2 * (int64_t)nthreads) return 1;
+    const int64_t s = (2 * (int64_t)nthreads + tasks - 1) / tasks;
+    return s > FA_MAX_SPANS ? FA_MAX_SPANS : (int)s;
+}
+
+/* Work items largest first (cost: rows x the keys the last row sees, a span its share). */
 static int by_cost(const void *x, const void *y) {
     const int64_t a = ((const fa_item *)x)->cost, b = ((const fa_item *)y)->cost;
     return a < b ? 1 : (a > b ? -1 : 0);
@@ -269,19 +317,28 @@ int ds_flash_attention(int B, int H, int G, int Dn, int Dr, int Dv, const uint16
     const int64_t fit = ahead ? pack_bytes / (4 * head_dwords) : H;
     const int group = fit > H ? H : (int)fit;
     uint32_t *packed = ahead ? malloc(sizeof(uint32_t) * (size_t)(head_dwords * group)) : NULL;
-    fa_item *items = malloc(sizeof(fa_item) * (size_t)(tasks * group + 1));
-    if ((ahead && !packed) || !items) { free(first); free(packed); free(items); return -1; }
+    fa_item *tk = malloc(sizeof(fa_item) * (size_t)(tasks * group + 1));
+    if ((ahead && !packed) || !tk) { free(first); free(packed); free(tk); return -1; }
     int bad = 0;
-    for (int h0 = 0; h0 < H; h0 += group) {
+    for (int h0 = 0; h0 < H && !bad; h0 += group) {
         const int g = H - h0 < group ? H - h0 : group;
-        int64_t ni = 0;
+        int64_t nk = 0;
         for (int hh = 0; hh < g; ++hh)
             for (int b = 0; b < B; ++b) {
                 const int64_t n = cu_q[b + 1] - cu_q[b], c = cu_kv[b + 1] - cu_kv[b];
-                for (int64_t q0 = 0; q0 < n * G; q0 += FA_QB)   /* cost: rows x the keys its last row sees */
-                    items[ni++] = (fa_item){b, h0 + hh, (int)q0, (n * G - q0 < FA_QB ? n * G - q0 : FA_QB) *
-                                                                     (c - n + (q0 + FA_QB) / G)};
+                for (int64_t q0 = 0; q0 < n * G; q0 += FA_QB, ++nk)
+                    tk[nk] = (fa_item){b, h0 + hh, (int)q0, 0, nk,
+                                       (n * G - q0 < FA_QB ? n * G - q0 : FA_QB) * (c - n + (q0 + FA_QB) / G)};
             }
+        const int S = spans_for(nk, nthreads);
+        const int64_t ni = nk * S, part_floats = (int64_t)FA_QB * (a.DvP + 2);
+        fa_item *items = malloc(sizeof(fa_item) * (size_t)ni);
+        float *parts = S > 1 ? malloc(sizeof(float) * (size_t)(ni * part_floats)) : NULL;
+        if (!items || (S > 1 && !parts)) { free(items); free(parts); bad = 1; break; }
+        for (int64_t i = 0; i < ni; ++i) {
+            items[i] = tk[i / S];
+            items[i].s = (int)(i % S), items[i].slot = i, items[i].cost /= S;
+        }
         qsort(items, (size_t)ni, sizeof(fa_item), by_cost);
         #pragma omp parallel num_threads(nthreads) reduction(| : bad)
         {
@@ -305,18 +362,23 @@ int ds_flash_attention(int B, int H, int G, int Dn, int Dr, int Dv, const uint16
                 const fa_item *w = &items[it];
                 const int own = ahead && first[w->b + 1] > first[w->b];   /* its blocks were packed ahead */
                 if (ok)
-                    run_task(&a, &t, w->b, w->h, w->q0,
-                             own ? packed + ((w->h - h0) * blocks + first[w->b]) * block_dwords(&a) : NULL, out);
+                    run_task(&a, &t, w, S, own ? packed + ((w->h - h0) * blocks + first[w->b]) * block_dwords(&a) : NULL,
+                             parts ? parts + w->slot * part_floats : NULL, out);
             }
             free(t.qp);
             free(t.acc);
             free(t.blk);
+            if (parts) {
+                #pragma omp for schedule(dynamic, 1)
+                for (int64_t k = 0; k < nk; ++k) merge_task(&a, &tk[k], S, parts + k * S * part_floats, out);
+            }
         }
-        if (bad) break;
+        free(items);
+        free(parts);
     }
     free(first);
     free(packed);
-    free(items);
+    free(tk);
     return bad ? -1 : 0;
 #endif
 }
