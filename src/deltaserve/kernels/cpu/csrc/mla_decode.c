@@ -2,7 +2,9 @@
  * (spec/model.md §7). One query token per sequence b; all H heads share the latent rows:
  *   o[b, h, :R] = sum_j softmax_j(scale * q[b, h, :] . row_j) * row_j[:R]
  * with row_j = rows[read_rows[cu_kv[b] + j]], j over the whole context of b (new row included).
- * fp32 scores, softmax and accumulation (as torch's SDPA runs bf16 inputs); bf16 output.
+ * fp32 scores, softmax and accumulation; the weights rounded to bf16 for the value product, as
+ * torch's SDPA runs bf16 inputs on CPU (the value pass then takes two rows a `vdpbf16ps`: 1.12-1.36x
+ * a call, Zen 4, 2 threads, 4k-64k rows; the same error against a float64 oracle); bf16 output.
  * Work splits each sequence's context into chunks of at most MLA_CHUNK rows, as even as
  * `chunk_rows` makes them (flash-decoding style), whose partial
  * (max, sum, accumulator) triples are merged per sequence, so one long sequence uses every thread.
@@ -10,7 +12,7 @@
  * computes this one: a chunk's score pass reads its rows at the dot products' pace (~19 GB/s a
  * thread, more than one core streams), its value pass reads nothing new; spread over both passes
  * the reads keep up (AMD EPYC Zen 4, 2 threads, 16-row pages in random order: 1.2-1.5x a call at
- * 16-64k rows, batch-1 decode steps 1.03x at 4k context, 1.07x at 16k). Bit-identical results.
+ * 16-64k rows, batch-1 decode steps 1.03x at 4k context, 1.07x at 16k; bit-identical).
  */
 #include <float.h>
 #include <math.h>
@@ -30,6 +32,7 @@
 #define ML_AHEAD 4   /* the score pass prefetches the row this far ahead (and the one after) where it starts a page run */
 #define ML_GROUP 8   /* heads whose 32-column accumulators share the registers (16 of 32 zmm) */
 #define LANES 16   /* independent partial sums: lets the compiler vectorise the dot products */
+#define ML_SCRATCH(D, H) ((D) + (H) * MLA_CHUNK + ((H) * MLA_CHUNK + 2) / 2)   /* floats: row, weights, bf16 weights */
 
 /* sum_d a[d] * b[d] in LANES interleaved partial sums (a fixed order, vectorisable under ISO C). */
 static inline float dot_f32(const float *a, const float *b, int n) {
@@ -69,12 +72,13 @@ static inline void prefetch_lines(const uint16_t *rows, int64_t at, int D, int c
 #endif
 
 /* Partial attention of all heads over rows [j0, j1) of one sequence. part: H * (R + 2) floats
- * laid out per head as [m, l, acc(R)]. scratch: D + H * MLA_CHUNK floats. next: the next_n row
+ * laid out per head as [m, l, acc(R)]. scratch: ML_SCRATCH(D, H) floats. next: the next_n row
  * indices of the chunk the thread runs next (NULL: none), prefetched meanwhile. */
 static void mla_chunk(const float *qf, const uint16_t *qb, int H, int D, int R, const uint16_t *rows,
                       const int64_t *idx, int64_t j0, int64_t j1, const int64_t *next, int next_n, float scale,
                       float *part, float *scratch) {
     float *row = scratch, *s = scratch + D;
+    uint16_t *sb = (uint16_t *)(s + H * MLA_CHUNK);   /* the weights in bf16, a zero past an odd n */
     const int n = (int)(j1 - j0);
 #ifdef ML_AVX512BF16
     const int lines = (D * 2 + 63) / 64, sweeps = 1 + R / 32;
@@ -136,11 +140,18 @@ static void mla_chunk(const float *qf, const uint16_t *qb, int H, int D, int R, 
             l += pv[j];
         }
         ph[1] = l;
+        for (int j = 0; j < n; ++j) sb[h * MLA_CHUNK + j] = f32_to_bf16(pv[j]);
+        sb[h * MLA_CHUNK + n] = 0;
     }
 #define ML_LOAD(r, o) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((r) + (o)))), 16))
     /* Groups of 8 heads: 32 output columns of the 8 heads stay in 16 registers across the chunk's
-     * rows, so each row's columns are widened once per group, not once per head. Every column still
-     * sums its rows in order with one FMA each: the same values as the per-head loop below. */
+     * rows. Rows go in pairs: their 32 columns interleaved (`vpunpck*wd`: columns 0-3, 8-11, ... in
+     * `lo`, 4-7, 12-15, ... in `hi`, reordered at the store), each head's two bf16 weights broadcast,
+     * one `vdpbf16ps` a head and 16 columns for both rows: half the FMA-unit work of widening the rows
+     * to fp32 (as torch's CPU flash attention, the weights are rounded to bf16 for this product; the
+     * sums l stay fp32). */
+    const __m512i to_lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i to_hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     int h0 = 0;
     for (; h0 + ML_GROUP <= H; h0 += ML_GROUP)
         for (int d = 0; d + 32 <= R; d += 32) {
@@ -149,31 +160,35 @@ static void mla_chunk(const float *qf, const uint16_t *qb, int H, int D, int R, 
             /* this sweep's share of the next chunk's lines (the first group's sweeps cover them all) */
             const int c0 = h0 == 0 && next ? first_line(1 + d / 32, sweeps, lines) : 0;
             const int c1 = h0 == 0 && next ? first_line(2 + d / 32, sweeps, lines) : 0;
-            for (int j = 0; j < n; ++j) {
+            for (int j = 0; j < n; j += 2) {
                 if (j < next_n) prefetch_lines(rows, next[j], D, c0, c1);
-                const uint16_t *r = rows + idx[j0 + j] * (int64_t)D + d;
-                const __m512 x0 = ML_LOAD(r, 0), x1 = ML_LOAD(r, 16);
+                if (j + 1 < next_n) prefetch_lines(rows, next[j + 1], D, c0, c1);
+                const __m512i r0 = _mm512_loadu_si512(rows + idx[j0 + j] * (int64_t)D + d);
+                const __m512i r1 = j + 1 < n ? _mm512_loadu_si512(rows + idx[j0 + j + 1] * (int64_t)D + d) : r0;
+                const __m512bh x0 = (__m512bh)_mm512_unpacklo_epi16(r0, r1), x1 = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
                 for (int k = 0; k < ML_GROUP; ++k) {
-                    const __m512 p = _mm512_set1_ps(s[(h0 + k) * MLA_CHUNK + j]);
-                    lo[k] = _mm512_fmadd_ps(p, x0, lo[k]);
-                    hi[k] = _mm512_fmadd_ps(p, x1, hi[k]);
+                    uint32_t pair;
+                    memcpy(&pair, sb + (h0 + k) * MLA_CHUNK + j, 4);
+                    const __m512bh p = (__m512bh)_mm512_set1_epi32((int)pair);
+                    lo[k] = _mm512_dpbf16_ps(lo[k], p, x0);
+                    hi[k] = _mm512_dpbf16_ps(hi[k], p, x1);
                 }
             }
             for (int j = n; j < next_n; ++j) prefetch_lines(rows, next[j], D, c0, c1);
             for (int k = 0; k < ML_GROUP; ++k) {
-                _mm512_storeu_ps(part + (h0 + k) * (R + 2) + 2 + d, lo[k]);
-                _mm512_storeu_ps(part + (h0 + k) * (R + 2) + 2 + d + 16, hi[k]);
+                _mm512_storeu_ps(part + (h0 + k) * (R + 2) + 2 + d, _mm512_permutex2var_ps(lo[k], to_lo, hi[k]));
+                _mm512_storeu_ps(part + (h0 + k) * (R + 2) + 2 + d + 16, _mm512_permutex2var_ps(lo[k], to_hi, hi[k]));
             }
         }
     /* The other heads (and columns past the last 32) one head at a time, 64 columns in registers. */
     for (int h = 0; h < H; ++h) {
-        float *ph = part + h * (R + 2), *pv = s + h * MLA_CHUNK;
+        float *ph = part + h * (R + 2);
         int d = h < h0 ? R / 32 * 32 : 0;
         for (; d + 64 <= R; d += 64) {
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (int j = 0; j < n; ++j) {
                 const uint16_t *r = rows + idx[j0 + j] * (int64_t)D + d;
-                const __m512 p = _mm512_set1_ps(pv[j]);
+                const __m512 p = _mm512_set1_ps(bf16_to_f32(sb[h * MLA_CHUNK + j]));
                 a0 = _mm512_fmadd_ps(p, ML_LOAD(r, 0), a0);
                 a1 = _mm512_fmadd_ps(p, ML_LOAD(r, 16), a1);
                 a2 = _mm512_fmadd_ps(p, ML_LOAD(r, 32), a2);
@@ -186,13 +201,14 @@ static void mla_chunk(const float *qf, const uint16_t *qb, int H, int D, int R, 
         }
         for (; d < R; ++d) {
             float a = 0.f;
-            for (int j = 0; j < n; ++j) a += pv[j] * bf16_to_f32(rows[idx[j0 + j] * (int64_t)D + d]);
+            for (int j = 0; j < n; ++j) a += bf16_to_f32(sb[h * MLA_CHUNK + j]) * bf16_to_f32(rows[idx[j0 + j] * (int64_t)D + d]);
             ph[2 + d] = a;
         }
     }
 #undef ML_LOAD
     (void)row;
 #else
+    (void)sb;
     for (int h = 0; h < H; ++h) {
         float *ph = part + h * (R + 2);
         ph[1] = 0.f;
@@ -249,7 +265,7 @@ int ds_mla_decode(int B, int H, int D, int R, const uint16_t *q, const uint16_t 
     int bad = 0;
     #pragma omp parallel num_threads(nthreads) reduction(| : bad)
     {
-        float *scratch = malloc(sizeof(float) * (size_t)(D + H * MLA_CHUNK));
+        float *scratch = malloc(sizeof(float) * (size_t)ML_SCRATCH(D, H));
         if (!scratch) bad |= 1;
         /* a contiguous share of the items, so the next one's rows are known (prefetched meanwhile) */
         const int nt = omp_get_num_threads(), me = omp_get_thread_num();
