@@ -40,8 +40,8 @@
 
 #define FA_BK 64                          /* keys a block */
 #define FA_NZ (FA_BK / 16)                /* vectors a block's scores take per query */
-#define FA_MR 6                           /* queries a register tile */
-#define FA_QB (16 * FA_MR)                /* queries a task */
+#define FA_MR 6                           /* query rows a register tile */
+#define FA_QB (16 * FA_MR)                /* query rows a task */
 #define FA_AHEAD_TASKS 8                  /* tasks a head from which a sequence's blocks are packed ahead */
 #define FA_MAX_SPANS 64                   /* key spans a task is split into at most (spans_for) */
 
@@ -121,7 +121,7 @@ typedef struct {
     uint32_t *qp;          /* [FA_QB][D2] */
     float *acc;            /* [FA_QB][DvP] */
     float m[FA_QB], l[FA_QB];
-    uint32_t *blk;         /* one packed block (block_dwords) where nothing is packed ahead, else NULL */
+    uint32_t *blk;         /* one block (block_dwords), packed as the task reads it where not packed ahead */
     uint32_t p[FA_MR * FA_BK / 2];   /* a tile's probabilities, bf16 pairs */
 } fa_task;
 
