@@ -193,3 +193,21 @@ def test_key_spans_merge(threads, ns, cs):
     ref = oracle(q, k_nope, k_rot, v, ns, cs, 0.2)
     sdpa = mla.mla_context_attention(q, mla.joined_keys(k_nope, k_rot), v.contiguous(), cu_q, cu_kv, 0.2)
     assert max_err(got, ref) <= 2 * max_err(sdpa, ref) + 2**-8
+
+
+@needs_flash
+def test_bench_script_runs(monkeypatch, capsys):
+    """scripts/cpu_attention_bench.py (the docs' tables) on tiny shapes: one JSON row a form."""
+    import json
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).parents[2] / "scripts" / "cpu_attention_bench.py"
+    argv = ["x", "--shapes", "40x70", "--absorbed", "3x50", "--heads", "2", "--rank", "32", "--reps", "1", "--json"]
+    monkeypatch.setattr("sys.argv", argv)
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(script), run_name="__main__")
+    assert done.value.code == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["form"], r["queries"], r["rows"]) for r in rows] == [("unabsorbed", 40, 70), ("absorbed", 3, 50)]
+    assert all(r["ours_ms"] > 0 and r["sdpa_ms"] > 0 for r in rows)
