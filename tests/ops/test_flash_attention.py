@@ -1,5 +1,6 @@
-"""The native flash-attention kernel (`ds_flash_attention`: MLA prefill, unabsorbed) against a
-float64 oracle written out here, and against the PyTorch path it replaces (`ops.mla`'s SDPA)."""
+"""The native flash-attention kernel (`ds_flash_attention`: MLA prefill, unabsorbed and absorbed)
+against a float64 oracle written out here (or `naive_mla_absorbed_attention`), and against the
+PyTorch path it replaces (`ops.mla`'s SDPA)."""
 
 from __future__ import annotations
 
