@@ -131,6 +131,21 @@ def test_native_ops_take_the_kernel_for_both_prefill_forms(monkeypatch):
 
 
 @needs_flash
+def test_decompressed_rows_hold_less_on_the_kernel():
+    """What the unabsorbed cap counts a context row: the kv_b output alone on the kernel (4 KiB at 8 of
+    K3's heads), SDPA's joined keys and padded values too (10 KiB) where the kernel is off."""
+    from deltaserve.ops.backend import REFERENCE
+
+    sizes = dict(heads=8, rope=64, nope=128, v=128)
+    assert CpuNativeOps(NK).unabsorbed_row_bytes(**sizes) == 8 * 2 * 256
+    assert (
+        CpuNativeOps(NK, flash_prefill=False).unabsorbed_row_bytes(**sizes)
+        == REFERENCE.unabsorbed_row_bytes(**sizes)
+        == 8 * 2 * (256 + 2 * 192)
+    )
+
+
+@needs_flash
 def test_flash_prefill_switch(monkeypatch):
     """`DELTASERVE_FLASH_PREFILL=0` keeps the native backend's MLA prefill on SDPA."""
     from deltaserve.ops.select import select_ops

@@ -163,6 +163,8 @@ def test_unabsorbed_for_prefill_chunks_not_decode(monkeypatch):
     assert unabsorbed_sequences(_cu([1] * 8), _cu([4096] * 8), **sizes) == []  # decode
     monkeypatch.setattr(mla, "UNABSORBED_BYTES", 8192 * 64 * 2 * (256 + 2 * 192) - 1)
     assert unabsorbed_sequences(_cu([2048, 300]), _cu([8192, 400]), **sizes) == [1]
+    # a backend whose rows hold less (the native flash kernel: the kv_b output alone) fits both
+    assert unabsorbed_sequences(_cu([2048, 300]), _cu([8192, 400]), **sizes, row_bytes=64 * 2 * 256) == [0, 1]
 
 
 def test_sub_batches_of_sequences():

@@ -137,7 +137,9 @@ class MlaAttention(OpsModule):
         """Attention over cached contexts: unabsorbed, the rows' keys and values decompressed, for the
         sequences where that costs fewer multiply-adds (`unabsorbed_sequences`: prefill chunks), the
         absorbed form for the rest (decode); a step with both runs each on its sequences."""
-        wide = mla_ops.unabsorbed_sequences(cu_q, cu_kv, self.num_heads, self.rank, self.rope, self.nope, self.v_dim)
+        h, rope, nope, v = self.num_heads, self.rope, self.nope, self.v_dim
+        row_bytes = self.ops.unabsorbed_row_bytes(h, rope, nope, v)
+        wide = mla_ops.unabsorbed_sequences(cu_q, cu_kv, h, self.rank, rope, nope, v, row_bytes)
         num_seqs = cu_q.numel() - 1
         if len(wide) in (0, num_seqs):
             return (self._unabsorbed if wide else self._absorbed)(q, rows, cu_kv, cu_q)

@@ -19,7 +19,13 @@ import torch.nn.functional as F
 
 from . import kda as kda_ops
 from .attn_res import attn_res_mix
-from .mla import joined_keys, mla_absorbed_attention, mla_context_attention, mla_prefill_attention
+from .mla import (
+    joined_keys,
+    mla_absorbed_attention,
+    mla_context_attention,
+    mla_prefill_attention,
+    unabsorbed_row_bytes,
+)
 from .moe import grouped_experts, route
 from .mxfp4 import mxfp4_decode
 from .norms import gated_rms_norm, rms_norm
@@ -233,6 +239,10 @@ class TorchOps:
         sequence's latent rows [Nkv, R + Dr] (packed by cu_kv; keys the whole rows, values their first R
         columns): [N, H, R] in the queries' dtype (`mla.mla_absorbed_attention`)."""
         return mla_absorbed_attention(q_latent, rows, cu_q, cu_kv, rank, scale)
+
+    def unabsorbed_row_bytes(self, heads: int, rope: int, nope: int, v: int) -> int:
+        """Bytes a decompressed context row holds in `mla_context_prefill` (`mla.unabsorbed_row_bytes`)."""
+        return unabsorbed_row_bytes(heads, rope, nope, v)
 
     def mla_context_prefill(
         self,

@@ -223,6 +223,14 @@ class CpuNativeOps(CpuStackOps, CpuDenseOps):
         out = self._flash(q_latent.reshape(nq * h, 1, d), latent, rows[:, rank:], latent, cu_q, cu_kv, scale, h)
         return super().mla_absorbed(q_latent, rows, cu_q, cu_kv, rank, scale) if out is None else out.view(nq, h, rank)
 
+    def unabsorbed_row_bytes(self, heads, rope, nope, v):
+        """On the flash kernel a decompressed row is its keys' and values' `kv_b_proj` output alone
+        (read in place; the kernel's packed blocks are bounded apart, `FLASH_PACK_BYTES`): 4 KiB at 8 of
+        K3's heads against SDPA's 10."""
+        if self.flash_prefill and self.k.avx512_bf16:
+            return heads * 2 * (nope + v)
+        return super().unabsorbed_row_bytes(heads, rope, nope, v)
+
     def _flash(self, q, k_nope, k_rot, v, cu_q, cu_kv, scale, group: int = 1):
         """MLA prefill attention on the native flash kernel (keys' parts and values read in place), or
         None: switched off, operands other than bf16, or a build without AVX512-BF16."""

@@ -197,20 +197,33 @@ def _unabsorbed_attention(q, k, v, cu_q, cu_kv, scale: float, square: bool) -> t
     return out
 
 
+def unabsorbed_row_bytes(heads: int, rope: int, nope: int, v: int) -> int:
+    """Bytes a decompressed context row holds on the SDPA path (`mla_context_attention`): its keys and
+    values as decompressed, its joined keys and its padded values, H x 2 x (nope + v + 2 max(nope +
+    rope, v)) (bf16; 10 KiB at 8 of K3's heads)."""
+    return heads * 2 * (nope + v + 2 * max(nope + rope, v))
+
+
 def unabsorbed_sequences(
-    cu_q: torch.Tensor, cu_kv: torch.Tensor, heads: int, rank: int, rope: int, nope: int, v: int
+    cu_q: torch.Tensor,
+    cu_kv: torch.Tensor,
+    heads: int,
+    rank: int,
+    rope: int,
+    nope: int,
+    v: int,
+    row_bytes: int | None = None,
 ) -> list[int]:
     """The sequences whose attention over their cached context costs fewer multiply-adds unabsorbed
     (each context row's keys and values decompressed, rank x H x (nope + v), then H x 2 x max(nope +
     rope, v) a visible pair) than absorbed (H x 2 x (rank + rope) a pair): those with more than
     rank (nope + v) / (2 (rank + rope - max(nope + rope, v))) queries, ~170 at K3's sizes (prefill
-    chunks; decode never), in order while what they hold at once fits `UNABSORBED_BYTES`: a context
-    row's keys and values as decompressed, its joined keys and its padded values, H x 2 x (nope + v
-    + 2 max(nope + rope, v)) bytes (10 KiB at 8 of K3's heads)."""
+    chunks; decode never), in order while what they hold at once fits `UNABSORBED_BYTES`, `row_bytes`
+    a context row (the backend's `unabsorbed_row_bytes`; default the SDPA path's)."""
     _, ns = _lens(cu_q)
     _, cs = _lens(cu_kv)
     saved = 2 * (rank + rope - max(nope + rope, v))
-    row_bytes = heads * 2 * (nope + v + 2 * max(nope + rope, v))
+    row_bytes = unabsorbed_row_bytes(heads, rope, nope, v) if row_bytes is None else row_bytes
     chosen, held = [], 0
     for b, (n, c) in enumerate(zip(ns, cs)):
         if n * saved > rank * (nope + v) and held + c * row_bytes <= UNABSORBED_BYTES:
