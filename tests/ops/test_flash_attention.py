@@ -179,6 +179,9 @@ def test_absorbed_form_on_the_kernel(ns, cs, heads, rank, rope):
     sdpa = mla.mla_absorbed_attention(q, rows, cu_q, cu_kv, rank, scale)
     assert got.shape == (sum(ns), heads, rank)
     assert max_err(got, ref) <= 2 * max_err(sdpa, ref) + 2**-8
+    latent = rows[:, None, :rank]  # the kernel ran (not SDPA's fallback): its own call's values
+    direct = NK.flash_attention(q.view(-1, 1, rank + rope), latent, rows[:, rank:], latent, cu_q, cu_kv, scale, heads)
+    assert torch.equal(got, direct.view_as(got))
     with pytest.raises(ValueError, match="span"):  # cu_q counts positions: group rows each
         NK.flash_attention(
             q.view(-1, 1, rank + rope),

@@ -254,25 +254,13 @@ static void run_task(const fa_args *a, fa_task *t, const fa_item *k, int S, cons
     }
 }
 
-/* The S spans' partials of task k (`parts`: S x FA_QB rows of DvP + 2) merged by their maxima, in span
- * order, into its output rows. A span past a row's keys holds max -inf, sum 0: weight 0. */
-static void merge_task(const fa_args *a, const fa_item *k, int S, const float *parts, uint16_t *out) {
-    const int rows = task_rows(a, k), pw = a->DvP + 2;
-    for (int i = 0; i < rows; ++i) {
-        float mx = -INFINITY, l = 0.f, w[FA_MAX_SPANS];
-        for (int s = 0; s < S; ++s) mx = fmaxf(mx, parts[((int64_t)s * FA_QB + i) * pw]);
-        for (int s = 0; s < S; ++s) {
-            const float *p = parts + ((int64_t)s * FA_QB + i) * pw;
-            w[s] = p[0] == -INFINITY ? 0.f : exp2f(p[0] - mx);
-            l += w[s] * p[1];
-        }
-        uint16_t *o = out + ((a->cu_q[k->b] * a->G + k->q0 + i) * a->H + k->h) * (int64_t)a->Dv;
-        for (int d = 0; d < a->Dv; ++d) {
-            float acc = 0.f;
-            for (int s = 0; s < S; ++s) acc += w[s] * parts[((int64_t)s * FA_QB + i) * pw + 2 + d];
-            o[d] = f32_to_bf16(acc / l);
-        }
-    }
+/* The S spans' partials of task k (`parts`: S x FA_QB rows of DvP + 2) merged into its output rows;
+ * a span past a row's keys holds max -inf, sum 0: weight 0. acc: DvP floats of scratch. */
+static void merge_task(const fa_args *a, const fa_item *k, int S, const float *parts, float *acc, uint16_t *out) {
+    const int64_t pw = a->DvP + 2;
+    for (int i = 0; i < task_rows(a, k); ++i)
+        ds_merge_partials(parts + i * pw, FA_QB * pw, S, a->Dv, 1, acc,
+                          out + ((a->cu_q[k->b] * a->G + k->q0 + i) * a->H + k->h) * (int64_t)a->Dv);
 }
 
 /* Spans a task's keys are split into: 1 where the tasks keep 2 x nthreads busy, else enough for that
@@ -365,13 +353,14 @@ int ds_flash_attention(int B, int H, int G, int Dn, int Dr, int Dv, const uint16
                     run_task(&a, &t, w, S, own ? packed + ((w->h - h0) * blocks + first[w->b]) * block_dwords(&a) : NULL,
                              parts ? parts + w->slot * part_floats : NULL, out);
             }
+            if (parts) {
+                #pragma omp for schedule(dynamic, 1)
+                for (int64_t k = 0; k < nk; ++k)
+                    if (ok) merge_task(&a, &tk[k], S, parts + k * S * part_floats, t.acc, out);
+            }
             free(t.qp);
             free(t.acc);
             free(t.blk);
-            if (parts) {
-                #pragma omp for schedule(dynamic, 1)
-                for (int64_t k = 0; k < nk; ++k) merge_task(&a, &tk[k], S, parts + k * S * part_floats, out);
-            }
         }
         free(items);
         free(parts);

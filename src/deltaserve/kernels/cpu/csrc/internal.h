@@ -2,8 +2,28 @@
  * ds_abi.h, whose kernels the whole-block kernels of blocks.c also compose). */
 #ifndef DELTASERVE_INTERNAL_H
 #define DELTASERVE_INTERNAL_H
+#include <math.h>
 #include <stdint.h>
 #include "ds_abi.h"
+#include "bf16.h"
+
+/* Split attention's merge (flash-decoding): S partials [max, sum, acc(n)] `stride` floats apart (the
+ * max in natural-log units, or log2 with `base2`; a max of -inf weighs 0), combined in order by
+ * their maxima into out[n] = bf16(sum_s w_s acc_s / sum_s w_s sum_s); acc: n floats of scratch.
+ * ds_mla_decode's chunks and ds_flash_attention's key spans. */
+static inline void ds_merge_partials(const float *p, int64_t stride, int64_t S, int n, int base2, float *acc,
+                                     uint16_t *out) {
+    float mx = -INFINITY, l = 0.f;
+    for (int64_t s = 0; s < S; ++s) mx = fmaxf(mx, p[s * stride]);
+    for (int d = 0; d < n; ++d) acc[d] = 0.f;
+    for (int64_t s = 0; s < S; ++s) {
+        const float *ps = p + s * stride;
+        const float w = ps[0] == -INFINITY ? 0.f : (base2 ? exp2f(ps[0] - mx) : expf(ps[0] - mx));
+        l += w * ps[1];
+        for (int d = 0; d < n; ++d) acc[d] += w * ps[2 + d];
+    }
+    for (int d = 0; d < n; ++d) out[d] = f32_to_bf16(acc[d] / l);
+}
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define DS_ROWS(M) ((M) >= 8 ? 1 : 8 / (M))   /* weight rows per pass of the DS_MAX_M kernels */

@@ -22,6 +22,7 @@
 #include <omp.h>
 #include "ds_abi.h"
 #include "bf16.h"
+#include "internal.h"
 #include "vmath.h"
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -287,22 +288,9 @@ int ds_mla_decode(int B, int H, int D, int R, const uint16_t *q, const uint16_t 
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (B * H >= 4)
     for (int t = 0; t < B * H; ++t) {
         const int b = t / H, h = t % H;
-        float m = -FLT_MAX, l = 0.f;
-        for (int64_t it = first[b]; it < first[b + 1]; ++it) {
-            const float mi = parts[(it * H + h) * (R + 2)];
-            if (mi > m) m = mi;
-        }
         float acc[DS_MLA_MAX_RANK];
-        const int r_cap = R < DS_MLA_MAX_RANK ? R : DS_MLA_MAX_RANK;
-        for (int d = 0; d < r_cap; ++d) acc[d] = 0.f;
-        for (int64_t it = first[b]; it < first[b + 1]; ++it) {
-            const float *ph = parts + (it * H + h) * (R + 2);
-            const float w = expf(ph[0] - m);
-            l += w * ph[1];
-            for (int d = 0; d < r_cap; ++d) acc[d] += w * ph[2 + d];
-        }
-        uint16_t *o = out + ((int64_t)b * H + h) * R;
-        for (int d = 0; d < r_cap; ++d) o[d] = f32_to_bf16(acc[d] / l);
+        ds_merge_partials(parts + (first[b] * H + h) * (R + 2), (int64_t)H * (R + 2), first[b + 1] - first[b],
+                          R < DS_MLA_MAX_RANK ? R : DS_MLA_MAX_RANK, 0, acc, out + ((int64_t)b * H + h) * R);
     }
     free(first); free(parts); free(qf);
     return 0;
