@@ -53,37 +53,43 @@ void ds_tiles_begin(void) {
 #define SPAN 16                      /* k-blocks staged at once: 16 rows x 1 KB */
 #define ROW_DW (SPAN * 16)           /* dwords (bf16 pairs) per staged row */
 
-/* st[r * ROW_DW + (kb - kb0) * 16 + kp] = pair kp of weight row r in k-block kb, kb0 <= kb < kb1;
- * the source lines of the span staged after this one are prefetched into L2 meanwhile: the same rows'
- * next span, or after a row's last span the first span (and scales) of row r + next, the block the
- * caller stages next. Without the latter each block's first span came in at the memory's latency (bf16
- * from DRAM, AMD EPYC Zen 4: M = 32 x 1024 x 4096 262 -> 274 GFLOP/s, M = 16 182 -> 194); into L2
- * rather than L1 (where the activations stream through) another 274 -> 290, 194 -> 223, M = 64 331 -> 347,
- * MXFP4 experts alike. Bit-identical; past a matrix's end the hint is harmless. */
+/* st[r * ROW_DW + (kb - kb0) * 16 + kp] = pair kp of weight row r in k-block kb, kb0 <= kb < kb1. */
 static inline void stage(const void *w, const uint8_t *s, int packed, int64_t row0, int K, int kb0, int kb1,
-                         int64_t next, uint32_t *st) {
-    const int KB = K / 32, last = kb1 >= KB;
+                         uint32_t *st) {
+    const int KB = K / 32;
     for (int r = 0; r < DS_TILE; ++r) {
         uint32_t *dst = st + r * ROW_DW;
         if (packed) {
             const uint8_t *p = (const uint8_t *)w + (row0 + r) * (K / 2);
             const uint8_t *sc = s + (row0 + r) * KB;
-            /* addresses as integers: they may lie past the matrix (hints never fault) */
-            const uintptr_t ahead = (uintptr_t)p + (uintptr_t)(last ? next * (K / 2) - (int64_t)kb0 * 16 : SPAN * 16);
-            if (last) _mm_prefetch((const char *)((uintptr_t)sc + (uintptr_t)(next * KB)), _MM_HINT_T1);
-            for (int kb = kb0; kb < kb1; ++kb) {
-                if ((kb - kb0) % 4 == 0) _mm_prefetch((const char *)(ahead + (uintptr_t)kb * 16), _MM_HINT_T1);
+            for (int kb = kb0; kb < kb1; ++kb)
                 _mm512_store_si512((void *)(dst + (kb - kb0) * 16), mxfp4_group(p + kb * 16, sc[kb]));
-            }
         } else {
             const uint16_t *a = (const uint16_t *)w + (row0 + r) * K;
-            const uintptr_t ahead = (uintptr_t)a + 2 * (uintptr_t)(last ? next * K - (int64_t)kb0 * 32 : SPAN * 32);
-            for (int kb = kb0; kb < kb1; ++kb) {
-                _mm_prefetch((const char *)(ahead + (uintptr_t)kb * 64), _MM_HINT_T1);
+            for (int kb = kb0; kb < kb1; ++kb)
                 _mm512_store_si512((void *)(dst + (kb - kb0) * 16), _mm512_loadu_si512((const void *)(a + kb * 32)));
-            }
         }
     }
+}
+
+/* The lines staged after the current span, prefetched into L2 while it computes: the same rows' next
+ * span, or after a row's last span the first span (and scales) of row r + next, the block the caller
+ * stages next. Row r's line j lies at base + r * row + j * 64 (j < lines); scales (or NULL) at
+ * scales + r * srow. Without it each block's first span came in at the memory's latency; issued as one
+ * burst while staging (the previous form) they queued behind each other; spread over the span's
+ * products (one line every 16 products) they arrive in time. Hints never fault: the addresses are
+ * integers and may lie past the matrix. */
+typedef struct { uintptr_t base, scales; int64_t row, srow; int lines; } span_ahead;
+
+static inline span_ahead ahead_of(const void *w, const uint8_t *s, int packed, int64_t row0, int K, int kb0, int kb1,
+                                  int64_t next) {
+    const int KB = K / 32, last = kb1 >= KB, rowb = packed ? K / 2 : 2 * K, spanb = packed ? 16 : 64;
+    const int64_t skip = last ? next * rowb - (int64_t)kb0 * spanb : (int64_t)SPAN * spanb;
+    span_ahead a = {(uintptr_t)w + (uintptr_t)(row0 * rowb + (int64_t)kb0 * spanb + skip), 0, rowb, KB, 0};
+    const int nkb = last ? (KB < SPAN ? KB : SPAN) : (KB - kb1 < SPAN ? KB - kb1 : SPAN);
+    a.lines = (nkb * spanb + 63) / 64;
+    if (packed && last) a.scales = (uintptr_t)s + (uintptr_t)((row0 + next) * KB);
+    return a;
 }
 
 /* acc + the pair products of the dword at w broadcast to every lane with x (VDPBF16PS with an embedded
@@ -93,15 +99,21 @@ static inline __attribute__((always_inline)) __m512 dp_bcast(__m512 acc, const u
     return acc;
 }
 
-/* c[r * 16 + mm] (+)= staged rows r . m-block mb of xv over k-blocks kb0..kb1-1 (zero: start from 0). */
+/* c[r * 16 + mm] (+)= staged rows r . m-block mb of xv over k-blocks kb0..kb1-1 (zero: start from 0);
+ * with `ah` (non-NULL) the lines of *ah are prefetched meanwhile, one per k-pair step. */
 static inline void span_product(const uint32_t *st, const uint16_t *xv, int MB, int mb, int kb0, int kb1,
-                                int zero, float *c) {
+                                int zero, const span_ahead *ah, float *c) {
     __m512 acc[DS_TILE];
     for (int r = 0; r < DS_TILE; ++r) acc[r] = zero ? _mm512_setzero_ps() : _mm512_loadu_ps(c + r * 16);
+    if (ah && ah->scales)
+        for (int r = 0; r < DS_TILE; ++r) _mm_prefetch((const char *)(ah->scales + (uintptr_t)(r * ah->srow)), _MM_HINT_T1);
     for (int kb = kb0; kb < kb1; ++kb) {
         const uint16_t *xk = xv + ((int64_t)kb * MB + mb) * DS_TILE * 32;
         const uint32_t *wk = st + (kb - kb0) * 16;
+        const int line = kb - kb0;
         for (int kp = 0; kp < 16; ++kp) {
+            if (ah && line < ah->lines)
+                _mm_prefetch((const char *)(ah->base + (uintptr_t)(kp * ah->row + line * 64)), _MM_HINT_T1);
             const __m512bh xr = (__m512bh)_mm512_load_si512((const void *)(xk + kp * 32));
             for (int r = 0; r < DS_TILE; ++r)
                 acc[r] = dp_bcast(acc[r], wk + r * ROW_DW + kp, xr);
@@ -120,9 +132,11 @@ static void reg_rows(const void *const *w, const uint8_t *const *s, int packed, 
     for (int kb0 = 0; kb0 < KB; kb0 += SPAN) {
         const int kb1 = kb0 + SPAN < KB ? kb0 + SPAN : KB;
         for (int b = 0; b < nw; ++b) {
-            stage(w[b], packed ? s[b] : NULL, packed, row0[b], K, kb0, kb1, next, st);
+            stage(w[b], packed ? s[b] : NULL, packed, row0[b], K, kb0, kb1, st);
+            const span_ahead ah = ahead_of(w[b], packed ? s[b] : NULL, packed, row0[b], K, kb0, kb1, next);
             for (int mb = 0; mb < MB; ++mb)
-                span_product(st, xv, MB, mb, kb0, kb1, kb0 == 0, c + ((int64_t)b * MB + mb) * DS_TILE * DS_TILE);
+                span_product(st, xv, MB, mb, kb0, kb1, kb0 == 0, mb == 0 ? &ah : NULL,
+                             c + ((int64_t)b * MB + mb) * DS_TILE * DS_TILE);
         }
     }
 }
