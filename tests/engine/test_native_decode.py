@@ -80,6 +80,15 @@ def gaps_to_oracle(llm, prompt: list[int], tokens: list[int]) -> list[float]:
     return (logits.max(-1).values - logits.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)).tolist()
 
 
+def gaps_off_oracle(llm, prompts, outputs) -> list[float]:
+    """The gaps of the generated tokens that are not the oracle's argmax up to TIE. Another summation
+    order (1 bf16 ulp in one value) can flip a near-tied top-k expert choice, which moves that sequence's
+    next logits by up to a logit or so: seen once in 144 tokens (seed 5, 12 sequences: the flip in the
+    prefill's routing, bf16 and fp32 oracles agreeing within 0.03); a mis-addressed slot or row is off
+    on most tokens of its sequence."""
+    return [g for prompt, tokens in zip(prompts, outputs) for g in gaps_to_oracle(llm, prompt, tokens) if g >= TIE]
+
+
 @pytest.mark.parametrize("mxfp4", [False, True])
 def test_native_decode_matches_torch_paths_and_engages(tmp_path, monkeypatch, mxfp4):
     ckpt = make_tiny(tmp_path / "k3", "kimi_k3", mxfp4=mxfp4, seed=4)
@@ -116,8 +125,7 @@ def test_batched_decode_on_tiles_matches_oracle_and_blocks(tmp_path, monkeypatch
     before = kernels.tile_uses()
     llm, native, calls = run(ckpt, prompts, monkeypatch, True, max_num_seqs=12)
     assert kernels.tile_uses() > before and calls["decode_logits"] > 0
-    for prompt, tokens in zip(prompts, native):
-        assert max(gaps_to_oracle(llm, prompt, tokens)) < TIE
+    assert len(gaps_off_oracle(llm, prompts, native)) <= 2  # of 144
     without_blocks(monkeypatch, stack_only=True)
     blocks_llm, per_block, block_calls = run(ckpt, prompts, monkeypatch, True, max_num_seqs=12)
     assert block_calls["mla_block"] > 0 and block_calls["decode_stack"] == block_calls["decode_logits"] == 0

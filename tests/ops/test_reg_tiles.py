@@ -61,7 +61,7 @@ def test_tiles_off_leaves_batches_to_torch(nk):
 
 @pytest.mark.parametrize("n, hot", [(5, 0), (40, 12), (90, 90), (300, 300)])
 def test_experts_on_register_tiles(nk, n, hot):
-    """Chunks of 9+ pairs on tiles (300 hot pairs: past one chunk of 256), the rest on the GEMV kernels;
+    """Experts of 11+ pairs on tiles (300 hot pairs: past one chunk of 256), the rest on the GEMV kernels;
     packed and bf16 weights give bit-identical tiles (the same staged bf16 in the same order)."""
     (w1, w3, w2), dense, x, ids, wts = routed_case(n, torch.Generator().manual_seed(n))
     ids[:hot, 0] = 0
@@ -70,7 +70,7 @@ def test_experts_on_register_tiles(nk, n, hot):
     before = nk.tile_uses()
     tiles_packed = nk.moe_experts(x, ids, wts, w1, w3, w2, cpu_kernels.ACT_SITU, 4.0, 25.0)
     tiles_dense = nk.moe_experts(x, ids, wts, *dense, cpu_kernels.ACT_SITU, 4.0, 25.0)
-    assert (nk.tile_uses() > before) == (hot >= 9)
+    assert (nk.tile_uses() > before) == (hot >= 11)
     gemv = _gemv(nk, lambda: nk.moe_experts(x, ids, wts, w1, w3, w2, cpu_kernels.ACT_SITU, 4.0, 25.0))
     assert torch.equal(tiles_packed, tiles_dense)
     assert ulps(tiles_packed, ref, ref) <= 2.0
@@ -81,10 +81,11 @@ def test_experts_on_register_tiles(nk, n, hot):
     "act, beta, lbeta",
     [(cpu_kernels.ACT_SILU, 0.0, 0.0), (cpu_kernels.ACT_SITU, 4.0, 0.0), (cpu_kernels.ACT_SITU, 2.0, 8.0)],
 )
-@pytest.mark.parametrize("pairs", [3, 4, 5, 8, 9, 33])
+@pytest.mark.parametrize("pairs", [3, 4, 5, 8, 10, 12, 20, 33])
 def test_expert_chunk_sizes_per_activation(nk, act, beta, lbeta, pairs):
-    """One expert with `pairs` pairs: 3..8 on the multi-row MXFP4 GEMV kernels (4 or 2 rows a pass),
-    9 and more on tiles; each against the reference with its GLU."""
+    """One expert with `pairs` pairs: up to 10 on the multi-row MXFP4 GEMV kernels (4 or 2 rows a pass),
+    11 and more on tiles, but up to 8 pairs past the last whole m-block on the GEMV kernels (20 = one
+    m-block + 4, 33 = two + 1; `tile_uses` counts m-blocks). Each against the reference with its GLU."""
     (w1, w3, w2), dense, x, ids, wts = routed_case(pairs, torch.Generator().manual_seed(pairs + int(beta)), k=2)
     ids[:, 0] = 0
     ids[:, 1] = 1 + torch.arange(pairs) % 7
@@ -94,8 +95,11 @@ def test_expert_chunk_sizes_per_activation(nk, act, beta, lbeta, pairs):
         else functools.partial(situ_and_mul, beta=beta, linear_beta=lbeta or None)
     )
     ref = grouped_experts(x, ids, wts, *dense, fn)
+    m_blocks = {12: 1, 20: 1, 33: 2}.get(pairs, 0)
     for weights in ((w1, w3, w2), dense):
+        before = nk.tile_uses()
         assert ulps(nk.moe_experts(x, ids, wts, *weights, act, beta, lbeta), ref, ref) <= 2.0
+        assert nk.tile_uses() - before == m_blocks
 
 
 def test_prefill_experts_run_fused_on_tiles(nk):

@@ -113,11 +113,12 @@ class NativeKernels(
         return ("none", "avx512-bf16", "amx")[int(self.lib.ds_tiles_ready())]
 
     def amx_uses(self) -> int:
-        """Kernel calls and expert chunks that ran on AMX tiles in this process (tests check engagement)."""
+        """Kernel calls and expert m-blocks (16 pairs) that ran on AMX tiles in this process (tests check
+        engagement)."""
         return int(self.lib.ds_amx_uses())
 
     def tile_uses(self) -> int:
-        """Kernel calls and expert chunks that ran on either kind of tile in this process."""
+        """Kernel calls and expert m-blocks that ran on either kind of tile in this process."""
         return int(self.lib.ds_tiles_uses())
 
 

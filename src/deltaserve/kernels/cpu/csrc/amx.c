@@ -62,11 +62,11 @@ void ds_amx_pack(const uint16_t *x, int64_t ldx, int M, int K, uint16_t *xv) {
 #ifdef DS_AMX
 static int amx_state = -1;   /* -1 not asked yet, 0 refused, 1 granted (the loader asks once) */
 static int amx_enabled = 1;
-static int64_t amx_uses;     /* calls and expert chunks that ran on tiles (tests check engagement) */
+static int64_t amx_uses;     /* calls and expert m-blocks that ran on tiles (tests check engagement) */
 
 int64_t ds_amx_uses(void) { return __atomic_load_n(&amx_uses, __ATOMIC_RELAXED); }
 
-void ds_amx_count(void) { __atomic_fetch_add(&amx_uses, 1, __ATOMIC_RELAXED); }
+void ds_amx_count(int n) { __atomic_fetch_add(&amx_uses, n, __ATOMIC_RELAXED); }
 
 int ds_amx_ready(void) {
     if (amx_state < 0)
@@ -201,7 +201,7 @@ void ds_amx_rows(const void *const *w, const uint8_t *const *s, int packed, cons
 int ds_amx_ready(void) { return 0; }
 void ds_amx_set_enabled(int on) { (void)on; }
 int64_t ds_amx_uses(void) { return 0; }
-void ds_amx_count(void) {}
+void ds_amx_count(int n) { (void)n; }
 void ds_amx_config(void) {}
 void ds_amx_rows(const void *const *w, const uint8_t *const *s, int packed, const int64_t *row0, int nw, int K,
                  const uint16_t *xv, int MB, float *c) {
@@ -250,7 +250,7 @@ int ds_linear_amx_multi(const uint16_t *x, int M, int K, const uint16_t *const *
     const int blocks = first[nw];
     uint16_t *xv = aligned_alloc(64, sizeof(uint16_t) * (size_t)K * PASS);
     if (!xv) return -2;
-    ds_tiles_count();
+    ds_tiles_count(1);
     int bad = 0;
     for (int m0 = 0; m0 < M && !bad; m0 += PASS) {
         const int Mc = M - m0 < PASS ? M - m0 : PASS, MB = (Mc + DS_TILE - 1) / DS_TILE;

@@ -95,9 +95,14 @@ rows_bf16_avx(const uint16_t *x, const int M, int K, const uint16_t *w, const in
             }
         }
     }
+    __m512 v[16];
+    float sums[16];
+    for (int r = 0; r < R; ++r)
+        for (int m = 0; m < M; ++m) v[r * M + m] = a[r][m];
+    ds_reduce_add_n(v, R * M, sums);   /* R * M <= 8: R is DS_ROWS(M) or 1 */
     for (int r = 0; r < R; ++r)
         for (int m = 0; m < M; ++m) {
-            float s = _mm512_reduce_add_ps(a[r][m]);
+            float s = sums[r * M + m];
             for (int j = k; j < K; ++j) s += bf16_to_f32(x[(int64_t)m * K + j]) * bf16_to_f32(w[(int64_t)r * K + j]);
             acc[r * DS_MAX_M + m] = s;
         }
@@ -254,10 +259,9 @@ row_mxfp4_avx(const uint16_t *x, const int M, int K, const uint8_t *p, const uin
             a[0][m] = _mm512_dpbf16_ps(a[0][m], wv, xv);
         }
     }
-    for (int m = 0; m < M; ++m) {
+    for (int m = 0; m < M; ++m)
         for (int u = 1; u < U; ++u) a[0][m] = _mm512_add_ps(a[0][m], a[u][m]);
-        acc[m] = _mm512_reduce_add_ps(a[0][m]);
-    }
+    ds_reduce_add_n(a[0], M, acc);
 }
 /* NR consecutive rows at once (NR * M <= 16 accumulator chains, independent): each group's activations
  * are loaded once for the NR rows. acc as rows_bf16. The packed rows DS_MX_PREFETCH_ROWS ahead are
@@ -283,8 +287,13 @@ rows_mxfp4_avx(const uint16_t *x, const int M, int K, const uint8_t *p, const ui
             for (int m = 0; m < M; ++m) a[r][m] = _mm512_dpbf16_ps(a[r][m], wv, xv[m]);
         }
     }
+    __m512 v[4 * DS_MAX_M];
+    float sums[4 * DS_MAX_M];
     for (int r = 0; r < NR; ++r)
-        for (int m = 0; m < M; ++m) acc[r * DS_MAX_M + m] = _mm512_reduce_add_ps(a[r][m]);
+        for (int m = 0; m < M; ++m) v[r * M + m] = a[r][m];
+    ds_reduce_add_n(v, NR * M, sums);   /* NR * M <= 16 */
+    for (int r = 0; r < NR; ++r)
+        for (int m = 0; m < M; ++m) acc[r * DS_MAX_M + m] = sums[r * M + m];
 }
 #endif
 

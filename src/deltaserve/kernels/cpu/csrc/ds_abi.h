@@ -103,7 +103,7 @@ void ds_mxfp4_to_bf16(const uint8_t *packed, const uint8_t *scale, int64_t N, in
 /* amx.c: 1 when the CPU, the compiler and the kernel allow tiles, and enabled; tile GEMV. */
 int ds_amx_ready(void);
 void ds_amx_set_enabled(int on);
-int64_t ds_amx_uses(void);    /* calls and expert chunks run on tiles so far */
+int64_t ds_amx_uses(void);    /* calls and expert m-blocks run on tiles so far */
 int ds_linear_amx_multi(const uint16_t *x, int M, int K, const uint16_t *const *w, const int *N, const int *f32,
                         void *const *y, int nw, int nthreads);
 
@@ -111,7 +111,7 @@ int ds_linear_amx_multi(const uint16_t *x, int M, int K, const uint16_t *const *
  * register tiles where AMX is not ready (1, unless disabled), or not at all (0). */
 int ds_tiles_ready(void);
 void ds_tiles_set_enabled(int on);
-int64_t ds_tiles_uses(void);  /* calls and expert chunks run on either kind of tile so far */
+int64_t ds_tiles_uses(void);  /* calls and expert m-blocks run on either kind of tile so far */
 
 /* router.c, moe_decode.c, moe_prefill.c: routing, fused routed experts, prefill GLU and combine. */
 int ds_route(const float *logits, int64_t n, int e, const float *bias, int top_k, int groups, int topk_group,

@@ -82,8 +82,32 @@ static inline void ds_transpose16(__m512i z[16]) {
         z[col[h + 8]] = _mm512_shuffle_i32x4(t[h], t[h + 8], 0xdd);
     }
 }
+
+/* out[i] = _mm512_reduce_add_ps(v[i]) for i < n <= 16, bit for bit: the same pairing (lane j with
+ * j + 8, then j + 4, j + 2, j + 1; fp32 addition commutes exactly), but two vectors combined per step,
+ * 15 steps of two shuffles and one add for 16 sums instead of 16 separate 8-op reductions. */
+static inline __attribute__((always_inline)) void ds_reduce_add_n(const __m512 *v, const int n, float *out) {
+    __m512 a[16], b[8];
+    for (int i = 0; i < 16; ++i) a[i] = i < n ? v[i] : _mm512_setzero_ps();
+    for (int i = 0; i < 8; ++i)   /* lanes 0-7: v[2i]'s j + (j + 8); 8-15: v[2i + 1]'s */
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xee));
+    for (int i = 0; i < 4; ++i)   /* 128-bit lane q: v[4i + q]'s 4 partials */
+        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
+    for (int i = 0; i < 2; ++i) {   /* lane q: v[8i + q]'s 2 partials, then v[8i + 4 + q]'s */
+        const __m512d lo = _mm512_castps_pd(a[2 * i]), hi = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)), _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+    }
+    /* lane 4q + c: the sum of v[4c + q] */
+    const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(b[0], b[1], 0x88), _mm512_shuffle_ps(b[0], b[1], 0xdd));
+    const __m512i at = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    float all[16];
+    _mm512_storeu_ps(all, _mm512_permutexvar_ps(at, sums));
+    for (int i = 0; i < n; ++i) out[i] = all[i];
+}
 #endif
-void ds_amx_count(void);
+void ds_amx_count(int n);
 void ds_amx_config(void);     /* loads the tile configuration on the calling thread */
 void ds_amx_pack(const uint16_t *x, int64_t ldx, int M, int K, uint16_t *xv);
 /* c[((b * MB + mb) * 16 + r) * 16 + mm] = w_b[row0_b + r] . x[16 mb + mm] for b < nw (1 or 2 weight
@@ -93,10 +117,10 @@ void ds_amx_rows(const void *const *w, const uint8_t *const *s, int packed, cons
                  const uint16_t *xv, int MB, float *c);
 
 /* tiles.c: ds_amx_rows' contract on AMX where ds_amx_ready(), else on AVX512-BF16 register tiles (only
- * where ds_tiles_ready()); ds_tiles_begin() on each thread before its first call, ds_tiles_count() per
- * kernel call or expert chunk. */
+ * where ds_tiles_ready()); ds_tiles_begin() on each thread before its first call, ds_tiles_count(1) per
+ * kernel call, ds_tiles_count(MB) per expert chunk of MB m-blocks. */
 void ds_tile_rows(const void *const *w, const uint8_t *const *s, int packed, const int64_t *row0, int nw, int K,
                   const uint16_t *xv, int MB, float *c);
 void ds_tiles_begin(void);
-void ds_tiles_count(void);
+void ds_tiles_count(int n);
 #endif

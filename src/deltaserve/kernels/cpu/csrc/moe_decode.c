@@ -15,8 +15,11 @@
 #include "internal.h"
 
 /* Fewest pairs of a tile chunk: AMX pads a chunk to 16 rows at little cost; register tiles compute
- * all 16 lanes, which beats the GEMV kernels (M dot products per row) only past DS_MAX_M pairs. */
-static int min_pairs(void) { return ds_amx_ready() ? 2 : DS_MAX_M + 1; }
+ * all 16 lanes of an m-block, which beats the row kernels (M dot products per weight row, each chunk
+ * decoding the weights again) from 11 pairs on. Measured per 32-weight group and row of 64 MXFP4
+ * experts (D = I = 512) from DRAM, AMD EPYC Zen 4: row kernels ~3.5 + 1.5 M cycles a chunk of M <= 8
+ * pairs (9 pairs as 8 + 1: 20.7), one m-block 23.5, two 41.5. */
+static int min_pairs(void) { return ds_amx_ready() ? 2 : 11; }
 #define AMX_MAX_MB 16
 #define AMX_MAX_PAIRS (DS_TILE * AMX_MAX_MB)   /* pairs per tile chunk (prefill: ~one expert's share) */
 #define ACC_MAX (AMX_MAX_MB * DS_TILE * DS_TILE)   /* floats of one row block's products */
@@ -52,16 +55,18 @@ static void scratch_free(chunk_scratch *s) {
 }
 
 /* Appends the starts of the chunks splitting one expert's pairs begin..end-1 to `chunk`; returns how
- * many. Tile chunks: at most AMX_MAX_PAIRS, whole m-blocks, as even as that allows; others DS_MAX_M. */
-static int split_pairs(int amx, int min, int begin, int end, int *chunk) {
-    const int left = end - begin, mb = (left + DS_TILE - 1) / DS_TILE, n = (mb + AMX_MAX_MB - 1) / AMX_MAX_MB;
-    if (!amx || left < min) {
-        int c = 0;
-        for (int at = begin; at < end; at += DS_MAX_M) chunk[c++] = at;
-        return c;
-    }
-    for (int i = 0; i < n; ++i) chunk[i] = begin + DS_TILE * (mb * i / n);
-    return n;
+ * many. Tile chunks: at most AMX_MAX_PAIRS, whole m-blocks, as even as that allows; row-kernel chunks
+ * DS_MAX_M. On register tiles (not AMX) up to DS_MAX_M pairs past the last whole m-block take a row
+ * chunk instead of a mostly empty m-block (17 pairs: 23.5 + 5.3 cycles a group-row, not 41.5). */
+static int split_pairs(int tiles, int min, int begin, int end, int *chunk) {
+    const int left = end - begin;
+    int tail = left;   /* the pairs after the tile chunks */
+    if (tiles && left >= min) tail = !ds_amx_ready() && left % DS_TILE <= DS_MAX_M ? left % DS_TILE : 0;
+    const int tiled = left - tail, mb = (tiled + DS_TILE - 1) / DS_TILE, n = (mb + AMX_MAX_MB - 1) / AMX_MAX_MB;
+    int c = 0;
+    for (int i = 0; i < n; ++i) chunk[c++] = begin + DS_TILE * (mb * i / n);
+    for (int at = begin + tiled; at < end; at += DS_MAX_M) chunk[c++] = at;
+    return c;
 }
 
 /* The tile GLU as two tables over bf16 bit patterns: glu_situ and glu_silu are one fp32 product
@@ -117,28 +122,23 @@ static const glu_table *glu_get(int act, float beta, float lbeta, glu_table *own
 }
 
 /* h[m * I + i0 + r] = bf16(glu(bf16(g[r * DS_MAX_M + m]), bf16(u[...]))) for r < rows, m < M (the GEMV
- * kernels' layout), looked up in the tables (bit-identical), or without them evaluated on the valid
- * entries packed together (a few values: the vector loop's scalar remainder would run them). */
-static void glu_block(const float *g, const float *u, int rows, int M, const glu_table *t, int act, float beta,
-                      float lbeta, uint16_t *h, int64_t I, int i0) {
-    if (t) {
-        for (int r = 0; r < rows; ++r)
-            for (int m = 0; m < M; ++m) {
-                const float left = t->left[f32_to_bf16(g[r * DS_MAX_M + m])];
-                h[(int64_t)m * I + i0 + r] = f32_to_bf16(left * t->right[f32_to_bf16(u[r * DS_MAX_M + m])]);
+ * kernels' layout): the valid entries packed together GLU_STEP rows at a time and evaluated in vector
+ * loops (glu_values: the tables' values, without their cache misses behind the streamed weights). */
+#define GLU_STEP 64
+static void glu_block(const float *g, const float *u, int rows, int M, int act, float beta, float lbeta, uint16_t *h,
+                      int64_t I, int i0) {
+    float gg[GLU_STEP * DS_MAX_M], uu[GLU_STEP * DS_MAX_M], hv[GLU_STEP * DS_MAX_M];
+    for (int r0 = 0; r0 < rows; r0 += GLU_STEP) {
+        const int nr = rows - r0 < GLU_STEP ? rows - r0 : GLU_STEP;
+        for (int m = 0; m < M; ++m)
+            for (int r = 0; r < nr; ++r) {
+                gg[m * nr + r] = round_bf16(g[(r0 + r) * DS_MAX_M + m]);
+                uu[m * nr + r] = round_bf16(u[(r0 + r) * DS_MAX_M + m]);
             }
-        return;
+        glu_values(gg, uu, nr * M, act, beta, lbeta, hv);
+        for (int m = 0; m < M; ++m)
+            for (int r = 0; r < nr; ++r) h[(int64_t)m * I + i0 + r0 + r] = f32_to_bf16(hv[m * nr + r]);
     }
-    float gg[8 * DS_MAX_M], uu[8 * DS_MAX_M], hv[8 * DS_MAX_M];
-    const int n = rows * M;
-    for (int r = 0; r < rows; ++r)
-        for (int m = 0; m < M; ++m) {
-            gg[r * M + m] = round_bf16(g[r * DS_MAX_M + m]);
-            uu[r * M + m] = round_bf16(u[r * DS_MAX_M + m]);
-        }
-    glu_values(gg, uu, n, act, beta, lbeta, hv);
-    for (int r = 0; r < rows; ++r)
-        for (int m = 0; m < M; ++m) h[(int64_t)m * I + i0 + r] = f32_to_bf16(hv[r * M + m]);
 }
 
 /* Tile chunks: hv (the tile pack of h, K = I) gets rows i0..i0+15 of every m-block, h[m][i0 + r] =
@@ -211,28 +211,34 @@ static void moe_chunk(const experts_job *j, int start, int M, chunk_scratch *s, 
             memcpy(s->xg + (int64_t)m * D, j->x + (int64_t)(j->order[start + m] / j->k) * D, sizeof(uint16_t) * D);
         if (tiles) {
             ds_amx_pack(s->xg, D, M, D, s->xv);
-            ds_tiles_count();
+            ds_tiles_count(MB);
         }
     }
     if (shared) {
         #pragma omp barrier
     }
     const int iblocks = (I + R - 1) / R, dblocks = (D + DR - 1) / DR;   /* contiguous share per thread */
-    for (int i0 = R * (iblocks * me / nt); i0 < I && i0 < R * (iblocks * (me + 1) / nt); i0 += R) {
-        float gu[2 * ACC_MAX];   /* gate products, then up */
-        const int rows = I - i0 < R ? I - i0 : R;
-        const int64_t row = (int64_t)e * I + i0;
+    const int lo = R * (iblocks * me / nt), hi = R * (iblocks * (me + 1) / nt) < I ? R * (iblocks * (me + 1) / nt) : I;
+    float gu[2 * ACC_MAX];   /* gate products, then up */
+    /* tiles: 16 rows a step; rows kernels: a batch of ACC_MAX / DS_MAX_M rows before their GLU */
+    for (int b0 = lo; b0 < hi; b0 += tiles ? R : ACC_MAX / DS_MAX_M) {
+        const int64_t row = (int64_t)e * I + b0;
         if (tiles) {
             const void *w[2] = {j->w1, j->w3};
             const uint8_t *sc[2] = {j->s1, j->s3};
             const int64_t r0[2] = {row, row};
             ds_tile_rows(w, sc, j->packed, r0, 2, D, s->xv, MB, gu);
-            glu_tiles(gu, gu + MB * DS_TILE * DS_TILE, MB, j->glu, s->hv, i0);
-        } else {
-            ds_expert_rows(j->w1, j->s1, j->packed, row, rows, D, s->xg, M, gu);
-            ds_expert_rows(j->w3, j->s3, j->packed, row, rows, D, s->xg, M, gu + ACC_MAX);
-            glu_block(gu, gu + ACC_MAX, rows, M, j->glu, j->act, j->beta, j->lbeta, s->h, I, i0);
+            glu_tiles(gu, gu + MB * DS_TILE * DS_TILE, MB, j->glu, s->hv, b0);
+            continue;
         }
+        const int b1 = hi - b0 < ACC_MAX / DS_MAX_M ? hi : b0 + ACC_MAX / DS_MAX_M;
+        for (int i0 = b0; i0 < b1; i0 += R) {
+            const int rows = b1 - i0 < R ? b1 - i0 : R;
+            float *at = gu + (int64_t)(i0 - b0) * DS_MAX_M;
+            ds_expert_rows(j->w1, j->s1, j->packed, row + (i0 - b0), rows, D, s->xg, M, at);
+            ds_expert_rows(j->w3, j->s3, j->packed, row + (i0 - b0), rows, D, s->xg, M, at + ACC_MAX);
+        }
+        glu_block(gu, gu + ACC_MAX, b1 - b0, M, j->act, j->beta, j->lbeta, s->h, I, b0);
     }
     if (shared) {
         #pragma omp barrier

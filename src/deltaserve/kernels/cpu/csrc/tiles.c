@@ -25,7 +25,7 @@
 #endif
 
 static int reg_enabled = 1;
-static int64_t tile_uses;   /* tile calls and expert chunks, AMX or registers (tests check engagement) */
+static int64_t tile_uses;   /* tile calls and expert m-blocks, AMX or registers (tests check engagement) */
 
 int ds_tiles_ready(void) {
     if (ds_amx_ready()) return 2;
@@ -40,9 +40,9 @@ void ds_tiles_set_enabled(int on) { reg_enabled = on; }
 
 int64_t ds_tiles_uses(void) { return __atomic_load_n(&tile_uses, __ATOMIC_RELAXED); }
 
-void ds_tiles_count(void) {
-    __atomic_fetch_add(&tile_uses, 1, __ATOMIC_RELAXED);
-    if (ds_amx_ready()) ds_amx_count();
+void ds_tiles_count(int n) {
+    __atomic_fetch_add(&tile_uses, n, __ATOMIC_RELAXED);
+    if (ds_amx_ready()) ds_amx_count(n);
 }
 
 void ds_tiles_begin(void) {
