@@ -106,6 +106,16 @@ static inline __attribute__((always_inline)) void ds_reduce_add_n(const __m512 *
     _mm512_storeu_ps(all, _mm512_permutexvar_ps(at, sums));
     for (int i = 0; i < n; ++i) out[i] = all[i];
 }
+#ifdef __AVX512BF16__
+/* acc + the pair products of the dword at w broadcast to every lane with x (VDPBF16PS with an embedded
+ * broadcast: one instruction, where the intrinsics give a separate VPBROADCASTD, which competes with
+ * shuffles for their pipes on Zen 4). The product of two pairs is symmetric: the same bits as
+ * _mm512_dpbf16_ps(acc, _mm512_set1_epi32(*w), x). */
+static inline __attribute__((always_inline)) __m512 ds_dp_bcast(__m512 acc, const uint32_t *w, __m512bh x) {
+    __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(x), "m"(*w));
+    return acc;
+}
+#endif
 #endif
 void ds_amx_count(int n);
 void ds_amx_config(void);     /* loads the tile configuration on the calling thread */

@@ -198,12 +198,10 @@ static void mla_chunk(const float *qf, const uint16_t *qb, int H, int D, int R, 
                 const __m512i r0 = _mm512_loadu_si512(rows + idx[j0 + j] * (int64_t)D + d);
                 const __m512i r1 = j + 1 < n ? _mm512_loadu_si512(rows + idx[j0 + j + 1] * (int64_t)D + d) : r0;
                 const __m512bh x0 = (__m512bh)_mm512_unpacklo_epi16(r0, r1), x1 = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
+                const uint32_t *pairs = (const uint32_t *)(sb + h0 * MLA_CHUNK + j);   /* j even: aligned */
                 for (int k = 0; k < ML_GROUP; ++k) {
-                    uint32_t pair;
-                    memcpy(&pair, sb + (h0 + k) * MLA_CHUNK + j, 4);
-                    const __m512bh p = (__m512bh)_mm512_set1_epi32((int)pair);
-                    lo[k] = _mm512_dpbf16_ps(lo[k], p, x0);
-                    hi[k] = _mm512_dpbf16_ps(hi[k], p, x1);
+                    lo[k] = ds_dp_bcast(lo[k], pairs + k * (MLA_CHUNK / 2), x0);
+                    hi[k] = ds_dp_bcast(hi[k], pairs + k * (MLA_CHUNK / 2), x1);
                 }
             }
             for (int j = n; j < next_n; ++j) prefetch_lines(rows, next[j], D, c0, c1);

@@ -92,13 +92,6 @@ static inline span_ahead ahead_of(const void *w, const uint8_t *s, int packed, i
     return a;
 }
 
-/* acc + the pair products of the dword at w broadcast to every lane with x (VDPBF16PS with an embedded
- * broadcast: one instruction, where the intrinsics give a separate VPBROADCASTD). */
-static inline __attribute__((always_inline)) __m512 dp_bcast(__m512 acc, const uint32_t *w, __m512bh x) {
-    __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(x), "m"(*w));
-    return acc;
-}
-
 /* c[r * 16 + mm] (+)= staged rows r . m-block mb of xv over k-blocks kb0..kb1-1 (zero: start from 0);
  * with `ah` (non-NULL) the lines of *ah are prefetched meanwhile, one per k-pair step. */
 static inline void span_product(const uint32_t *st, const uint16_t *xv, int MB, int mb, int kb0, int kb1,
@@ -116,7 +109,7 @@ static inline void span_product(const uint32_t *st, const uint16_t *xv, int MB, 
                 _mm_prefetch((const char *)(ah->base + (uintptr_t)(kp * ah->row + line * 64)), _MM_HINT_T1);
             const __m512bh xr = (__m512bh)_mm512_load_si512((const void *)(xk + kp * 32));
             for (int r = 0; r < DS_TILE; ++r)
-                acc[r] = dp_bcast(acc[r], wk + r * ROW_DW + kp, xr);
+                acc[r] = ds_dp_bcast(acc[r], wk + r * ROW_DW + kp, xr);
         }
     }
     for (int r = 0; r < DS_TILE; ++r) _mm512_storeu_ps(c + r * 16, acc[r]);
