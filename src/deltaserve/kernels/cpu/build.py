@@ -27,8 +27,6 @@ __all__ = ["CSRC", "ISAS", "build", "choose_isa", "cpu_isas", "find_compiler", "
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-_SOURCES = sorted(CSRC.glob("*.c"))
-_HEADERS = sorted(CSRC.glob("*.h"))
 _FLAGS = [
     "-O3",
     "-fopenmp",
@@ -106,14 +104,15 @@ def isa_flags(isa: str) -> list[str]:
     return wide + _NO_AMX if isa == "avx512" and "amx" in cpu_isas() else wide
 
 
-def build(compiler: str, isa: str) -> Path:
-    """The library for this source, compiler, CPU and `isa` (as `isa_flags` takes it), compiled if
-    not cached yet. Raises OSError or subprocess.CalledProcessError (its stderr holds the
-    compiler's messages)."""
+def build(compiler: str, isa: str, csrc: Path = CSRC) -> Path:
+    """The library for the sources in `csrc` (this package's, or another revision's for side-by-side
+    measurements), compiler, CPU and `isa` (as `isa_flags` takes it), compiled if not cached yet.
+    Raises OSError or subprocess.CalledProcessError (its stderr holds the compiler's messages)."""
+    sources, headers = sorted(Path(csrc).glob("*.c")), sorted(Path(csrc).glob("*.h"))
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     flags = [*isa_flags(isa), *_FLAGS]
     key = hashlib.sha256(
-        "\0".join([*(f.read_text() for f in _SOURCES + _HEADERS), version, " ".join(flags), _cpu_flags()]).encode()
+        "\0".join([*(f.read_text() for f in sources + headers), version, " ".join(flags), _cpu_flags()]).encode()
     ).hexdigest()[:16]
     out_dir = _cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -126,7 +125,7 @@ def build(compiler: str, isa: str) -> Path:
             os.close(fd)
             try:
                 subprocess.run(
-                    [compiler, *flags, *map(str, _SOURCES), "-o", tmp, *_LIBS],
+                    [compiler, *flags, *map(str, sources), "-o", tmp, *_LIBS],
                     capture_output=True,
                     text=True,
                     check=True,

@@ -12,12 +12,14 @@ has happened (the engine's start-up does it, so it never lands on a request).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
 import os
 import subprocess
 import time
+from pathlib import Path
 
 import torch
 
@@ -39,8 +41,8 @@ from .abi import (
 )
 from .attention import AttentionDecodeBindings
 from .blocks import BlockBindings
+from .build import CSRC, choose_isa, find_compiler
 from .build import build as _build
-from .build import choose_isa, find_compiler
 from .decode import DecodeBindings
 from .kda import KdaPrefillBindings
 from .prefill import PrefillBindings
@@ -63,6 +65,7 @@ __all__ = [
     "load",
     "native",
     "set_enabled",
+    "using",
 ]
 
 log = logging.getLogger(__name__)
@@ -122,16 +125,16 @@ class NativeKernels(
         return int(self.lib.ds_tiles_uses())
 
 
-def load(isa: str | None = None, compiler: str | None = None) -> NativeKernels:
+def load(isa: str | None = None, compiler: str | None = None, csrc: Path | None = None) -> NativeKernels:
     """The library for `isa` (`build.choose_isa`: None = `$DELTASERVE_ISA`, else the best the CPU
-    has), built if not cached, with its own bindings (the same file as `native()`'s shares that
-    library's state). Raises OSError (no compiler, or the loader's), subprocess.CalledProcessError
-    (a failed build) or AbiMismatch."""
+    has) from the sources in `csrc` (None: this package's), built if not cached, with its own
+    bindings (the same file as `native()`'s shares that library's state). Raises OSError (no
+    compiler, or the loader's), subprocess.CalledProcessError (a failed build) or AbiMismatch."""
     compiler = compiler or find_compiler()
     if compiler is None:
         raise OSError("no C compiler found")
     chosen = choose_isa(os.environ.get("DELTASERVE_ISA") if isa is None else isa)
-    path = _build(compiler, chosen)
+    path = _build(compiler, chosen, csrc or CSRC)
     try:
         return NativeKernels(ctypes.CDLL(str(path)), chosen)
     except AbiMismatch as err:
@@ -183,11 +186,26 @@ def set_enabled(flag: bool) -> bool:
     return old
 
 
+_chosen: NativeKernels | None = None  # `using`'s kernels, else None: the process's own build
+
+
+@contextlib.contextmanager
+def using(kernels: NativeKernels):
+    """`native()` hands out `kernels` inside the block: two builds measured side by side in one
+    process (scripts/native_ab.py), each engine built and run inside its own block."""
+    global _chosen
+    old, _chosen = _chosen, kernels
+    try:
+        yield kernels
+    finally:
+        _chosen = old
+
+
 def native(device: torch.device | str = "cpu") -> NativeKernels | None:
     """The kernels for tensors on `device`, or None where only the PyTorch path applies."""
     if not _enabled:
         return None
     if device == "cpu" or getattr(device, "type", None) == "cpu":  # the per-call path: no device object
-        return _load()
+        return _chosen or _load()
     kind = device.type if isinstance(device, torch.device) else torch.device(device).type
-    return _load() if kind == "cpu" else None
+    return (_chosen or _load()) if kind == "cpu" else None
