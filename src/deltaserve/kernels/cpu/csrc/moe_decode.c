@@ -23,6 +23,7 @@ static int min_pairs(void) { return ds_amx_ready() ? 2 : 11; }
 #define AMX_MAX_MB 16
 #define AMX_MAX_PAIRS (DS_TILE * AMX_MAX_MB)   /* pairs per tile chunk (prefill: ~one expert's share) */
 #define ACC_MAX (AMX_MAX_MB * DS_TILE * DS_TILE)   /* floats of one row block's products */
+#define GLU_ROWS (ACC_MAX / DS_MAX_M)   /* rows-kernel rows whose products fill ACC_MAX */
 
 typedef struct { int act; float beta, lbeta; float *left, *right; } glu_table;
 
@@ -220,26 +221,25 @@ static void moe_chunk(const experts_job *j, int start, int M, chunk_scratch *s, 
     const int iblocks = (I + R - 1) / R, dblocks = (D + DR - 1) / DR;   /* contiguous share per thread */
     const int lo = R * (iblocks * me / nt), hi = R * (iblocks * (me + 1) / nt) < I ? R * (iblocks * (me + 1) / nt) : I;
     float gu[2 * ACC_MAX];   /* gate products, then up */
-    /* tiles: 16 rows a step; rows kernels: a batch of ACC_MAX / DS_MAX_M rows before their GLU */
-    for (int b0 = lo; b0 < hi; b0 += tiles ? R : ACC_MAX / DS_MAX_M) {
-        const int64_t row = (int64_t)e * I + b0;
-        if (tiles) {
+    if (tiles)
+        for (int i0 = lo; i0 < hi; i0 += R) {
             const void *w[2] = {j->w1, j->w3};
             const uint8_t *sc[2] = {j->s1, j->s3};
-            const int64_t r0[2] = {row, row};
+            const int64_t r0[2] = {(int64_t)e * I + i0, (int64_t)e * I + i0};
             ds_tile_rows(w, sc, j->packed, r0, 2, D, s->xv, MB, gu);
-            glu_tiles(gu, gu + MB * DS_TILE * DS_TILE, MB, j->glu, s->hv, b0);
-            continue;
+            glu_tiles(gu, gu + MB * DS_TILE * DS_TILE, MB, j->glu, s->hv, i0);
         }
-        const int b1 = hi - b0 < ACC_MAX / DS_MAX_M ? hi : b0 + ACC_MAX / DS_MAX_M;
-        for (int i0 = b0; i0 < b1; i0 += R) {
-            const int rows = b1 - i0 < R ? b1 - i0 : R;
-            float *at = gu + (int64_t)(i0 - b0) * DS_MAX_M;
-            ds_expert_rows(j->w1, j->s1, j->packed, row + (i0 - b0), rows, D, s->xg, M, at);
-            ds_expert_rows(j->w3, j->s3, j->packed, row + (i0 - b0), rows, D, s->xg, M, at + ACC_MAX);
+    else
+        for (int b0 = lo; b0 < hi; b0 += GLU_ROWS) {   /* the products of GLU_ROWS rows, then their GLU */
+            const int b1 = hi - b0 < GLU_ROWS ? hi : b0 + GLU_ROWS;
+            for (int i0 = b0; i0 < b1; i0 += R) {
+                const int rows = b1 - i0 < R ? b1 - i0 : R;
+                float *at = gu + (int64_t)(i0 - b0) * DS_MAX_M;
+                ds_expert_rows(j->w1, j->s1, j->packed, (int64_t)e * I + i0, rows, D, s->xg, M, at);
+                ds_expert_rows(j->w3, j->s3, j->packed, (int64_t)e * I + i0, rows, D, s->xg, M, at + ACC_MAX);
+            }
+            glu_block(gu, gu + ACC_MAX, b1 - b0, M, j->act, j->beta, j->lbeta, s->h, I, b0);
         }
-        glu_block(gu, gu + ACC_MAX, b1 - b0, M, j->act, j->beta, j->lbeta, s->h, I, b0);
-    }
     if (shared) {
         #pragma omp barrier
     }
