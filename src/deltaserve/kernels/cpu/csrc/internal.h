@@ -110,8 +110,9 @@ static inline __attribute__((always_inline)) void ds_reduce_add_n(const __m512 *
 /* acc + the pair products of the dword at w broadcast to every lane with x (VDPBF16PS with an embedded
  * broadcast: one instruction, where the intrinsics give a separate VPBROADCASTD, which competes with
  * shuffles for their pipes on Zen 4). The product of two pairs is symmetric: the same bits as
- * _mm512_dpbf16_ps(acc, _mm512_set1_epi32(*w), x). */
-static inline __attribute__((always_inline)) __m512 ds_dp_bcast(__m512 acc, const uint32_t *w, __m512bh x) {
+ * _mm512_dpbf16_ps(acc, _mm512_set1_epi32(*w), x). `w` may point into bf16 data (a may_alias type). */
+typedef uint32_t __attribute__((may_alias)) ds_pair_t;
+static inline __attribute__((always_inline)) __m512 ds_dp_bcast(__m512 acc, const ds_pair_t *w, __m512bh x) {
     __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(x), "m"(*w));
     return acc;
 }

@@ -198,7 +198,7 @@ static void mla_chunk(const float *qf, const uint16_t *qb, int H, int D, int R, 
                 const __m512i r0 = _mm512_loadu_si512(rows + idx[j0 + j] * (int64_t)D + d);
                 const __m512i r1 = j + 1 < n ? _mm512_loadu_si512(rows + idx[j0 + j + 1] * (int64_t)D + d) : r0;
                 const __m512bh x0 = (__m512bh)_mm512_unpacklo_epi16(r0, r1), x1 = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
-                const uint32_t *pairs = (const uint32_t *)(sb + h0 * MLA_CHUNK + j);   /* j even: aligned */
+                const ds_pair_t *pairs = (const ds_pair_t *)(sb + h0 * MLA_CHUNK + j);   /* j even: aligned */
                 for (int k = 0; k < ML_GROUP; ++k) {
                     lo[k] = ds_dp_bcast(lo[k], pairs + k * (MLA_CHUNK / 2), x0);
                     hi[k] = ds_dp_bcast(hi[k], pairs + k * (MLA_CHUNK / 2), x1);
