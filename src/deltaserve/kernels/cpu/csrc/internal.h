@@ -27,7 +27,7 @@ static inline void ds_merge_partials(const float *p, int64_t stride, int64_t S, 
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define DS_ROWS(M) ((M) >= 8 ? 1 : 8 / (M))   /* weight rows per pass of the DS_MAX_M kernels */
-#define DS_MX_ROWS(M) ((M) <= 2 ? DS_ROWS(M) : (M) <= 4 ? 4 : 2)   /* the same over MXFP4 weights */
+#define DS_MX_ROWS(M) ((M) <= 2 ? DS_ROWS(M) : (M) <= 4 ? 4 : 3)   /* the same over MXFP4 weights */
 #elif defined(__AVX2__) && defined(__FMA__)   /* avx2.h: rows one after another, any count */
 #define DS_ROWS(M) ((M) >= 8 ? 1 : 8 / (M))
 #define DS_MX_ROWS(M) 8   /* the activations are split once per call */
