@@ -83,7 +83,7 @@ def test_experts_on_register_tiles(nk, n, hot):
 )
 @pytest.mark.parametrize("pairs", [3, 4, 5, 8, 10, 12, 20, 33])
 def test_expert_chunk_sizes_per_activation(nk, act, beta, lbeta, pairs):
-    """One expert with `pairs` pairs: up to 10 on the multi-row MXFP4 GEMV kernels (4 or 2 rows a pass),
+    """One expert with `pairs` pairs: up to 10 on the multi-row MXFP4 GEMV kernels (4 or 3 rows a pass),
     11 and more on tiles, but up to 8 pairs past the last whole m-block on the GEMV kernels (20 = one
     m-block + 4, 33 = two + 1; `tile_uses` counts m-blocks). Each against the reference with its GLU."""
     (w1, w3, w2), dense, x, ids, wts = routed_case(pairs, torch.Generator().manual_seed(pairs + int(beta)), k=2)

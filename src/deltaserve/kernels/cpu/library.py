@@ -205,7 +205,8 @@ def native(device: torch.device | str = "cpu") -> NativeKernels | None:
     """The kernels for tensors on `device`, or None where only the PyTorch path applies."""
     if not _enabled:
         return None
-    if device == "cpu" or getattr(device, "type", None) == "cpu":  # the per-call path: no device object
-        return _chosen or _load()
-    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
-    return (_chosen or _load()) if kind == "cpu" else None
+    if device != "cpu" and getattr(device, "type", None) != "cpu":  # "cpu": the per-call path, no device object
+        kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+        if kind != "cpu":
+            return None
+    return _chosen or _load()

@@ -35,6 +35,16 @@
 #define LANES 16   /* independent partial sums: lets the compiler vectorise the dot products */
 #define ML_SCRATCH(D, H) ((D) + (H) * MLA_CHUNK + ((H) * MLA_CHUNK + 2) / 2)   /* floats: row, weights, bf16 weights */
 
+/* Whether the scores run on `vdpbf16ps` over the bf16 queries (else dot_f32 over fp32 copies). */
+static inline int ml_fast(int D) {
+#ifdef ML_AVX512BF16
+    return D % 32 == 0;
+#else
+    (void)D;
+    return 0;
+#endif
+}
+
 /* sum_d a[d] * b[d] in LANES interleaved partial sums (a fixed order, vectorisable under ISO C). */
 static inline float dot_f32(const float *a, const float *b, int n) {
     float part[LANES] = {0};
@@ -111,7 +121,8 @@ static inline void prefetch_lines(const uint16_t *rows, int64_t at, int D, int c
 }
 #endif
 
-/* Partial attention of all heads over rows [j0, j1) of one sequence. part: H * (R + 2) floats
+/* Partial attention of all heads over rows [j0, j1) of one sequence (qf: the queries in fp32, read
+ * only where D % 32 != 0 or without AVX512-BF16). part: H * (R + 2) floats
  * laid out per head as [m, l, acc(R)]. scratch: ML_SCRATCH(D, H) floats. next: the next_n row
  * indices of the chunk the thread runs next (NULL: none), prefetched meanwhile. */
 static void mla_chunk(const float *qf, const uint16_t *qb, int H, int D, int R, const uint16_t *rows,
@@ -123,11 +134,7 @@ static void mla_chunk(const float *qf, const uint16_t *qb, int H, int D, int R, 
 #ifdef ML_AVX512BF16
     const int lines = (D * 2 + 63) / 64, sweeps = 1 + R / 32;
 #endif
-#ifdef ML_AVX512BF16
-    const int fast = D % 32 == 0;
-#else
-    const int fast = 0;
-#endif
+    const int fast = ml_fast(D);
     for (int j = 0, nb; j < n; j += nb) {
         nb = fast && j + 3 <= n ? 3 : 1;   /* three rows a pass over the query */
         const uint16_t *r[3];
@@ -289,10 +296,11 @@ int ds_mla_decode(int B, int H, int D, int R, const uint16_t *q, const uint16_t 
         first[b + 1] = first[b] + (len + MLA_CHUNK - 1) / MLA_CHUNK;
     }
     const int64_t items = first[B];
+    const int scalar = !ml_fast(D);   /* mla_chunk's scores from fp32 queries (else from q itself) */
     float *parts = malloc(sizeof(float) * (size_t)items * H * (R + 2));
-    float *qf = malloc(sizeof(float) * (size_t)B * H * D);
-    if (!parts || !qf) { free(first); free(parts); free(qf); return -1; }
-    for (int64_t i = 0; i < (int64_t)B * H * D; ++i) qf[i] = bf16_to_f32(q[i]);
+    float *qf = scalar ? malloc(sizeof(float) * (size_t)B * H * D) : NULL;
+    if (!parts || (scalar && !qf)) { free(first); free(parts); free(qf); return -1; }
+    for (int64_t i = 0; scalar && i < (int64_t)B * H * D; ++i) qf[i] = bf16_to_f32(q[i]);
     int bad = 0;
     #pragma omp parallel num_threads(nthreads) reduction(| : bad)
     {
@@ -308,7 +316,7 @@ int ds_mla_decode(int B, int H, int D, int R, const uint16_t *q, const uint16_t 
             int nb = b;
             int64_t n0 = 0, n1 = 0;
             if (it + 1 < hi) item_span(first, cu_kv, it + 1, &nb, &n0, &n1);
-            mla_chunk(qf + (int64_t)b * H * D, q + (int64_t)b * H * D, H, D, R, rows, read_rows, j0, j1,
+            mla_chunk(qf ? qf + (int64_t)b * H * D : NULL, q + (int64_t)b * H * D, H, D, R, rows, read_rows, j0, j1,
                       it + 1 < hi ? read_rows + n0 : NULL, (int)(n1 - n0), scale, parts + it * H * (R + 2), scratch);
             b = nb, j0 = n0, j1 = n1;
         }
