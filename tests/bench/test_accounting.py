@@ -76,3 +76,44 @@ def test_mxfp4_experts_count_at_their_stored_size(tmp_path):
     m = load_model(out, dtype=torch.bfloat16, progress=False)
     routed = accounting.decode_bytes(m, 1, kv_itemsize=2)["routed_expert_bytes"]
     assert 4 * ROUTED_PER_LAYER * 17 // 32 <= routed <= 4 * ROUTED_PER_LAYER * 2
+
+
+def test_expected_experts_counts_distinct_choices():
+    assert accounting.expected_experts(8, 4, 1) == pytest.approx(4)
+    assert accounting.expected_experts(8, 4, 3) == pytest.approx(8 * (1 - 0.5**3))
+    assert accounting.expected_experts(64, 8, 10**6) == pytest.approx(64)
+    g = torch.Generator().manual_seed(0)  # a uniform draw agrees with the closed form
+    picks = torch.rand(4000, 5, 16, generator=g).argsort(-1)[..., :4]  # 4000 trials of 5 tokens, 4 of 16
+    distinct = torch.zeros(4000, 16).scatter_(1, picks.flatten(1), 1.0).sum(1).mean().item()
+    assert distinct == pytest.approx(accounting.expected_experts(16, 4, 5), rel=0.01)
+    with pytest.raises(ValueError):
+        accounting.expected_experts(8, 4, 0)
+
+
+@pytest.mark.parametrize("seqs", [1, 3])
+def test_decode_step_matches_the_hand_count(model, seqs):
+    bf16 = 5 * PER_LAYER + 3 * KDA_BF16 + 2 * MLA_BF16 + DENSE_MLP + 4 * MOE_BF16 + TOP_BF16
+    fp32 = 3 * KDA_FP32 + 4 * MOE_FP32
+    context = 100
+    got = accounting.decode_step(model, seqs, context, kv_itemsize=2, state_itemsize=4)
+    experts = 8 * (1 - (1 - 4 / 8) ** seqs)
+    assert got["distinct_experts_per_layer"] == pytest.approx(experts)
+    assert got["weight_bytes"] == 2 * bf16 + 4 * fp32 + V * D * 2
+    assert got["routed_expert_bytes"] == pytest.approx(4 * 3 * 32 * 32 * 2 * experts)
+    seq = D * 2 + 2 * context * (32 + 8) * 2 + 3 * (HK * DK * DK * 4 + 3 * 3 * P * 2)
+    assert got["sequence_bytes"] == seqs * seq
+    assert got["total_bytes"] == pytest.approx(got["weight_bytes"] + got["routed_expert_bytes"] + seqs * seq)
+    kda_mats = 3 * P * D + 3 * P * 4 + D * DK + DK * P + HK * D + P * D + D * P
+    mats = 5 * 2 * D + 3 * kda_mats + 2 * MLA_MATS + DENSE_MLP + 4 * MOE_MATS + D
+    mla = 2 * 2 * 2 * ((32 + 8) + 32) * context  # 2 layers x 2 heads, absorbed: latent+rope scores, latent values
+    kda = 3 * HK * 7 * DK * DK
+    per_token = 2 * mats + 4 * ROUTED_PER_LAYER * 2 + 2 * V * D + mla + kda
+    assert got["flops_per_token"] == per_token and got["total_flops"] == seqs * per_token
+    if seqs == 1:  # one sequence reads what `decode_bytes` counts
+        one = accounting.decode_bytes(model, context, kv_itemsize=2, state_itemsize=4)
+        assert got["total_bytes"] == pytest.approx(one["total_bytes"])
+
+
+def test_roofline_seconds_is_the_slower_of_memory_and_compute():
+    assert accounting.roofline_seconds(2e9, 1e9, 10.0, 100.0) == pytest.approx(0.2)
+    assert accounting.roofline_seconds(1e9, 5e10, 10.0, 100.0) == pytest.approx(0.5)

@@ -133,13 +133,26 @@ def test_throughput(capsys, ckpts):
         "--concurrency",
         "1,4",
         *ENGINE,
+        *SMALL_ROOF,
     )
     assert [r["concurrency"] for r in out["rows"]] == [1, 4] and out["base_concurrency"] == 1
     for r in out["rows"]:
         positive(r, ["wall_s", "output_tok_s", "total_tok_s", "output_vs_base", "total_vs_base"])
-        assert r["num_prompts"] == 4 and r["preemptions"] == 0
-    assert out["rows"][0]["output_vs_base"] == 1.0
+        positive(r, ["roofline_output_tok_s", "fraction", "roofline_vs_base", "decode_step_roofline_ms"])
+        assert r["num_prompts"] == 4 and r["preemptions"] == 0 and r["decode_limit"] in ("memory", "compute")
+        assert math.isclose(r["fraction"], r["output_tok_s"] / r["roofline_output_tok_s"])
+    assert out["rows"][0]["output_vs_base"] == 1.0 and out["rows"][0]["roofline_vs_base"] == 1.0
     positive(out, ["output_tok_s_at_max", "output_speedup_at_max", "total_speedup_at_max"])
+    positive(out["roofline"], ["bandwidth_gb_s", "gemm_bf16_gflops"])
+    one, four = out["rows"]  # 4 prompts of 3 tokens: 2 decode steps each at 1, 2 steps in all at 4
+    prefill_s = (4 * 3 / one["roofline_output_tok_s"]) - 4 * 2 * one["decode_step_roofline_ms"] / 1e3
+    assert math.isclose(4 * 3 / four["roofline_output_tok_s"], prefill_s + 2 * four["decode_step_roofline_ms"] / 1e3)
+
+
+def test_throughput_without_roofline(capsys, ckpts):
+    args = ["--num-prompts", "2", "--input-len", "8", "--output-len", "2", "--concurrency", "2", "--no-roofline"]
+    out = bench(capsys, "throughput", "--model", ckpts["kimi_k3"], *args, *ENGINE)
+    assert out["roofline"] is None and "fraction" not in out["rows"][0]
 
 
 def test_kda_scaling(capsys, ckpts):
@@ -196,3 +209,4 @@ def test_throughput_under_tensor_parallelism_reports_comm_and_ratio(capsys, ckpt
     par = out["parallel"]
     assert par["tensor_parallel_size"] == 2 and par["tp1_threads"] == 2 and par["comm_calls"] > out["steps"] > 0
     positive(par, ["comm_s", "comm_ms_per_step", "output_tok_s_at_max_vs_tp1"])
+    assert out["roofline"] is None  # ranks share the machine: no one-process roofline

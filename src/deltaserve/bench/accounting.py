@@ -21,6 +21,16 @@ Prefill (a prompt of L tokens in one sequence), FLOPs per token:
 - KDA, chunked (WY / UT) form with chunk C = min(64, L), per head: intra-chunk Akk, Aqk and
   w = T·βk (6 C K), u = T·βv and the intra-chunk output (4 C V), the triangular inverse (C²/3),
   and the state terms q·S, w·S, kᵀ·v_new (6 K V). Element-wise work is not counted.
+
+A decode step of n sequences (`decode_step`, the denominators of `bench throughput`'s roofline):
+- bytes: every weight but the routed experts once, n embedding rows, per MoE layer the expected
+  number of distinct experts n tokens choose (each `top_k` distinct of E, uniformly:
+  E (1 - (1 - k/E)^n), exactly k at n = 1), and each sequence's MLA rows and KDA state as above;
+- FLOPs per token: the prefill's dense and routed terms, the whole `lm_head` (2 V D), MLA in the
+  absorbed form over `context` latent rows (scores over the latent and rope width, values over the
+  latent: 2 H (latent + rope + latent) per row), KDA's recurrent update per head (decay, S k,
+  the rank-1 update, S q: 7 K V).
+At n = 1 the bytes are `decode_bytes`' total.
 """
 
 from __future__ import annotations
@@ -97,10 +107,9 @@ def kda_flops_per_head(chunk: int, k: int, v: int) -> float:
     return 6 * chunk * k + 4 * chunk * v + chunk * chunk / 3 + 6 * k * v
 
 
-def prefill_flops(model, prompt_len: int, chunk: int = KDA_CHUNK) -> dict:
-    """FLOPs per token of a `prompt_len`-token prefill (see module docstring)."""
-    if prompt_len < 1:
-        raise ValueError("prompt_len must be positive")
+def _dense_and_routed_flops(model) -> tuple[int, int]:
+    """FLOPs a token spends in the weight matrices outside the embedding and `lm_head`: (the
+    dense ones, its `top_k` routed experts)."""
     cfg = model.config
     prefixes = _expert_prefixes(cfg)
     emb, head = _key(model.model.embed_tokens.weight), _key(model.lm_head.weight)
@@ -110,7 +119,15 @@ def prefill_flops(model, prompt_len: int, chunk: int = KDA_CHUNK) -> dict:
         if t.dim() >= 2 and t.is_floating_point() and not _is_expert(name, prefixes) and _key(t) not in (emb, head)
     )
     m = cfg.moe
-    routed = len(prefixes) * m.top_k * 2 * 3 * m.intermediate_size * (m.latent_size or cfg.hidden_size)
+    return dense, len(prefixes) * m.top_k * 2 * 3 * m.intermediate_size * (m.latent_size or cfg.hidden_size)
+
+
+def prefill_flops(model, prompt_len: int, chunk: int = KDA_CHUNK) -> dict:
+    """FLOPs per token of a `prompt_len`-token prefill (see module docstring)."""
+    if prompt_len < 1:
+        raise ValueError("prompt_len must be positive")
+    cfg = model.config
+    dense, routed = _dense_and_routed_flops(model)
     lm_head = 2 * model.lm_head.weight.numel() / prompt_len
     a = cfg.mla
     mla = len(cfg.mla_layer_ids) * 2 * a.num_heads * (a.qk_head_dim + a.v_head_dim) * (prompt_len + 1) / 2
@@ -125,6 +142,52 @@ def prefill_flops(model, prompt_len: int, chunk: int = KDA_CHUNK) -> dict:
         "prompt_len": prompt_len,
         "total_flops": dense + routed + lm_head + mla + kda,
     }
+
+
+def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Expected distinct experts among `tokens` tokens that each choose `top_k` distinct experts
+    of `num_experts` uniformly at random."""
+    if tokens < 1:
+        raise ValueError("tokens must be positive")
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+def decode_step(
+    model, seqs: int, context: int, kv_itemsize: int, state_itemsize: int = 4, tail_itemsize: int | None = None
+) -> dict:
+    """Bytes read and FLOPs of one decode step of `seqs` sequences at `context` cached tokens each
+    (see module docstring); sizes as `decode_bytes`."""
+    if seqs < 1:
+        raise ValueError("seqs must be positive")
+    one = decode_bytes(model, context, kv_itemsize, state_itemsize, tail_itemsize)
+    cfg = model.config
+    m = cfg.moe
+    experts = expected_experts(m.num_experts, m.top_k, seqs) if one["routed_expert_bytes"] else 0.0
+    routed_bytes = one["routed_expert_bytes"] * experts / m.top_k
+    per_seq = one["embedding_row_bytes"] + one["mla_cache_bytes"] + one["kda_state_bytes"]
+    weights_once = one["dense_weight_bytes"] + one["lm_head_bytes"]
+    dense, routed = _dense_and_routed_flops(model)
+    a, k = cfg.mla, cfg.kda
+    mla = len(cfg.mla_layer_ids) * 2 * a.num_heads * (a.latent_dim + a.kv_lora_rank) * context
+    kda = len(cfg.kda_layer_ids) * k.num_heads * 7 * k.head_dim * k.head_dim
+    per_token = dense + routed + 2 * model.lm_head.weight.numel() + mla + kda
+    return {
+        "seqs": seqs,
+        "context": context,
+        "distinct_experts_per_layer": experts,
+        "weight_bytes": weights_once,
+        "routed_expert_bytes": routed_bytes,
+        "sequence_bytes": seqs * per_seq,
+        "total_bytes": weights_once + routed_bytes + seqs * per_seq,
+        "flops_per_token": per_token,
+        "total_flops": seqs * per_token,
+    }
+
+
+def roofline_seconds(nbytes: float, flops: float, bandwidth_gb_s: float, gflops: float) -> float:
+    """The least time a pass reading `nbytes` and computing `flops` can take on a machine of these
+    limits (memory and compute overlapped)."""
+    return max(nbytes / (bandwidth_gb_s * 1e9), flops / (gflops * 1e9))
 
 
 def cache_itemsizes(llm) -> dict:

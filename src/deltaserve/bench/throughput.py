@@ -8,12 +8,25 @@ gets fresh prompts (no prefix-cache hits across runs). Tokens/s are wall-clock o
 `generate` call holding all requests; ratios are to the smallest concurrency (1 by default).
 With `--tensor-parallel-size N`: `parallel.comm_ms_per_step` and `parallel.<key>_vs_tp1` (output tok/s
 at the top concurrency over the same run on one process).
+
+Beside each run, its roofline (on one process; not under tensor parallelism, nor with
+`--no-roofline`): this machine's bandwidth and GEMM rate are measured after the runs
+(`bench roofline`), and each run's least possible time is its prompts' prefill FLOPs at the GEMM
+rate plus P x (output_len - 1) / c decode steps of c = min(concurrency, P) sequences at context
+input_len + output_len / 2, each `accounting.roofline_seconds` of `accounting.decode_step`.
+`roofline_output_tok_s` is the output tokens over that time (an upper bound: the prefill's weight
+reads and every wait are left out), `fraction` the measured share of it, and
+`roofline_vs_base` its ratio to the base run's: the speedup this machine's limits allow. At
+batch 1 decode reads every weight a token; at c sequences a step does c times the work for
+about the same bytes, so where the GEMM rate over the bandwidth (FLOP per byte) is small the
+allowed speedup is too.
 """
 
 from __future__ import annotations
 
 import argparse
 
+from . import accounting
 from .common import (
     add_common,
     apply_threads,
@@ -28,6 +41,7 @@ from .common import (
     timed,
     with_tp_baseline,
 )
+from .roofline import add_roofline_args, gemm_gflops, measure
 
 
 def add_parser(sub) -> None:
@@ -37,6 +51,8 @@ def add_parser(sub) -> None:
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 32], help="comma list of max_num_seqs values")
+    p.add_argument("--no-roofline", dest="roofline", action="store_false", help="skip the roofline columns")
+    add_roofline_args(p)
     p.set_defaults(func=main)
 
 
@@ -66,11 +82,18 @@ def run(args: argparse.Namespace) -> dict:
             }
         )
     steps = llm.stats()["steps"]
+    sizes = accounting.cache_itemsizes(llm)
     llm.shutdown()
+    roof = measure(args) if args.roofline else None
     base = rows[0]
     for r in rows:
         r["output_vs_base"] = r["output_tok_s"] / base["output_tok_s"]
         r["total_vs_base"] = r["total_tok_s"] / base["total_tok_s"]
+        if roof is not None:
+            r.update(_roofline(llm.model, r, args, sizes, roof))
+    if roof is not None:
+        for r in rows:
+            r["roofline_vs_base"] = r["roofline_output_tok_s"] / base["roofline_output_tok_s"]
     top = rows[-1]
     return {
         "rows": rows,
@@ -83,12 +106,32 @@ def run(args: argparse.Namespace) -> dict:
         "output_len": args.output_len,
         "num_prompts": args.num_prompts,
         "steps": steps,
+        "roofline": roof,
         "meta": meta(args, model_dir(args)),
+    }
+
+
+def _roofline(model, row: dict, args: argparse.Namespace, sizes: dict, roof: dict) -> dict:
+    """The run's roofline figures (see module docstring)."""
+    bw, gf = roof["bandwidth_gb_s"], gemm_gflops(roof, args.dtype)
+    n, P = min(row["concurrency"], row["num_prompts"]), row["num_prompts"]
+    step = accounting.decode_step(model, n, args.input_len + args.output_len // 2, **sizes)
+    step_s = accounting.roofline_seconds(step["total_bytes"], step["total_flops"], bw, gf)
+    prefill = accounting.prefill_flops(model, args.input_len)["total_flops"] * args.input_len * P
+    least_s = prefill / (gf * 1e9) + P * (args.output_len - 1) / n * step_s
+    out = P * args.output_len / least_s
+    return {
+        "roofline_output_tok_s": out,
+        "fraction": row["output_tok_s"] / out,
+        "decode_step_roofline_ms": step_s * 1e3,
+        "decode_limit": "memory" if step["total_bytes"] / bw >= step["total_flops"] / gf else "compute",
     }
 
 
 def main(args: argparse.Namespace) -> int:
     apply_threads(args)
+    if args.tensor_parallel_size > 1:  # the ranks share this machine's limits: no one-process roofline
+        args.roofline = False
     r = with_tp_baseline(args, run, ["output_tok_s_at_max"])
     cols = [
         "concurrency",
@@ -100,4 +143,6 @@ def main(args: argparse.Namespace) -> int:
         "total_vs_base",
         "preemptions",
     ]
+    if r["roofline"] is not None:
+        cols += ["roofline_output_tok_s", "fraction", "roofline_vs_base", "decode_step_roofline_ms", "decode_limit"]
     return emit(args, r, r["rows"], cols)
