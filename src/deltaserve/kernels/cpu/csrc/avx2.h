@@ -1,5 +1,5 @@
 /* AVX2 + FMA row kernels (the `avx2` build, -march=x86-64-v3: no AVX-512) behind rows_bf16 and
- * ds_expert_rows (cpu_kernels.c), for CPUs without AVX512-BF16.
+ * ds_expert_rows (cpu_kernels.c, mxfp4_rows.c), for CPUs without AVX512-BF16.
  *
  * bf16 -> fp32 by shifts: a 16-element block loads as 8 dwords (pairs), `<< 16` gives the even
  * elements and `& 0xffff0000` the odd ones, each as 8 fp32 lanes. Each (weight row, activation row)
@@ -31,7 +31,7 @@
 
 /* ds_mx8[s][j] = the bits of E2M1[j] * 2^(s-127) (j < 8, the magnitudes; exactly the values of
  * ds_scaled_lut[s]) XOR j << 28: a nibble c looked up by its low 3 bits (vpermd) and XORed with c << 28
- * gets those bits back and c's sign bit (bit 3) into bit 31. Filled by ds_init (cpu_kernels.c). */
+ * gets those bits back and c's sign bit (bit 3) into bit 31. Filled by ds_init (mxfp4_rows.c). */
 extern uint32_t ds_mx8[256][8];
 
 /* The 16 bf16 at p as fp32: *e = elements 0, 2, .., 14, *o = 1, 3, .., 15. */

@@ -89,7 +89,7 @@ typedef struct {
 int ds_abi_version(void);
 size_t ds_abi_sizeof(const char *name);
 
-/* cpu_kernels.c: tables (called once before any kernel), the build's features, small-M GEMVs. */
+/* mxfp4_rows.c: the decode tables (called once before any kernel). cpu_kernels.c: the build's features, small-M GEMVs. */
 void ds_init(void);
 int ds_has_avx512bf16(void);
 void ds_linear_bf16(const uint16_t *x, int M, int K, const uint16_t *w, int N, uint16_t *y, int64_t ldy,
@@ -98,6 +98,7 @@ int ds_linear_bf16_multi(const uint16_t *x, int M, int K, const uint16_t *const 
                          void *const *y, int nw, int nthreads);
 void ds_linear_bf16_heads(const uint16_t *x, int H, int M, int K, const uint16_t *w, int N, uint16_t *y,
                           int nthreads);
+/* mxfp4_rows.c: the exact MXFP4 -> bf16 dequantiser. */
 void ds_mxfp4_to_bf16(const uint8_t *packed, const uint8_t *scale, int64_t N, int K, uint16_t *out, int nthreads);
 
 /* amx.c: 1 when the CPU, the compiler and the kernel allow tiles, and enabled; tile GEMV. */

@@ -37,9 +37,11 @@ static inline void ds_merge_partials(const float *p, int64_t stride, int64_t S, 
 #endif
 
 /* acc[r * DS_MAX_M + m] = x[m] . w[row0 + r] for r < R <= DS_ROWS(M) (DS_MX_ROWS(M) if packed), m < M <= DS_MAX_M;
- * w bf16 [rows, K] or MXFP4 (packed = 1: bytes [rows, K/2] and scales s [rows, K/32]). cpu_kernels.c */
+ * w bf16 [rows, K] or MXFP4 (packed = 1: bytes [rows, K/2] and scales s [rows, K/32]). mxfp4_rows.c */
 void ds_expert_rows(const void *w, const uint8_t *s, int packed, int64_t row0, int R, int K,
                     const uint16_t *x, int M, float *acc);
+/* The unpacked case: acc as above over bf16 rows w [R, K]. cpu_kernels.c */
+void ds_bf16_rows(const uint16_t *x, int M, int K, const uint16_t *w, int R, float *acc);
 
 /* moe_row.c: ds_moe_experts for one token of k <= DS_ROW_MAX_K pairs (-3 outside that). */
 #define DS_ROW_MAX_K 64

@@ -2,7 +2,7 @@
  * expert, and each chunk of one expert's pairs runs gate/up, the GLU and down in one pass over that
  * expert's weights (bf16, or MXFP4 kept packed). Where ds_tiles_ready(), chunks of at least
  * min_pairs() pairs run on tiles (ds_tile_rows: AMX, or AVX512-BF16 register tiles), up to
- * AMX_MAX_PAIRS (so prefill batches fit too); others on the GEMV row kernels (cpu_kernels.c), up to
+ * AMX_MAX_PAIRS (so prefill batches fit too); others on the GEMV row kernels (ds_expert_rows), up to
  * DS_MAX_M pairs. Either way fp32 accumulation, bf16 results; only the summation order differs.
  */
 #include <stdint.h>
