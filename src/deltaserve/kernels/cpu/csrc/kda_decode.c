@@ -18,11 +18,17 @@
 #include <omp.h>
 #include "ds_abi.h"
 #include "bf16.h"
+#include "vmath.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 
 static inline float sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }
+/* The element-wise exps of a token (conv silu, sigmoid gate, decay, output gate) by ds_exp (vmath.h,
+ * within ~2 ulp of expf) in vector loops: as scalar libm calls they cost more than the state update
+ * with the state in cache (~770 a head). The prefill's conv (kda_chunk.c) computes silu alike. */
+static inline float silu_v(float y) { return y / (1.f + ds_exp(-y)); }
+static inline float sigmoid_v(float x) { return 1.f / (1.f + ds_exp(-x)); }
 
 /* Conv over `n` channels starting at channel c0 of the 3P-wide tail row; writes fp32 y. With AVX-512,
  * 16 channels a step (the weights [3P, W] gathered), the same products and sums in the same order. */
@@ -50,14 +56,15 @@ static void conv_step(const uint16_t *x, uint16_t *tail, const float *cw, int W,
                                 _mm256_loadu_si256((const __m256i *)(tail + (int64_t)(w + 1) * C3 + c)));
         if (W >= 2) _mm256_storeu_si256((__m256i *)(tail + (int64_t)(W - 2) * C3 + c), xv);
     }
-    for (int j = 0; j < i; ++j) y[j] = y[j] / (1.f + expf(-y[j]));
+    #pragma omp simd
+    for (int j = 0; j < i; ++j) y[j] = silu_v(y[j]);
 #endif
     for (; i < n; ++i) {
         const int c = c0 + i;
         float acc = 0.f;
         for (int w = 0; w < W - 1; ++w) acc += bf16_to_f32(tail[(int64_t)w * C3 + c]) * cw[(int64_t)c * W + w];
         acc += bf16_to_f32(x[i]) * cw[(int64_t)c * W + W - 1];
-        y[i] = acc / (1.f + expf(-acc));
+        y[i] = silu_v(acc);
         for (int w = 0; w < W - 2; ++w) tail[(int64_t)w * C3 + c] = tail[(int64_t)(w + 1) * C3 + c];
         if (W >= 2) tail[(int64_t)(W - 2) * C3 + c] = x[i];
     }
@@ -171,23 +178,24 @@ int ds_kda_decode(int B, int H, int K, int W, const uint16_t *xq, const uint16_t
         l2norm(q, K);
         l2norm(k, K);
         const float a = expf(a_log[h]);
-        for (int i = 0; i < K; ++i) {
-            const float z = bf16_to_f32(f[row + i]) + dt_bias[h * K + i];
-            if (gate_kind == DS_GATE_SIGMOID) {
-                g[i] = lower_bound * sigmoidf(a * z);
-            } else {
-                const float sp = z > 20.f ? z : log1pf(expf(z));
-                g[i] = -a * sp;
-            }
+        for (int i = 0; i < K; ++i) g[i] = bf16_to_f32(f[row + i]) + dt_bias[h * K + i];
+        if (gate_kind == DS_GATE_SIGMOID) {
+            #pragma omp simd
+            for (int i = 0; i < K; ++i) g[i] = ds_exp(lower_bound * sigmoid_v(a * g[i]));   /* the decay d */
+        } else {
+            for (int i = 0; i < K; ++i) g[i] = -a * (g[i] > 20.f ? g[i] : log1pf(expf(g[i])));
+            #pragma omp simd
+            for (int i = 0; i < K; ++i) g[i] = ds_exp(g[i]);
         }
         const float beta = sigmoidf(bf16_to_f32(b_logit[(int64_t)b * H + h]));
-        for (int i = 0; i < K; ++i) g[i] = expf(g[i]);   /* g becomes the decay d */
         state_update(S, K, q, k, v, g, beta, next, o);
         float ms = 0.f;
         for (int j = 0; j < K; ++j) { o[j] *= scale; ms += o[j] * o[j]; }
         const float r = 1.f / sqrtf(ms / (float)K + eps);
-        for (int j = 0; j < K; ++j)
-            out[row + j] = f32_to_bf16(o[j] * r * norm_w[j] * sigmoidf(bf16_to_f32(gate[row + j])));
+        float *y = g;   /* the decay is spent: the output's fp32 values */
+        #pragma omp simd
+        for (int j = 0; j < K; ++j) y[j] = o[j] * r * norm_w[j] * sigmoid_v(bf16_to_f32(gate[row + j]));
+        for (int j = 0; j < K; ++j) out[row + j] = f32_to_bf16(y[j]);
         free(q);
     }
     return bad ? -1 : 0;
