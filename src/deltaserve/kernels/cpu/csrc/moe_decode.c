@@ -122,12 +122,28 @@ static const glu_table *glu_get(int act, float beta, float lbeta, glu_table *own
     return got;
 }
 
+/* hv[i] = t->left[bits(gg[i])] * t->right[bits(uu[i])] for i < n, gg and uu bf16 values held as fp32: the
+ * GLU's value, bit-identical (see glu_table), a third of the cost of evaluating it where the table's
+ * used entries are in cache (AMD EPYC Zen 4: 2.7 against 8.1 cycles a value). */
+static void glu_lookup(const float *gg, const float *uu, int n, const glu_table *t, float *hv) {
+    int i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16) {
+        const __m512i gi = _mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(gg + i)), 16);
+        const __m512i ui = _mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(uu + i)), 16);
+        _mm512_storeu_ps(hv + i, _mm512_mul_ps(_mm512_i32gather_ps(gi, t->left, 4), _mm512_i32gather_ps(ui, t->right, 4)));
+    }
+#endif
+    for (; i < n; ++i) hv[i] = t->left[f32_to_bf16(gg[i])] * t->right[f32_to_bf16(uu[i])];
+}
+
 /* h[m * I + i0 + r] = bf16(glu(bf16(g[r * DS_MAX_M + m]), bf16(u[...]))) for r < rows, m < M (the GEMV
  * kernels' layout): the valid entries packed together GLU_STEP rows at a time and evaluated in vector
- * loops (glu_values: the tables' values, without their cache misses behind the streamed weights). */
+ * loops, by the tables `t` where given (a batch's many chunks keep their used entries in cache), else
+ * by glu_values. */
 #define GLU_STEP 64
-static void glu_block(const float *g, const float *u, int rows, int M, int act, float beta, float lbeta, uint16_t *h,
-                      int64_t I, int i0) {
+static void glu_block(const float *g, const float *u, int rows, int M, int act, float beta, float lbeta,
+                      const glu_table *t, uint16_t *h, int64_t I, int i0) {
     float gg[GLU_STEP * DS_MAX_M], uu[GLU_STEP * DS_MAX_M], hv[GLU_STEP * DS_MAX_M];
     for (int r0 = 0; r0 < rows; r0 += GLU_STEP) {
         const int nr = rows - r0 < GLU_STEP ? rows - r0 : GLU_STEP;
@@ -136,7 +152,8 @@ static void glu_block(const float *g, const float *u, int rows, int M, int act, 
                 gg[m * nr + r] = round_bf16(g[(r0 + r) * DS_MAX_M + m]);
                 uu[m * nr + r] = round_bf16(u[(r0 + r) * DS_MAX_M + m]);
             }
-        glu_values(gg, uu, nr * M, act, beta, lbeta, hv);
+        if (t) glu_lookup(gg, uu, nr * M, t, hv);
+        else glu_values(gg, uu, nr * M, act, beta, lbeta, hv);
         for (int m = 0; m < M; ++m)
             for (int r = 0; r < nr; ++r) h[(int64_t)m * I + i0 + r0 + r] = f32_to_bf16(hv[m * nr + r]);
     }
@@ -238,7 +255,7 @@ static void moe_chunk(const experts_job *j, int start, int M, chunk_scratch *s, 
                 ds_expert_rows(j->w1, j->s1, j->packed, (int64_t)e * I + i0, rows, D, s->xg, M, at);
                 ds_expert_rows(j->w3, j->s3, j->packed, (int64_t)e * I + i0, rows, D, s->xg, M, at + ACC_MAX);
             }
-            glu_block(gu, gu + ACC_MAX, b1 - b0, M, j->act, j->beta, j->lbeta, s->h, I, b0);
+            glu_block(gu, gu + ACC_MAX, b1 - b0, M, j->act, j->beta, j->lbeta, j->glu, s->h, I, b0);
         }
     if (shared) {
         #pragma omp barrier
