@@ -122,22 +122,27 @@ def test_batch1_experts_equal_the_batched_kernels_rows(act_kind):
         NK.moe_experts(x[:1], ids[:1] + 16, wts[:1], *dense, act_kind, beta, lbeta)
 
 
-def _kda_torch(q, k, v, conv_w, tails, states, f, a_log, dt_bias, b, gate, norm_w, eps, scale, heads):
-    """The PyTorch decode path of KdaAttention on copies of the slot state."""
+def _kda_torch(q, k, v, conv_w, tails, states, f, a_log, dt_bias, b, gate, norm_w, eps, scale, heads, softplus=False):
+    """The PyTorch decode path of KdaAttention on copies of the slot state (K3's sigmoid gate with lower
+    bound -5, or Kimi-Linear's softplus gate)."""
     n, p = q.shape
     dk = p // heads
     mixed, new_tail = kda_ops.causal_conv1d_step(torch.cat([q, k, v], -1), conv_w, tails.clone())
     qq, kk, vv = mixed.view(n, 3, heads, dk).unbind(1)
     qq, kk = kda_ops.l2_norm(qq), kda_ops.l2_norm(kk)
-    g = kda_ops.kda_gate_sigmoid(f.view(n, heads, dk), a_log, dt_bias, -5.0)
+    if softplus:
+        g = kda_ops.kda_gate_softplus(f.view(n, heads, dk), a_log, dt_bias)
+    else:
+        g = kda_ops.kda_gate_sigmoid(f.view(n, heads, dk), a_log, dt_bias, -5.0)
     st = states.clone()
     o = kda_ops.kda_recurrent_step(qq, kk, vv, g, torch.sigmoid(b.float()), st, scale)
     return gated_rms_norm(o, norm_w, gate.view(n, heads, dk), eps, BF).reshape(n, p), new_tail, st
 
 
 @needs_kernels
+@pytest.mark.parametrize("softplus", [False, True])
 @pytest.mark.parametrize("heads, dk", [(2, 32), (3, 24), (1, 128)])  # 24: no 16-wide state path, a conv tail
-def test_kda_decode_matches_torch_step_and_updates_slots_in_place(heads, dk):
+def test_kda_decode_matches_torch_step_and_updates_slots_in_place(heads, dk, softplus):
     gen = torch.Generator().manual_seed(3)
     w, bsz, num_slots = 4, 3, 5
     p = heads * dk
@@ -152,7 +157,22 @@ def test_kda_decode_matches_torch_step_and_updates_slots_in_place(heads, dk):
     states = rnd(num_slots, heads, dk, dk) * 0.1
     slots = torch.tensor([4, 0, 2])
     ref, ref_tail, ref_state = _kda_torch(
-        q, k, v, conv_w, tails[slots], states[slots], f, a_log, dt_bias, b, gate, norm_w, 1e-5, dk**-0.5, heads
+        q,
+        k,
+        v,
+        conv_w,
+        tails[slots],
+        states[slots],
+        f,
+        a_log,
+        dt_bias,
+        b,
+        gate,
+        norm_w,
+        1e-5,
+        dk**-0.5,
+        heads,
+        softplus,
     )
     untouched_t, untouched_s = tails[[1, 3]].clone(), states[[1, 3]].clone()
     got = NK.kda_decode(
@@ -166,8 +186,8 @@ def test_kda_decode_matches_torch_step_and_updates_slots_in_place(heads, dk):
         f,
         a_log,
         dt_bias,
-        cpu_kernels.GATE_SIGMOID,
-        -5.0,
+        cpu_kernels.GATE_SOFTPLUS if softplus else cpu_kernels.GATE_SIGMOID,
+        0.0 if softplus else -5.0,
         b,
         gate,
         norm_w,

@@ -26,7 +26,8 @@
 static inline float sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }
 /* The element-wise exps of a token (conv silu, sigmoid gate, decay, output gate) by ds_exp (vmath.h,
  * within ~2 ulp of expf) in vector loops: as scalar libm calls they cost more than the state update
- * with the state in cache (~770 a head). The prefill's conv (kda_chunk.c) computes silu alike. */
+ * with the state in cache (~770 a head); the softplus gate by ds_softplus (within ~3 ulp of log1pf(expf)).
+ * The prefill's conv (kda_chunk.c) computes silu alike. */
 static inline float silu_v(float y) { return y / (1.f + ds_exp(-y)); }
 static inline float sigmoid_v(float x) { return 1.f / (1.f + ds_exp(-x)); }
 
@@ -183,9 +184,8 @@ int ds_kda_decode(int B, int H, int K, int W, const uint16_t *xq, const uint16_t
             #pragma omp simd
             for (int i = 0; i < K; ++i) g[i] = ds_exp(lower_bound * sigmoid_v(a * g[i]));   /* the decay d */
         } else {
-            for (int i = 0; i < K; ++i) g[i] = -a * (g[i] > 20.f ? g[i] : log1pf(expf(g[i])));
             #pragma omp simd
-            for (int i = 0; i < K; ++i) g[i] = ds_exp(g[i]);
+            for (int i = 0; i < K; ++i) g[i] = ds_exp(-a * ds_softplus(g[i]));
         }
         const float beta = sigmoidf(bf16_to_f32(b_logit[(int64_t)b * H + h]));
         state_update(S, K, q, k, v, g, beta, next, o);

@@ -51,6 +51,24 @@ static inline void ds_sigmoid_frac(float x, float *num, float *den) {
     *den = 1.0f + e;
 }
 
+/* softplus(x) = log(1 + exp(x)), x itself above 20 (torch's threshold): max(x, 0) + log1p(exp(-|x|)),
+ * log1p(u) for u in (0, 1] as 2 atanh(s), s = u / (2 + u) in (0, 1/3], by its series to s^15. Within
+ * ~3 ulp of log1p(exp(x)) for x >= -87; below, exp's clamp holds it at ~1.6e-38. */
+static inline float ds_softplus(float x) {
+    const float u = ds_exp(-(x < 0.f ? -x : x));
+    const float s = u / (2.0f + u), t = s * s;
+    float p = 1.0f / 15;
+    p = p * t + 1.0f / 13;
+    p = p * t + 1.0f / 11;
+    p = p * t + 1.0f / 9;
+    p = p * t + 1.0f / 7;
+    p = p * t + 1.0f / 5;
+    p = p * t + 1.0f / 3;
+    p = p * t + 1.0f;
+    const float l = 2.0f * s * p;
+    return x > 20.f ? x : (x > 0.f ? x : 0.f) + l;
+}
+
 static inline float ds_tanh(float x) {
     float n, d;
     ds_tanh_frac(x, &n, &d);
