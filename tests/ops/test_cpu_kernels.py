@@ -151,6 +151,8 @@ def test_kda_decode_matches_torch_step_and_updates_slots_in_place(heads, dk, sof
         return torch.randn(*s, generator=gen)
 
     q, k, v, f, gate = (rnd(bsz, p).to(BF) for _ in range(5))
+    if softplus:  # both ends of the softplus: past torch's threshold (x itself) and far below zero
+        f[0, :4], f[1, :4] = 30.0, -40.0
     b = rnd(bsz, heads).to(BF)
     conv_w, a_log, dt_bias, norm_w = rnd(3 * p, w) * 0.5, rnd(heads) * 0.3, rnd(p) * 0.3, 1 + 0.1 * rnd(dk)
     tails = rnd(num_slots, w - 1, 3 * p).to(BF)
