@@ -89,10 +89,8 @@ def run(args: argparse.Namespace) -> dict:
     for r in rows:
         r["output_vs_base"] = r["output_tok_s"] / base["output_tok_s"]
         r["total_vs_base"] = r["total_tok_s"] / base["total_tok_s"]
-        if roof is not None:
+        if roof is not None:  # the base row comes first: its roofline is there for the others
             r.update(_roofline(llm.model, r, args, sizes, roof))
-    if roof is not None:
-        for r in rows:
             r["roofline_vs_base"] = r["roofline_output_tok_s"] / base["roofline_output_tok_s"]
     top = rows[-1]
     return {
