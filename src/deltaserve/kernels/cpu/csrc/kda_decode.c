@@ -8,7 +8,8 @@
  *   beta = sigmoid(b);  S <- diag(exp(g)) S;  S <- S + beta k (v - S^T k)^T;  o = scale S^T q
  *   out = bf16(o * rsqrt(mean(o^2) + eps) * w_norm * sigmoid(gate))
  * Same math and rounding points as the PyTorch path in ops.kda / model.kda_layer (fp32
- * throughout); the summation order may differ. The tail is stored bf16 as the pool holds it.
+ * throughout); the summation order and the element-wise exps (vmath.h, a few ulp) may differ. The
+ * tail is stored bf16 as the pool holds it.
  */
 #include <limits.h>
 #include <math.h>
