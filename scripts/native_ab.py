@@ -8,6 +8,7 @@ bandwidth moves between regimes within minutes, so only interleaved measurements
 `decode`: the median of each round's decode steps (every step timed by itself, after the prompts'
 prefill), `--seqs` sequences together; `prefill`: one prompt's time to first token, prefix caching off.
 Without `--base` both engines run this tree's build (the spread of a measurement against itself).
+Both builds are bound through this tree's `ds_abi.h`: a revision of another DS_ABI_VERSION is refused.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.kernels.cpu import library
+from deltaserve.kernels.cpu.abi import AbiMismatch
 from deltaserve.kernels.cpu.build import CSRC
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +85,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.mode == "decode" and args.output_len < 2:
         ap.error("--output-len must be at least 2 in decode mode")
     with tempfile.TemporaryDirectory() as tmp:
-        base = library.load(csrc=revision_sources(args.base, Path(tmp))) if args.base else library.load()
+        try:
+            base = library.load(csrc=revision_sources(args.base, Path(tmp))) if args.base else library.load()
+        except AbiMismatch as e:
+            sys.exit(
+                f"{args.base}'s kernels have another ABI than this tree's ds_abi.h; compare revisions of one ABI ({e})"
+            )
         builds = {f"base ({args.base or 'this tree'})": base, "this tree": library.load()}
         engines = {name: engine(args.model, k, args) for name, k in builds.items()}
         gen = torch.Generator().manual_seed(0)

@@ -34,6 +34,7 @@ COUNTED = (
     "mla_block",
     "decode_stack",
     "decode_logits",
+    "argmax_rows",
 )
 TIE = 0.1  # logits within this of the max count as the argmax (bf16 noise; wrong tokens: > 1)
 
@@ -95,7 +96,7 @@ def test_native_decode_matches_torch_paths_and_engages(tmp_path, monkeypatch, mx
     prompts = [list(range(300, 321)), list(range(700, 705)), list(range(1000, 1037))]
     llm, native, calls = run(ckpt, prompts, monkeypatch, True)
     _, torch_path, torch_calls = run(ckpt, prompts, monkeypatch, False)
-    assert calls["decode_logits"] > 0 and calls["linear_bf16"] > 0, calls
+    assert calls["decode_logits"] > 0 and calls["linear_bf16"] > 0 and calls["argmax_rows"] > 0, calls
     assert sum(torch_calls.values()) == 0
     for prompt, a, b in zip(prompts, native, torch_path):
         assert max(gaps_to_oracle(llm, prompt, a)) < TIE

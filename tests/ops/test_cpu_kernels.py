@@ -66,6 +66,28 @@ def test_linear_bf16_matches_f_linear(rows, k):
 
 
 @needs_kernels
+def test_argmax_rows_is_torchs_choice():
+    """The first largest value's index, a NaN counting as the largest (the first NaN), a row of -inf
+    at 0; rows of 1, 17 and 4099 columns (vector body and scalar tail), 1 and 9 rows."""
+    gen = torch.Generator().manual_seed(9)
+    for n, v in [(1, 1), (1, 17), (9, 4099), (3, 64)]:
+        x = torch.randn(n, v, generator=gen)
+        if v >= 17:
+            x[0, 3] = x[0, v - 2] = x[0].max() + 1  # a tie: the earlier one
+            x[-1, v // 2] = float("nan")
+            x[-1, v - 1] = float("nan")
+        if n >= 3:
+            x[1] = float("-inf")
+        assert torch.equal(NK.argmax_rows(x), x.argmax(dim=-1)), (n, v)
+    with pytest.raises(ValueError):
+        NK.argmax_rows(torch.zeros(2, 3, dtype=torch.bfloat16))
+    ops = CpuNativeOps(NK)
+    y = torch.randn(4, 100, generator=gen)
+    assert torch.equal(ops.argmax_rows(y), REFERENCE.argmax_rows(y))
+    assert torch.equal(ops.argmax_rows(y.bfloat16()), y.bfloat16().argmax(-1))  # not fp32: torch's
+
+
+@needs_kernels
 def test_linear_rejects_bad_operands():
     with pytest.raises(ValueError):
         NK.linear_bf16(torch.zeros(9, 32, dtype=BF), torch.zeros(4, 32, dtype=BF))

@@ -97,9 +97,14 @@ class ModelRunner:
         if embeds is None and every_row(step, batch.input_ids.shape[0]):
             logits = self.model.decode_logits(batch.input_ids, ctx)
             if logits is not None:
-                return self.sampler(logits, [rows[i] for i in pick])
+                return self._sample(logits, [rows[i] for i in pick])
         hidden = self.model(batch.input_ids, ctx) if embeds is None else self.model(batch.input_ids, ctx, embeds)
         if not pick:
             return None
         logits = self.model.compute_logits(logit_hidden(hidden, step, batch))
-        return self.sampler(logits, [rows[i] for i in pick])
+        return self._sample(logits, [rows[i] for i in pick])
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """The sampler, its greedy choice on the model's bound backend (`model.ops`, as it is now)."""
+        ops = getattr(self.model, "ops", None)
+        return self.sampler(logits, rows, None if ops is None else ops.argmax_rows)

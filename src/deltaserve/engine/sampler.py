@@ -27,7 +27,7 @@ temperature, as vLLM v1 returns by default); the input tensor is never modified.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -98,13 +98,20 @@ def _column(values, device, dtype=torch.float32) -> torch.Tensor:
 class Sampler:
     """Stateless; see the module docstring for the order of operations and invariants."""
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> SamplerOutput:
+        """`argmax`: the greedy choice of each row (`x.argmax(dim=-1)`'s values; the model backend's
+        `argmax_rows`, which may be a native kernel), torch's where None."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got {tuple(logits.shape)}")
         if not rows:
             return SamplerOutput([], [])
         x = self.penalized_logits(logits, rows)
-        tokens = x.argmax(dim=-1)
+        tokens = argmax(x) if argmax is not None else x.argmax(dim=-1)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
             idx = tensor_on(sampled, x.device)

@@ -57,6 +57,10 @@ class TorchOps:
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float, prepared=None) -> torch.Tensor:
         return rms_norm(x, w, eps)
 
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """The greedy token of each row of logits [N, V]: `argmax(dim=-1)` (the first largest; NaN largest)."""
+        return logits.argmax(dim=-1)
+
     def attn_res(
         self,
         cur: torch.Tensor,

@@ -81,6 +81,11 @@ class CpuDenseOps(TorchOps):
             return self.k.rms_norm(x, prepared, eps)
         return super().rms_norm(x, w, eps)
 
+    def argmax_rows(self, logits):
+        if logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_cpu and logits.shape[1] > 0:
+            return self.k.argmax_rows(logits.contiguous())
+        return super().argmax_rows(logits)
+
     def attn_res(self, cur, bank, proj, norm, prepared=None, then=None):
         """The mix (and the norm after it) in one call for bf16 [N, D] inputs."""
         if (

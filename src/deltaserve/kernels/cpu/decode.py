@@ -202,6 +202,15 @@ class DecodeBindings:
         )
         return out
 
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """`x.argmax(dim=-1)` of fp32 logits x [N, V] (contiguous, V > 0): the first largest value's
+        index, a NaN counting as the largest, as torch chooses. int64 [N]."""
+        if not (x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous() and x.shape[1] > 0):
+            raise ValueError("argmax_rows: needs contiguous fp32 [N, V > 0]")
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self.lib.ds_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), self._threads())
+        return out
+
     MAX_MIX = MAX_MIX
 
     def attn_res_mix(

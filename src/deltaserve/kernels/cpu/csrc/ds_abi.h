@@ -13,7 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define DS_ABI_VERSION 5
+#define DS_ABI_VERSION 6
 
 #define DS_MAX_M 8             /* rows of the register-accumulator (GEMV) kernels: small-M decode */
 #define DS_AMX_ROWS 64         /* rows the AMX tile kernels take in one pass (batched decode) */
@@ -158,7 +158,7 @@ int ds_causal_conv1d(int64_t N, int C, int W, const uint16_t *x, int64_t ldx, co
                      const int64_t *cu, const uint16_t *initial_tail, int norm_groups, int group, float *y,
                      uint16_t *final_tail, int nthreads);
 
-/* small_ops.c: norms, the Block AttnRes mix, K3's KDA decay. */
+/* small_ops.c: norms, the Block AttnRes mix, K3's KDA decay, the greedy token of each row of logits. */
 void ds_rms_norm(const uint16_t *x, int64_t ldx, int N, int D, const float *w, float eps, uint16_t *out,
                  int64_t ldo, int nthreads);
 void ds_attn_res_mix(const uint16_t *const *xs, int S, int N, int D, const float *q, float eps, uint16_t *out,
@@ -167,6 +167,7 @@ void ds_kda_gate_sigmoid(const uint16_t *f, int64_t ldf, int N, int H, int K, co
                          const float *dt_bias, float lb, float *g, int nthreads);
 void ds_gated_rms_norm(const float *o, int N, int H, int K, const float *w, const uint16_t *gate, int64_t ldg,
                        float eps, uint16_t *out, int nthreads);
+void ds_argmax_rows(const float *x, int64_t N, int64_t V, int64_t *out, int nthreads);
 
 /* blocks.c: whole decode blocks in one call each. */
 int ds_moe_block(const ds_moe_block_t *b, const uint16_t *x, int N, uint16_t *out, int nthreads);

@@ -140,3 +140,45 @@ void ds_gated_rms_norm(const float *o, int N, int H, int K, const float *w, cons
         for (int j = 0; j < K; ++j) dst[j] = f32_to_bf16(orow[j] * r * w[j] * ds_sigmoid(bf16_to_f32(gr[j])));
     }
 }
+
+/* The index of the first largest value of one row of n floats, a NaN counting as the largest (the first
+ * NaN wins): torch.argmax's choice. One pass for the maximum (and whether a NaN is there), one that stops
+ * at the first element equal to it. */
+static int64_t argmax_row(const float *x, int64_t n) {
+    int64_t i = 0;
+    float m = -INFINITY;
+    int nan = 0;
+#ifdef __AVX512F__
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    __mmask16 un = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        un |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        mv = _mm512_max_ps(mv, v);
+    }
+    m = _mm512_reduce_max_ps(mv);
+    nan = un != 0;
+#endif
+    for (; i < n; ++i) {
+        nan |= x[i] != x[i];
+        m = x[i] > m ? x[i] : m;
+    }
+    i = 0;
+#ifdef __AVX512F__
+    const __m512 target = _mm512_set1_ps(m);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ);
+        if (hit) return i + __builtin_ctz((unsigned)hit);
+    }
+#endif
+    for (; i < n; ++i)
+        if (nan ? x[i] != x[i] : x[i] == m) return i;
+    return 0;   /* n == 0 */
+}
+
+/* out[r] = argmax_row(x + r * V, V) for r < N: the greedy token of each row of fp32 logits [N, V]. */
+void ds_argmax_rows(const float *x, int64_t N, int64_t V, int64_t *out, int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (N >= 4 && N * V >= (1 << 16))
+    for (int64_t r = 0; r < N; ++r) out[r] = argmax_row(x + r * V, V);
+}
