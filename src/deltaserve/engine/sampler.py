@@ -104,21 +104,23 @@ class Sampler:
         rows: list[SamplingRow],
         argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> SamplerOutput:
-        """`argmax`: the greedy choice of each row (`x.argmax(dim=-1)`'s values; the model backend's
-        `argmax_rows`, which may be a native kernel), torch's where None."""
+        """`argmax`: each row's largest entry (`x.argmax(dim=-1)`'s values; the model backend's
+        `argmax_rows`, which may be a native kernel), torch's where None: the greedy choice, and the
+        sampled rows' choice over probs / noise."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got {tuple(logits.shape)}")
         if not rows:
             return SamplerOutput([], [])
         x = self.penalized_logits(logits, rows)
-        tokens = argmax(x) if argmax is not None else x.argmax(dim=-1)
+        argmax = argmax or (lambda t: t.argmax(dim=-1))
+        tokens = argmax(x)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampled:
             idx = tensor_on(sampled, x.device)
             sub = [rows[i] for i in sampled]
             probs = self.sampling_probs(x[idx], [r.params for r in sub])
             q = self._noise(probs.shape, [r.generator for r in sub], x.device)
-            tokens[idx] = (probs / q).argmax(dim=-1)
+            tokens[idx] = argmax(probs / q)
         return SamplerOutput(tokens.tolist(), self._logprobs(logits, tokens, rows))
 
     @classmethod
