@@ -24,13 +24,11 @@
 #include <immintrin.h>
 #endif
 
-static inline float sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }
-/* The element-wise exps of a token (conv silu, sigmoid gate, decay, output gate) by ds_exp (vmath.h,
- * within ~2 ulp of expf) in vector loops: as scalar libm calls they cost more than the state update
- * with the state in cache (~770 a head); the softplus gate by ds_softplus (within ~3 ulp of log1pf(expf)).
- * The prefill's conv (kda_chunk.c) computes silu alike. */
+/* The element-wise exps of a token (conv silu, the gate and its decay, beta, the output gate) by
+ * vmath.h's ds_exp / ds_sigmoid / ds_softplus in vector loops: as scalar libm calls (~770 a head) they
+ * cost more than the state update with the state in cache. Silu as the prefill's conv (kda_chunk.c)
+ * computes it; the sigmoids as ds_kda_gate_sigmoid and ds_gated_rms_norm (small_ops.c) do. */
 static inline float silu_v(float y) { return y / (1.f + ds_exp(-y)); }
-static inline float sigmoid_v(float x) { return 1.f / (1.f + ds_exp(-x)); }
 
 /* Conv over `n` channels starting at channel c0 of the 3P-wide tail row; writes fp32 y. With AVX-512,
  * 16 channels a step (the weights [3P, W] gathered), the same products and sums in the same order. */
@@ -183,19 +181,19 @@ int ds_kda_decode(int B, int H, int K, int W, const uint16_t *xq, const uint16_t
         for (int i = 0; i < K; ++i) g[i] = bf16_to_f32(f[row + i]) + dt_bias[h * K + i];
         if (gate_kind == DS_GATE_SIGMOID) {
             #pragma omp simd
-            for (int i = 0; i < K; ++i) g[i] = ds_exp(lower_bound * sigmoid_v(a * g[i]));   /* the decay d */
+            for (int i = 0; i < K; ++i) g[i] = ds_exp(lower_bound * ds_sigmoid(a * g[i]));   /* the decay d */
         } else {
             #pragma omp simd
             for (int i = 0; i < K; ++i) g[i] = ds_exp(-a * ds_softplus(g[i]));
         }
-        const float beta = sigmoidf(bf16_to_f32(b_logit[(int64_t)b * H + h]));
+        const float beta = ds_sigmoid(bf16_to_f32(b_logit[(int64_t)b * H + h]));
         state_update(S, K, q, k, v, g, beta, next, o);
         float ms = 0.f;
         for (int j = 0; j < K; ++j) { o[j] *= scale; ms += o[j] * o[j]; }
         const float r = 1.f / sqrtf(ms / (float)K + eps);
         float *y = g;   /* the decay is spent: the output's fp32 values */
         #pragma omp simd
-        for (int j = 0; j < K; ++j) y[j] = o[j] * r * norm_w[j] * sigmoid_v(bf16_to_f32(gate[row + j]));
+        for (int j = 0; j < K; ++j) y[j] = o[j] * r * norm_w[j] * ds_sigmoid(bf16_to_f32(gate[row + j]));
         for (int j = 0; j < K; ++j) out[row + j] = f32_to_bf16(y[j]);
         free(q);
     }
