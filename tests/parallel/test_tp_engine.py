@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.kernels.cpu.library import NativeKernels
 
 from .engine_fixtures import make_llm, write_checkpoints
 
@@ -102,3 +103,31 @@ def test_two_ranks_prefix_cache_preemption_aborts_keep_every_rank_exact(ckpts, l
             got_t = torch.stack([got_t[0], got_t[1]], dim=3).flatten(2, 3).unsqueeze(0)
         assert got_t.shape == want_t.shape, key
         assert torch.allclose(got_t, want_t, rtol=1e-5, atol=1e-5), key
+
+
+@pytest.mark.parametrize("name", ["k3", "k3_mx", "kl"])
+def test_decode_stack_under_tensor_parallelism_is_the_layer_path(ckpts, name, monkeypatch):
+    """bf16 over two ranks: each rank's decode steps as one native call (the stack calling the
+    all-reduces back where the layers' outputs are partial) give the tokens and logprobs of the same
+    two ranks stepping layer by layer, bit for bit; every rank reports which way it ran."""
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=0)
+    stepped = []  # rank 0's decode steps the stack computed (a declined step returns None)
+    real = NativeKernels.decode_stack
+
+    def counted(self, *a, **kw):
+        out = real(self, *a, **kw)
+        stepped.append(out is not None)
+        return out
+
+    monkeypatch.setattr(NativeKernels, "decode_stack", counted)
+    runs = {}
+    for stack in (1, 0):
+        monkeypatch.setenv("DELTASERVE_DECODE_STACK", str(stack))
+        with make_llm(ckpts[name], tp=2, dtype="bfloat16", max_num_seqs=2) as two:
+            runs[stack] = _run(two, PROMPTS[:3], params)
+            memory = two.rank_memory
+        assert [m["decode_stack"] for m in memory] == [stack, stack], memory
+        assert (sum(stepped) > 0) == bool(stack) and all(stepped)
+        stepped.clear()
+    assert runs[1][0] == runs[0][0]
+    assert torch.equal(runs[1][1], runs[0][1])

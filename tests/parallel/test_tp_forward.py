@@ -112,14 +112,18 @@ def _load(path, name: str, dtype: str, tp=None) -> KimiForCausalLM:
 
 
 def _check_moe_plans(model: KimiForCausalLM) -> None:
-    """On the native backend, a MoE block has a whole-block plan under TP exactly where it has no
-    latent norm (which would normalise a partial sum)."""
+    """On the native backend, a MoE block under TP has a whole-block plan, which only the whole-stack
+    step may run where the block has a latent norm (it would normalise a partial sum: the stack
+    all-reduces before it); the block-by-block path declines that plan."""
     if model.ops.name != "cpu-native":
         return
+    x = torch.zeros(1, model.config.hidden_size, dtype=torch.bfloat16)
     for layer in model.model.layers:
         moe = getattr(layer, "block_sparse_moe", None)
         if moe is not None:
-            assert (moe.prepared is None) == hasattr(moe, "routed_expert_norm")
+            norm = hasattr(moe, "routed_expert_norm")
+            assert moe.prepared is not None and moe.prepared[2] == norm
+            assert (model.ops.moe_block(x, moe.prepared) is None) == norm
 
 
 @torch.inference_mode()

@@ -169,20 +169,23 @@ def join(config: EngineConfig, rank: int, init_method: str) -> tuple[ParallelCon
     return tp, dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
 
 
-def memory_report(tp: ParallelContext, before: int, weights: int) -> list[dict[str, int]]:
-    """Every rank's peak RSS before and after loading and its weight bytes, gathered with a
-    tensor collective; every rank calls it right after loading (rank 0 logs it)."""
-    mine = torch.tensor([[before, peak_rss_bytes(), weights]], dtype=torch.long)
+def memory_report(tp: ParallelContext, before: int, weights: int, decode_stack: bool) -> list[dict[str, int]]:
+    """Every rank's peak RSS before and after loading, its weight bytes and whether its decode steps
+    run as one native call (`decode_stack` 1/0), gathered with a tensor collective; every rank calls
+    it right after loading (rank 0 logs it)."""
+    mine = torch.tensor([[before, peak_rss_bytes(), weights, int(decode_stack)]], dtype=torch.long)
     rows = tp.all_gather(mine, dim=0)
-    report = [dict(zip(("rss_before_load", "rss_peak_load", "weight_bytes"), r.tolist())) for r in rows]
+    keys = ("rss_before_load", "rss_peak_load", "weight_bytes", "decode_stack")
+    report = [dict(zip(keys, r.tolist())) for r in rows]
     if tp.rank == 0:
         for r, m in enumerate(report):
             log.info(
-                "rank %d: weights %.1f MiB, peak RSS %.1f MiB at load (%.1f MiB before)",
+                "rank %d: weights %.1f MiB, peak RSS %.1f MiB at load (%.1f MiB before), decode %s",
                 r,
                 m["weight_bytes"] / 2**20,
                 m["rss_peak_load"] / 2**20,
                 m["rss_before_load"] / 2**20,
+                "one native call a step" if m["decode_stack"] else "layer by layer",
             )
     return report
 

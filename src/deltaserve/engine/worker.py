@@ -48,7 +48,7 @@ def load_rank_model(config: EngineConfig, tp: ParallelContext) -> tuple[KimiForC
         tp=tp,
     )
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    return model, memory_report(tp, before, weights)
+    return model, memory_report(tp, before, weights, getattr(model.model, "prepared", None) is not None)
 
 
 def layout_of(hello: Hello) -> CacheLayout:

@@ -120,14 +120,17 @@ def _norm(m: RMSNorm) -> NormOperands:
 
 def _stack(stack: DecoderStack, lm_head: torch.Tensor | None) -> StackOperands | None:
     """The whole-stack decode operands of `stack` (with its model's `lm_head` weight, if any): None
-    where a layer is sharded (TP, EP, DCP) or lacks a prepared attention or MoE plan."""
+    where a layer lacks a prepared attention or MoE plan (expert or decode-context parallelism builds
+    none). Under tensor parallelism the rank's shards, its `reduce` and no output head (the
+    vocabulary is split: the model embeds and gathers the logits)."""
     attn_res = stack.cfg.attn_res_block_size is not None
+    tp = stack.layers[0].self_attn.tp
     layers = []
     for layer in stack.layers:
         attn = layer.self_attn
         moe: MoeBlock | None = getattr(layer, "block_sparse_moe", None)
         mlp: GluMlp | None = getattr(layer, "mlp", None)
-        if attn.tp.world > 1 or attn.prepared is None or (moe is not None and moe.prepared is None):
+        if attn.prepared is None or (moe is not None and moe.prepared is None):
             return None
         layers.append(
             StackLayerOperands(
@@ -143,6 +146,10 @@ def _stack(stack: DecoderStack, lm_head: torch.Tensor | None) -> StackOperands |
             )
         )
     out_mix = stack.output_attn_res_proj.prepared if attn_res else None
+    if tp.world > 1:
+        return StackOperands(
+            stack.cfg.hidden_size, layers, stack.cfg.attn_res_block_size, out_mix, _norm(stack.norm), None, tp.sum
+        )
     head = None if lm_head is None else (stack.embed_tokens.weight, lm_head)
     return StackOperands(stack.cfg.hidden_size, layers, stack.cfg.attn_res_block_size, out_mix, _norm(stack.norm), head)
 

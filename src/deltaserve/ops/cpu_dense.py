@@ -192,6 +192,7 @@ class CpuDenseOps(TorchOps):
     def moe_block(self, x, prepared):
         if (
             prepared is None
+            or prepared[2]
             or x.dtype != torch.bfloat16
             or x.dim() != 2
             or not 0 < x.shape[0] <= self.k.moe_block_rows(prepared[0])
@@ -206,12 +207,13 @@ class CpuDenseOps(TorchOps):
         return (norm.detach().reshape(-1).float() * proj.detach().reshape(-1).float()).contiguous()
 
     def prepare_moe(self, w: MoeWeights):
-        """(plan, the kernel's weight bundle that keeps its tensors alive), or None: bf16 weights
-        only; none where a shared expert has another activation, or where the block would
-        normalise a tensor-parallel partial sum (K3's latent norm under TP > 1; elsewhere the
-        block's output is linear in the shards and the layer all-reduces it)."""
-        if not self.fuse_blocks or (w.partial and w.norm is not None):
-            return None  # a tensor-parallel partial sum must be all-reduced before the latent norm
+        """(plan, the kernel's weight bundle that keeps its tensors alive, stack only), or None: bf16
+        weights only; none where a shared expert has another activation. Stack only where the block
+        would normalise a tensor-parallel partial sum (K3's latent norm under TP > 1): `moe_block`
+        declines it, the whole-stack step runs it with the all-reduce before the norm; elsewhere the
+        block's output is linear in the shards and the layer all-reduces it."""
+        if not self.fuse_blocks:
+            return None
         if w.shared is not None and act_spec(w.shared_act) != act_spec(w.act):
             return None
         kw = MoeBlockWeights(
@@ -224,4 +226,4 @@ class CpuDenseOps(TorchOps):
             shared=w.shared,
         )
         plan = self.k.moe_block_plan(kw, w.route.args(), act_spec(w.act), w.norm_eps)
-        return None if plan is None else (plan, kw)
+        return None if plan is None else (plan, kw, w.partial and w.norm is not None)

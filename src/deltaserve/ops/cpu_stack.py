@@ -57,7 +57,9 @@ class CpuStackOps(TorchOps):
                 )
             )
         final = (stack.final_norm.prepared, stack.final_norm.eps)
-        return self.k.stack_plan(stack.hidden, layers, stack.block_size, ATTN_RES_EPS, stack.out_mix, final, stack.head)
+        return self.k.stack_plan(
+            stack.hidden, layers, stack.block_size, ATTN_RES_EPS, stack.out_mix, final, stack.head, stack.reduce
+        )
 
     def decode_stack(self, x, prepared: StackPlan | None, cache):
         """One native call for up to `prepared.max_rows` bf16 rows over bf16 pools (fp32 KDA states)

@@ -2,12 +2,14 @@
 from: each decoder layer's prepared operands, in the order `model.decoder.DecoderStack` runs them.
 
 `model.fused.prepare_model` fills these from the modules after every module is prepared, only
-where every layer has its decode plans (an unsharded model: no tensor, expert or context
-parallelism); the backend may still decline (None) and the modules run one by one.
+where every layer has its decode plans (no expert or decode-context parallelism; under tensor
+parallelism each rank's shards, with the rank's `reduce`); the backend may still decline (None) and
+the modules run one by one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +46,8 @@ class StackLayerOperands:
 class StackOperands:
     """The decoder stack: its layers, Block AttnRes' block size (None: pre-norm residuals), the
     output mix's query and the final norm; `head`, the (embedding, lm_head) weights around it (None:
-    a stack without its model's output head)."""
+    a stack without its model's output head); `reduce`, a tensor-parallel rank's sum over the ranks
+    ((partial, replicated or None) -> sum; None: unsharded), called where a layer's output is partial."""
 
     hidden: int
     layers: list[StackLayerOperands]
@@ -52,3 +55,4 @@ class StackOperands:
     out_mix: object | None
     final_norm: NormOperands
     head: tuple[torch.Tensor, torch.Tensor] | None = None
+    reduce: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None

@@ -110,6 +110,11 @@ class ParallelContext:
             return replicated + partial
         return self.all_reduce(replicated + partial if self.rank == 0 else partial)
 
+    def sum(self, partial: torch.Tensor, replicated: torch.Tensor | None = None) -> torch.Tensor:
+        """`all_reduce(partial)`, or `reduce_sum(partial, replicated)` with a replicated term: the
+        tensor-parallel sums of a decode step, as the whole-stack kernel calls them back."""
+        return self.all_reduce(partial) if replicated is None else self.reduce_sum(partial, replicated)
+
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's `x` concatenated along `dim`, in rank order."""
         if self.world > 1 and self.shm is not None and self.shm.fits(x):

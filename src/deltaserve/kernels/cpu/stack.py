@@ -5,6 +5,7 @@ embeddings, the pools' per-layer tensors and the step's slots and rows."""
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,40 @@ class StackLayerPlan:
     mlp_q: torch.Tensor | None
     attn_norm: tuple[torch.Tensor, float]
     mlp_norm: tuple[torch.Tensor, float]
+
+
+Reduce = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+"""A tensor-parallel rank's sum over the ranks: (partial, replicated or None) -> the sum of every rank's
+partial (plus `replicated` once); may return `partial` itself, summed in place
+(`ParallelContext.all_reduce` / `reduce_sum`)."""
+
+
+class _ReduceCallback:
+    """`ds_reduce_fn` over a `Reduce`: bf16 views of the kernel's buffers, the result written back into
+    the partial one. An exception is kept (`error`) and reported to the kernel as a failure."""
+
+    def __init__(self, reduce: Reduce):
+        self.reduce = reduce
+        self.error: BaseException | None = None
+        self.c_function = _REDUCE_FN(self._call)
+
+    def _call(self, partial: int, replicated: int | None, n: int) -> int:
+        try:
+            p = _bf16_view(partial, n)
+            out = self.reduce(p, None if replicated is None else _bf16_view(replicated, n))
+            if out.data_ptr() != p.data_ptr():
+                p.copy_(out)
+            return 0
+        except BaseException as e:  # noqa: BLE001 - handed to the caller of the kernel
+            self.error = e
+            return 1
+
+
+_REDUCE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+
+
+def _bf16_view(address: int, n: int) -> torch.Tensor:
+    return torch.frombuffer((ctypes.c_uint16 * n).from_address(address), dtype=torch.bfloat16)
 
 
 @dataclass
@@ -76,10 +111,12 @@ class StackBindings:
         out_q: torch.Tensor | None,
         final_norm: tuple[torch.Tensor, float],
         head: tuple[torch.Tensor, torch.Tensor] | None = None,
+        reduce: Reduce | None = None,
     ) -> StackPlan | None:
         """The plan of `ds_decode_stack`, or None where a layer does not fit it (the caller runs the
         layers one by one). `head`: the (embedding, lm_head) weights, bf16 [vocab, d] each, for
-        `decode_logits` (left out where they do not fit)."""
+        `decode_logits` (left out where they do not fit). `reduce`: a tensor-parallel rank's sum over
+        the ranks (see `Reduce`), which the kernel calls back where the layers' outputs are partial."""
         if block_size is not None and -(-len(layers) // block_size) + 1 >= MAX_MIX:
             return None
         if not (_f32(out_q, d) and _f32(final_norm[0], d)) or (block_size is None) != (out_q is None):
@@ -127,6 +164,10 @@ class StackBindings:
             final_norm[0].data_ptr(),
         )
         keep += [out_q, final_norm]
+        if reduce is not None:
+            callback = _ReduceCallback(reduce)
+            struct.reduce = ctypes.cast(callback.c_function, ctypes.c_void_p)
+            keep.append(callback)
         logits = head is not None and all(_bf16(w, (head[1].shape[0], d)) for w in head)
         if logits:
             struct.vocab, struct.embed, struct.lm_head = head[1].shape[0], head[0].data_ptr(), head[1].data_ptr()
@@ -192,6 +233,9 @@ class StackBindings:
             return False
         if rc == -2:
             raise ValueError("decode_stack: token id, slot or row index out of range")
+        if rc == -5:
+            error = next((k.error for k in plan.keep if isinstance(k, _ReduceCallback)), None)
+            raise RuntimeError("decode_stack: a tensor-parallel reduce failed") from error
         if rc != 0:
             raise MemoryError(f"decode_stack: failed ({rc})")
         return True

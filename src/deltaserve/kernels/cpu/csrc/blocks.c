@@ -34,6 +34,11 @@ static int project(const uint16_t *x, int M, int K, const uint16_t *const *w, co
  * (nothing written: the caller takes the per-module path). N must be within what the projections
  * take (MAX_ROWS, or AMX_ROWS with tiles). */
 int ds_moe_block(const ds_moe_block_t *b, const uint16_t *x, int N, uint16_t *out, int nthreads) {
+    return ds_moe_block_reduced(b, x, N, NULL, out, nthreads);
+}
+
+int ds_moe_block_reduced(const ds_moe_block_t *b, const uint16_t *x, int N, ds_reduce_fn reduce, uint16_t *out,
+                         int nthreads) {
     const int D = b->D, L = b->down ? b->L : D, k = b->top_k;
     float *logits = malloc(sizeof(float) * (size_t)N * b->E), *w = malloc(sizeof(float) * (size_t)N * k);
     int64_t *ids = malloc(sizeof(int64_t) * (size_t)N * k);
@@ -53,6 +58,7 @@ int ds_moe_block(const ds_moe_block_t *b, const uint16_t *x, int N, uint16_t *ou
     if (rc == 0)
         rc = ds_moe_experts(b->down ? z : x, N, L, ids, w, k, b->E, b->I, b->packed, b->w1, b->s1, b->w3, b->s3,
                             b->w2, b->s2, b->act, b->beta, b->lbeta, r, nthreads) ? -1 : 0;
+    if (rc == 0 && reduce && b->norm_w && reduce(r, NULL, (int64_t)N * L)) rc = -5;
     const uint16_t *routed = r;
     if (rc == 0 && b->norm_w) {
         ds_rms_norm(r, L, N, L, b->norm_w, b->norm_eps, rn, L, nthreads);
@@ -75,9 +81,13 @@ int ds_moe_block(const ds_moe_block_t *b, const uint16_t *x, int N, uint16_t *ou
         free(zero);
         free(one);
     }
+    const int joined = reduce && b->norm_w;   /* routed is the whole sum already: the shared part joins it */
+    if (rc == 0 && joined && b->sh1 && reduce(s, routed, (int64_t)N * D)) rc = -5;
     if (rc == 0)
         for (int64_t t = 0; t < (int64_t)N * D; ++t)
-            out[t] = b->sh1 ? f32_to_bf16(bf16_to_f32(routed[t]) + bf16_to_f32(s[t])) : routed[t];
+            out[t] = joined ? (b->sh1 ? s[t] : routed[t])
+                            : b->sh1 ? f32_to_bf16(bf16_to_f32(routed[t]) + bf16_to_f32(s[t])) : routed[t];
+    if (rc == 0 && reduce && !joined && reduce(out, NULL, (int64_t)N * D)) rc = -5;
     free(logits); free(w); free(ids); free(z); free(r); free(rn); free(y); free(s);
     return rc;
 }

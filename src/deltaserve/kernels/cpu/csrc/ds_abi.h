@@ -13,7 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define DS_ABI_VERSION 6
+#define DS_ABI_VERSION 7
 
 #define DS_MAX_M 8             /* rows of the register-accumulator (GEMV) kernels: small-M decode */
 #define DS_AMX_ROWS 64         /* rows the AMX tile kernels take in one pass (batched decode) */
@@ -83,6 +83,7 @@ typedef struct {
     const float *out_q, *final_norm;               /* output AttnRes query [D] (or NULL), final norm [D] */
     int vocab;                                     /* rows of embed and lm_head */
     const uint16_t *embed, *lm_head;               /* bf16 [vocab, D] each (or NULL) */
+    void *reduce;                                  /* tensor parallel: a ds_reduce_fn (internal.h); NULL: unsharded */
 } ds_stack_t;
 
 /* abi.c: DS_ABI_VERSION as compiled; sizeof the struct named `name` above (0 for another name). */

@@ -25,6 +25,20 @@ static inline void ds_merge_partials(const float *p, int64_t stride, int64_t S, 
     for (int d = 0; d < n; ++d) out[d] = f32_to_bf16(acc[d] / l);
 }
 
+/* The tensor-parallel sum ds_decode_stack calls back (ds_stack_t.reduce) where a layer's output is this
+ * rank's partial sum: partial [n] bf16 becomes the sum over the ranks of every rank's partial, plus
+ * `replicated` [n] (equal on every rank, added once; NULL: none), in place. Returns 0, else nonzero
+ * (the collective failed). The caller's Python does the arithmetic (ParallelContext.all_reduce /
+ * reduce_sum), so the bits are the module path's. */
+typedef int (*ds_reduce_fn)(uint16_t *partial, const uint16_t *replicated, int64_t n);
+
+/* blocks.c: ds_moe_block of a tensor-parallel rank (reduce non-NULL: experts split by width) whose
+ * output is the whole block's, summed over the ranks: the routed sum reduced before the latent norm
+ * where there is one (the shared experts' partial joined to the replicated routed output then),
+ * else the block's partial output reduced once. reduce NULL: ds_moe_block. -5: a reduce failed. */
+int ds_moe_block_reduced(const ds_moe_block_t *b, const uint16_t *x, int N, ds_reduce_fn reduce, uint16_t *out,
+                         int nthreads);
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define DS_ROWS(M) ((M) >= 8 ? 1 : 8 / (M))   /* weight rows per pass of the DS_MAX_M kernels */
 #define DS_MX_ROWS(M) ((M) <= 2 ? DS_ROWS(M) : (M) <= 4 ? 4 : 3)   /* the same over MXFP4 weights */

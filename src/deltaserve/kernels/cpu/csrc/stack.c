@@ -10,6 +10,9 @@
  *   x = mix + norm again; f = ds_moe_block(x) or the dense GLU (one expert of weight 1); h + f
  * then the output mix and the final norm; optionally the embedding rows before and the output head
  * after (token ids in, fp32 logits out). What it saves is the Python between ~6 calls a layer.
+ * Under tensor parallelism (s->reduce set) each rank runs its shard of every block and calls the
+ * reduce back where the module path all-reduces: each attention block's output, the dense GLU's, and
+ * inside the MoE block (ds_moe_block_reduced), so every rank's hidden states are the module path's.
  * Every index and the routers' static limits are checked before any pool is written. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -17,6 +20,7 @@
 #include <omp.h>
 #include "ds_abi.h"
 #include "bf16.h"
+#include "internal.h"
 #include "vmath.h"
 
 /* out = bf16(o * bf16(sigmoid(g))): torch's `o * torch.sigmoid(g)` on bf16 (two roundings). */
@@ -109,12 +113,13 @@ static int head_logits(const ds_stack_t *s, const uint16_t *h, int N, float *log
  * ds_mla_block); the step's slots / write_rows / read_rows / cu_kv are shared by the layers.
  * N is at most stack_rows(s). Returns 0; -1 allocation or a kernel's failure; -2 an index out of range;
  * -3 a router's limits do not hold; -4 N out of range, or ids or logits without their weights (nothing
- * written but for 0 and -1). */
+ * written but for 0, -1 and -5); -5 a reduce failed. */
 int ds_decode_stack(const ds_stack_t *s, const uint16_t *x, const int64_t *ids, int N, uint16_t *const *tails,
                     float *const *states, const int64_t *slots, int64_t num_slots, uint16_t *const *mla_rows,
                     int64_t num_rows, const int64_t *write_rows, const int64_t *read_rows, const int64_t *cu_kv,
                     uint16_t *out, float *logits, int nthreads) {
     const int D = s->D, L = s->L, blk = s->block_size;
+    const ds_reduce_fn reduce = (ds_reduce_fn)s->reduce;
     if (N < 1 || N > stack_rows(s) || (!x && !(ids && s->embed)) || (logits && !s->lm_head)) return -4;
     for (int n = 0; !x && n < N; ++n)
         if (ids[n] < 0 || ids[n] >= s->vocab) return -2;
@@ -152,6 +157,7 @@ int ds_decode_stack(const ds_stack_t *s, const uint16_t *x, const int64_t *ids, 
             if (rc == 0 && m->gated) ds_sigmoid_mul_bf16(o, g, (int64_t)N * w, o, nthreads);
             if (rc == 0) rc = linear(o, N, w, y->o_proj, D, a, nthreads);
         }
+        if (rc == 0 && reduce && reduce(a, NULL, (int64_t)nd)) rc = -5;
         if (rc) break;
         if (y->attn_q && blk > 0 && l % blk == 0) {
             bank[nbank++] = cur;
@@ -162,11 +168,14 @@ int ds_decode_stack(const ds_stack_t *s, const uint16_t *x, const int64_t *ids, 
             add_bf16(cur, a, (int64_t)nd);
         }
         layer_input(bank, nbank, cur, N, D, y->mlp_q, s->res_eps, y->mlp_norm, y->mlp_eps, mix, xin, nthreads);
-        if (y->moe)
-            rc = ds_moe_block(y->moe, xin, N, a, nthreads) ? -1 : 0;
-        else
+        if (y->moe) {
+            rc = ds_moe_block_reduced(y->moe, xin, N, reduce, a, nthreads);
+            rc = rc == -5 ? -5 : rc ? -1 : 0;
+        } else {
             rc = ds_moe_experts(xin, N, D, zero, one, 1, 1, y->mlp_width, 0, y->mlp_gate, NULL, y->mlp_up, NULL,
                                 y->mlp_down, NULL, y->act, y->beta, y->lbeta, a, nthreads) ? -1 : 0;
+            if (rc == 0 && reduce && reduce(a, NULL, (int64_t)nd)) rc = -5;
+        }
         if (rc == 0) add_bf16(cur, a, (int64_t)nd);
     }
     if (rc == 0) layer_input(bank, nbank, cur, N, D, s->out_q, s->res_eps, s->final_norm, s->final_eps, mix, out,
