@@ -24,7 +24,7 @@ from deltaserve.kernels.cpu import build
 from deltaserve.kernels.cpu import library as cpu_kernels
 from deltaserve.ops import kda as K
 from deltaserve.ops.activations import situ_and_mul
-from deltaserve.ops.mla import mla_absorbed_attention
+from deltaserve.ops.mla import lse_combine, mla_absorbed_attention
 from deltaserve.ops.moe import grouped_experts
 from deltaserve.ops.norms import rms_norm
 
@@ -164,6 +164,19 @@ def test_mla_decode(kernels):
     got = kernels.mla_decode(q, pool, rows, cu_kv, rank, scale)
     ref = mla_absorbed_attention(q, pool[rows], torch.arange(len(lens) + 1), cu_kv, rank, scale)
     assert ulps(got, ref, ref) <= 2.0
+    # the partial form over two shares of each context (positions t % 2; the 1-row one has none in
+    # the second), merged by LSE: the same attention
+    starts = [0, *torch.tensor(lens).cumsum(0).tolist()[:-1]]
+    parts = []
+    for share in range(2):
+        pos = [torch.arange(share, n, 2) for n in lens]
+        cu = torch.tensor([0, *[len(p) for p in pos]]).cumsum(0)
+        parts.append(
+            kernels.mla_decode_partial(q, pool, torch.cat([rows[s + p] for s, p in zip(starts, pos)]), cu, rank, scale)
+        )
+    assert torch.isinf(parts[1][1][0]).all()
+    merged, _ = lse_combine(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+    assert ulps(merged.to(BF), ref, ref) <= 2.0
 
 
 def test_flash_attention_runs_where_avx512_bf16_does(kernels):

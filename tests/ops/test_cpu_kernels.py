@@ -17,7 +17,7 @@ from deltaserve.ops import kda as kda_ops
 from deltaserve.ops.activations import silu_and_mul, situ_and_mul
 from deltaserve.ops.backend import REFERENCE
 from deltaserve.ops.cpu_native import CpuNativeOps
-from deltaserve.ops.mla import mla_absorbed_attention
+from deltaserve.ops.mla import lse_combine, mla_absorbed_attention, mla_absorbed_partial
 from deltaserve.ops.moe import grouped_experts
 from deltaserve.ops.mxfp4 import mxfp4_decode, mxfp4_encode
 from deltaserve.ops.norms import gated_rms_norm
@@ -242,6 +242,39 @@ def test_mla_decode_matches_absorbed_attention_over_scattered_rows(heads, rank):
     assert ulps(got, ref, ref) <= 2.0
     with pytest.raises(ValueError):
         NK.mla_decode(q, pool, read_rows + 2048, cu_kv, rank, 1.0)
+
+
+@needs_kernels
+def test_mla_decode_partial_is_the_partial_attention_of_a_share():
+    """Decode context parallelism: each of three shares of every context (positions t % 3) gives the
+    fp32 (o, lse) of `mla_absorbed_partial` for one query per sequence at its last position (a
+    sequence with no row in a share: o = 0, lse = -inf), and merging the shares by LSE gives the
+    whole context's attention."""
+    gen = torch.Generator().manual_seed(9)
+    heads, rank, rope = 8, 64, 16
+    d, lens, scale = rank + rope, [2, 300, 700], (rank + rope) ** -0.5
+    pool = torch.randn(2048, d, generator=gen).to(BF)
+    read_rows = torch.randperm(2048, generator=gen)[: sum(lens)]
+    starts = [0, *torch.tensor(lens).cumsum(0).tolist()[:-1]]
+    q = torch.randn(len(lens), heads, d, generator=gen).to(BF)
+    q_pos, cu_q = torch.tensor(lens) - 1, torch.arange(len(lens) + 1)
+    parts = []
+    for share in range(3):
+        pos = [torch.arange(share, n, 3) for n in lens]
+        rows = torch.cat([read_rows[s + p] for s, p in zip(starts, pos)])
+        cu = torch.tensor([0, *[len(p) for p in pos]]).cumsum(0)
+        o, lse = NK.mla_decode_partial(q, pool, rows, cu, rank, scale)
+        ref_o, ref_lse = mla_absorbed_partial(q, pool[rows], q_pos, torch.cat(pos), cu_q, cu, rank, scale)
+        assert o.dtype == lse.dtype == torch.float32 and o.shape == ref_o.shape and lse.shape == ref_lse.shape
+        empty = torch.isinf(ref_lse)
+        assert empty.any() == (share == 2)  # the 2-token sequence has no position 2
+        assert torch.equal(torch.isinf(lse), empty) and (o[empty] == 0).all()
+        torch.testing.assert_close(o, ref_o, rtol=0, atol=1e-3 * ref_o.abs().max().item())  # bf16 weights
+        torch.testing.assert_close(lse[~empty], ref_lse[~empty], rtol=0, atol=1e-5)
+        parts.append((o, lse))
+    merged, _ = lse_combine(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+    whole = mla_absorbed_attention(q, pool[read_rows], cu_q, torch.tensor([0, *lens]).cumsum(0), rank, scale)
+    assert ulps(merged.to(BF), whole, whole) <= 2.0
 
 
 @needs_kernels

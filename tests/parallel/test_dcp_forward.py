@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from deltaserve.cache import ForwardBatch, KdaStatePool, MlaPagePool
+from deltaserve.kernels.cpu.library import NativeKernels, native
 from deltaserve.model.kimi import KimiForCausalLM
 from deltaserve.model.mla_layer import DcpMlaAttention, MlaAttention
 from deltaserve.model.weights import load_model
@@ -40,12 +41,13 @@ def _ids(vocab: int) -> torch.Tensor:
 
 
 def _pools(model: KimiForCausalLM, tp: ParallelContext) -> tuple[MlaPagePool, KdaStatePool]:
-    """Pools for one rank: MLA pages split by position under DCP, KDA state with the rank's heads."""
-    cfg, k = model.config, model.config.kda
-    mla = MlaPagePool(cfg.mla_layer_ids, 16, PAGE, cfg.mla.latent_dim, torch.float32, dcp_world=tp.dcp_world)
+    """Pools for one rank (the model's dtype): MLA pages split by position under DCP, KDA state with
+    the rank's heads."""
+    cfg, k, dtype = model.config, model.config.kda, model.lm_head.weight.dtype
+    mla = MlaPagePool(cfg.mla_layer_ids, 16, PAGE, cfg.mla.latent_dim, dtype, dcp_world=tp.dcp_world)
     tail = (k.conv_kernel - 1, 3 * k.proj_dim // tp.world)
     state = (k.num_heads // tp.world, k.head_dim, k.head_dim)
-    return mla, KdaStatePool(cfg.kda_layer_ids, 4, tail, state, torch.float32, torch.float32)
+    return mla, KdaStatePool(cfg.kda_layer_ids, 4, tail, state, dtype, torch.float32)
 
 
 @torch.inference_mode()
@@ -72,6 +74,44 @@ def _drive(model: KimiForCausalLM, tp: ParallelContext) -> tuple[torch.Tensor, M
     return torch.stack(rows), mla, pages
 
 
+def _native_partial(path: str, tp: ParallelContext) -> dict[str, torch.Tensor]:
+    """bf16 on the native backend: each decode-step call of the partial attention kernel over the pool
+    (`ops.mla_decode_partial`) beside `mla_absorbed_partial` over the rows it read, gathered (every
+    row visible): the largest error of o (relative to its largest value) and of the finite lse, the
+    count of calls and of shares without rows; and the logits of the steps."""
+    model = load_model(path, "bfloat16", tp=tp, progress=False)
+    errors = []
+    real = NativeKernels.mla_decode_partial
+
+    def checked(self, q, rows, read_rows, cu_kv, rank, scale):
+        o, lse = real(self, q, rows, read_rows, cu_kv, rank, scale)
+        n = len(cu_kv) - 1
+        sees_all = torch.full((n,), 1 << 40)  # past every row (padding keys sit at the largest int64)
+        ref_o, ref_lse = mla_ops.mla_absorbed_partial(
+            q, rows[read_rows], sees_all, torch.zeros_like(read_rows), torch.arange(n + 1), cu_kv, rank, scale
+        )
+        finite = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), finite) and (o[~finite] == 0).all()
+        errors.append(((o - ref_o).abs().max() / ref_o.abs().max()).item())
+        errors.append((lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0)
+        return o, lse
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(NativeKernels, "mla_decode_partial", checked)
+        logits = _drive(model, tp)[0].float()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(type(model.ops), "mla_decode_partial", lambda *a: None)
+        gathered = _drive(model, tp)[0].float()
+    e = torch.tensor(errors).view(-1, 2)
+    return {
+        "logits": logits,
+        "gathered": gathered,
+        "o_error": e[:, 0].max(),
+        "lse_error": e[:, 1].max(),
+        "calls": torch.tensor(len(e)),
+    }
+
+
 def _sum_combine(o, lse):
     """A wrong merge: the plain sum of the parts (what forgetting the LSE weights gives)."""
     return o.float().sum(0), lse.float().amax(0)
@@ -93,6 +133,8 @@ def _worker(rank: int, init_method: str, ckpts: dict[str, str], out: str) -> Non
                     m.setattr(mla_ops, "lse_combine", _sum_combine)
                     got["broken"] = _drive(model, tp)[0]
             save_file({k: v.contiguous() for k, v in got.items()}, f"{out}/{family}_{rank}.safetensors")
+            if family == "kimi_k3" and native() is not None:
+                save_file(_native_partial(path, tp), f"{out}/native_{rank}.safetensors")
         dist.barrier()  # no rank tears the group down while the other still works (gloo aborts it)
     finally:
         dist.destroy_process_group()
@@ -132,6 +174,22 @@ def test_dcp_logits_match_unsharded(family, dcp_run):
         assert storage[:, ~used].abs().max() == 0 and storage[:, used].abs().amax(-1).gt(0).any()
         # unwritten positions (past each sequence's end, on any rank) are still zero in both
         assert torch.equal(storage == 0, mine == 0), (family, rank)
+
+
+def test_dcp_decode_partial_on_the_native_kernel(dcp_run):
+    """bf16: every decode step's partial attention ran on the native kernel over the pool in place (on
+    every rank, each MLA layer), each call's (o, lse) those of the PyTorch partial over the same rows
+    (o within its bf16 softmax weights: ~1 bf16 epsilon of its largest value), and the steps' logits
+    those of the rows gathered for the PyTorch partial up to bf16 noise (~1 % here)."""
+    if native() is None:
+        pytest.skip("native CPU kernels unavailable")
+    ckpts, root = dcp_run
+    mla_layers = len(load_model(ckpts["kimi_k3"], "float32", progress=False).config.mla_layer_ids)
+    for rank in range(WORLD):
+        got = load_file(str(root / f"native_{rank}.safetensors"))
+        assert int(got["calls"]) == DECODE * mla_layers
+        assert got["o_error"] <= 1e-2 and got["lse_error"] <= 1e-5, (rank, got["o_error"], got["lse_error"])
+        assert _rel(got["logits"], got["gathered"]) <= 5e-2, (rank, _rel(got["logits"], got["gathered"]))
 
 
 def test_dcp_wrong_combine_breaks_logits(dcp_run):

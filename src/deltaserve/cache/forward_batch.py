@@ -265,3 +265,10 @@ class ForwardBatch:
         if self.dcp is None:
             raise RuntimeError("mla_dcp_context needs a context-parallel ForwardBatch (tp.dcp_world > 1)")
         return self.mla.rows(layer).index_select(0, self.read_rows), self.kv_pos, self.cu_kv, self.q_pos
+
+    def mla_dcp_rows_view(self, layer: int):
+        """(pool rows, read_rows, local cu_kv): the rows `mla_dcp_context` gathers, read in place by a
+        decode kernel (a sequence may have none here). DCP batches only."""
+        if self.dcp is None:
+            raise RuntimeError("mla_dcp_rows_view needs a context-parallel ForwardBatch (tp.dcp_world > 1)")
+        return self.mla.rows(layer), self.read_rows, self.cu_kv

@@ -27,7 +27,8 @@ class LayerCache(Protocol):
     A cache for a decode-context-parallel rank (`ParallelContext.dcp_world` D > 1) keeps only the
     positions t with t % D == its DCP rank: `store_mla` still receives all N rows and keeps its own,
     the unsharded MLA views above are unavailable, and `mla_dcp_context` (below) is the one read
-    (`DenseCache` has none; `DcpMlaAttention` needs it)."""
+    (`DenseCache` has none; `DcpMlaAttention` needs it); optionally `mla_dcp_rows_view(layer)` ->
+    (pool rows, read_rows, local cu_kv): the same rows in place, for a decode kernel."""
 
     decode_only: bool  # every sequence has one new token and an existing state
 

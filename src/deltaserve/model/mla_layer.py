@@ -180,11 +180,12 @@ class DcpMlaAttention(MlaAttention):
     Per step (prefill chunk or decode, the same exact path): every rank computes its heads' latent
     queries and the latent rows of all new tokens, stores its own positions, all-gathers the
     queries over the DCP group (its D ranks' heads), attends with every gathered head over its
-    local rows (`ops.mla.mla_absorbed_partial`, causal by global position), all-gathers the
-    (partial output, LSE) pairs, merges its own heads' parts (`ops.mla.lse_combine`), then W_UV,
-    gate and the row-parallel o_proj as under TP. The native decode kernels read whole contexts:
-    this layer never calls them and has no prepared plan (`native_kernels`). Without a cache
-    (`forward_full`) every position is local and the plain TP attention runs."""
+    local rows (`ops.mla.mla_absorbed_partial`, causal by global position; a decode step, where each
+    query sees all its rows, through `ops.mla_decode_partial` over the pool in place where the backend
+    has it), all-gathers the (partial output, LSE) pairs, merges its own heads' parts
+    (`ops.mla.lse_combine`), then W_UV, gate and the row-parallel o_proj as under TP. The whole-context
+    native decode kernels are not called and there is no prepared plan (`native_kernels`). Without a
+    cache (`forward_full`) every position is local and the plain TP attention runs."""
 
     native_kernels = False
 
@@ -201,9 +202,16 @@ class DcpMlaAttention(MlaAttention):
         if view is None:
             raise TypeError(f"{type(cache).__name__} has no mla_dcp_context: it cannot serve a DCP MLA layer")
         cache.store_mla(self.layer_id, latent)
-        rows, kv_pos, cu_kv, q_pos = view(self.layer_id)
         q_all = self.tp.dcp_all_gather(self._latent_queries(q), dim=1)
-        o, lse = mla_ops.mla_absorbed_partial(q_all, rows, q_pos, kv_pos, ctx.cu_seqlens, cu_kv, self.rank, self.scale)
+        part = None
+        if cache.decode_only and hasattr(cache, "mla_dcp_rows_view"):  # each query sees all its rows
+            part = self.ops.mla_decode_partial(q_all, cache.mla_dcp_rows_view(self.layer_id), self.rank, self.scale)
+        if part is None:
+            rows, kv_pos, cu_kv, q_pos = view(self.layer_id)
+            part = mla_ops.mla_absorbed_partial(
+                q_all, rows, q_pos, kv_pos, ctx.cu_seqlens, cu_kv, self.rank, self.scale
+            )
+        o, lse = part
         h, d = self.num_heads, self.tp.dcp_rank
         parts = self.tp.dcp_all_gather(torch.cat([o, lse[..., None]], dim=-1)[None], dim=0)
         parts = parts[:, :, d * h : (d + 1) * h]

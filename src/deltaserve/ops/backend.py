@@ -209,6 +209,13 @@ class TorchOps:
         DCP-aware (a `DcpMlaAttention` layer never calls it, nor `mla_decode`, nor `prepare_mla`)."""
         return None
 
+    def mla_decode_partial(self, q_latent: torch.Tensor, rows_view, rank: int, scale: float) -> tuple | None:
+        """Decode context parallelism: (o fp32 [B, H, R], lse fp32 [B, H]) of one latent query per
+        sequence over this rank's rows of its context, read in place (`rows_view`: pool rows, read_rows,
+        cu_kv), as `ops.mla.mla_absorbed_partial` gives them for queries that see every row; or None
+        (the layer gathers the rows and runs that)."""
+        return None
+
     def mla_decode(
         self, q: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, rows_view, rank: int, scale: float, prepared=None
     ) -> torch.Tensor | None:

@@ -238,6 +238,17 @@ class CpuNativeOps(CpuStackOps, CpuDenseOps):
             return None
         return self.k.flash_attention(q, k_nope, k_rot, v, cu_q.long(), cu_kv.long(), scale, group)
 
+    def mla_decode_partial(self, q_latent, rows_view, rank, scale):
+        rows = rows_view[0]
+        if (
+            q_latent.dtype != torch.bfloat16
+            or rows.dtype != torch.bfloat16
+            or q_latent.shape[1] > MLA_MAX_HEADS
+            or rank > MLA_MAX_RANK
+        ):
+            return None
+        return self.k.mla_decode_partial(q_latent, *rows_view, rank, scale)
+
     def mla_decode(self, q, w_uk, w_uv, rows_view, rank, scale, prepared: MlaPrepared | None = None):
         """The paged decode kernel reading the pool's rows in place; up to MAX_ROWS queries also
         absorb W_UK and W_UV with the per-head GEMV kernel."""

@@ -123,6 +123,34 @@ class AttentionDecodeBindings:
         `ds_mla_decode`): q_latent [B, H, R + Dr] bf16, rows [num_rows, R + Dr] bf16 (the pool),
         read_rows int64 (each sequence's context rows, packed by cu_kv [B + 1]).
         Returns [B, H, R] bf16; `ops.mla.mla_absorbed_attention` is the reference."""
+        bsz, h, _ = q_latent.shape
+        out = torch.empty(bsz, h, kv_lora_rank, dtype=torch.bfloat16)
+        self._mla_decode(self.lib.ds_mla_decode, q_latent, rows, read_rows, cu_kv, kv_lora_rank, scale, out)
+        return out
+
+    def mla_decode_partial(
+        self,
+        q_latent: torch.Tensor,
+        rows: torch.Tensor,
+        read_rows: torch.Tensor,
+        cu_kv: torch.Tensor,
+        kv_lora_rank: int,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`mla_decode` over this rank's share of each context (decode context parallelism; a
+        sequence may have no row here): (o [B, H, R] fp32, normalised over its rows here, lse [B, H]
+        fp32, o = 0 and lse = -inf without rows), what `ops.mla.mla_absorbed_partial` returns for one
+        query per sequence that sees all of them."""
+        bsz, h, _ = q_latent.shape
+        out = torch.empty(bsz, h, kv_lora_rank, dtype=torch.float32)
+        lse = torch.empty(bsz, h, dtype=torch.float32)
+        self._mla_decode(
+            self.lib.ds_mla_decode_partial, q_latent, rows, read_rows, cu_kv, kv_lora_rank, scale, out, lse
+        )
+        return out, lse
+
+    def _mla_decode(self, fn, q_latent, rows, read_rows, cu_kv, kv_lora_rank: int, scale: float, *outs) -> None:
+        """Checks the operands of `fn` (`ds_mla_decode` or its partial form, `len(outs)` 2) and calls it."""
         bsz, h, d = q_latent.shape
         ok = (
             q_latent.dtype == rows.dtype == torch.bfloat16
@@ -138,12 +166,12 @@ class AttentionDecodeBindings:
             raise ValueError("mla_decode: operand shapes or dtypes disagree")
         q_latent, read_rows, cu_kv = q_latent.contiguous(), read_rows.contiguous(), cu_kv.contiguous()
         lens = cu_kv[1:] - cu_kv[:-1]
-        if bsz and (int(cu_kv[0]) != 0 or int(cu_kv[-1]) != read_rows.numel() or bool((lens < 1).any())):
-            raise ValueError("mla_decode: every sequence needs at least one context row")
+        least = 0 if len(outs) == 2 else 1
+        if bsz and (int(cu_kv[0]) != 0 or int(cu_kv[-1]) != read_rows.numel() or bool((lens < least).any())):
+            raise ValueError(f"mla_decode: every sequence needs at least {least} context row(s)")
         if read_rows.numel() and (int(read_rows.min()) < 0 or int(read_rows.max()) >= rows.shape[0]):
             raise ValueError("mla_decode: row index out of range")
-        out = torch.empty(bsz, h, kv_lora_rank, dtype=torch.bfloat16)
-        rc = self.lib.ds_mla_decode(
+        rc = fn(
             bsz,
             h,
             d,
@@ -153,12 +181,11 @@ class AttentionDecodeBindings:
             read_rows.data_ptr(),
             cu_kv.data_ptr(),
             scale,
-            out.data_ptr(),
+            *(t.data_ptr() for t in outs),
             torch.get_num_threads(),
         )
         if rc != 0:
             raise MemoryError("mla_decode: scratch allocation failed")
-        return out
 
     def flash_attention(
         self,

@@ -13,7 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define DS_ABI_VERSION 7
+#define DS_ABI_VERSION 8
 
 #define DS_MAX_M 8             /* rows of the register-accumulator (GEMV) kernels: small-M decode */
 #define DS_AMX_ROWS 64         /* rows the AMX tile kernels take in one pass (batched decode) */
@@ -136,6 +136,12 @@ int ds_kda_decode(int B, int H, int K, int W, const uint16_t *xq, const uint16_t
                   uint16_t *out, int nthreads);
 int ds_mla_decode(int B, int H, int D, int R, const uint16_t *q, const uint16_t *rows, const int64_t *read_rows,
                   const int64_t *cu_kv, float scale, uint16_t *out, int nthreads);
+/* The same over a share of each context (decode context parallelism): out [B, H, R] fp32 normalised over
+ * the sequence's rows here, lse [B, H] their scores' log-sum-exp; a sequence without rows (cu_kv equal)
+ * gets out 0 and lse -inf. */
+int ds_mla_decode_partial(int B, int H, int D, int R, const uint16_t *q, const uint16_t *rows,
+                          const int64_t *read_rows, const int64_t *cu_kv, float scale, float *out, float *lse,
+                          int nthreads);
 
 /* flash_attention.c: causal attention of packed queries over each sequence's key/value rows (MLA
  * prefill): q [G Nq, H, Dn + Dr] (row and head strides sq_t, sq_h; G rows a position, cu_q counting

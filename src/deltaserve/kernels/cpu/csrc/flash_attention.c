@@ -260,7 +260,7 @@ static void merge_task(const fa_args *a, const fa_item *k, int S, const float *p
     const int64_t pw = a->DvP + 2;
     for (int i = 0; i < task_rows(a, k); ++i)
         ds_merge_partials(parts + i * pw, FA_QB * pw, S, a->Dv, 1, acc,
-                          out + ((a->cu_q[k->b] * a->G + k->q0 + i) * a->H + k->h) * (int64_t)a->Dv);
+                          out + ((a->cu_q[k->b] * a->G + k->q0 + i) * a->H + k->h) * (int64_t)a->Dv, NULL);
 }
 
 /* Spans a task's keys are split into: 1 where the tasks keep 2 x nthreads busy, else enough for that

@@ -9,10 +9,11 @@
 
 /* Split attention's merge (flash-decoding): S partials [max, sum, acc(n)] `stride` floats apart (the
  * max in natural-log units, or log2 with `base2`; a max of -inf weighs 0), combined in order by
- * their maxima into out[n] = bf16(sum_s w_s acc_s / sum_s w_s sum_s); acc: n floats of scratch.
- * ds_mla_decode's chunks and ds_flash_attention's key spans. */
+ * their maxima into acc[n] = sum_s w_s acc_s / sum_s w_s sum_s (acc: n floats), written as bf16 to
+ * `out` unless NULL; *lse (unless NULL) = the log-sum-exp of every partial's scores (natural log;
+ * -inf, acc all 0, where no partial saw a score). ds_mla_decode's chunks, ds_flash_attention's spans. */
 static inline void ds_merge_partials(const float *p, int64_t stride, int64_t S, int n, int base2, float *acc,
-                                     uint16_t *out) {
+                                     uint16_t *out, float *lse) {
     float mx = -INFINITY, l = 0.f;
     for (int64_t s = 0; s < S; ++s) mx = fmaxf(mx, p[s * stride]);
     for (int d = 0; d < n; ++d) acc[d] = 0.f;
@@ -22,7 +23,11 @@ static inline void ds_merge_partials(const float *p, int64_t stride, int64_t S, 
         l += w * ps[1];
         for (int d = 0; d < n; ++d) acc[d] += w * ps[2 + d];
     }
-    for (int d = 0; d < n; ++d) out[d] = f32_to_bf16(acc[d] / l);
+    if (l > 0.f)
+        for (int d = 0; d < n; ++d) acc[d] /= l;
+    if (out)
+        for (int d = 0; d < n; ++d) out[d] = f32_to_bf16(acc[d]);
+    if (lse) *lse = l > 0.f ? (base2 ? mx * 0.6931471805599453f : mx) + logf(l) : -INFINITY;
 }
 
 /* The tensor-parallel sum ds_decode_stack calls back (ds_stack_t.reduce) where a layer's output is this

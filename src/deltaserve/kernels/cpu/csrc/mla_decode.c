@@ -283,21 +283,21 @@ static inline void item_span(const int64_t *first, const int64_t *cu_kv, int64_t
     *j1 = *j0 + size < cu_kv[*b + 1] ? *j0 + size : cu_kv[*b + 1];
 }
 
-int ds_mla_decode(int B, int H, int D, int R, const uint16_t *q, const uint16_t *rows,
-                  const int64_t *read_rows, const int64_t *cu_kv, float scale, uint16_t *out,
-                  int nthreads) {
-    if (H > DS_MLA_MAX_HEADS) return -2;
+/* ds_mla_decode (out bf16) and ds_mla_decode_partial (out32 fp32 and lse; sequences may have no row). */
+static int mla_decode(int B, int H, int D, int R, const uint16_t *q, const uint16_t *rows, const int64_t *read_rows,
+                      const int64_t *cu_kv, float scale, uint16_t *out, float *out32, float *lse, int nthreads) {
+    if (H > DS_MLA_MAX_HEADS || R > DS_MLA_MAX_RANK) return -2;
     int64_t *first = malloc(sizeof(int64_t) * (size_t)(B + 1));
     if (!first) return -1;
     first[0] = 0;
     for (int b = 0; b < B; ++b) {
         const int64_t len = cu_kv[b + 1] - cu_kv[b];
-        if (len < 1) { free(first); return -2; }
+        if (len < (lse ? 0 : 1)) { free(first); return -2; }
         first[b + 1] = first[b] + (len + MLA_CHUNK - 1) / MLA_CHUNK;
     }
     const int64_t items = first[B];
     const int scalar = !ml_fast(D);   /* mla_chunk's scores from fp32 queries (else from q itself) */
-    float *parts = malloc(sizeof(float) * (size_t)items * H * (R + 2));
+    float *parts = malloc(sizeof(float) * (size_t)(items > 0 ? items : 1) * H * (R + 2));
     float *qf = scalar ? malloc(sizeof(float) * (size_t)B * H * D) : NULL;
     if (!parts || (scalar && !qf)) { free(first); free(parts); free(qf); return -1; }
     for (int64_t i = 0; scalar && i < (int64_t)B * H * D; ++i) qf[i] = bf16_to_f32(q[i]);
@@ -327,9 +327,20 @@ int ds_mla_decode(int B, int H, int D, int R, const uint16_t *q, const uint16_t 
     for (int t = 0; t < B * H; ++t) {
         const int b = t / H, h = t % H;
         float acc[DS_MLA_MAX_RANK];
-        ds_merge_partials(parts + (first[b] * H + h) * (R + 2), (int64_t)H * (R + 2), first[b + 1] - first[b],
-                          R < DS_MLA_MAX_RANK ? R : DS_MLA_MAX_RANK, 0, acc, out + ((int64_t)b * H + h) * R);
+        ds_merge_partials(parts + (first[b] * H + h) * (R + 2), (int64_t)H * (R + 2), first[b + 1] - first[b], R, 0,
+                          out32 ? out32 + (int64_t)t * R : acc, out ? out + (int64_t)t * R : NULL, lse ? lse + t : NULL);
     }
     free(first); free(parts); free(qf);
     return 0;
+}
+
+int ds_mla_decode(int B, int H, int D, int R, const uint16_t *q, const uint16_t *rows, const int64_t *read_rows,
+                  const int64_t *cu_kv, float scale, uint16_t *out, int nthreads) {
+    return mla_decode(B, H, D, R, q, rows, read_rows, cu_kv, scale, out, NULL, NULL, nthreads);
+}
+
+int ds_mla_decode_partial(int B, int H, int D, int R, const uint16_t *q, const uint16_t *rows,
+                          const int64_t *read_rows, const int64_t *cu_kv, float scale, float *out, float *lse,
+                          int nthreads) {
+    return mla_decode(B, H, D, R, q, rows, read_rows, cu_kv, scale, NULL, out, lse, nthreads);
 }
