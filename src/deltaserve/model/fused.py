@@ -84,8 +84,6 @@ def _mla(m: MlaAttention, ops: TorchOps):
 
 def _moe(m: MoeBlock, ops: TorchOps):
     ops.prepare_experts(m.experts.weights(), m.act)
-    if m.experts.sliced:
-        return None  # a whole-block plan routes over every expert; this rank holds a slice of them
     latent = hasattr(m, "routed_expert_down_proj")
     norm = getattr(m, "routed_expert_norm", None)
     shared = getattr(m, "shared_experts", None)
@@ -102,6 +100,7 @@ def _moe(m: MoeBlock, ops: TorchOps):
         shared=None if shared is None else (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight),
         shared_act=None if shared is None else shared.act,
         partial=m.tp.world > 1,
+        first=m.experts.first,
     )
     return ops.prepare_moe(w)
 
@@ -120,9 +119,9 @@ def _norm(m: RMSNorm) -> NormOperands:
 
 def _stack(stack: DecoderStack, lm_head: torch.Tensor | None) -> StackOperands | None:
     """The whole-stack decode operands of `stack` (with its model's `lm_head` weight, if any): None
-    where a layer lacks a prepared attention or MoE plan (expert or decode-context parallelism builds
-    none). Under tensor parallelism the rank's shards, its `reduce` and no output head (the
-    vocabulary is split: the model embeds and gathers the logits)."""
+    where a layer lacks a prepared attention or MoE plan (decode-context parallelism builds no MLA
+    plan). Under tensor (and expert) parallelism the rank's shards, its `reduce` and no output head
+    (the vocabulary is split: the model embeds and gathers the logits)."""
     attn_res = stack.cfg.attn_res_block_size is not None
     tp = stack.layers[0].self_attn.tp
     layers = []

@@ -64,7 +64,9 @@ class MoeBlock(OpsModule):
     rank already holds every token's x and routes it identically: dispatch is free. Each rank runs
     only the (token, expert) pairs routed to its own experts (`ops.local_experts`) and the combine
     is the same all-reduce as above (before the latent norm); a reduce-scatter / all-to-all
-    would only pay with data-parallel attention. No whole-block plan is built then."""
+    would only pay with data-parallel attention. The native whole-block plan does the same: the
+    pairs of other ranks' experts skipped, its partial output reduced as above (by the layer, or by
+    the whole-stack step before the latent norm)."""
 
     def __init__(self, cfg: ModelConfig, tp: ParallelContext = SINGLE):
         super().__init__()

@@ -224,6 +224,7 @@ class CpuDenseOps(TorchOps):
             up=w.up,
             norm_w=None if w.norm is None else self.prepare_norm(w.norm),
             shared=w.shared,
+            first=w.first,
         )
         plan = self.k.moe_block_plan(kw, w.route.args(), act_spec(w.act), w.norm_eps)
         return None if plan is None else (plan, kw, w.partial and w.norm is not None)

@@ -147,6 +147,8 @@ class MoeWeights:
     norm_eps: float = 0.0
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     shared_act: GluAct | None = None
-    # experts (and shared experts) hold one tensor-parallel shard of their intermediate dim: the
-    # routed sum is partial, so a block that applies `norm` to it would be wrong
+    # experts (and shared experts) hold one tensor-parallel shard of their intermediate dim, or (expert
+    # parallelism) `experts` holds the router's experts [first, first + its count): the routed sum is
+    # partial, so a block that applies `norm` to it would be wrong
     partial: bool = False
+    first: int = 0

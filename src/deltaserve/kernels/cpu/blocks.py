@@ -62,6 +62,7 @@ class MoeBlockWeights:
     up: torch.Tensor | None = None  # [D, L] bf16
     norm_w: torch.Tensor | None = None  # [L] fp32
     shared: tuple[torch.Tensor, ...] | None = None  # gate/up [SI, D], down [D, SI] bf16
+    first: int = 0  # the experts held are the router's [first, first + len(experts)) (expert parallelism)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -85,9 +86,9 @@ class BlockBindings:
         latent = w.down is not None
         width_in = w.down.shape[0] if latent else d
         experts = expert_operands(*w.experts, width_in)
-        if experts is None or experts[0] != e:
+        if experts is None or not (w.first >= 0 and 0 < experts[0] and w.first + experts[0] <= e):
             return None
-        _, inter, packed, (p1, s1, p3, s3, p2, s2) = experts
+        held, inter, packed, (p1, s1, p3, s3, p2, s2) = experts
         si = w.shared[0].shape[0] if w.shared is not None else 0
         ok = (
             _bf16(w.gate, (e, d))
@@ -105,7 +106,7 @@ class BlockBindings:
         top_k, groups, topk_group, renorm, scale, bias_in_weights = route
         kind, beta, lbeta = act
         sh = w.shared or (None, None, None)
-        return MoeBlockPlan(
+        plan = MoeBlockPlan(
             d,
             e,
             width_in,
@@ -131,6 +132,8 @@ class BlockBindings:
             s2 or None,
             *[_ptr(t) for t in sh],
         )
+        plan.first, plan.held = w.first, held
+        return plan
 
     def moe_block_rows(self, plan: MoeBlockPlan) -> int:
         """The most rows `moe_block` takes: what the projections of both widths (D, L) take."""

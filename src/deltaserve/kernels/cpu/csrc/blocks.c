@@ -55,9 +55,12 @@ int ds_moe_block_reduced(const ds_moe_block_t *b, const uint16_t *x, int N, ds_r
     if (rc == 0 && ds_route(logits, N, b->E, b->bias, k, b->groups, b->topk_group, b->renormalize, b->scale,
                             b->bias_in_weights, w, ids) != 0)
         rc = -3;
+    if (rc == 0 && b->held != b->E)   /* expert parallelism: this rank's experts by local id, the rest skipped */
+        for (int64_t p = 0; p < (int64_t)N * k; ++p)
+            ids[p] = ids[p] >= b->first && ids[p] < b->first + b->held ? ids[p] - b->first : -1;
     if (rc == 0)
-        rc = ds_moe_experts(b->down ? z : x, N, L, ids, w, k, b->E, b->I, b->packed, b->w1, b->s1, b->w3, b->s3,
-                            b->w2, b->s2, b->act, b->beta, b->lbeta, r, nthreads) ? -1 : 0;
+        rc = ds_moe_experts_held(b->down ? z : x, N, L, ids, w, k, b->held, b->I, b->packed, b->w1, b->s1, b->w3,
+                                 b->s3, b->w2, b->s2, b->act, b->beta, b->lbeta, r, nthreads) ? -1 : 0;
     if (rc == 0 && reduce && b->norm_w && reduce(r, NULL, (int64_t)N * L)) rc = -5;
     const uint16_t *routed = r;
     if (rc == 0 && b->norm_w) {

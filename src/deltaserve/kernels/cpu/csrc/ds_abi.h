@@ -13,7 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define DS_ABI_VERSION 8
+#define DS_ABI_VERSION 9
 
 #define DS_MAX_M 8             /* rows of the register-accumulator (GEMV) kernels: small-M decode */
 #define DS_AMX_ROWS 64         /* rows the AMX tile kernels take in one pass (batched decode) */
@@ -41,6 +41,8 @@ typedef struct {
     const void *w1, *w3, *w2;        /* routed experts, as ds_moe_experts */
     const uint8_t *s1, *s3, *s2;
     const uint16_t *sh1, *sh3, *sh2; /* shared experts [SI, D], [SI, D], [D, SI] or NULL */
+    int first, held;                 /* the routed experts w1..s2 hold: the router's [first, first + held)
+                                        (expert parallelism; else 0, E) */
 } ds_moe_block_t;
 
 /* The static part of one KDA layer's decode step (ds_kda_block). */

@@ -62,6 +62,16 @@ void ds_expert_rows(const void *w, const uint8_t *s, int packed, int64_t row0, i
 /* The unpacked case: acc as above over bf16 rows w [R, K]. cpu_kernels.c */
 void ds_bf16_rows(const uint16_t *x, int M, int K, const uint16_t *w, int R, float *acc);
 
+/* ds_moe_experts / ds_moe_combine over the pairs whose id is not -1 only (a rank holding some of the
+ * experts: the others' pairs are skipped, and a row none of whose pairs is held gets 0); ids are in
+ * [-1, E). moe_decode.c, moe_prefill.c */
+int ds_moe_experts_held(const uint16_t *x, int N, int D, const int64_t *ids, const float *wts, int k, int E, int I,
+                        int packed, const void *w1, const uint8_t *s1, const void *w3, const uint8_t *s3,
+                        const void *w2, const uint8_t *s2, int act, float beta, float lbeta, uint16_t *out,
+                        int nthreads);
+int ds_moe_combine_held(const uint16_t *ys, const int64_t *pos, const int64_t *ids, const float *w, int64_t n, int k,
+                        int d, uint16_t *out, int nthreads);
+
 /* moe_row.c: ds_moe_experts for one token of k <= DS_ROW_MAX_K pairs (-3 outside that). */
 #define DS_ROW_MAX_K 64
 int ds_moe_experts_row(const uint16_t *x, int D, const int64_t *ids, const float *wts, int k, int E, int I,

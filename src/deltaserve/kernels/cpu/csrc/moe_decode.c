@@ -288,9 +288,35 @@ int ds_moe_experts(const uint16_t *x, int N, int D, const int64_t *ids, const fl
                    int E, int I, int packed, const void *w1, const uint8_t *s1, const void *w3,
                    const uint8_t *s3, const void *w2, const uint8_t *s2, int act, float beta,
                    float lbeta, uint16_t *out, int nthreads) {
+    for (int64_t p = 0; p < (int64_t)N * k; ++p)
+        if (ids[p] < 0 || ids[p] >= E) return -2;
+    return ds_moe_experts_held(x, N, D, ids, wts, k, E, I, packed, w1, s1, w3, s3, w2, s2, act, beta, lbeta, out,
+                               nthreads);
+}
+
+/* One token's held pairs, in slot order, on the batch-1 kernel (moe_row.c); none held: out = 0. */
+static int row_held(const uint16_t *x, int D, const int64_t *ids, const float *wts, int k, int E, int I, int packed,
+                    const void *w1, const uint8_t *s1, const void *w3, const uint8_t *s3, const void *w2,
+                    const uint8_t *s2, int act, float beta, float lbeta, uint16_t *out, int nthreads) {
+    int64_t held_ids[DS_ROW_MAX_K];
+    float held_wts[DS_ROW_MAX_K];
+    int n = 0;
+    for (int j = 0; j < k; ++j)
+        if (ids[j] >= 0) held_ids[n] = ids[j], held_wts[n++] = wts[j];
+    if (n == 0) {
+        memset(out, 0, sizeof(uint16_t) * (size_t)D);
+        return 0;
+    }
+    return ds_moe_experts_row(x, D, held_ids, held_wts, n, E, I, packed, w1, s1, w3, s3, w2, s2, act, beta, lbeta,
+                              out, nthreads);
+}
+
+int ds_moe_experts_held(const uint16_t *x, int N, int D, const int64_t *ids, const float *wts, int k, int E, int I,
+                        int packed, const void *w1, const uint8_t *s1, const void *w3, const uint8_t *s3,
+                        const void *w2, const uint8_t *s2, int act, float beta, float lbeta, uint16_t *out,
+                        int nthreads) {
     if (N == 1 && k >= 1 && k <= DS_ROW_MAX_K)   /* batch-1 decode: one region, one barrier (moe_row.c) */
-        return ds_moe_experts_row(x, D, ids, wts, k, E, I, packed, w1, s1, w3, s3, w2, s2, act, beta, lbeta, out,
-                                  nthreads);
+        return row_held(x, D, ids, wts, k, E, I, packed, w1, s1, w3, s3, w2, s2, act, beta, lbeta, out, nthreads);
     const int P = N * k;
     int *count = calloc((size_t)E + 1, sizeof(int));
     int *order = malloc(sizeof(int) * (size_t)(P > 0 ? P : 1));
@@ -299,13 +325,14 @@ int ds_moe_experts(const uint16_t *x, int N, int D, const int64_t *ids, const fl
     int *fill = malloc(sizeof(int) * (size_t)(E > 0 ? E : 1));
     int rc = !count || !order || !chunk || !ys || !fill ? -1 : 0;
     for (int p = 0; p < P && rc == 0; ++p) {
-        if (ids[p] < 0 || ids[p] >= E) rc = -2;
-        else count[ids[p] + 1]++;
+        if (ids[p] < -1 || ids[p] >= E) rc = -2;
+        else if (ids[p] >= 0) count[ids[p] + 1]++;
     }
     if (rc == 0) {
         for (int e = 0; e < E; ++e) count[e + 1] += count[e];
         memcpy(fill, count, sizeof(int) * (size_t)E);
-        for (int p = 0; p < P; ++p) order[fill[ids[p]]++] = p;   /* stable: pair order kept */
+        for (int p = 0; p < P; ++p)   /* stable: pair order kept */
+            if (ids[p] >= 0) order[fill[ids[p]]++] = p;
         glu_table own;
         int owned = 0;
         const glu_table *glu = glu_get(act, beta, lbeta, &own, &owned);
@@ -315,7 +342,7 @@ int ds_moe_experts(const uint16_t *x, int N, int D, const int64_t *ids, const fl
         int chunks = 0, widest = 1;
         for (int e = 0; e < E; ++e)
             chunks += split_pairs(job.amx, job.min_pairs, count[e], count[e + 1], chunk + chunks);
-        chunk[chunks] = P;
+        chunk[chunks] = count[E];
         for (int c = 0; c < chunks; ++c) widest = chunk[c + 1] - chunk[c] > widest ? chunk[c + 1] - chunk[c] : widest;
         int bad = 0;
         if (chunks >= 2 * nthreads) {
@@ -347,7 +374,7 @@ int ds_moe_experts(const uint16_t *x, int N, int D, const int64_t *ids, const fl
         rc = bad ? -1 : 0;
         if (owned) free(own.left);
     }
-    if (rc == 0) ds_moe_combine(ys, NULL, wts, N, k, D, out, nthreads);
+    if (rc == 0) ds_moe_combine_held(ys, NULL, ids, wts, N, k, D, out, nthreads);
     free(count); free(order); free(chunk); free(ys); free(fill);
     return rc;
 }

@@ -15,6 +15,7 @@
 #include "ds_abi.h"
 #include "bf16.h"
 #include "glu.h"
+#include "internal.h"
 
 #define COL_BLOCK 2048
 
@@ -52,6 +53,11 @@ void ds_glu_rows_bf16(const uint16_t *gate, int64_t gate_stride, const uint16_t 
  * means ys is in slot order (pos[t] = t). Returns -2 if a position lies outside [0, n*k). */
 int ds_moe_combine(const uint16_t *ys, const int64_t *pos, const float *w, int64_t n, int k, int d,
                    uint16_t *out, int nthreads) {
+    return ds_moe_combine_held(ys, pos, NULL, w, n, k, d, out, nthreads);
+}
+
+int ds_moe_combine_held(const uint16_t *ys, const int64_t *pos, const int64_t *ids, const float *w, int64_t n, int k,
+                        int d, uint16_t *out, int nthreads) {
     for (int64_t t = 0; pos && t < n * k; ++t)
         if (pos[t] < 0 || pos[t] >= n * k) return -2;
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (n * d >= (1 << 14))
@@ -59,18 +65,21 @@ int ds_moe_combine(const uint16_t *ys, const int64_t *pos, const float *w, int64
         float acc[COL_BLOCK];
         for (int c0 = 0; c0 < d; c0 += COL_BLOCK) {
             const int m = d - c0 < COL_BLOCK ? d - c0 : COL_BLOCK;
+            int started = 0;
             for (int j = 0; j < k; ++j) {
+                if (ids && ids[i * k + j] < 0) continue;
                 const uint16_t *y = ys + (pos ? pos[i * k + j] : i * k + j) * (int64_t)d + c0;
                 const float wj = w[i * k + j];
-                if (j == 0) {
+                if (!started) {
                     #pragma omp simd
                     for (int c = 0; c < m; ++c) acc[c] = wj * bf16_to_f32(y[c]);
                 } else {
                     #pragma omp simd
                     for (int c = 0; c < m; ++c) acc[c] = acc[c] + wj * bf16_to_f32(y[c]);
                 }
+                started = 1;
             }
-            for (int c = 0; c < m; ++c) out[i * (int64_t)d + c0 + c] = f32_to_bf16(acc[c]);
+            for (int c = 0; c < m; ++c) out[i * (int64_t)d + c0 + c] = started ? f32_to_bf16(acc[c]) : 0;
         }
     }
     return 0;
