@@ -105,13 +105,13 @@ def test_two_ranks_prefix_cache_preemption_aborts_keep_every_rank_exact(ckpts, l
         assert torch.allclose(got_t, want_t, rtol=1e-5, atol=1e-5), key
 
 
-@pytest.mark.parametrize("layout", ["tp2", "ep2"])
+@pytest.mark.parametrize("layout", ["tp2", "ep2", "dcp2"])
 @pytest.mark.parametrize("name", ["k3", "k3_mx", "kl"])
 def test_decode_stack_under_tensor_parallelism_is_the_layer_path(ckpts, name, layout, monkeypatch):
-    """bf16 over two ranks (experts split by width, or by expert): each rank's decode steps as one
-    native call (the stack calling the all-reduces back where the layers' outputs are partial) give
-    the tokens and logprobs of the same two ranks stepping layer by layer, bit for bit; every rank
-    reports which way it ran."""
+    """bf16 over two ranks (experts split by width, or by expert; or MLA rows split by position, its
+    layers called back): each rank's decode steps as one native call (the stack calling the
+    all-reduces back where the layers' outputs are partial) give the tokens and logprobs of the same
+    two ranks stepping layer by layer, bit for bit; every rank reports which way it ran."""
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=0)
     stepped = []  # rank 0's decode steps the stack computed (a declined step returns None)
     real = NativeKernels.decode_stack

@@ -66,7 +66,10 @@ class DecoderLayer(nn.Module):
 class DecoderStack(OpsModule):
     """`model.*`: embeddings (vocab-parallel under `tp`), layers, final norm (and K3's output
     AttnRes mix); every rank holds the full hidden states. `prepared`: the backend's whole-stack
-    decode plan (`ops.decode_stack`: a decode step's layers in one call), or None."""
+    decode plan (`ops.decode_stack`: a decode step's layers in one call), or None; `step_context`:
+    the context of the step that plan runs, for the layers it calls back."""
+
+    step_context: ForwardContext | None = None
 
     def __init__(self, cfg: ModelConfig, tp: ParallelContext = SINGLE):
         super().__init__()
@@ -84,7 +87,11 @@ class DecoderStack(OpsModule):
         """Final-normed hidden states [N, D] of the packed tokens."""
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self._whole_step(ctx):
-            out = self.ops.decode_stack(h, self.prepared, ctx.cache)
+            self.step_context = ctx
+            try:
+                out = self.ops.decode_stack(h, self.prepared, ctx.cache)
+            finally:
+                self.step_context = None
             if out is not None:
                 return out
         block = self.cfg.attn_res_block_size
@@ -102,7 +109,13 @@ class DecoderStack(OpsModule):
         """fp32 logits [N, vocab] of a decode step of `input_ids`, the embedding lookup, the layers
         and the model's output head in one call (`ops.decode_logits`), or None (run `forward` and
         the head)."""
-        return self.ops.decode_logits(input_ids, self.prepared, ctx.cache) if self._whole_step(ctx) else None
+        if not self._whole_step(ctx):
+            return None
+        self.step_context = ctx
+        try:
+            return self.ops.decode_logits(input_ids, self.prepared, ctx.cache)
+        finally:
+            self.step_context = None
 
     def _whole_step(self, ctx: ForwardContext) -> bool:
         return self.prepared is not None and ctx.cache is not None and ctx.cache.decode_only

@@ -20,7 +20,7 @@ from ..ops.select import select_ops
 from ..ops.stack import NormOperands, StackLayerOperands, StackOperands
 from .decoder import DecoderLayer, DecoderStack
 from .kda_layer import KdaAttention
-from .mla_layer import MlaAttention
+from .mla_layer import DcpMlaAttention, MlaAttention
 from .modules import OpsModule, RMSNorm, WeightVector
 from .moe_layer import GluMlp, MoeBlock
 
@@ -117,11 +117,17 @@ def _norm(m: RMSNorm) -> NormOperands:
     return NormOperands(m.prepared, m.eps)
 
 
+def _attend(stack: DecoderStack, attn: DcpMlaAttention):
+    """A decode-context-parallel MLA layer as the whole-stack step calls it back: the module on the
+    step's context (its gathers, partial attention and all-reduce in Python)."""
+    return lambda x: attn(x, stack.step_context)
+
+
 def _stack(stack: DecoderStack, lm_head: torch.Tensor | None) -> StackOperands | None:
     """The whole-stack decode operands of `stack` (with its model's `lm_head` weight, if any): None
-    where a layer lacks a prepared attention or MoE plan (decode-context parallelism builds no MLA
-    plan). Under tensor (and expert) parallelism the rank's shards, its `reduce` and no output head
-    (the vocabulary is split: the model embeds and gathers the logits)."""
+    where a layer lacks a prepared attention or MoE plan (a decode-context-parallel MLA layer, which
+    has none, is called back: `_attend`). Under tensor (and expert) parallelism the rank's shards, its
+    `reduce` and no output head (the vocabulary is split: the model embeds and gathers the logits)."""
     attn_res = stack.cfg.attn_res_block_size is not None
     tp = stack.layers[0].self_attn.tp
     layers = []
@@ -129,11 +135,13 @@ def _stack(stack: DecoderStack, lm_head: torch.Tensor | None) -> StackOperands |
         attn = layer.self_attn
         moe: MoeBlock | None = getattr(layer, "block_sparse_moe", None)
         mlp: GluMlp | None = getattr(layer, "mlp", None)
-        if attn.prepared is None or (moe is not None and moe.prepared is None):
+        if (attn.prepared is None and not isinstance(attn, DcpMlaAttention)) or (
+            moe is not None and moe.prepared is None
+        ):
             return None
         layers.append(
             StackLayerOperands(
-                attn.prepared,
+                _attend(stack, attn) if attn.prepared is None else attn.prepared,
                 attn.o_proj.weight if isinstance(attn, MlaAttention) else None,
                 None if moe is None else moe.prepared,
                 None if mlp is None else (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight),

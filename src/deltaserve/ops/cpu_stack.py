@@ -39,7 +39,7 @@ class CpuStackOps(TorchOps):
             return None
         layers = []
         for y in stack.layers:
-            attn_plan = getattr(y.attn, "plan", None)
+            attn_plan = y.attn if callable(y.attn) else getattr(y.attn, "plan", None)  # or a callback
             moe_plan = None if y.moe is None else y.moe[0]
             if attn_plan is None or (y.mlp is None and moe_plan is None):
                 return None

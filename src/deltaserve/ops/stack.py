@@ -2,9 +2,9 @@
 from: each decoder layer's prepared operands, in the order `model.decoder.DecoderStack` runs them.
 
 `model.fused.prepare_model` fills these from the modules after every module is prepared, only
-where every layer has its decode plans (no expert or decode-context parallelism; under tensor
-parallelism each rank's shards, with the rank's `reduce`); the backend may still decline (None) and
-the modules run one by one.
+where every layer has its decode plans (or, decode-context-parallel MLA, a callback to its module;
+under tensor and expert parallelism each rank's shards, with the rank's `reduce`); the backend may
+still decline (None) and the modules run one by one.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ class NormOperands:
 @dataclass
 class StackLayerOperands:
     """One decoder layer: attention (its prepared KDA or MLA operands; an MLA layer also its output
-    projection, None for KDA), the FFN (the MoE block's prepared operands, or the dense GLU's three
+    projection, None for KDA; or a callable the step calls back: normed input -> the layer's attention
+    output, summed over the ranks), the FFN (the MoE block's prepared operands, or the dense GLU's three
     weights), the AttnRes queries before each sublayer (None: pre-norm residuals) and the two norms."""
 
     attn: object

@@ -20,9 +20,9 @@ KdaBlockPlan, MlaBlockPlan, MoeBlockPlan = (STRUCTS[n] for n in ("ds_kda_block_t
 
 @dataclass
 class StackLayerPlan:
-    """One layer as the kernel reads it: a KDA or MLA block plan (MLA with its o_proj [D, H*v]), a MoE
-    block plan or the dense GLU (gate, up, down), its activation (kind, beta, linear beta), the
-    AttnRes queries (fp32 [D] or None) and the two norms ((fp32 [D], eps))."""
+    """One layer as the kernel reads it: a KDA or MLA block plan (MLA with its o_proj [D, H*v]) or an
+    `Attend` the kernel calls back, a MoE block plan or the dense GLU (gate, up, down), its activation
+    (kind, beta, linear beta), the AttnRes queries (fp32 [D] or None) and the two norms ((fp32 [D], eps))."""
 
     attn: object
     o_proj: torch.Tensor | None
@@ -62,7 +62,32 @@ class _ReduceCallback:
             return 1
 
 
+Attend = Callable[[torch.Tensor], torch.Tensor]
+"""A layer's attention as its module computes it: normed input [N, D] bf16 -> output [N, D] bf16, every
+rank's share summed (decode context parallelism's MLA, whose collectives stay in Python)."""
+
+
+class _AttendCallback:
+    """`ds_attend_fn` over each callback layer's `Attend` (by layer index). An exception is kept
+    (`error`) and reported to the kernel as a failure."""
+
+    def __init__(self, layers: dict[int, Attend], d: int):
+        self.layers, self.d = layers, d
+        self.error: BaseException | None = None
+        self.c_function = _ATTEND_FN(self._call)
+
+    def _call(self, layer: int, x: int, rows: int, out: int) -> int:
+        try:
+            n = rows * self.d
+            _bf16_view(out, n).copy_(self.layers[layer](_bf16_view(x, n).view(rows, self.d)).reshape(-1))
+            return 0
+        except BaseException as e:  # noqa: BLE001 - handed to the caller of the kernel
+            self.error = e
+            return 1
+
+
 _REDUCE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+_ATTEND_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
 
 
 def _bf16_view(address: int, n: int) -> torch.Tensor:
@@ -123,10 +148,12 @@ class StackBindings:
             return None
         structs = (StackLayerStruct * len(layers))()
         keep: list = [structs, layers]
-        kda_layers, mla_layers = [], []
+        kda_layers, mla_layers, attends = [], [], {}
         for i, (y, s) in enumerate(zip(layers, structs)):
             mla = isinstance(y.attn, MlaBlockPlan)
-            if not isinstance(y.attn, (KdaBlockPlan, MlaBlockPlan)) or y.attn.D != d:
+            if callable(y.attn):
+                attends[i] = y.attn
+            elif not isinstance(y.attn, (KdaBlockPlan, MlaBlockPlan)) or y.attn.D != d:
                 return None
             if mla and not _bf16(y.o_proj, (d, y.attn.H * y.attn.v)):
                 return None
@@ -141,9 +168,10 @@ class StackBindings:
                 (t is None) != (block_size is None) for t in qs
             ):
                 return None
-            (mla_layers if mla else kda_layers).append(i)
-            s.kda = None if mla else ctypes.pointer(y.attn)
-            s.mla = ctypes.pointer(y.attn) if mla else None
+            if i not in attends:
+                (mla_layers if mla else kda_layers).append(i)
+                s.kda = None if mla else ctypes.pointer(y.attn)
+                s.mla = ctypes.pointer(y.attn) if mla else None
             s.o_proj = _ptr(y.o_proj)
             s.moe = None if y.moe is None else ctypes.pointer(y.moe)
             s.mlp_gate, s.mlp_up, s.mlp_down = (None,) * 3 if y.mlp is None else (w.data_ptr() for w in y.mlp)
@@ -168,6 +196,10 @@ class StackBindings:
             callback = _ReduceCallback(reduce)
             struct.reduce = ctypes.cast(callback.c_function, ctypes.c_void_p)
             keep.append(callback)
+        if attends:
+            callback = _AttendCallback(attends, d)
+            struct.attend = ctypes.cast(callback.c_function, ctypes.c_void_p)
+            keep.append(callback)
         logits = head is not None and all(_bf16(w, (head[1].shape[0], d)) for w in head)
         if logits:
             struct.vocab, struct.embed, struct.lm_head = head[1].shape[0], head[0].data_ptr(), head[1].data_ptr()
@@ -175,7 +207,8 @@ class StackBindings:
         widths = [d]
         for y in layers:
             a = y.attn
-            widths += [a.q_rank or d, a.H * a.v] if isinstance(a, MlaBlockPlan) else [a.K, a.H * a.K]
+            if isinstance(a, (KdaBlockPlan, MlaBlockPlan)):
+                widths += [a.q_rank or d, a.H * a.v] if isinstance(a, MlaBlockPlan) else [a.K, a.H * a.K]
             widths += [y.moe.L] if y.moe is not None and y.moe.down else []
         return StackPlan(struct, kda_layers, mla_layers, min(self.multi_rows(k) for k in widths), keep, logits=logits)
 
@@ -234,8 +267,10 @@ class StackBindings:
         if rc == -2:
             raise ValueError("decode_stack: token id, slot or row index out of range")
         if rc == -5:
-            error = next((k.error for k in plan.keep if isinstance(k, _ReduceCallback)), None)
-            raise RuntimeError("decode_stack: a tensor-parallel reduce failed") from error
+            errors = (k.error for k in plan.keep if isinstance(k, (_ReduceCallback, _AttendCallback)))
+            raise RuntimeError("decode_stack: a reduce or attend callback failed") from next(
+                (e for e in errors if e is not None), None
+            )
         if rc != 0:
             raise MemoryError(f"decode_stack: failed ({rc})")
         return True

@@ -13,7 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define DS_ABI_VERSION 9
+#define DS_ABI_VERSION 10
 
 #define DS_MAX_M 8             /* rows of the register-accumulator (GEMV) kernels: small-M decode */
 #define DS_AMX_ROWS 64         /* rows the AMX tile kernels take in one pass (batched decode) */
@@ -64,8 +64,8 @@ typedef struct {
 
 /* One decoder layer of ds_decode_stack (pointers into plans and weights the bindings keep alive). */
 typedef struct {
-    const ds_kda_block_t *kda;                     /* exactly one of kda and mla */
-    const ds_mla_block_t *mla;
+    const ds_kda_block_t *kda;                     /* at most one of kda and mla; neither: the stack's */
+    const ds_mla_block_t *mla;                     /* `attend` callback computes the layer's attention */
     const uint16_t *o_proj;                        /* MLA output projection [D, H * v] */
     const ds_moe_block_t *moe;                     /* or, when NULL, the dense GLU below */
     const uint16_t *mlp_gate, *mlp_up, *mlp_down;  /* [I, D], [I, D], [D, I] */
@@ -86,6 +86,7 @@ typedef struct {
     int vocab;                                     /* rows of embed and lm_head */
     const uint16_t *embed, *lm_head;               /* bf16 [vocab, D] each (or NULL) */
     void *reduce;                                  /* tensor parallel: a ds_reduce_fn (internal.h); NULL: unsharded */
+    void *attend;                                  /* a ds_attend_fn (internal.h) for layers of neither kind */
 } ds_stack_t;
 
 /* abi.c: DS_ABI_VERSION as compiled; sizeof the struct named `name` above (0 for another name). */

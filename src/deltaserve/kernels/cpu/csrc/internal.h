@@ -37,6 +37,11 @@ static inline void ds_merge_partials(const float *p, int64_t stride, int64_t S, 
  * reduce_sum), so the bits are the module path's. */
 typedef int (*ds_reduce_fn)(uint16_t *partial, const uint16_t *replicated, int64_t n);
 
+/* The attention of decoder layer `layer` that ds_decode_stack calls back where the layer has no block
+ * plan (decode context parallelism's MLA): out [N, D] = the layer's attention output of its normed input
+ * x [N, D], every rank's share summed (the caller's module runs it). Returns 0, else nonzero. */
+typedef int (*ds_attend_fn)(int layer, const uint16_t *x, int64_t rows, uint16_t *out);
+
 /* blocks.c: ds_moe_block of a tensor-parallel rank (reduce non-NULL: experts split by width) whose
  * output is the whole block's, summed over the ranks: the routed sum reduced before the latent norm
  * where there is one (the shared experts' partial joined to the replicated routed output then),

@@ -13,6 +13,8 @@
  * Under tensor parallelism (s->reduce set) each rank runs its shard of every block and calls the
  * reduce back where the module path all-reduces: each attention block's output, the dense GLU's, and
  * inside the MoE block (ds_moe_block_reduced), so every rank's hidden states are the module path's.
+ * A layer with neither a KDA nor an MLA plan (decode context parallelism's MLA) calls `attend` back
+ * for its attention: the caller's module runs it, collectives included.
  * Every index and the routers' static limits are checked before any pool is written. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -113,13 +115,14 @@ static int head_logits(const ds_stack_t *s, const uint16_t *h, int N, float *log
  * ds_mla_block); the step's slots / write_rows / read_rows / cu_kv are shared by the layers.
  * N is at most stack_rows(s). Returns 0; -1 allocation or a kernel's failure; -2 an index out of range;
  * -3 a router's limits do not hold; -4 N out of range, or ids or logits without their weights (nothing
- * written but for 0, -1 and -5); -5 a reduce failed. */
+ * written but for 0, -1 and -5); -5 a reduce or attend callback failed. */
 int ds_decode_stack(const ds_stack_t *s, const uint16_t *x, const int64_t *ids, int N, uint16_t *const *tails,
                     float *const *states, const int64_t *slots, int64_t num_slots, uint16_t *const *mla_rows,
                     int64_t num_rows, const int64_t *write_rows, const int64_t *read_rows, const int64_t *cu_kv,
                     uint16_t *out, float *logits, int nthreads) {
     const int D = s->D, L = s->L, blk = s->block_size;
     const ds_reduce_fn reduce = (ds_reduce_fn)s->reduce;
+    const ds_attend_fn attend = (ds_attend_fn)s->attend;
     if (N < 1 || N > stack_rows(s) || (!x && !(ids && s->embed)) || (logits && !s->lm_head)) return -4;
     for (int n = 0; !x && n < N; ++n)
         if (ids[n] < 0 || ids[n] >= s->vocab) return -2;
@@ -147,7 +150,9 @@ int ds_decode_stack(const ds_stack_t *s, const uint16_t *x, const int64_t *ids, 
     for (int l = 0; rc == 0 && l < L; ++l) {
         const ds_stack_layer_t *y = &s->layers[l];
         layer_input(bank, nbank, cur, N, D, y->attn_q, s->res_eps, y->attn_norm, y->attn_eps, mix, xin, nthreads);
-        if (y->kda) {
+        if (!y->kda && !y->mla) {   /* the module's attention, summed over the ranks already */
+            rc = attend && attend(l, xin, N, a) == 0 ? 0 : -5;
+        } else if (y->kda) {
             rc = ds_kda_block(y->kda, xin, N, tails[l], states[l], slots, num_slots, a, nthreads) ? -1 : 0;
         } else {
             const ds_mla_block_t *m = y->mla;
@@ -157,7 +162,7 @@ int ds_decode_stack(const ds_stack_t *s, const uint16_t *x, const int64_t *ids, 
             if (rc == 0 && m->gated) ds_sigmoid_mul_bf16(o, g, (int64_t)N * w, o, nthreads);
             if (rc == 0) rc = linear(o, N, w, y->o_proj, D, a, nthreads);
         }
-        if (rc == 0 && reduce && reduce(a, NULL, (int64_t)nd)) rc = -5;
+        if (rc == 0 && reduce && (y->kda || y->mla) && reduce(a, NULL, (int64_t)nd)) rc = -5;
         if (rc) break;
         if (y->attn_q && blk > 0 && l % blk == 0) {
             bank[nbank++] = cur;
