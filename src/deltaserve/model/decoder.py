@@ -3,6 +3,8 @@ residuals (Kimi-Linear, spec §4)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -87,11 +89,8 @@ class DecoderStack(OpsModule):
         """Final-normed hidden states [N, D] of the packed tokens."""
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self._whole_step(ctx):
-            self.step_context = ctx
-            try:
+            with self._stepping(ctx):
                 out = self.ops.decode_stack(h, self.prepared, ctx.cache)
-            finally:
-                self.step_context = None
             if out is not None:
                 return out
         block = self.cfg.attn_res_block_size
@@ -111,11 +110,17 @@ class DecoderStack(OpsModule):
         the head)."""
         if not self._whole_step(ctx):
             return None
-        self.step_context = ctx
-        try:
+        with self._stepping(ctx):
             return self.ops.decode_logits(input_ids, self.prepared, ctx.cache)
-        finally:
-            self.step_context = None
 
     def _whole_step(self, ctx: ForwardContext) -> bool:
         return self.prepared is not None and ctx.cache is not None and ctx.cache.decode_only
+
+    @contextmanager
+    def _stepping(self, ctx: ForwardContext):
+        """`step_context` is `ctx` inside the block (the whole-stack plan's callbacks read it)."""
+        self.step_context = ctx
+        try:
+            yield
+        finally:
+            self.step_context = None

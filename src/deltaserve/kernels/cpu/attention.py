@@ -125,7 +125,7 @@ class AttentionDecodeBindings:
         Returns [B, H, R] bf16; `ops.mla.mla_absorbed_attention` is the reference."""
         bsz, h, _ = q_latent.shape
         out = torch.empty(bsz, h, kv_lora_rank, dtype=torch.bfloat16)
-        self._mla_decode(self.lib.ds_mla_decode, q_latent, rows, read_rows, cu_kv, kv_lora_rank, scale, out)
+        self._mla_decode(self.lib.ds_mla_decode, 1, q_latent, rows, read_rows, cu_kv, kv_lora_rank, scale, out)
         return out
 
     def mla_decode_partial(
@@ -145,12 +145,15 @@ class AttentionDecodeBindings:
         out = torch.empty(bsz, h, kv_lora_rank, dtype=torch.float32)
         lse = torch.empty(bsz, h, dtype=torch.float32)
         self._mla_decode(
-            self.lib.ds_mla_decode_partial, q_latent, rows, read_rows, cu_kv, kv_lora_rank, scale, out, lse
+            self.lib.ds_mla_decode_partial, 0, q_latent, rows, read_rows, cu_kv, kv_lora_rank, scale, out, lse
         )
         return out, lse
 
-    def _mla_decode(self, fn, q_latent, rows, read_rows, cu_kv, kv_lora_rank: int, scale: float, *outs) -> None:
-        """Checks the operands of `fn` (`ds_mla_decode` or its partial form, `len(outs)` 2) and calls it."""
+    def _mla_decode(
+        self, fn, least: int, q_latent, rows, read_rows, cu_kv, kv_lora_rank: int, scale: float, *outs
+    ) -> None:
+        """Checks the operands of `fn` (`ds_mla_decode` or its partial form; each sequence with at least
+        `least` context rows) and calls it."""
         bsz, h, d = q_latent.shape
         ok = (
             q_latent.dtype == rows.dtype == torch.bfloat16
@@ -166,7 +169,6 @@ class AttentionDecodeBindings:
             raise ValueError("mla_decode: operand shapes or dtypes disagree")
         q_latent, read_rows, cu_kv = q_latent.contiguous(), read_rows.contiguous(), cu_kv.contiguous()
         lens = cu_kv[1:] - cu_kv[:-1]
-        least = 0 if len(outs) == 2 else 1
         if bsz and (int(cu_kv[0]) != 0 or int(cu_kv[-1]) != read_rows.numel() or bool((lens < least).any())):
             raise ValueError(f"mla_decode: every sequence needs at least {least} context row(s)")
         if read_rows.numel() and (int(read_rows.min()) < 0 or int(read_rows.max()) >= rows.shape[0]):

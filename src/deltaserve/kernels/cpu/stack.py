@@ -41,25 +41,35 @@ partial (plus `replicated` once); may return `partial` itself, summed in place
 (`ParallelContext.all_reduce` / `reduce_sum`)."""
 
 
-class _ReduceCallback:
-    """`ds_reduce_fn` over a `Reduce`: bf16 views of the kernel's buffers, the result written back into
-    the partial one. An exception is kept (`error`) and reported to the kernel as a failure."""
+class _Callback:
+    """A C function pointer (`ctype`) over `fn`: returns 0, or 1 where `fn` raised, the exception kept
+    (`error`) for the caller of the kernel."""
 
-    def __init__(self, reduce: Reduce):
-        self.reduce = reduce
+    def __init__(self, ctype, fn: Callable):
+        self.fn = fn
         self.error: BaseException | None = None
-        self.c_function = _REDUCE_FN(self._call)
+        self.c_function = ctype(self._call)
 
-    def _call(self, partial: int, replicated: int | None, n: int) -> int:
+    def _call(self, *args) -> int:
         try:
-            p = _bf16_view(partial, n)
-            out = self.reduce(p, None if replicated is None else _bf16_view(replicated, n))
-            if out.data_ptr() != p.data_ptr():
-                p.copy_(out)
+            self.fn(*args)
             return 0
         except BaseException as e:  # noqa: BLE001 - handed to the caller of the kernel
             self.error = e
             return 1
+
+
+def _reduce_callback(reduce: Reduce) -> _Callback:
+    """`ds_reduce_fn` over a `Reduce`: bf16 views of the kernel's buffers, the sum written back into the
+    partial one."""
+
+    def call(partial: int, replicated: int | None, n: int) -> None:
+        p = _bf16_view(partial, n)
+        out = reduce(p, None if replicated is None else _bf16_view(replicated, n))
+        if out.data_ptr() != p.data_ptr():
+            p.copy_(out)
+
+    return _Callback(_REDUCE_FN, call)
 
 
 Attend = Callable[[torch.Tensor], torch.Tensor]
@@ -67,23 +77,14 @@ Attend = Callable[[torch.Tensor], torch.Tensor]
 rank's share summed (decode context parallelism's MLA, whose collectives stay in Python)."""
 
 
-class _AttendCallback:
-    """`ds_attend_fn` over each callback layer's `Attend` (by layer index). An exception is kept
-    (`error`) and reported to the kernel as a failure."""
+def _attend_callback(layers: dict[int, Attend], d: int) -> _Callback:
+    """`ds_attend_fn` over each callback layer's `Attend` (by layer index)."""
 
-    def __init__(self, layers: dict[int, Attend], d: int):
-        self.layers, self.d = layers, d
-        self.error: BaseException | None = None
-        self.c_function = _ATTEND_FN(self._call)
+    def call(layer: int, x: int, rows: int, out: int) -> None:
+        n = rows * d
+        _bf16_view(out, n).copy_(layers[layer](_bf16_view(x, n).view(rows, d)).reshape(-1))
 
-    def _call(self, layer: int, x: int, rows: int, out: int) -> int:
-        try:
-            n = rows * self.d
-            _bf16_view(out, n).copy_(self.layers[layer](_bf16_view(x, n).view(rows, self.d)).reshape(-1))
-            return 0
-        except BaseException as e:  # noqa: BLE001 - handed to the caller of the kernel
-            self.error = e
-            return 1
+    return _Callback(_ATTEND_FN, call)
 
 
 _REDUCE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
@@ -192,14 +193,13 @@ class StackBindings:
             final_norm[0].data_ptr(),
         )
         keep += [out_q, final_norm]
-        if reduce is not None:
-            callback = _ReduceCallback(reduce)
-            struct.reduce = ctypes.cast(callback.c_function, ctypes.c_void_p)
-            keep.append(callback)
-        if attends:
-            callback = _AttendCallback(attends, d)
-            struct.attend = ctypes.cast(callback.c_function, ctypes.c_void_p)
-            keep.append(callback)
+        for field_name, callback in (
+            ("reduce", None if reduce is None else _reduce_callback(reduce)),
+            ("attend", _attend_callback(attends, d) if attends else None),
+        ):
+            if callback is not None:
+                setattr(struct, field_name, ctypes.cast(callback.c_function, ctypes.c_void_p))
+                keep.append(callback)
         logits = head is not None and all(_bf16(w, (head[1].shape[0], d)) for w in head)
         if logits:
             struct.vocab, struct.embed, struct.lm_head = head[1].shape[0], head[0].data_ptr(), head[1].data_ptr()
@@ -267,7 +267,7 @@ class StackBindings:
         if rc == -2:
             raise ValueError("decode_stack: token id, slot or row index out of range")
         if rc == -5:
-            errors = (k.error for k in plan.keep if isinstance(k, (_ReduceCallback, _AttendCallback)))
+            errors = (k.error for k in plan.keep if isinstance(k, _Callback))
             raise RuntimeError("decode_stack: a reduce or attend callback failed") from next(
                 (e for e in errors if e is not None), None
             )
