@@ -24,6 +24,7 @@ from deltaserve.ops import mla as mla_ops
 from deltaserve.parallel import SINGLE, ParallelContext, init_tensor_parallel
 from deltaserve.tiny import PRESETS, make_tiny
 
+from .spawned import exit_worker
 from .test_tp_forward import _WIDE, _rel
 
 WORLD = DCP = 2
@@ -138,6 +139,7 @@ def _worker(rank: int, init_method: str, ckpts: dict[str, str], out: str) -> Non
         dist.barrier()  # no rank tears the group down while the other still works (gloo aborts it)
     finally:
         dist.destroy_process_group()
+    exit_worker()
 
 
 @pytest.fixture(scope="module")

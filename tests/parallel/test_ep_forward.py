@@ -39,6 +39,8 @@ from tests.parallel.test_tp_forward import (
     checkpoints,  # noqa: F401 (fixture)
 )
 
+from .spawned import exit_worker
+
 WORLD = 2
 RUNS = [(name, "float32") for name, *_ in CASES] + [("k3_mx", "bfloat16"), ("kl", "bfloat16")]
 # bf16 runs compare the backend `select_ops` binds (native where the library loads) with the
@@ -127,6 +129,7 @@ def _worker(rank: int, init_method: str, ckpts: dict[str, str], out: str) -> Non
         dist.barrier()  # no rank tears the group down while rank 0 still writes
     finally:
         dist.destroy_process_group()
+    exit_worker()
 
 
 def test_ep_logits_match_unsharded(checkpoints, tmp_path):

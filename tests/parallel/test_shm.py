@@ -14,6 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from deltaserve.parallel import init_tensor_parallel
 
+from .spawned import exit_worker
+
 SLOT = 1 << 16
 
 
@@ -50,6 +52,7 @@ def _worker(rank: int, world: int, init: str, out: str) -> None:
     finally:
         dist.barrier()
         dist.destroy_process_group()
+    exit_worker()
 
 
 def test_shared_memory_collectives(tmp_path):

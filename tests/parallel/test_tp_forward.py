@@ -22,6 +22,8 @@ from deltaserve.ops.backend import REFERENCE
 from deltaserve.parallel import ParallelContext, init_tensor_parallel
 from deltaserve.tiny import PRESETS, make_tiny
 
+from .spawned import exit_worker
+
 SEQ = 24
 PREFILL = 20  # cached run: prefill this many, then decode one token at a time
 # heads 4, expert width 128 = 32 * 4: every sharded dim splits for TP2 and TP4, MXFP4 included
@@ -168,6 +170,7 @@ def _worker(rank: int, world: int, init_method: str, ckpts: dict[str, str], out:
         dist.barrier()  # no rank tears the group down while rank 0 still writes
     finally:
         dist.destroy_process_group()
+    exit_worker()
 
 
 @pytest.fixture(scope="module")
