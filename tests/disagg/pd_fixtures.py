@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -46,8 +49,8 @@ def need_mooncake() -> None:
         pytest.skip(f"the Mooncake transfer engine does not import here: {e}", allow_module_level=True)
 
 
-def make_llm(ckpt: Path) -> LLM:
-    return LLM(ckpt, "float32", **ENGINE)
+def make_llm(ckpt: Path, **engine) -> LLM:
+    return LLM(ckpt, "float32", **(ENGINE | engine))
 
 
 def role_args(role: str, *extra: str) -> argparse.Namespace:
@@ -57,17 +60,34 @@ def role_args(role: str, *extra: str) -> argparse.Namespace:
 
 
 @contextlib.contextmanager
-def instance(ckpt: Path, role: str, *extra: str):
-    """Yields (url, AsyncEngine, role service) of one instance."""
-    llm = make_llm(ckpt)
-    engine = AsyncEngine(llm.engine, llm.model.config.family, load_chat_template(ckpt))
-    app = build_app(engine, "tiny")
-    service = install_role(app, engine, role_args(role, *extra))
+def instance(ckpt: Path, role: str, *extra: str, **engine_options):
+    """Yields (url, AsyncEngine, role service) of one instance (`engine_options` over `ENGINE`)."""
+    llm = make_llm(ckpt, **engine_options)
     try:
-        with run_app(app) as url:
-            yield url, engine, service
+        engine = AsyncEngine(llm.engine, llm.model.config.family, load_chat_template(ckpt))
+        app = build_app(engine, "tiny")
+        service = install_role(app, engine, role_args(role, *extra))
+        try:
+            with run_app(app) as url:
+                yield url, engine, service
+        finally:
+            engine.shutdown()
     finally:
-        engine.shutdown()
+        llm.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(ckpt: Path, role: str, port: int, *extra: str) -> subprocess.Popen:
+    """`deltaserve serve` of `ckpt` in a process (group) of its own, set up as `instance` is."""
+    cmd = [sys.executable, "-m", "deltaserve.cli", "serve", str(ckpt), "--role", role, "--port", str(port)]
+    cmd += ["--dtype", "float32", "--disagg-secret", SECRET, "--threads", "1", "--page-size", "16"]
+    cmd += ["--served-model-name", "tiny", "--prefix-match-unit", str(UNIT), "--max-model-len", "1024", *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 @contextlib.contextmanager

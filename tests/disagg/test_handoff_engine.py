@@ -65,12 +65,12 @@ def _handoff(p, d, rid: str, prompt: list[int]) -> tuple[handoff.Reservation, in
     res = handoff.reserve(d.engine, prompt)
     src = handoff.parked_regions(p.engine, rid, res.start)
     assert [(r.tensor, r.layer, r.length) for r in src] == [(r.tensor, r.layer, r.length) for r in res.regions]
-    a, b = pool_tensors(p.cache), pool_tensors(d.cache)
+    a, b = pool_tensors(p.cache.mla, p.cache.kda), pool_tensors(d.cache.mla, d.cache.kda)
     for s, r in zip(src, res.regions):
         b[r.tensor].view(-1).view(torch.uint8)[r.offset : r.offset + r.length] = (
             a[s.tensor].view(-1).view(torch.uint8)[s.offset : s.offset + s.length]
         )
-    assert region_digests(p.cache, src) == region_digests(d.cache, list(res.regions))
+    assert region_digests(a, src) == region_digests(b, list(res.regions))
     assert handoff.release_parked(p.engine, rid) and not handoff.release_parked(p.engine, rid)
     return res, sum(r.length for r in src)
 
@@ -128,7 +128,7 @@ def test_a_parked_prefill_feeds_the_prefix_cache(engines):
 
 
 def test_coalesce_merges_only_runs_adjacent_on_both_sides():
-    from deltaserve.disagg.connector import coalesce
+    from deltaserve.parallel.kv_transfer import coalesce
 
     remote = [(100, 10), (110, 5), (115, 5), (200, 4)]
     local = [(1000), (1010), (2000), (2005)]

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -21,18 +18,12 @@ from deltaserve.engine.sampling_params import SamplingParams
 from deltaserve.tiny import make_tiny
 from tests.server.live_server import wait_healthy
 
-from .pd_fixtures import ENGINE, SECRET, idle_and_clean, instance, make_llm, need_mooncake, proxy, state
+from .pd_fixtures import SECRET, free_port, idle_and_clean, instance, make_llm, need_mooncake, proxy, spawn, state
 
 need_mooncake()
 
 PROMPT = list(range(40, 140))
 GREEDY = dict(max_tokens=5, temperature=0, ignore_eos=True)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -128,27 +119,9 @@ def test_internal_routes_need_the_secret(pair):
     assert r.status_code == 200 and dict(handoff.counters) == before
 
 
-def _spawn(ckpt, role: str, port: int, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "deltaserve.cli", "serve", str(ckpt), "--role", role, "--port", str(port)]
-    cmd += [
-        "--dtype",
-        "float32",
-        "--disagg-secret",
-        SECRET,
-        "--threads",
-        "1",
-        "--page-size",
-        "16",
-        "--served-model-name",
-        "tiny",
-    ]
-    cmd += ["--prefix-match-unit", str(ENGINE["prefix_match_unit"]), "--max-model-len", "1024", *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
 def test_a_prefill_instance_killed_mid_transfer(ckpt, want):
-    port = _port()
-    proc = _spawn(ckpt, "prefill", port)
+    port = free_port()
+    proc = spawn(ckpt, "prefill", port)
     try:
         wait_healthy(proc, port, 180)
         with instance(ckpt, "decode") as (d_url, _, handoff):
@@ -174,8 +147,8 @@ def test_a_prefill_instance_killed_mid_transfer(ckpt, want):
 
 def test_a_decode_instance_killed_under_the_proxy(ckpt, pair, want):
     (p_url, _, _), (d_url, _, _) = pair
-    port = _port()
-    proc = _spawn(ckpt, "decode", port)
+    port = free_port()
+    proc = spawn(ckpt, "decode", port)
     try:
         wait_healthy(proc, port, 180)
         dead = f"http://127.0.0.1:{port}"

@@ -123,6 +123,7 @@ def main(args: argparse.Namespace) -> int:
 
     serve = [sys.executable, "-m", "deltaserve.cli", "serve", str(args.model), "--served-model-name", "bench"]
     serve += ["--dtype", args.dtype, "--threads", str(args.threads), "--enable-prefix-caching"]
+    serve += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     c = _port()
     with _processes([serve + ["--port", str(c)]], [c]):
         colocated = _run_workload(f"http://127.0.0.1:{c}", sessions, args.max_tokens, tokenize)
@@ -174,7 +175,10 @@ def add_parser(sub) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--system-tokens", type=int, default=600)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per instance")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per instance (per rank)")
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="ranks of every instance (colocated, prefill, decode)"
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

@@ -9,7 +9,9 @@ there, the state at `n` comes with the transfer).
 `Region`s are byte ranges of pool tensors, listed in one canonical order (MLA layers, then
 positions in runs that stay inside a page; then per KDA layer the tail, then the state), so a
 sender and a receiver with equal layouts (`layout_fingerprint`) list the same ranges, each
-side over its own pages and slot. `region_digests` hashes them per layer, in that order.
+side over its own pages and slot. `region_digests` hashes them per layer, in that order. Under
+tensor parallelism every rank's pools have rank 0's shapes (heads split evenly), so every rank
+lists the same ranges over its own bytes (`engine.rank_transfer`).
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ class Region:
     length: int
 
 
-def layout_fingerprint(cache: CacheManager) -> str:
-    """Hex sha256 over what makes two instances' pools byte-compatible: the KDA state fingerprint
-    (model, dtypes, shapes, kernel path) and the MLA pool's layers, page size, row width, dtype
-    and rows per page (decode context parallelism changes the latter)."""
+def layout_fingerprint(cache: CacheManager, world: int = 1) -> str:
+    """Hex sha256 over what makes two instances' pools byte-compatible, rank for rank: the number
+    of tensor-parallel ranks (each holds its share of the KDA heads), the KDA state fingerprint
+    (model, dtypes, a rank's shapes, kernel path) and the MLA pool's layers, page size, row width,
+    dtype and rows per page (decode context parallelism changes the latter)."""
     m = cache.mla
     h = hashlib.sha256(cache.fingerprint)
-    h.update(repr((m.layer_ids, m.page_size, m.rows_per_page, m.row_dim, str(m.storage.dtype))).encode())
+    h.update(repr((world, m.layer_ids, m.page_size, m.rows_per_page, m.row_dim, str(m.storage.dtype))).encode())
     h.update(repr(cache.kda.layer_ids).encode())
     return h.hexdigest()
 
@@ -85,15 +88,16 @@ def handoff_regions(cache: CacheManager, seq_id: int, start: int, stop: int) -> 
     return mla_regions(cache.mla, sc.pages, start, stop) + kda_regions(cache.kda, sc.slot)
 
 
-def pool_tensors(cache: CacheManager) -> dict[str, torch.Tensor]:
-    """The pool tensors regions point into (what a transfer engine registers)."""
-    return {"mla": cache.mla.storage, "tails": cache.kda.tails, "states": cache.kda.states}
+def pool_tensors(mla: MlaPagePool, kda: KdaStatePool) -> dict[str, torch.Tensor]:
+    """The pool tensors regions point into (what a transfer engine registers): a rank's own."""
+    return {"mla": mla.storage, "tails": kda.tails, "states": kda.states}
 
 
-def region_digests(cache: CacheManager, regions: list[Region]) -> list[str]:
-    """One blake2b digest per (tensor kind, layer), over that layer's regions in order. Host pools
-    are hashed in place; device pools copy each layer's regions to the host in one transfer."""
-    flat = {k: t.view(-1).view(torch.uint8) for k, t in pool_tensors(cache).items()}
+def region_digests(tensors: dict[str, torch.Tensor], regions: list[Region]) -> list[str]:
+    """One blake2b digest per (tensor kind, layer), over that layer's regions of `tensors`
+    (`pool_tensors`) in order. Host pools are hashed in place; device pools copy each layer's
+    regions to the host in one transfer."""
+    flat = {k: t.view(-1).view(torch.uint8) for k, t in tensors.items()}
     layers: dict[tuple[str, int], list[torch.Tensor]] = {}
     for r in regions:
         key = ("mla" if r.tensor == "mla" else "kda", r.layer)

@@ -12,9 +12,10 @@
 2. Ask the prefill instance for the prompt minus its last token (`/disagg/prefill`), check the
    header against this request and instance (its fresh handoff id, fingerprint, token count,
    prompt hash, start, region shapes).
-3. Read the regions in place into the reservation (`Connector.read`), release the prefill side
-   (which confirms the generation was parked throughout), hash the received bytes and compare
-   with the header's digests.
+3. Read the regions in place into the reservation (every rank r from the prefill instance's
+   rank r, `InstanceRanks.read`), release the prefill side (which confirms the generation was
+   parked throughout), hash the received bytes on every rank and compare with the header's
+   digests of the same rank.
 4. Only then queue the request from its last prompt token (`add_request(received=...)`).
 Any failure cancels the reservation; the request is then recomputed here (`on_failure=
 "recompute"`) or refused with a 502 (`"error"`), and counted. No token is ever sampled from
@@ -34,12 +35,13 @@ import httpx
 import msgspec
 from fastapi import APIRouter, Request
 
-from ..cache.handoff import layout_fingerprint, pool_tensors, prompt_hash, region_digests
+from ..cache.handoff import layout_fingerprint, prompt_hash
 from ..engine.handoff import Reservation, cancel, reserve
+from ..engine.rank_transfer import spans
 from ..engine.sequence import InvalidRequestError
+from ..parallel.kv_transfer import TransferError
 from ..server.async_engine import AsyncEngine
 from ..server.errors import APIError
-from .connector import Connector, TransferError
 from .matching import match_reply
 from .protocol import (
     MSGPACK,
@@ -54,6 +56,7 @@ from .protocol import (
     decode,
     encode,
 )
+from .ranks import InstanceRanks
 from .service import check_secret, engine_state, read_msg, reply
 
 PREFILL_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("prefill_target", default=None)
@@ -103,7 +106,7 @@ class DecodeHandoff:
     def __init__(
         self,
         engine: AsyncEngine,
-        connector: Connector,
+        ranks: InstanceRanks,
         secret: str,
         on_failure: str = "recompute",
         local_prefill_tokens: int = 0,
@@ -111,10 +114,9 @@ class DecodeHandoff:
     ):
         if on_failure not in ("recompute", "error"):
             raise ValueError("on_failure must be 'recompute' or 'error'")
-        self.engine, self.connector, self.secret = engine, connector, secret
+        self.engine, self.ranks, self.secret = engine, ranks, secret
         self.cache = engine.core.cache
-        self.bases = connector.register(pool_tensors(self.cache))
-        self.fingerprint = layout_fingerprint(self.cache)
+        self.fingerprint = layout_fingerprint(self.cache, ranks.world)
         self.on_failure, self.local_prefill_tokens = on_failure, local_prefill_tokens
         self.timeout_s = timeout_s
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
@@ -202,23 +204,23 @@ class DecodeHandoff:
         try:
             header = self._hook("header", header)
             self._verify(header, handoff_id, ids, res)
-            remote = [(header.bases[t] + off, n) for t, _, off, n in header.regions]
-            local = [self.bases[r.tensor] + r.offset for r in res.regions]
+            remote = [[(src.bases[t] + off, n) for t, _, off, n in header.regions] for src in header.ranks]
+            regions = spans(res.regions)
             t_read = time.perf_counter()
-            moved = await asyncio.to_thread(self.connector.read, header.session, remote, local)
+            moved = await self.ranks.read([src.session for src in header.ranks], remote, regions, self.timeout_s)
             self.counters["read_us"] += int((time.perf_counter() - t_read) * 1e6)
             self._hook("received", res)
             released = True
             ok = await self._post(url, "/disagg/release", Release(header.transfer_id, header.generation), ReleaseReply)
             if not ok.valid:
                 raise HandoffError("stale_generation", "the prefill side no longer held this transfer")
-            digests = await asyncio.to_thread(region_digests, self.cache, list(res.regions))
-            if digests != header.digests:
+            digests = await self.ranks.digests(regions, self.timeout_s)
+            if digests != [src.digests for src in header.ranks]:
                 raise HandoffError("checksum_mismatch", "received bytes differ from the prefill side's")
         finally:
             if not released:
                 asyncio.ensure_future(self._release_quietly(url, header))
-        mla = sum(r.length for r in res.regions if r.tensor == "mla")
+        mla = sum(r.length for r in res.regions if r.tensor == "mla") * self.ranks.world
         c = self.counters
         c["handoffs"] += 1
         c["bytes_mla"] += mla
@@ -247,7 +249,9 @@ class DecodeHandoff:
             raise HandoffError("prefix_mismatch", "the prefill instance computed another prompt")
         if [(t, la, n) for t, la, _, n in h.regions] != [(r.tensor, r.layer, r.length) for r in res.regions]:
             raise HandoffError("header_mismatch", "the regions differ from the reservation's")
-        if any(t not in h.bases for t, *_ in h.regions):
+        if len(h.ranks) != self.ranks.world:
+            raise HandoffError("header_mismatch", f"{len(h.ranks)} prefill ranks for {self.ranks.world} here")
+        if any(t not in src.bases for src in h.ranks for t, *_ in h.regions):
             raise HandoffError("header_mismatch", "a region names an unknown pool tensor")
 
     def router(self, render: Callable) -> APIRouter:

@@ -5,9 +5,11 @@ cache until that instance has read it.
 prefix cache applies), parks it and answers a `TransferHeader` with a fresh generation; the
 regions start at the decode side's `start`. `POST /disagg/release` (`Release`) frees a parked
 prompt and says whether it was still parked under that generation, i.e. whether the bytes the
-decode side read were those the header describes. A parked prompt nobody releases is freed
-after `ttl_s` (a decode instance that died), so nothing leaks. Parked bytes are never written
-while parked: the sequence is off the scheduler and its pages and live slot are its own.
+decode side read were those the header describes. Under tensor parallelism every rank holds its
+share (`InstanceRanks`): the header names each rank's session, addresses and digests. A parked
+prompt nobody releases is freed after `ttl_s` (a decode instance that died), so nothing leaks.
+Parked bytes are never written while parked: the sequence is off the scheduler and its pages
+and live slot are its own.
 """
 
 from __future__ import annotations
@@ -22,14 +24,15 @@ from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 
-from ..cache.handoff import layout_fingerprint, pool_tensors, prompt_hash, region_digests
+from ..cache.handoff import layout_fingerprint, prompt_hash
 from ..engine.handoff import parked_regions, release_parked
+from ..engine.rank_transfer import spans
 from ..engine.sampling_params import SamplingParams
 from ..engine.sequence import InvalidRequestError
 from ..server.async_engine import AsyncEngine, EngineDeadError
 from ..server.errors import APIError
-from .connector import Connector
-from .protocol import PrefillRequest, Release, ReleaseReply, TransferHeader
+from .protocol import PrefillRequest, RankSource, Release, ReleaseReply, TransferHeader
+from .ranks import InstanceRanks
 from .service import check_secret, engine_state, read_msg, reply
 
 log = logging.getLogger(__name__)
@@ -43,12 +46,10 @@ class Parked:
 
 
 class PrefillService:
-    def __init__(self, engine: AsyncEngine, connector: Connector, secret: str, ttl_s: float = 60.0):
-        self.engine, self.connector, self.secret, self.ttl_s = engine, connector, secret, ttl_s
-        cache = engine.core.cache
-        self.cache = cache
-        self.bases = connector.register(pool_tensors(cache))
-        self.fingerprint = layout_fingerprint(cache)
+    def __init__(self, engine: AsyncEngine, ranks: InstanceRanks, secret: str, ttl_s: float = 60.0):
+        self.engine, self.ranks, self.secret, self.ttl_s = engine, ranks, secret, ttl_s
+        self.cache = engine.core.cache
+        self.fingerprint = layout_fingerprint(self.cache, ranks.world)
         self.parked: dict[str, Parked] = {}
         self._generation = itertools.count(1)
         self.counters: Counter[str] = Counter()
@@ -76,8 +77,8 @@ class PrefillService:
             raise APIError(503, f"the prefill ended with {finish!r}", "service_unavailable")
         parked = False
         try:
-            regions = await self.engine.call(lambda core: parked_regions(core, rid, msg.start))
-            digests = await asyncio.to_thread(region_digests, self.cache, regions)
+            regions = spans(await self.engine.call(lambda core: parked_regions(core, rid, msg.start)))
+            digests = await self.ranks.digests(regions)
             header = TransferHeader(
                 msg.request_id,
                 uuid.uuid4().hex,
@@ -86,10 +87,8 @@ class PrefillService:
                 len(msg.token_ids),
                 msg.start,
                 self.fingerprint,
-                self.connector.session,
-                self.bases,
-                [(r.tensor, r.layer, r.offset, r.length) for r in regions],
-                digests,
+                [RankSource(e.session, e.bases, d) for e, d in zip(self.ranks.endpoints, digests)],
+                regions,
             )
             self.parked[header.transfer_id] = Parked(rid, header.generation, time.monotonic() + self.ttl_s)
             parked = True
@@ -100,7 +99,7 @@ class PrefillService:
                 self.engine.post(lambda core: release_parked(core, rid))
         self.counters["prefills"] += 1
         self.counters["prefill_tokens"] += len(msg.token_ids)
-        self.counters["offered_bytes"] += sum(r.length for r in regions)
+        self.counters["offered_bytes"] += sum(r[3] for r in regions) * self.ranks.world
         return header
 
     async def release(self, msg: Release) -> ReleaseReply:

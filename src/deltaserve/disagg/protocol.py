@@ -3,9 +3,10 @@ request carrying the shared secret (`SECRET_HEADER`, compared in constant time).
 
 `TransferHeader` is what a prefill instance answers for a parked prompt: who it is for
 (request id, a per-instance generation counter), what it holds (the prompt's hash and token
-count, the layout fingerprint), where (the transfer engine session, pool base addresses and the
-regions in canonical order, `cache/handoff.py`) and the per-layer digests of those bytes. The
-decode side checks every field against its own before it reads, and the digests after.
+count, the layout fingerprint), where (per tensor-parallel rank the transfer engine session and
+pool base addresses; the regions in canonical order, `cache/handoff.py`, the same on every rank)
+and each rank's per-layer digests of those bytes. The decode side checks every field against its
+own before it reads, and the digests after.
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ class PrefillRequest(msgspec.Struct, frozen=True):
     cache_salt: str | None = None
 
 
+class RankSource(msgspec.Struct, frozen=True):
+    """One rank of the prefill instance: where its pools are and what its regions hash to."""
+
+    session: str  # the rank's transfer engine session
+    bases: dict[str, int]  # pool tensor name -> base address in that rank's process
+    digests: list[str]  # per (tensor kind, layer) blake2b of the regions' bytes on that rank
+
+
 class TransferHeader(msgspec.Struct, frozen=True):
     request_id: str
     transfer_id: str
@@ -39,10 +48,8 @@ class TransferHeader(msgspec.Struct, frozen=True):
     num_tokens: int
     start: int
     fingerprint: str  # cache.handoff.layout_fingerprint
-    session: str  # the transfer engine session to read from
-    bases: dict[str, int]  # pool tensor name -> base address in the prefill process
+    ranks: list[RankSource]  # rank r of the decode instance reads from ranks[r]
     regions: list[tuple[str, int, int, int]]  # (tensor, layer, offset, length), canonical order
-    digests: list[str]  # per (tensor kind, layer) blake2b of the regions' bytes
 
 
 class Release(msgspec.Struct, frozen=True):

@@ -2,9 +2,10 @@
 
 Both roles keep every OpenAI route (a prefill instance also serves requests itself; a decode
 instance serves any request that names no prefill instance) and add the authenticated
-`/disagg/*` routes. Both run with the hybrid prefix cache on. Handoffs run with one engine
-process per instance (no tensor, decode context or data parallelism yet): the transfer reads
-whole pools of one rank.
+`/disagg/*` routes. Both run with the hybrid prefix cache on. An instance may run tensor
+parallel on one machine (each rank moves its own share of a handoff; both instances need the
+same `--tensor-parallel-size`, which the layout fingerprint checks); decode context and data
+parallelism are refused (a handoff moves whole MLA pages of one engine).
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from pydantic import ValidationError
 from ..server.errors import APIError
 from ..server.protocol import ChatRequest, CompletionRequest
 from ..server.routes.chat import chat_prompt_ids
-from .connector import make_connector
 from .decode import DecodeHandoff, PrefillTarget
 from .prefill import PrefillService
 from .protocol import load_secret
+from .ranks import InstanceRanks
 from .service import CounterCollector
 
 log = logging.getLogger("deltaserve.disagg")
@@ -73,13 +74,10 @@ def add_role_arguments(p: argparse.ArgumentParser) -> None:
 def check_role_arguments(args: argparse.Namespace) -> None:
     if args.role == "both":
         return
-    parallel = (
-        args.tensor_parallel_size,
-        args.decode_context_parallel_size,
-        args.data_parallel_size,
-    )
-    if any(n != 1 for n in parallel):
-        raise SystemExit(f"--role {args.role} runs one engine process: no tensor, decode-context or data parallelism")
+    if args.decode_context_parallel_size != 1 or args.data_parallel_size != 1:
+        raise SystemExit(f"--role {args.role} runs one engine: no decode-context or data parallelism")
+    if args.nnodes != 1:
+        raise SystemExit(f"--role {args.role} runs its tensor-parallel ranks on one machine (--nnodes 1)")
     if not args.enable_prefix_caching:
         log.info("--role %s: the hybrid prefix cache is on (both sides cache what they hold)", args.role)
         args.enable_prefix_caching = True
@@ -90,18 +88,25 @@ def install_role(app, engine, args: argparse.Namespace) -> object | None:
     if args.role == "both":
         return None
     secret = load_secret(args.disagg_secret)
-    connector = make_connector(args.kv_transfer_engine, args.kv_transfer_host)
+    ranks = InstanceRanks(engine, args.kv_transfer_engine, args.kv_transfer_host)
     if args.role == "prefill":
-        service = PrefillService(engine, connector, secret, args.disagg_park_timeout)
+        service = PrefillService(engine, ranks, secret, args.disagg_park_timeout)
         app.include_router(service.router())
     else:
-        service = DecodeHandoff(engine, connector, secret, args.disagg_on_failure, args.disagg_local_prefill_tokens)
+        service = DecodeHandoff(engine, ranks, secret, args.disagg_on_failure, args.disagg_local_prefill_tokens)
         app.state.server = dataclasses.replace(app.state.server, handoff=service)
         app.include_router(service.router(render))
         app.add_middleware(PrefillTarget, secret=secret)
     state = app.state.server
     state.metrics.registry.register(CounterCollector(service.counters, state.model_name))
-    log.info("role %s: transfer engine %s at %s", args.role, connector.name, connector.session)
+    log.info(
+        "role %s: transfer engine %s at %s (%d rank%s)",
+        args.role,
+        args.kv_transfer_engine,
+        ", ".join(e.session for e in ranks.endpoints),
+        ranks.world,
+        "s" if ranks.world > 1 else "",
+    )
     return service
 
 

@@ -7,7 +7,8 @@ last step (`cache.slot_journal`), the packed batch layout and which rows need lo
 vocab-parallel lm_head's all-gather needs every rank) and the image embedding rows rank 0's
 vision model made for the step (`EmbedRows`, raw tensor bytes with explicit dtype and shape);
 `Snapshot` gathers every rank's pools (a
-check); `Shutdown` ends it.
+check); `TransferSetup`, `Digest` and `Pull` move a prefill/decode handoff's bytes on every rank
+(`rank_transfer`, each rank answering through `ControlChannel.gather`); `Shutdown` ends it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from ..cache.slot_journal import CopyOp, ZeroOp
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -92,11 +93,36 @@ class Snapshot(msgspec.Struct, tag="snapshot", frozen=True):
     """Every rank joins `pool_snapshot` (a check of the pools, between steps)."""
 
 
+class TransferSetup(msgspec.Struct, tag="transfer_setup", frozen=True):
+    """Every rank starts a KV transfer engine (`engine` at `host`) over its own pools and answers
+    its `RankEndpoint`."""
+
+    engine: str
+    host: str
+
+
+class Digest(msgspec.Struct, tag="digest", frozen=True):
+    """Every rank hashes `regions` of its pools (`cache.handoff.region_digests`) and answers them."""
+
+    regions: list[tuple[str, int, int, int]]  # (tensor, layer, offset, length)
+
+
+class Pull(msgspec.Struct, tag="pull", frozen=True):
+    """Every rank r replays `ops` (the reservation's slot zeroing must precede the bytes), then
+    reads `remote[r]` (address, length) from `sessions[r]` into `regions` of its own pools and
+    answers a `RankReceipt`."""
+
+    ops: list[ZeroOp | CopyOp]
+    sessions: list[str]
+    remote: list[list[tuple[int, int]]]
+    regions: list[tuple[str, int, int, int]]
+
+
 class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
     reason: str = ""
 
 
-Message = Hello | Step | Snapshot | Shutdown
+Message = Hello | Step | Snapshot | TransferSetup | Digest | Pull | Shutdown
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

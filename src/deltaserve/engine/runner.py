@@ -42,6 +42,7 @@ class ModelRunner:
         self.journal: SlotJournal | None = None
         self.ranks: RankGroup | None = None
         self.encoder: EncoderCache | None = None
+        self.transfer = None  # this rank's KV transfer engine (`rank_transfer`), once a role starts it
 
     def attach(self, channel: ControlChannel, journal: SlotJournal, ranks: RankGroup | None) -> None:
         """Drive the other ranks: send each step on `channel` with `journal`'s slot writes."""

@@ -4,7 +4,8 @@ sends (with the image rows rank 0's vision model made, `Step.embeds`) until `Shu
 rendezvous in the `DELTASERVE_WORKER` environment variable, as JSON).
 
 The worker holds the same pools as rank 0 over its own heads (and, under DCP, positions), but no
-cache manager: it replays rank 0's slot writes (`Step.ops`) and computes. Any error exits the
+cache manager: it replays rank 0's slot writes (`Step.ops`) and computes; in a prefill or decode
+role it also moves its pools' share of each handoff (`rank_transfer`). Any error exits the
 process non-zero, which rank 0 sees (`RankGroup`) and turns into a failed engine.
 """
 
@@ -21,13 +22,15 @@ import time
 import torch
 
 from ..cache import CacheLayout, build_pools
+from ..cache.handoff import pool_tensors
 from ..cache.slot_journal import CHECKPOINT, LIVE, replay
 from ..model import KimiForCausalLM, load_model, resolve_dtype
 from ..parallel import ParallelContext
 from .channel import ControlChannel
 from .config import EngineConfig
-from .messages import PROTOCOL_VERSION, Hello, Shutdown, Snapshot, Step
+from .messages import PROTOCOL_VERSION, Digest, Hello, Pull, Shutdown, Snapshot, Step, TransferSetup
 from .pool_snapshot import pool_snapshot
+from .rank_transfer import serve_transfer
 from .ranks import WORKER_ENV, RankFailure, config_from_json, join, memory_report, rank_device, reset_peak_rss
 from .step_batch import forward_batch, logit_hidden
 
@@ -67,12 +70,16 @@ def run_worker(config: EngineConfig, tp: ParallelContext, control) -> None:
         raise RankFailure(f"rank {tp.rank}: expected Hello version {PROTOCOL_VERSION}, got {hello!r}")
     mla, kda, ckpt = build_pools(model.config, layout_of(hello), config.device, tp)
     pools = {LIVE: kda, CHECKPOINT: ckpt}
+    transfer = None
     while True:
         msg = channel.recv()
         if isinstance(msg, Shutdown):
             return
         if isinstance(msg, Snapshot):
             pool_snapshot(tp, mla, kda, ckpt)
+            continue
+        if isinstance(msg, (TransferSetup, Digest, Pull)):
+            transfer = serve_transfer(msg, channel, pool_tensors(mla, kda), lambda ops: replay(ops, pools), transfer)
             continue
         if not isinstance(msg, Step):
             raise RankFailure(f"rank {tp.rank}: unexpected message {type(msg).__name__}")

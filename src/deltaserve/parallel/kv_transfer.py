@@ -1,4 +1,6 @@
-"""Transfer engines behind one small interface: register pool tensors, read peers' bytes in place.
+"""KV transfer engines (prefill/decode handoffs) behind one small interface: register pool
+tensors, read peers' bytes in place. One per process: under tensor parallelism every rank runs
+its own and moves its own pools' bytes (`engine.rank_transfer`).
 
 `Connector.read` moves each remote region into the matching local one (same lengths, one batch)
 and returns the byte count; it raises `TransferError` when the peer is gone or refuses. Memory is
@@ -8,7 +10,7 @@ read where it lies (registered pool tensors on both sides), never serialized.
 P2P handshake (no metadata server); `mooncake-transfer-engine-non-cuda` needs Debian's
 `libibverbs1` and `librdmacm1`. A NIXL connector would sit beside it (nixl-cu12 pulls ~5.7 GB of
 CUDA wheels, so it is not built here). Neither engine authenticates its data plane: run the
-instances on a trusted network; the control plane (`protocol.py`) carries the shared secret.
+instances on a trusted network; the control plane (`disagg/protocol.py`) carries the shared secret.
 """
 
 from __future__ import annotations

@@ -1,0 +1,136 @@
+"""Handoffs between tensor-parallel instances: a TP2 prefill instance (its own process and
+worker) and a TP2 decode instance (this process and a worker) give the colocated one-process
+engine's greedy answer; each rank moved its own share (the MLA rows on both, half the KDA heads
+each: every byte of the one-process state once); a later turn hits the decode side's prefix
+cache; a bad digest or an unreachable session on rank 1 alone fails the handoff closed
+(recomputed, counted) and the ranks go on; a prefill instance of another tensor-parallel size is
+refused by the layout fingerprint; both sides end with clean pools."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+
+import httpx
+import msgspec
+import pytest
+
+from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.tiny import PRESETS, make_tiny
+from tests.server.live_server import wait_healthy
+
+from .pd_fixtures import SECRET, free_port, idle_and_clean, instance, make_llm, need_mooncake, spawn
+from .test_pd_serving import expected_bytes
+
+need_mooncake()
+
+GREEDY = dict(max_tokens=6, temperature=0, ignore_eos=True)
+FIRST = [(13 * i) % 1500 + 20 for i in range(70)]
+SECOND = FIRST + [(7 * i) % 900 + 50 for i in range(41)]
+THIRD = [(11 * i) % 1300 + 30 for i in range(53)]
+FOURTH = FIRST[:40]
+PROMPTS = (FIRST, SECOND, THIRD, FOURTH)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as m:  # heads that split in two
+        wide = dataclasses.replace(PRESETS[("kimi_k3", "tiny")], kda_heads=4, mla_heads=4, moe_intermediate=128)
+        m.setitem(PRESETS, ("kimi_k3", "tp"), wide)
+        return make_tiny(tmp_path_factory.mktemp("pdtp") / "k3", "kimi_k3", "tp", seed=11)
+
+
+@pytest.fixture(scope="module")
+def want(ckpt) -> dict[int, str]:
+    llm = make_llm(ckpt)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(**GREEDY))
+    return {len(p): o.outputs[0].text for p, o in zip(PROMPTS, outs)}
+
+
+@pytest.fixture(scope="module")
+def prefill_tp2(ckpt):
+    port = free_port()
+    proc = spawn(ckpt, "prefill", port, "--tensor-parallel-size", "2")
+    try:
+        wait_healthy(proc, port, 300)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def decode_tp2(ckpt):
+    with instance(ckpt, "decode", tensor_parallel_size=2) as d:
+        yield d
+
+
+def _complete(decode_url: str, prefill_url: str, prompt: list[int]) -> str:
+    headers = {"X-Deltaserve-Secret": SECRET, "X-Deltaserve-Prefill": prefill_url}
+    body = {"model": "tiny", "prompt": prompt, **GREEDY}
+    r = httpx.post(decode_url + "/v1/completions", json=body, headers=headers, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_two_rank_instances_hand_off_what_one_process_computes(ckpt, want, prefill_tp2, decode_tp2):
+    d_url, _, handoff = decode_tp2
+    assert handoff.ranks.world == 2 and len({e.session for e in handoff.ranks.endpoints}) == 2
+    c = handoff.counters
+    assert _complete(d_url, prefill_tp2, FIRST) == want[len(FIRST)]
+    assert c["handoffs"] == 1 and c["failures"] == 0 and c["hits"] == 0
+    mla, kda = expected_bytes(ckpt, len(FIRST) - 1)
+    assert (c["bytes_mla"], c["bytes_kda"]) == (2 * mla, kda)  # MLA rows on each rank, KDA heads split
+    # the next turn: the decode side's prefix cache holds the first turn's pages
+    assert _complete(d_url, prefill_tp2, SECOND) == want[len(SECOND)]
+    assert c["handoffs"] == 2 and c["hits"] == 1 and c["hit_tokens"] > 0
+    idle_and_clean(d_url)
+    idle_and_clean(prefill_tp2)
+
+
+def _on_rank1(**fields):
+    def hook(stage, obj):
+        if stage != "header":
+            return obj
+        ranks = list(obj.ranks)
+        ranks[1] = msgspec.structs.replace(ranks[1], **fields)
+        return msgspec.structs.replace(obj, ranks=ranks)
+
+    return hook
+
+
+@pytest.mark.parametrize(
+    "fields, reason",
+    [
+        (dict(digests=["0" * 32] * 8), "failed_checksum_mismatch"),
+        (dict(session="127.0.0.1:9"), "failed_TransferError"),
+    ],
+)
+def test_a_bad_share_on_one_rank_fails_the_handoff_closed(want, prefill_tp2, decode_tp2, fields, reason):
+    d_url, _, handoff = decode_tp2
+    before = dict(handoff.counters)
+    handoff.tamper = _on_rank1(**fields)
+    try:
+        assert _complete(d_url, prefill_tp2, THIRD) == want[len(THIRD)]
+    finally:
+        handoff.tamper = None
+    c = handoff.counters
+    assert c[reason] == before.get(reason, 0) + 1
+    assert c["recomputes"] == before.get("recomputes", 0) + 1 and c["handoffs"] == before["handoffs"]
+    idle_and_clean(d_url)
+    # the ranks went on: a clean handoff of a fresh prompt still runs and matches
+    assert _complete(d_url, prefill_tp2, FOURTH) == want[len(FOURTH)]
+    assert c["handoffs"] == before["handoffs"] + 1
+    idle_and_clean(d_url)
+    idle_and_clean(prefill_tp2)
+
+
+def test_a_prefill_instance_of_another_size_is_refused(ckpt, want, decode_tp2):
+    d_url, _, handoff = decode_tp2
+    before = handoff.counters["failed_fingerprint_mismatch"]
+    with instance(ckpt, "prefill") as (p_url, _, _):
+        assert _complete(d_url, p_url, THIRD) == want[len(THIRD)]
+        idle_and_clean(p_url)
+    assert handoff.counters["failed_fingerprint_mismatch"] == before + 1
+    idle_and_clean(d_url)
