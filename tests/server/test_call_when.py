@@ -109,3 +109,52 @@ def test_a_stopping_engine_fails_its_waiters(engine):
             await engine.call_when(lambda core: "x", lambda c, r: None, 1)
 
     asyncio.run(main())
+
+
+def test_a_call_given_up_before_it_ran_is_skipped_and_the_engine_goes_on(engine):
+    ran = []
+
+    async def main():
+        busy = asyncio.ensure_future(engine.call(lambda core: time.sleep(0.5)))
+        await asyncio.sleep(0.05)
+        with pytest.raises(asyncio.TimeoutError):
+            await engine.call(lambda core: ran.append("late"), timeout=0.05)
+        await busy
+        return await engine.call(lambda core: "served", timeout=5)
+
+    assert asyncio.run(main()) == "served"
+    assert engine.alive and engine.failure is None and ran == []
+
+
+def test_a_running_call_whose_caller_left_is_released(engine):
+    released = []
+
+    def slow(core):
+        time.sleep(0.3)
+        return "slot"
+
+    async def main():
+        with pytest.raises(asyncio.TimeoutError):
+            await engine.call(slow, timeout=0.1, release=lambda core, r: released.append(r))
+        await engine.call(lambda core: None)  # queued behind the release
+        await engine.call(lambda core: None)
+
+    asyncio.run(main())
+    assert released == ["slot"] and engine.alive
+
+
+def test_an_error_in_the_loop_stops_the_engine_loudly(engine, monkeypatch):
+    reasons = []
+    engine.on_failure(reasons.append)
+
+    def broken():
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine.core.scheduler, "has_work", broken)
+    engine.post(lambda core: None)  # wake the loop
+    deadline = time.time() + 10
+    while engine.alive and time.time() < deadline:
+        time.sleep(0.02)
+    assert not engine.alive and "boom" in (engine.failure or "") and reasons and "boom" in reasons[0]
+    with pytest.raises(EngineDeadError):
+        asyncio.run(engine.call(lambda core: None))

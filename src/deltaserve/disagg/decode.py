@@ -102,6 +102,12 @@ def reserve_behind(core, ids: list[int], marker: int) -> Reservation | None:
     return reserve(core, ids)
 
 
+def _drop_plan(core, planned: tuple) -> None:
+    """A `_plan` whose caller went away: free the reservation it made, if it made one."""
+    if isinstance(planned[0], Reservation):
+        cancel(core, planned[0].seq_id)
+
+
 class DecodeHandoff:
     def __init__(
         self,
@@ -143,7 +149,7 @@ class DecodeHandoff:
         engine thread (FIFO behind earlier reservations, after the requests queued before it,
         retried as running requests free slots and pages: the queueing a local request would
         see), or -1 (run it locally) after the handoff timeout."""
-        plan, marker = await self.engine.call(lambda core: self._plan(core, ids, params))
+        plan, marker = await self.engine.call(lambda core: self._plan(core, ids, params), release=_drop_plan)
         if plan is not None:
             return plan
         self.counters["reserve_waits"] += 1

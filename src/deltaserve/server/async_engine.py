@@ -9,7 +9,10 @@ A structured request's grammar is compiled on a worker thread before it is queue
 neither the event loop nor the engine thread waits on a slow schema; a sequence the engine
 finishes with "error" (its grammar failed) makes its stream raise `GenerationError`.
 `call_when` queues a call that the engine thread retries after each step and message batch until
-it returns something (a disaggregated decode instance waiting for a free slot), FIFO.
+it returns something (a disaggregated decode instance waiting for a free slot), FIFO. A `call`
+whose caller gave up (timeout, cancellation) before the engine thread reached it is skipped; one
+already running completes, and what it returns goes to its `release`, if any (nothing it took
+leaks). An error that escapes the loop itself stops the engine as a fatal failure, never silently.
 A request's images (`ImageInput`s, one per `<|media_pad|>` run of its prompt, in order) travel with
 its `AddRequest` to `EngineCore.add_request(..., images=...)`; an engine whose `add_request`
 takes no `images` or that has no vision tower (`accepts_images` False) refuses them with
@@ -157,8 +160,26 @@ class AsyncEngine:
         if self.alive:
             self._inbox.put(Call(fn, Future()))
 
-    async def call(self, fn: Callable[[EngineCore], Any], timeout: float = 30.0) -> Any:
-        return await asyncio.wait_for(asyncio.wrap_future(self._call(fn)), timeout)
+    async def call(
+        self,
+        fn: Callable[[EngineCore], Any],
+        timeout: float = 30.0,
+        release: Callable[[EngineCore, Any], None] | None = None,
+    ) -> Any:
+        """`fn(core)` on the engine thread. If the caller stops waiting (`timeout`, cancellation)
+        before the engine thread took the call, it never runs; if after, its result goes to
+        `release(core, result)` on the engine thread."""
+        fut = self._call(fn)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            if release is not None:
+                fut.add_done_callback(lambda f: self._release_late(f, release))
+            raise
+
+    def _release_late(self, f: Future, release: Callable[[EngineCore, Any], None]) -> None:
+        if not f.cancelled() and f.exception() is None:
+            self.post(lambda core: release(core, f.result()))
 
     async def call_when(
         self,
@@ -255,10 +276,14 @@ class AsyncEngine:
             if self._sinks.pop(msg.request_id, None) is not None:
                 self.core.abort_request(msg.request_id)
         elif isinstance(msg, Call):
+            if not msg.result.set_running_or_notify_cancel():
+                return True  # its caller gave up before it ran
             try:
-                msg.result.set_result(msg.fn(self.core))
+                value = msg.fn(self.core)
             except Exception as e:
                 msg.result.set_exception(e)
+            else:
+                msg.result.set_result(value)
         elif isinstance(msg, StartWaiting):
             self._waiters.append(msg.waiter)
         elif isinstance(msg, StopWaiting):
@@ -312,6 +337,18 @@ class AsyncEngine:
         self._sinks.clear()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as e:  # a bug in the loop itself: fail loudly, as a dead rank does
+            log.exception("the engine thread failed")
+            self._fatal(f"the engine thread failed: {type(e).__name__}: {e}")
+        while self._waiters:
+            self._waiters.popleft().result.set_exception(EngineDeadError("the engine stopped"))
+        self._fail_all(
+            EngineDeadError(f"the engine failed: {self.failure}" if self.failure else "the engine was shut down")
+        )
+
+    def _loop(self) -> None:
         running = True
         while running:
             busy = self.core.scheduler.has_work()
@@ -350,8 +387,3 @@ class AsyncEngine:
                 del self._sinks[rid]
             self._serve_waiters()
             self.num_waiting = len(self.core.scheduler.waiting)
-        while self._waiters:
-            self._waiters.popleft().result.set_exception(EngineDeadError("the engine stopped"))
-        self._fail_all(
-            EngineDeadError(f"the engine failed: {self.failure}" if self.failure else "the engine was shut down")
-        )
