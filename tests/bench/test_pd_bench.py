@@ -17,17 +17,8 @@ def test_bench_pd_runs_both_configurations(tmp_path, capsys):
     ckpt = make_tiny(tmp_path / "k3", family="kimi_k3", preset="tiny", seed=2)
     p = argparse.ArgumentParser()
     pd.add_parser(p.add_subparsers())
-    args = argparse.Namespace(
-        model=ckpt,
-        sessions=2,
-        rounds=2,
-        system_tokens=64,
-        max_tokens=4,
-        threads=1,
-        dtype="float32",
-        seed=1,
-        local_prefill_tokens=0,
-    )
+    flags = "--sessions 2 --rounds 2 --system-tokens 64 --max-tokens 4 --threads 1 --dtype float32 --seed 1"
+    args = p.parse_args(["pd", "--model", str(ckpt), *flags.split()])
     assert pd.main(args) == 0
     out = capsys.readouterr().out
     assert "greedy answers equal: 4/4" in out

@@ -4,6 +4,7 @@ A decode instance drives each handoff: it renders the prompt, reserves cache for
 the MLA pages its own prefix cache holds), asks a prefill instance to compute the prompt minus
 its last token (`prefill.py`), reads the MLA rows and the one KDA state in place through a
 transfer engine on every rank (`ranks.py`; `parallel/kv_transfer.py`), verifies the header and
-checksums (`decode.py`) and only then runs the request from the last prompt token. `proxy.py` is the OpenAI-compatible front that
-picks a decode instance by its hybrid prefix hit and a prefill instance by load.
+checksums (`decode.py`) and only then runs the request from the last prompt token. `proxy.py` is
+the OpenAI-compatible front that picks a decode instance by its hybrid prefix hit and a prefill
+instance by load.
 """

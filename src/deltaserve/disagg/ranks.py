@@ -1,16 +1,21 @@
 """`InstanceRanks`: this instance's ranks' KV transfer engines, as the serving loop sees them.
 
-One process: rank 0's transfer engine hashes and reads on a worker thread while the engine
-steps (the regions are parked or reserved: no step writes them). Tensor parallel: every rank
-hashes or reads its own pools (`engine.rank_transfer`), driven from the engine thread between
-steps, so a read there holds the instance's steps for its duration.
+Every hash and read is a job on each rank (`engine.rank_transfer`): started and collected by
+two brief calls on the engine thread, run beside the steps in between (the regions are parked
+or reserved: no step writes them), with one process or several alike.
+
+A job never outlives the call that started it: if the caller is cancelled or times out, the
+job's collection is posted to the engine thread, where it waits for every rank's share before
+anything the caller posts afterwards runs (such as freeing the reservation the bytes land in).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 
-from ..engine.rank_transfer import RankEndpoint, Spans, rank_digests, rank_read, setup_transfer
+from ..engine.messages import Digest, Pull
+from ..engine.rank_transfer import RankEndpoint, RankReceipt, Spans, collect_job, setup_transfer, start_job
 from ..parallel.kv_transfer import TransferError
 from ..server.async_engine import AsyncEngine
 
@@ -27,27 +32,31 @@ class InstanceRanks:
             raise TransferError("; ".join(failed))
         self.endpoints: list[RankEndpoint] = endpoints
         self.world = len(endpoints)
-        self.transfer = engine.core.runner.transfer
-        self.session = endpoints[0].session
+        self._jobs = itertools.count(1)
 
     async def digests(self, regions: Spans, timeout: float = 300.0) -> list[list[str]]:
         """Every rank's digests of `regions` (rank 0's first)."""
-        if self.world == 1:
-            receipts = [await asyncio.to_thread(self.transfer.digests, regions)]
-        else:
-            receipts = await self.engine.call(lambda core: rank_digests(core, regions), timeout)
-        return [r.digests for r in receipts]
+        return [r.digests for r in await self._run(Digest(next(self._jobs), regions), timeout)]
 
     async def read(
         self, sessions: list[str], remote: list[list[tuple[int, int]]], regions: Spans, timeout: float = 300.0
     ) -> int:
         """Rank r reads `remote[r]` from `sessions[r]` into `regions`; the bytes moved in all.
         Raises `TransferError` naming every rank that failed."""
-        if self.world == 1:
-            receipts = [await asyncio.to_thread(self.transfer.read, sessions[0], remote[0], regions)]
-        else:
-            receipts = await self.engine.call(lambda core: rank_read(core, sessions, remote, regions), timeout)
+        receipts = await self._run(Pull(next(self._jobs), [], sessions, remote, regions), timeout)
         failed = [f"rank {r}: {x.error}" for r, x in enumerate(receipts) if x.error]
         if failed:
             raise TransferError("; ".join(failed))
         return sum(x.moved for x in receipts)
+
+    async def _run(self, msg: Digest | Pull, timeout: float) -> list[RankReceipt]:
+        collected = False
+        try:
+            own = await self.engine.call(lambda core: start_job(core, msg), timeout)
+            await asyncio.shield(asyncio.wrap_future(own))
+            receipts = await self.engine.call(lambda core: collect_job(core, msg.job), timeout)
+            collected = True
+            return receipts
+        finally:
+            if not collected:  # every rank's share ends before what the caller does next
+                self.engine.post(lambda core: collect_job(core, msg.job))

@@ -7,8 +7,9 @@ last step (`cache.slot_journal`), the packed batch layout and which rows need lo
 vocab-parallel lm_head's all-gather needs every rank) and the image embedding rows rank 0's
 vision model made for the step (`EmbedRows`, raw tensor bytes with explicit dtype and shape);
 `Snapshot` gathers every rank's pools (a
-check); `TransferSetup`, `Digest` and `Pull` move a prefill/decode handoff's bytes on every rank
-(`rank_transfer`, each rank answering through `ControlChannel.gather`); `Shutdown` ends it.
+check); `TransferSetup`, `Digest`, `Pull` and `Collect` move a prefill/decode handoff's bytes on
+every rank (`rank_transfer`: jobs that run beside the steps, each rank answering through
+`ControlChannel.gather`); `Shutdown` ends it.
 """
 
 from __future__ import annotations
@@ -102,27 +103,36 @@ class TransferSetup(msgspec.Struct, tag="transfer_setup", frozen=True):
 
 
 class Digest(msgspec.Struct, tag="digest", frozen=True):
-    """Every rank hashes `regions` of its pools (`cache.handoff.region_digests`) and answers them."""
+    """Every rank starts hashing `regions` of its pools (`cache.handoff.region_digests`) as
+    transfer job `job`."""
 
+    job: int
     regions: list[tuple[str, int, int, int]]  # (tensor, layer, offset, length)
 
 
 class Pull(msgspec.Struct, tag="pull", frozen=True):
     """Every rank r replays `ops` (the reservation's slot zeroing must precede the bytes), then
-    reads `remote[r]` (address, length) from `sessions[r]` into `regions` of its own pools and
-    answers a `RankReceipt`."""
+    starts reading `remote[r]` (address, length) from `sessions[r]` into `regions` of its own
+    pools as transfer job `job`."""
 
+    job: int
     ops: list[ZeroOp | CopyOp]
     sessions: list[str]
     remote: list[list[tuple[int, int]]]
     regions: list[tuple[str, int, int, int]]
 
 
+class Collect(msgspec.Struct, tag="collect", frozen=True):
+    """Every rank waits for its transfer job `job` and answers its `RankReceipt`."""
+
+    job: int
+
+
 class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
     reason: str = ""
 
 
-Message = Hello | Step | Snapshot | TransferSetup | Digest | Pull | Shutdown
+Message = Hello | Step | Snapshot | TransferSetup | Digest | Pull | Collect | Shutdown
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -4,20 +4,29 @@ A tensor-parallel instance's ranks hold the same MLA latent rows and each its sh
 heads; heads divide evenly, so every rank's pools have the same shapes and a handoff's regions
 (`cache.handoff`: offsets and lengths) are the same on every rank, over other addresses and
 other bytes. So each rank runs a transfer engine of its own (`RankTransfer`), and rank r of a
-decode instance reads from rank r of the prefill instance. Rank 0 drives the others with
-control messages between steps (`TransferSetup`, `Digest`, `Pull`) and collects their answers
-(`ControlChannel.gather`, msgpack): the functions below run on rank 0's engine thread and
-return one answer per rank, rank 0's first. A failed read on any rank is an answer, not a
-crash: the handoff fails closed and the ranks go on.
+decode instance reads from rank r of the prefill instance.
+
+Reads and hashes are jobs on a small thread pool of each rank, beside its steps (their regions
+are parked or reserved: no step writes them). Rank 0 starts a job on every rank (`start_job`:
+a `Digest` or `Pull` control message between steps; a `Pull` first replays the slot writes
+made since the last step, so the reservation's zeroing cannot land after the bytes) and later
+collects it (`collect_job`: a `Collect`, each rank waits for its job and answers through
+`ControlChannel.gather`, msgpack). Both run on rank 0's engine thread and are brief; the wait
+in between is the caller's. A failed read on any rank is an answer, not a crash: the handoff
+fails closed and the ranks go on. Every started job must be collected before the regions are
+given back (`collect_job` of an unknown job answers an error and waits for nothing).
 """
 
 from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
 
 from ..cache.handoff import Region, pool_tensors, region_digests
 from ..parallel.kv_transfer import Connector, TransferError, make_connector
-from .messages import Digest, Pull, TransferSetup
+from .messages import Collect, Digest, Pull, TransferSetup
+from .ranks import RankFailure
 
 Spans = list[tuple[str, int, int, int]]  # regions as (tensor, layer, offset, length)
 
@@ -42,16 +51,15 @@ def spans(regions: list[Region]) -> Spans:
     return [(r.tensor, r.layer, r.offset, r.length) for r in regions]
 
 
-def _regions(s: Spans) -> list[Region]:
-    return [Region(*r) for r in s]
-
-
 class RankTransfer:
-    """One process's transfer engine over the pool tensors it registered (`pool_tensors`)."""
+    """One process's transfer engine over the pool tensors it registered (`pool_tensors`), and
+    its jobs by id."""
 
     def __init__(self, connector: Connector, tensors: dict):
         self.connector, self.tensors = connector, tensors
         self.bases = connector.register(tensors)
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="kv-transfer")
+        self._jobs: dict[int, Future] = {}
 
     @classmethod
     def start(cls, engine: str, host: str, tensors: dict) -> "RankTransfer | RankEndpoint":
@@ -65,7 +73,7 @@ class RankTransfer:
         return RankEndpoint(self.connector.session, dict(self.bases))
 
     def digests(self, regions: Spans) -> RankReceipt:
-        return RankReceipt(0, region_digests(self.tensors, _regions(regions)))
+        return RankReceipt(0, region_digests(self.tensors, [Region(*r) for r in regions]))
 
     def read(self, session: str, remote: list[tuple[int, int]], regions: Spans) -> RankReceipt:
         """Read `remote` from `session` into `regions` of this rank's pools."""
@@ -77,25 +85,43 @@ class RankTransfer:
         except (TransferError, KeyError) as e:
             return RankReceipt(error=f"{type(e).__name__}: {e}")
 
+    def submit(self, msg: Digest | Pull, rank: int) -> Future:
+        """Start `msg` as job `msg.job` (rank `rank`'s share of a `Pull`)."""
+        if isinstance(msg, Digest):
+            fut = self._pool.submit(self.digests, msg.regions)
+        else:
+            fut = self._pool.submit(self.read, msg.sessions[rank], msg.remote[rank], msg.regions)
+        self._jobs[msg.job] = fut
+        return fut
+
+    def collect(self, job: int) -> RankReceipt:
+        """Job `job`'s receipt once it is done; never raises (every rank must reach the gather
+        that follows): an unknown, cancelled or failed job is an error receipt."""
+        fut = self._jobs.pop(job, None)
+        if fut is None:
+            return RankReceipt(error=f"no transfer job {job} on this rank")
+        try:
+            return fut.result()
+        except Exception as e:
+            return RankReceipt(error=f"transfer job {job} failed: {type(e).__name__}: {e}")
+
 
 def serve_transfer(msg, channel, tensors: dict, ops, transfer: RankTransfer | None) -> RankTransfer | None:
-    """A worker's side of `TransferSetup`, `Digest` and `Pull` (`ops(list)` replays slot writes);
-    returns the rank's transfer (started by `TransferSetup`)."""
+    """A worker's side of the transfer messages (`ops(list)` replays slot writes); returns the
+    rank's transfer (started by `TransferSetup`)."""
     if isinstance(msg, TransferSetup):
         started = RankTransfer.start(msg.engine, msg.host, tensors)
         transfer = started if isinstance(started, RankTransfer) else None
         _answer(channel, started.endpoint() if transfer is not None else started)
         return transfer
+    if transfer is None:
+        raise RankFailure(f"rank {channel.rank}: {type(msg).__name__} without a transfer engine")
+    if isinstance(msg, Collect):
+        _answer(channel, transfer.collect(msg.job))
+        return transfer
     if isinstance(msg, Pull):
         ops(msg.ops)
-    if transfer is None:
-        receipt = RankReceipt(error="this rank has no transfer engine")
-    elif isinstance(msg, Digest):
-        receipt = transfer.digests(msg.regions)
-    else:
-        r = channel.rank
-        receipt = transfer.read(msg.sessions[r], msg.remote[r], msg.regions)
-    _answer(channel, receipt)
+    transfer.submit(msg, channel.rank)
     return transfer
 
 
@@ -123,19 +149,20 @@ def setup_transfer(core, engine: str, host: str) -> list[RankEndpoint]:
     return _answers(runner.channel, own, RankEndpoint)
 
 
-def rank_digests(core, regions: Spans) -> list[RankReceipt]:
-    """Every rank's digests of `regions` of its pools."""
+def start_job(core, msg: Digest | Pull) -> Future:
+    """Start `msg` on every rank; returns rank 0's job (a `Pull` takes the slot writes made since
+    the last step along)."""
     runner = core.runner
+    if isinstance(msg, Pull) and runner.journal is not None:
+        msg = msgspec.structs.replace(msg, ops=runner.journal.take())
     if runner.channel is not None:
-        runner.channel.send(Digest(regions))
-    return _answers(runner.channel, runner.transfer.digests(regions), RankReceipt)
+        runner.channel.send(msg)
+    return runner.transfer.submit(msg, 0)
 
 
-def rank_read(core, sessions: list[str], remote: list[list[tuple[int, int]]], regions: Spans) -> list[RankReceipt]:
-    """Every rank r reads `remote[r]` from `sessions[r]` into `regions` of its pools, after the
-    slot writes rank 0 made since the last step (the reservation's zeroed slot)."""
+def collect_job(core, job: int) -> list[RankReceipt]:
+    """Every rank's receipt of job `job`, rank 0's first (waits for the ranks' jobs to end)."""
     runner = core.runner
     if runner.channel is not None:
-        runner.channel.send(Pull(runner.journal.take(), sessions, remote, regions))
-    own = runner.transfer.read(sessions[0], remote[0], regions)
-    return _answers(runner.channel, own, RankReceipt)
+        runner.channel.send(Collect(job))
+    return _answers(runner.channel, runner.transfer.collect(job), RankReceipt)

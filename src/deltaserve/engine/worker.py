@@ -28,7 +28,7 @@ from ..model import KimiForCausalLM, load_model, resolve_dtype
 from ..parallel import ParallelContext
 from .channel import ControlChannel
 from .config import EngineConfig
-from .messages import PROTOCOL_VERSION, Digest, Hello, Pull, Shutdown, Snapshot, Step, TransferSetup
+from .messages import PROTOCOL_VERSION, Collect, Digest, Hello, Pull, Shutdown, Snapshot, Step, TransferSetup
 from .pool_snapshot import pool_snapshot
 from .rank_transfer import serve_transfer
 from .ranks import WORKER_ENV, RankFailure, config_from_json, join, memory_report, rank_device, reset_peak_rss
@@ -78,7 +78,7 @@ def run_worker(config: EngineConfig, tp: ParallelContext, control) -> None:
         if isinstance(msg, Snapshot):
             pool_snapshot(tp, mla, kda, ckpt)
             continue
-        if isinstance(msg, (TransferSetup, Digest, Pull)):
+        if isinstance(msg, (TransferSetup, Digest, Pull, Collect)):
             transfer = serve_transfer(msg, channel, pool_tensors(mla, kda), lambda ops: replay(ops, pools), transfer)
             continue
         if not isinstance(msg, Step):

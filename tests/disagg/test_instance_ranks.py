@@ -1,0 +1,81 @@
+"""`InstanceRanks` over one rank: reads and hashes run as jobs beside the engine thread; a
+caller cancelled mid-read leaves the job's collection posted ahead of anything it posts next
+(the reservation it frees must not take late bytes), and that collection waits for the bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from deltaserve.disagg.ranks import InstanceRanks
+from deltaserve.engine.rank_transfer import RankTransfer
+from deltaserve.parallel.kv_transfer import Connector
+
+
+class SlowConnector(Connector):
+    name, session = "slow", "slow:0"
+
+    def __init__(self, seconds: float):
+        self.seconds, self.landed = seconds, threading.Event()
+
+    def register(self, tensors):
+        return {k: t.data_ptr() for k, t in tensors.items()}
+
+    def read(self, session, remote, local) -> int:
+        time.sleep(self.seconds)
+        self.landed.set()
+        return sum(n for _, n in remote)
+
+
+class InlineEngine:
+    """Runs every call at once on the caller's thread (the engine thread's order, trivially)."""
+
+    alive = True
+
+    def __init__(self, core):
+        self.core, self.posted = core, []
+
+    async def call(self, fn, timeout=30.0, release=None):
+        return fn(self.core)
+
+    def post(self, fn):
+        self.posted.append(fn(self.core))
+
+
+def _ranks(seconds: float) -> tuple[InstanceRanks, RankTransfer, SlowConnector]:
+    connector = SlowConnector(seconds)
+    transfer = RankTransfer(connector, {"mla": torch.arange(64, dtype=torch.uint8)})
+    ranks = object.__new__(InstanceRanks)  # the transfer made here, not by `setup_transfer`
+    ranks.engine = InlineEngine(SimpleNamespace(runner=SimpleNamespace(channel=None, journal=None, transfer=transfer)))
+    ranks.world, ranks._jobs = 1, itertools.count(1)
+    return ranks, transfer, connector
+
+
+def test_reads_and_digests_are_collected_jobs():
+    ranks, transfer, _ = _ranks(0.0)
+    regions = [("mla", 0, 0, 5), ("mla", 0, 8, 7)]
+    assert asyncio.run(ranks.read(["s"], [[(0, 5), (10, 7)]], regions)) == 12
+    assert asyncio.run(ranks.digests(regions)) == [transfer.digests(regions).digests]
+    assert not transfer._jobs and not ranks.engine.posted
+
+
+def test_a_cancelled_read_is_collected_before_anything_posted_after_it():
+    ranks, transfer, connector = _ranks(0.4)
+
+    async def main():
+        task = asyncio.ensure_future(ranks.read(["s"], [[(0, 8)]], [("mla", 0, 0, 8)]))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        ranks.engine.post(lambda core: connector.landed.is_set())  # what the caller posts next
+
+    asyncio.run(main())
+    collected, landed_before_next = ranks.engine.posted
+    assert [r.moved for r in collected] == [8] and landed_before_next and not transfer._jobs
