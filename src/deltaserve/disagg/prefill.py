@@ -108,7 +108,7 @@ class PrefillService:
             self.counters["stale_releases"] += 1
             return ReleaseReply(False)
         del self.parked[msg.transfer_id]
-        await self.engine.call(lambda core: release_parked(core, p.request_id))
+        self.engine.post(lambda core: release_parked(core, p.request_id))  # runs even if this caller leaves
         self.counters["released"] += 1
         return ReleaseReply(True)
 
