@@ -158,3 +158,23 @@ def test_an_error_in_the_loop_stops_the_engine_loudly(engine, monkeypatch):
     assert not engine.alive and "boom" in (engine.failure or "") and reasons and "boom" in reasons[0]
     with pytest.raises(EngineDeadError):
         asyncio.run(engine.call(lambda core: None))
+
+
+def test_an_add_cancelled_before_the_engine_took_it_queues_nothing(engine):
+    params = SamplingParams(max_tokens=2, temperature=0)
+
+    async def main():
+        busy = asyncio.ensure_future(engine.call(lambda core: time.sleep(0.5)))
+        await asyncio.sleep(0.05)
+        add = asyncio.ensure_future(engine.add([5, 6, 7], params, "gone"))
+        await asyncio.sleep(0.05)
+        add.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await add
+        await busy
+        queued = await engine.call(lambda core: core.has_unfinished() or "gone" in core.requests)
+        stream = await engine.add([5, 6, 7], params, "kept")
+        return queued, [d async for d in stream]
+
+    queued, deltas = asyncio.run(main())
+    assert not queued and deltas and engine.alive and engine.failure is None

@@ -10,7 +10,8 @@ neither the event loop nor the engine thread waits on a slow schema; a sequence 
 finishes with "error" (its grammar failed) makes its stream raise `GenerationError`.
 `call_when` queues a call that the engine thread retries after each step and message batch until
 it returns something (a disaggregated decode instance waiting for a free slot), FIFO. A `call`
-whose caller gave up (timeout, cancellation) before the engine thread reached it is skipped; one
+(or an `add`) whose caller gave up (timeout, cancellation) before the engine thread reached it is
+skipped; one
 already running completes, and what it returns goes to its `release`, if any (nothing it took
 leaks). An error that escapes the loop itself stops the engine as a fatal failure, never silently.
 A request's images (`ImageInput`s, one per `<|media_pad|>` run of its prompt, in order) travel with
@@ -262,6 +263,8 @@ class AsyncEngine:
     def _handle(self, msg) -> bool:
         """Apply one message; False on Shutdown."""
         if isinstance(msg, AddRequest):
+            if not msg.accepted.set_running_or_notify_cancel():
+                return True  # its caller left before it was queued: queue nothing
             kw = {"images": list(msg.images)} if msg.images else {}
             kw.update(msg.options)
             try:
