@@ -79,3 +79,10 @@ def test_a_cancelled_read_is_collected_before_anything_posted_after_it():
     asyncio.run(main())
     collected, landed_before_next = ranks.engine.posted
     assert [r.moved for r in collected] == [8] and landed_before_next and not transfer._jobs
+
+
+def test_a_region_outside_the_pools_is_refused_not_written():
+    ranks, transfer, connector = _ranks(0.0)
+    for region in [("mla", 0, 60, 8), ("mla", 0, -1, 2), ("states", 0, 0, 4)]:
+        receipt = transfer.read("s", [(0, region[3])], [region])
+        assert "outside" in receipt.error and not connector.landed.is_set()

@@ -79,10 +79,13 @@ class RankTransfer:
         """Read `remote` from `session` into `regions` of this rank's pools."""
         if len(remote) != len(regions) or any(n != r[3] for (_, n), r in zip(remote, regions)):
             return RankReceipt(error="remote regions differ from the local ones")
+        size = {k: t.numel() * t.element_size() for k, t in self.tensors.items()}
+        if any(t not in size or off < 0 or n < 0 or off + n > size[t] for t, _, off, n in regions):
+            return RankReceipt(error="a region lies outside this rank's pools")
         try:
             local = [self.bases[t] + off for t, _, off, _ in regions]
             return RankReceipt(self.connector.read(session, list(remote), local))
-        except (TransferError, KeyError) as e:
+        except TransferError as e:
             return RankReceipt(error=f"{type(e).__name__}: {e}")
 
     def submit(self, msg: Digest | Pull, rank: int) -> Future:
