@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -194,3 +196,24 @@ def test_a_peer_that_is_no_prefill_instance(pair, want):
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
     assert handoff.counters["failed_prefill_refused"] == before.get("failed_prefill_refused", 0) + 1
     idle_and_clean(d_url)
+
+
+def test_the_proxy_exits_cleanly_on_sigterm():
+    port = free_port()
+    cmd = [sys.executable, "-m", "deltaserve.cli", "proxy", "--port", str(port), "--disagg-secret", SECRET]
+    cmd += ["--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                assert httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 503  # no instance up
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
+                time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -164,10 +164,12 @@ def add_proxy_arguments(p) -> None:
 def run_proxy(args) -> int:
     import uvicorn
 
+    from ..server.serve import exit_cleanly_on_sigterm
     from .protocol import load_secret
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     proxy = Proxy(args.prefill, args.decode, load_secret(args.disagg_secret))
     log.info("proxy on http://%s:%d: prefill %s, decode %s", args.host, args.port, proxy.prefill, proxy.decode)
+    exit_cleanly_on_sigterm()
     uvicorn.run(build_proxy_app(proxy, args.api_key), host=args.host, port=args.port, log_level="info")
     return 0

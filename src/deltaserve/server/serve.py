@@ -96,9 +96,14 @@ def media_policy(args: argparse.Namespace):
 
 
 def _terminated(signum, frame) -> None:
-    """SIGTERM outside uvicorn's own handler (before it starts, or re-raised by it once its
-    graceful shutdown is done): a requested, clean exit."""
     raise SystemExit(0)
+
+
+def exit_cleanly_on_sigterm() -> None:
+    """SIGTERM outside uvicorn's own handler (before it starts, or re-raised by it once its
+    graceful shutdown is done) is a requested, clean exit (status 0, not 143); main thread only."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminated)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -248,8 +253,7 @@ def serve(args: argparse.Namespace) -> int:
     log.info(
         "serving %r on http://%s:%d (api key %s)", name, args.host, args.port, "required" if args.api_key else "off"
     )
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _terminated)
+    exit_cleanly_on_sigterm()
     server = uvicorn.Server(
         uvicorn.Config(
             app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=args.shutdown_timeout
@@ -295,8 +299,7 @@ def _serve_replicas(args: argparse.Namespace, model_dir: Path, name: str) -> int
     )
     rf.watch(front, lambda reason: threading.Timer(FAILURE_GRACE_S, _stop, (server,)).start())
     log.info("serving %r on http://%s:%d over %d replicas", name, args.host, args.port, len(replicas))
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _terminated)
+    exit_cleanly_on_sigterm()
     try:
         server.run()
     finally:
