@@ -4,7 +4,8 @@ engine's greedy answer; each rank moved its own share (the MLA rows on both, hal
 each: every byte of the one-process state once); a later turn hits the decode side's prefix
 cache; a bad digest or an unreachable session on rank 1 alone fails the handoff closed
 (recomputed, counted) and the ranks go on; a prefill instance of another tensor-parallel size is
-refused by the layout fingerprint; both sides end with clean pools."""
+refused by the layout fingerprint; a prefill instance over two nodes (loopback) hands off with
+each node's ranks at that node's own address; both sides end with clean pools."""
 
 from __future__ import annotations
 
@@ -134,3 +135,33 @@ def test_a_prefill_instance_of_another_size_is_refused(ckpt, want, decode_tp2):
         idle_and_clean(p_url)
     assert handoff.counters["failed_fingerprint_mismatch"] == before + 1
     idle_and_clean(d_url)
+
+
+def test_a_prefill_instance_over_two_nodes(ckpt, want, decode_tp2):
+    d_url, _, handoff = decode_tp2
+    port, init = free_port(), free_port()
+    multi = ["--tensor-parallel-size", "2", "--nnodes", "2", "--distributed-init-method", f"tcp://127.0.0.1:{init}"]
+    node1 = spawn(ckpt, "prefill", free_port(), *multi, "--node-rank", "1", "--kv-transfer-host", "127.0.0.2")
+    node0 = spawn(ckpt, "prefill", port, *multi, "--node-rank", "0")
+    headers = []
+
+    def seen(stage, obj):
+        if stage == "header":
+            headers.append(obj)
+        return obj
+
+    try:
+        wait_healthy(node0, port, 300)
+        before = dict(handoff.counters)
+        handoff.tamper = seen
+        assert _complete(d_url, f"http://127.0.0.1:{port}", THIRD) == want[len(THIRD)]
+        assert [r.session.split(":")[0] for r in headers[0].ranks] == ["127.0.0.1", "127.0.0.2"]
+        assert handoff.counters["handoffs"] == before["handoffs"] + 1
+        assert handoff.counters["failures"] == before.get("failures", 0)
+        idle_and_clean(d_url)
+        idle_and_clean(f"http://127.0.0.1:{port}")
+    finally:
+        handoff.tamper = None
+        for proc in (node0, node1):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)

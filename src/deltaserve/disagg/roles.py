@@ -3,9 +3,10 @@
 Both roles keep every OpenAI route (a prefill instance also serves requests itself; a decode
 instance serves any request that names no prefill instance) and add the authenticated
 `/disagg/*` routes. Both run with the hybrid prefix cache on. An instance may run tensor
-parallel on one machine (each rank moves its own share of a handoff; both instances need the
-same `--tensor-parallel-size`, which the layout fingerprint checks); decode context and data
-parallelism are refused (a handoff moves whole MLA pages of one engine).
+parallel, on one machine or several (each rank moves its own share of a handoff and advertises
+its node's `--kv-transfer-host`; both instances need the same `--tensor-parallel-size`, which the
+layout fingerprint checks); decode context and data parallelism are refused (a handoff moves
+whole MLA pages of one engine).
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 
 from pydantic import ValidationError
 
+from ..engine.rank_transfer import HOST_ENV
 from ..server.errors import APIError
 from ..server.protocol import ChatRequest, CompletionRequest
 from ..server.routes.chat import chat_prompt_ids
@@ -47,7 +50,8 @@ def add_role_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-transfer-host",
         default="127.0.0.1",
-        help="the address peers reach this instance's transfer engine at (default: loopback)",
+        help="the address peers reach this instance's transfer engines at (default: loopback); under "
+        "--nnodes each node gives its own",
     )
     p.add_argument(
         "--disagg-on-failure",
@@ -72,12 +76,13 @@ def add_role_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_role_arguments(args: argparse.Namespace) -> None:
+    """Refuse what a role cannot run with, turn the prefix cache on, and export this node's
+    transfer host to the ranks it starts (on every node of a multi-node instance)."""
     if args.role == "both":
         return
     if args.decode_context_parallel_size != 1 or args.data_parallel_size != 1:
         raise SystemExit(f"--role {args.role} runs one engine: no decode-context or data parallelism")
-    if args.nnodes != 1:
-        raise SystemExit(f"--role {args.role} runs its tensor-parallel ranks on one machine (--nnodes 1)")
+    os.environ[HOST_ENV] = args.kv_transfer_host  # this node's ranks (spawned later) advertise it
     if not args.enable_prefix_caching:
         log.info("--role %s: the hybrid prefix cache is on (both sides cache what they hold)", args.role)
         args.enable_prefix_caching = True

@@ -19,6 +19,7 @@ given back (`collect_job` of an unknown job answers an error and waits for nothi
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
@@ -29,6 +30,7 @@ from .messages import Collect, Digest, Pull, TransferSetup
 from .ranks import RankFailure
 
 Spans = list[tuple[str, int, int, int]]  # regions as (tensor, layer, offset, length)
+HOST_ENV = "DELTASERVE_KV_TRANSFER_HOST"  # the address this node's ranks advertise (serve --kv-transfer-host)
 
 
 class RankEndpoint(msgspec.Struct, frozen=True):
@@ -112,8 +114,8 @@ class RankTransfer:
 def serve_transfer(msg, channel, tensors: dict, ops, transfer: RankTransfer | None) -> RankTransfer | None:
     """A worker's side of the transfer messages (`ops(list)` replays slot writes); returns the
     rank's transfer (started by `TransferSetup`)."""
-    if isinstance(msg, TransferSetup):
-        started = RankTransfer.start(msg.engine, msg.host, tensors)
+    if isinstance(msg, TransferSetup):  # a rank on another node advertises that node's own address
+        started = RankTransfer.start(msg.engine, os.environ.get(HOST_ENV) or msg.host, tensors)
         transfer = started if isinstance(started, RankTransfer) else None
         _answer(channel, started.endpoint() if transfer is not None else started)
         return transfer
