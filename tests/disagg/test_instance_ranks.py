@@ -15,7 +15,7 @@ import torch
 
 from deltaserve.disagg.ranks import InstanceRanks
 from deltaserve.engine.rank_transfer import RankTransfer
-from deltaserve.parallel.kv_transfer import Connector
+from deltaserve.parallel.kv_transfer import Connector, TransferError
 
 
 class SlowConnector(Connector):
@@ -86,3 +86,15 @@ def test_a_region_outside_the_pools_is_refused_not_written():
     for region in [("mla", 0, 60, 8), ("mla", 0, -1, 2), ("states", 0, 0, 4)]:
         receipt = transfer.read("s", [(0, region[3])], [region])
         assert "outside" in receipt.error and not connector.landed.is_set()
+
+
+def test_device_pools_are_refused_by_a_host_only_transfer_engine():
+    from deltaserve.parallel.kv_transfer import MooncakeConnector, _host_memory_only
+
+    from .pd_fixtures import need_mooncake
+
+    need_mooncake()
+    if not _host_memory_only():
+        pytest.skip("the installed Mooncake build reads device memory")
+    with pytest.raises(TransferError, match="host memory only"):
+        MooncakeConnector("127.0.0.1").register({"mla": torch.empty(16, device="meta")})

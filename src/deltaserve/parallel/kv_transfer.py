@@ -15,6 +15,7 @@ instances on a trusted network; the control plane (`disagg/protocol.py`) carries
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import os
 
@@ -72,6 +73,12 @@ class MooncakeConnector(Connector):
         for name, t in tensors.items():
             if not t.is_contiguous():
                 raise ValueError(f"pool tensor {name} is not contiguous")
+            if t.device.type != "cpu" and _host_memory_only():
+                raise TransferError(
+                    f"pool tensor {name} lives on {t.device}, and the installed Mooncake build "
+                    "(mooncake-transfer-engine-non-cuda) reads host memory only: install the CUDA build "
+                    "(pip install mooncake-transfer-engine) to hand off device pools"
+                )
             if self._te.register_memory(t.data_ptr(), t.numel() * t.element_size()) != 0:
                 raise TransferError(f"Mooncake could not register pool tensor {name}")
             self._registered.append(t)
@@ -85,6 +92,16 @@ class MooncakeConnector(Connector):
         if self._te.batch_transfer_sync_read(session, dst, src, lengths) != 0:
             raise TransferError(f"reading {len(remote)} regions from {session} failed")
         return sum(lengths)
+
+
+def _host_memory_only() -> bool:
+    """Whether the installed Mooncake is the build without CUDA (its device pointers are not
+    memory it can read)."""
+    try:
+        importlib.metadata.version("mooncake-transfer-engine-non-cuda")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def coalesce(remote: list[tuple[int, int]], local: list[int]) -> tuple[list[int], list[int], list[int]]:
