@@ -11,7 +11,8 @@ import pytest
 
 from deltaserve import LLM
 from deltaserve.engine.sampling_params import SamplingParams
-from deltaserve.server.async_engine import AsyncEngine, EngineDeadError
+from deltaserve.server.async_engine import AsyncEngine
+from deltaserve.server.request_stream import EngineDeadError
 from deltaserve.tiny import make_tiny
 
 
@@ -178,3 +179,31 @@ def test_an_add_cancelled_before_the_engine_took_it_queues_nothing(engine):
 
     queued, deltas = asyncio.run(main())
     assert not queued and deltas and engine.alive and engine.failure is None
+
+
+def test_an_add_cancelled_after_the_engine_took_it_is_aborted(engine):
+    params = SamplingParams(max_tokens=90, temperature=0, ignore_eos=True)
+
+    async def main():
+        before = await engine.call(lambda core: core.counters["requests_aborted"])
+        add = asyncio.ensure_future(engine.add([5, 6, 7], params, "orphan"))
+        await asyncio.sleep(0)  # the AddRequest is queued
+        time.sleep(0.3)  # the event loop is busy; the engine thread takes the request meanwhile
+        add.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await add
+        return before, await engine.call(lambda core: (core.counters["requests_aborted"], "orphan" in core.requests))
+
+    before, (after, running) = asyncio.run(main())
+    assert after == before + 1 and not running and engine.alive
+
+
+def test_what_arrives_as_the_engine_stops_is_refused(engine):
+    async def main():
+        engine.fail("stopped by the test")
+        add = engine.add([5, 6, 7], SamplingParams(max_tokens=2), "late")
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(add, 5)
+
+    asyncio.run(main())
+    assert engine.failure == "stopped by the test" and not engine.alive

@@ -30,69 +30,17 @@ import queue
 import threading
 import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..engine.core import EngineCore, SeqDelta
+from ..engine.core import EngineCore
 from ..engine.multimodal import ImageInput
 from ..engine.ranks import RankFailure
 from ..engine.sampling_params import SamplingParams
 from ..engine.sequence import InvalidRequestError
 from .engine_messages import AbortRequest, AddRequest, Call, Fatal, Shutdown, StartWaiting, StopWaiting, Waiter
+from .request_stream import EngineDeadError, RequestStream
 
 log = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread is not running (shut down or crashed)."""
-
-
-class GenerationError(RuntimeError):
-    """A sequence finished with "error" (e.g. its structured-output grammar failed); the message
-    is the engine's `stop_reason`, safe to show to the client."""
-
-
-@dataclass
-class RequestStream:
-    """The outputs of one request: async-iterate for `SeqDelta`s until all `n` have finished."""
-
-    engine: "AsyncEngine"
-    request_id: str
-    n: int
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    remaining: int = 0
-    done: bool = False
-    observer: Any = None  # optional: `.on_delta(d)` per delta, `.aborted()` on an early abort
-
-    def __post_init__(self):
-        self.remaining = self.n
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> SeqDelta:
-        if self.remaining == 0:
-            self.done = True
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        if isinstance(item, BaseException):
-            self.done = True
-            raise item
-        if item.finish_reason is not None:
-            self.remaining -= 1
-        if self.observer is not None:
-            self.observer.on_delta(item)
-        if item.finish_reason == "error":
-            raise GenerationError(str(item.stop_reason or "generation failed"))
-        return item
-
-    def abort(self) -> None:
-        """Abort unless finished (idempotent); call from `finally` around consumption."""
-        if not self.done and self.remaining > 0:
-            self.done = True
-            self.engine.abort(self.request_id)
-            if self.observer is not None:
-                self.observer.aborted()
 
 
 class AsyncEngine:
@@ -111,6 +59,8 @@ class AsyncEngine:
             and getattr(getattr(core, "runner", None), "encoder", None) is not None
         )
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # orders `_send` against the thread's final look at the inbox
+        self._stopped = False
         self._sinks: dict[str, Callable] = {}
         self._waiters: collections.deque[Waiter] = collections.deque()
         self._thread: threading.Thread | None = None
@@ -131,14 +81,19 @@ class AsyncEngine:
     def start(self) -> None:
         ranks = getattr(self.core.runner, "ranks", None)
         if ranks is not None:
-            ranks.on_failure(lambda reason: self._inbox.put(Fatal(reason)))
+            ranks.on_failure(lambda reason: self._send(Fatal(reason), quiet=True))
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="deltaserve-engine", daemon=True)
             self._thread.start()
 
+    def fail(self, reason: str) -> None:
+        """Stop the engine as failed (`reason` logged, `on_failure` called, requests failed) once
+        the engine thread reaches this, after what was queued before it."""
+        self._send(Fatal(reason), quiet=True)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         if self._thread is not None and self._thread.is_alive():
-            self._inbox.put(Shutdown())
+            self._send(Shutdown(), quiet=True)
             self._thread.join(timeout)
 
     def queue_load(self) -> int:
@@ -150,7 +105,7 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(AbortRequest(request_id))
+        self._send(AbortRequest(request_id), quiet=True)
 
     def call_sync(self, fn: Callable[[EngineCore], Any], timeout: float = 30.0) -> Any:
         """`fn(core)` evaluated on the engine thread; blocks the calling (non-loop) thread."""
@@ -159,7 +114,7 @@ class AsyncEngine:
     def post(self, fn: Callable[[EngineCore], Any]) -> None:
         """Run `fn(core)` on the engine thread without waiting (cleanup from a cancelled task)."""
         if self.alive:
-            self._inbox.put(Call(fn, Future()))
+            self._send(Call(fn, Future()), quiet=True)
 
     async def call(
         self,
@@ -196,21 +151,31 @@ class AsyncEngine:
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         waiter = Waiter(fn, release, Future(), key)
-        self._inbox.put(StartWaiting(waiter))
+        self._send(StartWaiting(waiter))
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(waiter.result)), timeout)
         except asyncio.TimeoutError:
-            self._inbox.put(StopWaiting(waiter))
+            self._send(StopWaiting(waiter), quiet=True)
             return None
         except asyncio.CancelledError:
-            self._inbox.put(StopWaiting(waiter))
+            self._send(StopWaiting(waiter), quiet=True)
             raise
+
+    def _send(self, msg, quiet: bool = False) -> None:
+        """Queue `msg` for the engine thread. Once the thread has stopped, nothing is queued (it
+        would never be answered): `EngineDeadError`, or nothing with `quiet`."""
+        with self._lock:
+            if not self._stopped:
+                self._inbox.put(msg)
+                return
+        if not quiet:
+            raise EngineDeadError("the engine is not running")
 
     def _call(self, fn) -> Future:
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         fut: Future = Future()
-        self._inbox.put(Call(fn, fut))
+        self._send(Call(fn, fut))
         return fut
 
     async def add(
@@ -242,7 +207,7 @@ class AsyncEngine:
         accepted: Future = Future()
         self.pending += 1
         try:
-            self._inbox.put(
+            self._send(
                 AddRequest(
                     stream.request_id,
                     list(prompt_ids),
@@ -253,7 +218,12 @@ class AsyncEngine:
                     tuple(options.items()),
                 )
             )
-            await asyncio.wrap_future(accepted)
+            try:
+                await asyncio.wrap_future(accepted)
+            except asyncio.CancelledError:
+                if not accepted.cancelled():  # the engine took it first: nobody owns it now
+                    self.abort(stream.request_id)
+                raise
         finally:
             self.pending -= 1
         return stream
@@ -350,6 +320,23 @@ class AsyncEngine:
         self._fail_all(
             EngineDeadError(f"the engine failed: {self.failure}" if self.failure else "the engine was shut down")
         )
+        self._refuse_queued()
+
+    def _refuse_queued(self) -> None:
+        """Answer what was queued behind the stop (an add or call arriving as it stopped); then
+        nothing more is queued (`_send`)."""
+        with self._lock:
+            self._stopped = True
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            fut = getattr(msg, "accepted", None) or getattr(msg, "result", None)
+            if isinstance(msg, StartWaiting):
+                fut = msg.waiter.result
+            if fut is not None and fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineDeadError("the engine stopped"))
 
     def _loop(self) -> None:
         running = True
@@ -359,8 +346,10 @@ class AsyncEngine:
                 msg = self._inbox.get_nowait() if busy else self._inbox.get()
             except queue.Empty:
                 msg = None
-            while msg is not None and running:
+            while msg is not None:
                 running = self._handle(msg)
+                if not running:
+                    break  # what follows is refused (`_refuse_queued`), not dropped
                 try:
                     msg = self._inbox.get_nowait()
                 except queue.Empty:

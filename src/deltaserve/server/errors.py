@@ -9,8 +9,8 @@ import logging
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from .async_engine import EngineDeadError, GenerationError
 from .protocol import error_body
+from .request_stream import EngineDeadError, GenerationError
 
 log = logging.getLogger(__name__)
 

@@ -25,10 +25,11 @@ from ..engine.sampling_params import SamplingParams, SamplingParamsError
 from ..engine.sequence import InvalidRequestError
 from ..model.image_processor import ImageProcessor
 from ..model.tokenizer import TokenizerError
-from .async_engine import AsyncEngine, EngineDeadError, RequestStream
+from .async_engine import AsyncEngine
 from .errors import APIError
 from .media import MediaError, MediaPolicy, check_count, request_images
 from .metrics import Metrics
+from .request_stream import EngineDeadError, RequestStream
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from ..async_engine import GenerationError
 from ..constraints import ChatConstraint, chat_constraint, forced_tool_calls, missing_forced_call
 from ..errors import APIError
 from ..parsers import StreamingParser, control_token_ids, parse_output
 from ..protocol import ChatRequest
+from ..request_stream import GenerationError
 from ..state import State
 from .common import run_collect, sampling_kwargs, sse, sse_stream, usage
 
