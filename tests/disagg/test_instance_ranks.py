@@ -1,6 +1,7 @@
 """`InstanceRanks` over one rank: reads and hashes run as jobs beside the engine thread; a
 caller cancelled mid-read leaves the job's collection posted ahead of anything it posts next
-(the reservation it frees must not take late bytes), and that collection waits for the bytes."""
+(the reservation it frees must not take late bytes), and that collection waits for the bytes; a
+read still running at its deadline stops the instance (its bytes could land in freed cache)."""
 
 from __future__ import annotations
 
@@ -21,14 +22,16 @@ from deltaserve.parallel.kv_transfer import Connector, TransferError
 class SlowConnector(Connector):
     name, session = "slow", "slow:0"
 
-    def __init__(self, seconds: float):
-        self.seconds, self.landed = seconds, threading.Event()
+    def __init__(self, seconds: float, hang: threading.Event | None = None):
+        self.seconds, self.landed, self.hang = seconds, threading.Event(), hang
 
     def register(self, tensors):
         return {k: t.data_ptr() for k, t in tensors.items()}
 
     def read(self, session, remote, local) -> int:
         time.sleep(self.seconds)
+        if self.hang is not None:
+            self.hang.wait()
         self.landed.set()
         return sum(n for _, n in remote)
 
@@ -39,7 +42,10 @@ class InlineEngine:
     alive = True
 
     def __init__(self, core):
-        self.core, self.posted = core, []
+        self.core, self.posted, self.failures = core, [], []
+
+    def fail(self, reason: str) -> None:
+        self.failures.append(reason)
 
     async def call(self, fn, timeout=30.0, release=None):
         return fn(self.core)
@@ -48,8 +54,8 @@ class InlineEngine:
         self.posted.append(fn(self.core))
 
 
-def _ranks(seconds: float) -> tuple[InstanceRanks, RankTransfer, SlowConnector]:
-    connector = SlowConnector(seconds)
+def _ranks(seconds: float, hang=None) -> tuple[InstanceRanks, RankTransfer, SlowConnector]:
+    connector = SlowConnector(seconds, hang)
     transfer = RankTransfer(connector, {"mla": torch.arange(64, dtype=torch.uint8)})
     ranks = object.__new__(InstanceRanks)  # the transfer made here, not by `setup_transfer`
     ranks.engine = InlineEngine(SimpleNamespace(runner=SimpleNamespace(channel=None, journal=None, transfer=transfer)))
@@ -98,3 +104,15 @@ def test_device_pools_are_refused_by_a_host_only_transfer_engine():
         pytest.skip("the installed Mooncake build reads device memory")
     with pytest.raises(TransferError, match="host memory only"):
         MooncakeConnector("127.0.0.1").register({"mla": torch.empty(16, device="meta")})
+
+
+def test_a_hung_read_stops_the_instance_instead_of_hanging():
+    hang = threading.Event()
+    ranks, transfer, _ = _ranks(0.0, hang)
+    try:
+        with pytest.raises(TransferError, match="ran past"):
+            asyncio.run(ranks.read(["s"], [[(0, 8)]], [("mla", 0, 0, 8)], timeout=0.3))
+        assert len(ranks.engine.failures) == 1 and "may still land" in ranks.engine.failures[0]
+        assert not ranks.engine.posted  # nothing waits on the hung job
+    finally:
+        hang.set()

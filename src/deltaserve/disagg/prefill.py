@@ -29,8 +29,9 @@ from ..engine.handoff import parked_regions, release_parked
 from ..engine.rank_transfer import spans
 from ..engine.sampling_params import SamplingParams
 from ..engine.sequence import InvalidRequestError
-from ..server.async_engine import AsyncEngine, EngineDeadError
+from ..server.async_engine import AsyncEngine
 from ..server.errors import APIError
+from ..server.request_stream import EngineDeadError
 from .protocol import PrefillRequest, RankSource, Release, ReleaseReply, TransferHeader
 from .ranks import InstanceRanks
 from .service import check_secret, engine_state, read_msg, reply
@@ -61,6 +62,20 @@ class PrefillService:
         if self._reaper is None:  # on the serving loop, started with the first prefill
             self._reaper = asyncio.create_task(self.reap())
         rid = f"pd-{uuid.uuid4().hex}"
+        parked = False
+        try:  # whatever happens before the prompt is parked under a transfer id frees it
+            header = await self._compute(msg, rid)
+            parked = True
+        finally:
+            if not parked:
+                self.engine.post(lambda core: release_parked(core, rid))
+        self.counters["prefills"] += 1
+        self.counters["prefill_tokens"] += len(msg.token_ids)
+        self.counters["offered_bytes"] += sum(r[3] for r in header.regions) * self.ranks.world
+        return header
+
+    async def _compute(self, msg: PrefillRequest, rid: str) -> TransferHeader:
+        """Prefill `msg`'s prompt as request `rid`, park it and describe it (every rank's digests)."""
         try:
             stream = await self.engine.add(msg.token_ids, SamplingParams(max_tokens=1), rid, prefill_only=True)
         except InvalidRequestError as e:
@@ -75,31 +90,23 @@ class PrefillService:
             stream.abort()
         if finish != "prefilled":
             raise APIError(503, f"the prefill ended with {finish!r}", "service_unavailable")
-        parked = False
         try:
             regions = spans(await self.engine.call(lambda core: parked_regions(core, rid, msg.start)))
-            digests = await self.ranks.digests(regions)
-            header = TransferHeader(
-                msg.request_id,
-                uuid.uuid4().hex,
-                next(self._generation),
-                prompt_hash(self.cache.model_id, msg.cache_salt, msg.token_ids),
-                len(msg.token_ids),
-                msg.start,
-                self.fingerprint,
-                [RankSource(e.session, e.bases, d) for e, d in zip(self.ranks.endpoints, digests)],
-                regions,
-            )
-            self.parked[header.transfer_id] = Parked(rid, header.generation, time.monotonic() + self.ttl_s)
-            parked = True
         except ValueError as e:
             raise APIError(400, str(e)) from None
-        finally:
-            if not parked:
-                self.engine.post(lambda core: release_parked(core, rid))
-        self.counters["prefills"] += 1
-        self.counters["prefill_tokens"] += len(msg.token_ids)
-        self.counters["offered_bytes"] += sum(r[3] for r in regions) * self.ranks.world
+        digests = await self.ranks.digests(regions)
+        header = TransferHeader(
+            msg.request_id,
+            uuid.uuid4().hex,
+            next(self._generation),
+            prompt_hash(self.cache.model_id, msg.cache_salt, msg.token_ids),
+            len(msg.token_ids),
+            msg.start,
+            self.fingerprint,
+            [RankSource(e.session, e.bases, d) for e, d in zip(self.ranks.endpoints, digests)],
+            regions,
+        )
+        self.parked[header.transfer_id] = Parked(rid, header.generation, time.monotonic() + self.ttl_s)
         return header
 
     async def release(self, msg: Release) -> ReleaseReply:

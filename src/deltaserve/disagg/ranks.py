@@ -7,12 +7,15 @@ or reserved: no step writes them), with one process or several alike.
 A job never outlives the call that started it: if the caller is cancelled or times out, the
 job's collection is posted to the engine thread, where it waits for every rank's share before
 anything the caller posts afterwards runs (such as freeing the reservation the bytes land in).
+A job still running at the caller's deadline (a hung read) may yet write its regions, so they
+can never be given back: the instance stops as failed (`AsyncEngine.fail`) instead of hanging.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 
 from ..engine.messages import Digest, Pull
 from ..engine.rank_transfer import RankEndpoint, RankReceipt, Spans, collect_job, setup_transfer, start_job
@@ -50,13 +53,29 @@ class InstanceRanks:
         return sum(x.moved for x in receipts)
 
     async def _run(self, msg: Digest | Pull, timeout: float) -> list[RankReceipt]:
+        deadline = time.monotonic() + timeout
         collected = False
         try:
             own = await self.engine.call(lambda core: start_job(core, msg), timeout)
-            await asyncio.shield(asyncio.wrap_future(own))
-            receipts = await self.engine.call(lambda core: collect_job(core, msg.job), timeout)
+            try:
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(own)), deadline - time.monotonic())
+            except asyncio.TimeoutError:
+                collected = True  # nothing may wait on it: the instance stops
+                self._stuck(f"rank 0's transfer job ran past {timeout:.0f} s")
+                raise TransferError(f"the transfer ran past {timeout:.0f} s") from None
+            receipts = await self.engine.call(lambda core: self._collect(core, msg.job, deadline), timeout)
             collected = True
             return receipts
         finally:
             if not collected:  # every rank's share ends before what the caller does next
-                self.engine.post(lambda core: collect_job(core, msg.job))
+                self.engine.post(lambda core: self._collect(core, msg.job, deadline))
+
+    def _collect(self, core, job: int, deadline: float) -> list[RankReceipt]:
+        receipts = collect_job(core, job, max(0.0, deadline - time.monotonic()))
+        stuck = [r for r, x in enumerate(receipts) if x.stuck]
+        if stuck:
+            self._stuck(f"the transfer job of rank(s) {stuck} ran past its deadline")
+        return receipts
+
+    def _stuck(self, why: str) -> None:
+        self.engine.fail(f"{why}: its bytes may still land in cache it cannot free; stopping")

@@ -39,7 +39,10 @@ def reserve(core, tokens: list[int], cache_salt: str | None = None) -> Reservati
 
 
 def cancel(core, seq_id: int) -> None:
-    """Free a reservation that will not run (its bytes are discarded)."""
+    """Free a reservation that will not run (its bytes are discarded); a no-op once a request
+    runs on it (the request's own end or abort frees it) or after it was freed."""
+    if any(s.seq_id == seq_id for s in (*core.scheduler.running, *core.scheduler.waiting)):
+        return
     core.cache.free(seq_id)
 
 

@@ -123,9 +123,11 @@ class Pull(msgspec.Struct, tag="pull", frozen=True):
 
 
 class Collect(msgspec.Struct, tag="collect", frozen=True):
-    """Every rank waits for its transfer job `job` and answers its `RankReceipt`."""
+    """Every rank waits up to `wait_s` for its transfer job `job` and answers its `RankReceipt`
+    (one still running then is `stuck`)."""
 
     job: int
+    wait_s: float
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):

@@ -14,7 +14,9 @@ collects it (`collect_job`: a `Collect`, each rank waits for its job and answers
 `ControlChannel.gather`, msgpack). Both run on rank 0's engine thread and are brief; the wait
 in between is the caller's. A failed read on any rank is an answer, not a crash: the handoff
 fails closed and the ranks go on. Every started job must be collected before the regions are
-given back (`collect_job` of an unknown job answers an error and waits for nothing).
+given back (`collect_job` of an unknown job answers an error and waits for nothing). A job
+still running at its deadline is `stuck`: its bytes may yet land, so its regions cannot be
+given back, and the caller stops the instance instead.
 """
 
 from __future__ import annotations
@@ -42,11 +44,13 @@ class RankEndpoint(msgspec.Struct, frozen=True):
 
 
 class RankReceipt(msgspec.Struct, frozen=True):
-    """A rank's answer to a read or a hash: the bytes moved and the digests, or why not."""
+    """A rank's answer to a read or a hash: the bytes moved and the digests, or why not; `stuck`:
+    the job was still running when the wait ended (its bytes may still land)."""
 
     moved: int = 0
     digests: list[str] = []
     error: str = ""
+    stuck: bool = False
 
 
 def spans(regions: list[Region]) -> Spans:
@@ -99,14 +103,17 @@ class RankTransfer:
         self._jobs[msg.job] = fut
         return fut
 
-    def collect(self, job: int) -> RankReceipt:
-        """Job `job`'s receipt once it is done; never raises (every rank must reach the gather
-        that follows): an unknown, cancelled or failed job is an error receipt."""
+    def collect(self, job: int, wait_s: float) -> RankReceipt:
+        """Job `job`'s receipt once it is done, waiting up to `wait_s`; never raises (every rank
+        must reach the gather that follows): an unknown, cancelled or failed job is an error
+        receipt, one still running a stuck one."""
         fut = self._jobs.pop(job, None)
         if fut is None:
             return RankReceipt(error=f"no transfer job {job} on this rank")
         try:
-            return fut.result()
+            return fut.result(timeout=wait_s)
+        except TimeoutError:
+            return RankReceipt(error=f"transfer job {job} still running after {wait_s:.0f} s", stuck=True)
         except Exception as e:
             return RankReceipt(error=f"transfer job {job} failed: {type(e).__name__}: {e}")
 
@@ -122,7 +129,7 @@ def serve_transfer(msg, channel, tensors: dict, ops, transfer: RankTransfer | No
     if transfer is None:
         raise RankFailure(f"rank {channel.rank}: {type(msg).__name__} without a transfer engine")
     if isinstance(msg, Collect):
-        _answer(channel, transfer.collect(msg.job))
+        _answer(channel, transfer.collect(msg.job, msg.wait_s))
         return transfer
     if isinstance(msg, Pull):
         ops(msg.ops)
@@ -165,9 +172,9 @@ def start_job(core, msg: Digest | Pull) -> Future:
     return runner.transfer.submit(msg, 0)
 
 
-def collect_job(core, job: int) -> list[RankReceipt]:
-    """Every rank's receipt of job `job`, rank 0's first (waits for the ranks' jobs to end)."""
+def collect_job(core, job: int, wait_s: float) -> list[RankReceipt]:
+    """Every rank's receipt of job `job`, rank 0's first (each waits up to `wait_s` for its job)."""
     runner = core.runner
     if runner.channel is not None:
-        runner.channel.send(Collect(job))
-    return _answers(runner.channel, runner.transfer.collect(job), RankReceipt)
+        runner.channel.send(Collect(job, wait_s))
+    return _answers(runner.channel, runner.transfer.collect(job, wait_s), RankReceipt)
