@@ -207,3 +207,10 @@ def test_what_arrives_as_the_engine_stops_is_refused(engine):
 
     asyncio.run(main())
     assert engine.failure == "stopped by the test" and not engine.alive
+
+
+def test_a_posted_call_that_fails_is_logged(engine, caplog):
+    engine.post(lambda core: 1 / 0)
+    asyncio.run(engine.call(lambda core: None))  # behind the posted one
+    assert any("posted to the engine thread failed" in r.getMessage() for r in caplog.records)
+    assert engine.alive

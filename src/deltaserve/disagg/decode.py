@@ -128,6 +128,7 @@ class DecodeHandoff:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
         self.counters: Counter[str] = Counter()
         self.tamper: Callable[[str, object], object] | None = None
+        self._background: set[asyncio.Task] = set()
 
     def _plan(self, core, ids: list[int], params) -> tuple[Reservation | int | None, int]:
         """On the engine thread: (a reservation; or the joint hit length if the request runs
@@ -225,7 +226,9 @@ class DecodeHandoff:
                 raise HandoffError("checksum_mismatch", "received bytes differ from the prefill side's")
         finally:
             if not released:
-                asyncio.ensure_future(self._release_quietly(url, header))
+                task = asyncio.ensure_future(self._release_quietly(url, header))
+                self._background.add(task)  # held until done (the loop keeps weak references only)
+                task.add_done_callback(self._background.discard)
         mla = sum(r.length for r in res.regions if r.tensor == "mla") * self.ranks.world
         c = self.counters
         c["handoffs"] += 1

@@ -112,9 +112,12 @@ class AsyncEngine:
         return self._call(fn).result(timeout)
 
     def post(self, fn: Callable[[EngineCore], Any]) -> None:
-        """Run `fn(core)` on the engine thread without waiting (cleanup from a cancelled task)."""
+        """Run `fn(core)` on the engine thread without waiting (cleanup from a cancelled task);
+        an error it raises is logged."""
         if self.alive:
-            self._send(Call(fn, Future()), quiet=True)
+            fut: Future = Future()
+            fut.add_done_callback(_log_posted_failure)
+            self._send(Call(fn, fut), quiet=True)
 
     async def call(
         self,
@@ -379,3 +382,8 @@ class AsyncEngine:
                 del self._sinks[rid]
             self._serve_waiters()
             self.num_waiting = len(self.core.scheduler.waiting)
+
+
+def _log_posted_failure(f: Future) -> None:
+    if not f.cancelled() and f.exception() is not None:
+        log.error("a call posted to the engine thread failed", exc_info=f.exception())
