@@ -75,7 +75,8 @@ def test_eviction_that_cannot_make_room_takes_nothing():
 
 def test_pinned_checkpoints_survive_eviction():
     """An admission pins the checkpoint its hit copies: eviction takes the next LRU one instead,
-    and once every checkpoint is pinned, none is taken."""
+    and once every checkpoint is pinned, none is taken; the pinned unit's pages do not count as
+    reclaimable, so an eviction that could not reach its target takes nothing."""
     mla = MlaPagePool([0], num_pages=4, page_size=2, row_dim=3, dtype=torch.float32)
     ck = KdaStatePool([1], num_slots=2, tail_shape=(1, 2), state_shape=(1, 2, 2), tail_dtype=torch.float32)
     idx = PrefixIndex(mla, ck)
@@ -89,7 +90,10 @@ def test_pinned_checkpoints_survive_eviction():
     idx.pin_checkpoint(hs[0])  # the LRU one
     assert idx.evict_checkpoint() and list(idx.ckpts) == [hs[0]]
     assert not idx.evict_checkpoint(), "the only checkpoint left is pinned"
-    idx.evict_pages(4)
+    idx.evict_pages(4)  # out of reach while hs[0] is pinned: nothing is evicted for nothing
+    assert list(idx.units) == [hs[0], hs[1]] and mla.num_free == 2
+    assert idx.reclaimable_pages() == 1
+    idx.evict_pages(3)
     assert list(idx.units) == [hs[0]] and mla.num_free == 3, "its unit stays pinned too"
     idx.check_integrity()
     idx.unpin_checkpoint(hs[0])

@@ -15,6 +15,7 @@ from deltaserve.cache.handoff import digest, expected_bytes, mla_regions, pool_t
 from deltaserve.cache.mla_pool import MlaPagePool
 from deltaserve.engine import handoff
 from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.sequence import InvalidRequestError
 from deltaserve.tiny import make_tiny
 
 from .pd_fixtures import make_llm
@@ -173,3 +174,26 @@ def test_a_reservation_waits_behind_requests_queued_before_it(engines):
     want = ref.generate([{"prompt_token_ids": list(range(900, 950))}], GREEDY)[0].outputs[0].token_ids
     assert done["head"] == want and set(done) == {"head", "later"}
     d.cache.check_integrity()
+
+
+def test_a_reservation_holds_no_request_and_is_claimed_once(engines):
+    """A pending reservation never prefills its span, so a request sharing its prefix does not wait
+    on it; a reservation is claimed by one request only, and a running sequence is none."""
+    _, d, _ = engines
+    core, prompt = d.engine, list(range(100, 200))
+    res = handoff.reserve(core, prompt)
+    waits = d.cache.counters["inflight_waits"]
+    core.add_request("q", prompt[:70] + [7, 8, 9], SamplingParams(max_tokens=2, temperature=0))
+    for _ in range(20):
+        if "q" not in core.requests:
+            break
+        core.step()
+    assert "q" not in core.requests and d.cache.counters["inflight_waits"] == waits
+    core.add_request("a", prompt, SamplingParams(max_tokens=2, temperature=0), received=res.seq_id)
+    with pytest.raises(InvalidRequestError, match="no unclaimed handoff reservation"):
+        core.add_request("b", prompt, SamplingParams(max_tokens=2, temperature=0), received=res.seq_id)
+    handoff.cancel(core, res.seq_id)  # claimed: the request owns it now
+    while core.has_unfinished():
+        core.step()
+    d.check_integrity()
+    assert not d.cache.seqs

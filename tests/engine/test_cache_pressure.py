@@ -146,3 +146,46 @@ def test_randomized_cache_pressure(ckpt, seed):
     assert pc["restore_refused"] == 0
     assert_all_free(on)
     assert_all_free(off)
+
+
+def _run(llm: LLM, limit: int = 400) -> bool:
+    for _ in range(limit):
+        if not llm.engine.has_unfinished():
+            return True
+        llm.engine.step()
+        llm.check_integrity()
+    return False
+
+
+GREEDY1 = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+
+def test_a_recomputed_prefix_under_cached_ancestors_does_not_preempt_itself_forever(ckpt):
+    """A's units stay cached without a checkpoint (B took the only slot); C = A recomputes from 0
+    on its own pages and re-registers A's evicted deep units under A's cached shallow ones, which
+    then cannot be evicted while C runs. Counting them as reclaimable made every admission flush
+    the cache and C preempt itself forever, with D starving behind it."""
+    llm = make(ckpt, True, 10, 1, 16, 16, 2, 24, 128)
+    core, a = llm.engine, list(range(100, 227))
+    core.add_request("A", a, GREEDY1)
+    assert _run(llm)
+    core.add_request("B", list(range(600, 632)), GREEDY1)
+    assert _run(llm)
+    core.add_request("C", a, GREEDY1)
+    core.add_request("D", [5, 6, 7], GREEDY1)
+    assert _run(llm), f"stuck after {core.scheduler.num_preemptions} preemptions"
+    assert_all_free(llm)
+
+
+def test_reset_prefix_cache_evicts_what_no_running_request_shares(ckpt):
+    llm = make(ckpt, True, 40, 4, 16, 16, 4, 512, 128)
+    core = llm.engine
+    core.add_request("old", list(range(100, 164)), GREEDY1)
+    assert _run(llm)
+    core.add_request("live", list(range(900, 920)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    core.step()
+    assert llm.cache.prefix_stats()["cached_units"] >= 4
+    llm.cache.reset_prefix_cache()
+    llm.check_integrity()
+    assert llm.cache.index.reclaimable_pages() == 0  # all that is left is what "live" shares
+    assert llm.cache.prefix_stats()["cached_units"] <= 1

@@ -149,7 +149,7 @@ def admit_received(
         cache.mla.release(shared)
         return None
     cache.seqs[seq_id] = SeqCache(
-        cache.kda.allocate(), shared + fresh, root, len(tokens), hashes[:k], k, chain=tuple(hashes)
+        cache.kda.allocate(), shared + fresh, root, len(tokens), hashes[:k], k, chain=tuple(hashes), received=True
     )
     start = k * cache.policy.unit if k else 0
     cache.counters["received"] += 1

@@ -49,6 +49,7 @@ class SeqCache:
     pending: dict[int, int] = field(default_factory=dict)  # boundary -> slot, written this step
     turn: tuple[int, int] | None = None  # (boundary, slot) of the latest decode-side state
     chain: tuple[bytes, ...] = ()  # unit hashes of its tokens at admission
+    received: bool = False  # its prompt arrives by handoff: it never prefills (checkpoints) that span
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ class CacheManager:
             return 0
         u, best, owner = self.policy.unit, 0, None
         for seq_id, sc in self.seqs.items():
-            if seq_id >= older_than:
+            if seq_id >= older_than or sc.received:
                 continue
             shared = common_units(sc.chain, hit.hashes) * u
             floor = max(len(sc.hashes) * u, hit.length)
@@ -322,7 +323,7 @@ class CacheManager:
             return True
         while self.index.evict_checkpoint():
             pass
-        self.index.evict_pages(self.mla.num_pages)
+        self.index.evict_unshared()
         return not self.index.units and not self.index.ckpts
 
     def check_integrity(self) -> None:

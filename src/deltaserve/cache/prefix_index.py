@@ -101,8 +101,22 @@ class PrefixIndex:
         return e.children == 0 and e.pins == 0 and all(self.mla.refcount[p] == 1 for p in e.pages)
 
     def reclaimable_pages(self) -> int:
-        """Pages only the index holds: the most that eviction can free."""
-        return sum(1 for e in self.units.values() for p in e.pages if self.mla.refcount[p] == 1)
+        """The most that eviction can free: pages only the index holds, of units that can become
+        leaves. A unit whose pages a sequence shares, or whose checkpoint an admission pinned, is
+        never evicted, and so neither is any unit above it (counting those made a failing
+        admission flush the cache for nothing, and could preempt a request forever)."""
+        blocked: set[bytes] = set()
+        for h, e in self.units.items():
+            if h in self.pinned or any(self.mla.refcount[p] > 1 for p in e.pages):
+                while h is not None and h not in blocked:
+                    blocked.add(h)
+                    h = self.units[h].parent
+        return sum(1 for h, e in self.units.items() if h not in blocked for p in e.pages if self.mla.refcount[p] == 1)
+
+    def evict_unshared(self) -> None:
+        """Evict every unit that can become a leaf (as far as sequences and pins allow)."""
+        while self._sweep(self.mla.num_pages + 1):
+            pass
 
     def evict_pages(self, needed: int) -> None:
         """Evict LRU evictable units until `needed` pages are free; evicting a leaf may make

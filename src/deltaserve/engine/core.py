@@ -103,6 +103,7 @@ class EngineCore:
         self.structured_thinking_budget = structured_thinking_budget
         self.budgets: dict[int, ReasoningBudget] = {}  # seq_id -> reasoning budget state
         self.parked: dict[str, int] = {}  # request_id -> seq_id of a parked prefill (handoff.py)
+        self.reserved: set[int] = set()  # seq_ids of handoff reservations no request has claimed yet
         if vision is not None:
             self.runner.encoder = EncoderCache(vision, encoder_cache_bytes)
         self.image_prompts = ImagePrompts(
@@ -170,8 +171,10 @@ class EngineCore:
         mm = self._check(request_id, prompt_ids, params, images)
         if (prefill_only or received is not None) and (mm is not None or params.n != 1):
             raise InvalidRequestError("a handoff takes one sample of a text-only prompt")
-        if received is not None and getattr(self.cache.seqs.get(received), "prompt_len", -1) != len(prompt_ids):
-            raise InvalidRequestError(f"no handoff reservation {received} for this prompt")
+        if received is not None and (
+            received not in self.reserved or getattr(self.cache.seqs.get(received), "prompt_len", -1) != len(prompt_ids)
+        ):
+            raise InvalidRequestError(f"no unclaimed handoff reservation {received} for this prompt")
         if mm is not None:
             prompt_ids = mm.ids
         grammar = self._compile(params)
@@ -204,6 +207,7 @@ class EngineCore:
                 self.budgets[seqs[-1].seq_id] = copy.copy(budget)
             self._next_seq += received is None
         self.requests[request_id] = _Request(request_id, prompt, list(prompt_ids), seqs)
+        self.reserved.discard(received)  # claimed: from now on the request owns the reservation
         for s in seqs:
             self.scheduler.add(s)
         self.counters["requests_added"] += 1

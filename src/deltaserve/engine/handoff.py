@@ -34,16 +34,17 @@ def reserve(core, tokens: list[int], cache_salt: str | None = None) -> Reservati
     if start is None:
         return None
     core._next_seq += 1
+    core.reserved.add(seq_id)
     stop = len(tokens) - 1
     return Reservation(seq_id, start, stop, tuple(handoff_regions(core.cache, seq_id, start, stop)))
 
 
 def cancel(core, seq_id: int) -> None:
     """Free a reservation that will not run (its bytes are discarded); a no-op once a request
-    runs on it (the request's own end or abort frees it) or after it was freed."""
-    if any(s.seq_id == seq_id for s in (*core.scheduler.running, *core.scheduler.waiting)):
-        return
-    core.cache.free(seq_id)
+    claimed it (the request's own end or abort frees it) or after it was freed."""
+    if seq_id in core.reserved:
+        core.reserved.discard(seq_id)
+        core.cache.free(seq_id)
 
 
 def parked_regions(core, request_id: str, start: int) -> list[Region]:
