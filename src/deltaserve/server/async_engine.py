@@ -9,11 +9,12 @@ A structured request's grammar is compiled on a worker thread before it is queue
 neither the event loop nor the engine thread waits on a slow schema; a sequence the engine
 finishes with "error" (its grammar failed) makes its stream raise `GenerationError`.
 `call_when` queues a call that the engine thread retries after each step and message batch until
-it returns something (a disaggregated decode instance waiting for a free slot), FIFO. A `call`
-(or an `add`) whose caller gave up (timeout, cancellation) before the engine thread reached it is
-skipped; one
-already running completes, and what it returns goes to its `release`, if any (nothing it took
-leaks). An error that escapes the loop itself stops the engine as a fatal failure, never silently.
+it returns something (a disaggregated decode instance waiting for a free slot), FIFO.
+Callers that leave never leave work behind: a `call` or `add` whose caller gave up (timeout,
+cancellation) before the engine thread reached it is skipped; a call already running completes
+and hands its result to its `release`, if any; an add already taken is aborted. What arrives as
+the thread stops is refused (`EngineDeadError`), never left waiting, and an error that escapes
+the loop itself stops the engine as a fatal failure, never silently.
 A request's images (`ImageInput`s, one per `<|media_pad|>` run of its prompt, in order) travel with
 its `AddRequest` to `EngineCore.add_request(..., images=...)`; an engine whose `add_request`
 takes no `images` or that has no vision tower (`accepts_images` False) refuses them with
