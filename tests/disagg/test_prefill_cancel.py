@@ -8,11 +8,9 @@ import time
 
 import pytest
 
-from deltaserve import LLM
 from deltaserve.disagg.prefill import PrefillService
 from deltaserve.disagg.protocol import PrefillRequest
-from deltaserve.server.async_engine import AsyncEngine
-from deltaserve.tiny import make_tiny
+from tests.server.tiny_engine import tiny_async_engine
 
 
 class NoTransfer:
@@ -26,12 +24,8 @@ class NoTransfer:
 
 @pytest.fixture
 def engine(tmp_path):
-    ckpt = make_tiny(tmp_path / "kl", family="kimi_linear", preset="tiny", seed=0)
-    llm = LLM(ckpt, dtype="float32", max_num_seqs=2, kv_cache_memory=16 * 2**20, max_model_len=128, progress=False)
-    eng = AsyncEngine(llm.engine, llm.model.config.family)
-    eng.start()
-    yield eng
-    eng.shutdown()
+    with tiny_async_engine(tmp_path) as eng:
+        yield eng
 
 
 def test_a_prefill_cancelled_after_parking_frees_the_prompt(engine):

@@ -9,21 +9,16 @@ import time
 
 import pytest
 
-from deltaserve import LLM
 from deltaserve.engine.sampling_params import SamplingParams
-from deltaserve.server.async_engine import AsyncEngine
 from deltaserve.server.request_stream import EngineDeadError
-from deltaserve.tiny import make_tiny
+
+from .tiny_engine import tiny_async_engine
 
 
 @pytest.fixture
 def engine(tmp_path):
-    ckpt = make_tiny(tmp_path / "kl", family="kimi_linear", preset="tiny", seed=0)
-    llm = LLM(ckpt, dtype="float32", max_num_seqs=2, kv_cache_memory=16 * 2**20, max_model_len=128, progress=False)
-    eng = AsyncEngine(llm.engine, llm.model.config.family)
-    eng.start()
-    yield eng
-    eng.shutdown()
+    with tiny_async_engine(tmp_path) as eng:
+        yield eng
 
 
 def test_waiters_are_served_in_order_once_they_can_be(engine):
