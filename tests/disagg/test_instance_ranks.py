@@ -116,3 +116,28 @@ def test_a_hung_read_stops_the_instance_instead_of_hanging():
         assert not ranks.engine.posted  # nothing waits on the hung job
     finally:
         hang.set()
+
+
+def test_the_engine_keeps_stepping_while_a_read_runs(tmp_path):
+    """A read is a job beside the engine thread: a request submitted after it finishes first."""
+    from deltaserve.cache.handoff import pool_tensors
+    from deltaserve.engine.sampling_params import SamplingParams
+    from tests.server.tiny_engine import tiny_async_engine
+
+    with tiny_async_engine(tmp_path) as engine:
+        core = engine.core
+        connector = SlowConnector(1.5)
+        core.runner.transfer = RankTransfer(connector, pool_tensors(core.cache.mla, core.cache.kda))
+        ranks = object.__new__(InstanceRanks)
+        ranks.engine, ranks.world, ranks._jobs = engine, 1, itertools.count(1)
+
+        async def main():
+            read = asyncio.ensure_future(ranks.read(["s"], [[(0, 64)]], [("mla", 0, 0, 64)]))
+            await asyncio.sleep(0.1)
+            stream = await engine.add([5, 6, 7], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+            deltas = [d async for d in stream]
+            generated_while_reading = not connector.landed.is_set()
+            return deltas, generated_while_reading, await read
+
+        deltas, generated_while_reading, moved = asyncio.run(main())
+    assert deltas and generated_while_reading and moved == 64
