@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import socket
 import subprocess
@@ -21,6 +22,7 @@ from deltaserve.disagg.proxy import Proxy, build_proxy_app
 from deltaserve.disagg.roles import add_role_arguments, install_role
 from deltaserve.server.app import build_app
 from deltaserve.server.async_engine import AsyncEngine
+from deltaserve.tiny import PRESETS, make_tiny
 from tests.server.live_server import run_app
 
 SECRET = "test-shared-secret"
@@ -47,6 +49,14 @@ def need_mooncake() -> None:
         if os.environ.get("CI"):
             raise
         pytest.skip(f"the Mooncake transfer engine does not import here: {e}", allow_module_level=True)
+
+
+def tp_checkpoint(root: Path) -> Path:
+    """A tiny K3 checkpoint whose heads split over two tensor-parallel ranks."""
+    with pytest.MonkeyPatch.context() as m:
+        wide = dataclasses.replace(PRESETS[("kimi_k3", "tiny")], kda_heads=4, mla_heads=4, moe_intermediate=128)
+        m.setitem(PRESETS, ("kimi_k3", "tp"), wide)
+        return make_tiny(root / "k3", "kimi_k3", "tp", seed=11)
 
 
 def make_llm(ckpt: Path, **engine) -> LLM:

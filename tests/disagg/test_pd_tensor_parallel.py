@@ -9,7 +9,6 @@ each node's ranks at that node's own address; both sides end with clean pools.""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 
@@ -18,10 +17,9 @@ import msgspec
 import pytest
 
 from deltaserve.engine.sampling_params import SamplingParams
-from deltaserve.tiny import PRESETS, make_tiny
 from tests.server.live_server import wait_healthy
 
-from .pd_fixtures import SECRET, free_port, idle_and_clean, instance, make_llm, need_mooncake, spawn
+from .pd_fixtures import SECRET, free_port, idle_and_clean, instance, make_llm, need_mooncake, spawn, tp_checkpoint
 from .test_pd_serving import expected_bytes
 
 need_mooncake()
@@ -36,10 +34,7 @@ PROMPTS = (FIRST, SECOND, THIRD, FOURTH)
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as m:  # heads that split in two
-        wide = dataclasses.replace(PRESETS[("kimi_k3", "tiny")], kda_heads=4, mla_heads=4, moe_intermediate=128)
-        m.setitem(PRESETS, ("kimi_k3", "tp"), wide)
-        return make_tiny(tmp_path_factory.mktemp("pdtp") / "k3", "kimi_k3", "tp", seed=11)
+    return tp_checkpoint(tmp_path_factory.mktemp("pdtp"))
 
 
 @pytest.fixture(scope="module")

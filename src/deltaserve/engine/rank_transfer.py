@@ -72,8 +72,8 @@ class RankTransfer:
         """A started transfer, or the endpoint answer saying why it did not start."""
         try:
             return cls(make_connector(engine, host), tensors)
-        except (TransferError, ValueError) as e:
-            return RankEndpoint("", {}, str(e))
+        except Exception as e:  # any failure is an answer: every rank must reach the gather
+            return RankEndpoint("", {}, f"{type(e).__name__}: {e}")
 
     def endpoint(self) -> RankEndpoint:
         return RankEndpoint(self.connector.session, dict(self.bases))
