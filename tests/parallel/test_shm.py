@@ -69,3 +69,28 @@ def test_shared_memory_collectives(tmp_path):
         assert torch.equal(ranks[0][f"gather{i}"], ranks[1][f"gather{i}"])
         assert ranks[0][f"gather{i}"].shape == (3, 80)
     assert 0.4 < ranks[0]["timeout_s"].item() < 5 and ranks[0]["aborted"].item() == 1
+
+
+def test_no_segment_is_left_when_the_rendezvous_fails(tmp_path, monkeypatch):
+    """A rank that dies between the segment's creation and the barrier (here: the barrier fails)
+    leaves nothing in /dev/shm: rank 0 unlinks the name whatever happens."""
+    from deltaserve.parallel.shm import ShmCollectives
+
+    before = set(glob.glob("/dev/shm/deltaserve-*"))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+
+        def dead_peer(*args, **kwargs):
+            raise RuntimeError("Connection reset by peer")
+
+        monkeypatch.setattr(dist, "barrier", dead_peer)
+        try:
+            ShmCollectives.create(0, 1, SLOT, 5.0)
+        except RuntimeError as e:
+            assert "reset by peer" in str(e)
+        else:
+            raise AssertionError("the failed barrier must surface")
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()
+    assert set(glob.glob("/dev/shm/deltaserve-*")) == before

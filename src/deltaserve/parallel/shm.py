@@ -16,6 +16,7 @@ one `abort` ends, raises `RuntimeError`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 import os
@@ -57,14 +58,17 @@ class ShmCollectives:
             with open(path, "wb") as f:
                 f.truncate(8 * FLAG_STRIDE * world + 2 * world * slot_bytes)
             name[: len(path)] = torch.tensor(list(path.encode()), dtype=torch.uint8)
-        dist.broadcast(name, 0)
-        path = bytes(name.tolist()).rstrip(b"\0").decode()
-        if not path:
-            return None
-        shm = cls(path, rank, world, slot_bytes, timeout_s)
-        dist.barrier()
-        if rank == 0:
-            os.unlink(path)
+        try:
+            dist.broadcast(name, 0)
+            path = bytes(name.tolist()).rstrip(b"\0").decode()
+            if not path:
+                return None
+            shm = cls(path, rank, world, slot_bytes, timeout_s)
+            dist.barrier()
+        finally:  # once every rank mapped it (or one died trying), the name goes
+            if local and rank == 0:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
         return shm
 
     def fits(self, x: torch.Tensor) -> bool:
