@@ -1,7 +1,8 @@
 """`deltaserve serve --data-parallel-size 2`: two replica servers behind one front. The official
 openai client works through it (plain and streamed); requests that share a prompt prefix land on
 the same replica (where it is cached: its prefix cache hits), different prompts spread over both;
-killing a replica turns `/ready` 503 and the front exits 1, taking the other replica with it."""
+killing a replica turns `/ready` 503 and the front exits 1, taking the other replica with it; a
+front killed outright (SIGKILL: no cleanup of its own) takes its replica servers along too."""
 
 from __future__ import annotations
 
@@ -94,6 +95,35 @@ def test_two_replicas_behind_one_front(model):
         assert 503 in codes and rc == 1, (codes, rc, proc.stdout.read()[-2000:])
         time.sleep(0.5)
         assert all(subprocess.run(["kill", "-0", str(p)], capture_output=True).returncode for p in replicas)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for p in replicas:
+            subprocess.run(["kill", "-9", str(p)], capture_output=True)
+
+
+def test_replica_servers_do_not_outlive_a_killed_front(model):
+    port = _port()
+    cmd = [sys.executable, "-m", "deltaserve.cli", "serve", str(model), "--port", str(port)]
+    cmd += ["--data-parallel-size", "2", "--threads", "1", "--max-model-len", "256"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    replicas: list[int] = []
+    try:
+        wait_healthy(proc, port, 180)
+        replicas = [
+            int(p)
+            for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        ]
+        assert len(replicas) == 2
+        proc.kill()
+        proc.wait(10)
+        deadline = time.time() + 15
+        alive = replicas
+        while alive and time.time() < deadline:
+            time.sleep(0.25)
+            alive = [p for p in replicas if subprocess.run(["kill", "-0", str(p)], capture_output=True).returncode == 0]
+        assert not alive, f"replica servers {alive} outlived the front"
     finally:
         if proc.poll() is None:
             proc.kill()

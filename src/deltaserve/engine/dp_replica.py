@@ -19,7 +19,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 
 import msgspec
@@ -42,7 +41,7 @@ from .dp_protocol import (
     image_from_wire,
     params_from_wire,
 )
-from .ranks import config_from_json
+from .ranks import config_from_json, exit_with_parent
 from .sequence import InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -130,13 +129,6 @@ class Replica:
             return Result(seq, error=f"{type(e).__name__}: {e}")
 
 
-def _exit_with_parent(parent: int) -> None:
-    """A replica (and so its worker ranks, which watch it alike) never outlives the client."""
-    while os.getppid() == parent:
-        time.sleep(0.5)
-    os._exit(1)
-
-
 def _tell(link: Link, msg) -> None:
     try:
         link.send(msg)
@@ -148,7 +140,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the client's: it aborts its requests
     spec = json.loads(os.environ.pop(REPLICA_ENV))
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    exit_with_parent()  # and so its worker ranks, which watch it alike
     link = Link(socket.socket(fileno=spec["fd"]), ToReplica)
     try:
         engine = build_engine(config_from_json(spec["config"]))

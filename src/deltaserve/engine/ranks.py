@@ -54,6 +54,18 @@ SHM_SLOT_BYTES = 16 << 20  # largest tensor a shared-memory collective takes (la
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+def exit_with_parent() -> None:
+    """This process exits (status 1) once the process that spawned it is gone (a daemon thread
+    polling the parent pid): spawned ranks, replicas and replica servers never outlive it."""
+
+    def watch(parent: int) -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, args=(os.getppid(),), daemon=True, name="deltaserve-parent-watch").start()
+
+
 class RankFailure(RuntimeError):
     """A rank died, hung past `distributed_timeout`, or a collective failed: the engine cannot
     go on and the process should exit."""

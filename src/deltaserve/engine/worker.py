@@ -16,8 +16,6 @@ import json
 import logging
 import os
 import sys
-import threading
-import time
 
 import torch
 
@@ -31,7 +29,16 @@ from .config import EngineConfig
 from .messages import PROTOCOL_VERSION, Collect, Digest, Hello, Pull, Shutdown, Snapshot, Step, TransferSetup
 from .pool_snapshot import pool_snapshot
 from .rank_transfer import serve_transfer
-from .ranks import WORKER_ENV, RankFailure, config_from_json, join, memory_report, rank_device, reset_peak_rss
+from .ranks import (
+    WORKER_ENV,
+    RankFailure,
+    config_from_json,
+    exit_with_parent,
+    join,
+    memory_report,
+    rank_device,
+    reset_peak_rss,
+)
 from .step_batch import forward_batch, logit_hidden
 
 log = logging.getLogger(__name__)
@@ -94,17 +101,10 @@ def run_worker(config: EngineConfig, tp: ParallelContext, control) -> None:
             model.compute_logits(logit_hidden(hidden, msg, batch))
 
 
-def _exit_with_parent(parent: int) -> None:
-    """A spawned worker never outlives the process that spawned it."""
-    while os.getppid() == parent:
-        time.sleep(0.5)
-    os._exit(1)
-
-
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     spec = json.loads(os.environ[WORKER_ENV])
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    exit_with_parent()
     config = config_from_json(spec["config"])
     try:
         config = dataclasses.replace(config, device=rank_device(config, spec["rank"]))

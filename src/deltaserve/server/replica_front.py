@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -170,13 +171,17 @@ def replica_argv(args: argparse.Namespace, parser: argparse.ArgumentParser, mode
     return argv
 
 
+EXIT_WITH_PARENT_ENV = "DELTASERVE_EXIT_WITH_PARENT"
+
+
 def start_replicas(n: int, argv: list[str]) -> list[Replica]:
     """Start `n` replica servers on free loopback ports and wait until each answers /health."""
     replicas = []
     for i in range(n):
         port = _free_port()
         cmd = [sys.executable, "-m", "deltaserve.cli", "serve", *argv, "--host", "127.0.0.1", "--port", str(port)]
-        replicas.append(Replica(i, f"http://127.0.0.1:{port}", subprocess.Popen(cmd)))
+        env = dict(os.environ, **{EXIT_WITH_PARENT_ENV: "1"})  # a killed front takes its replicas along
+        replicas.append(Replica(i, f"http://127.0.0.1:{port}", subprocess.Popen(cmd, env=env)))
     for r in replicas:
         while True:
             if r.proc.poll() is not None:

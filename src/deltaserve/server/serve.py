@@ -225,10 +225,14 @@ def serve(args: argparse.Namespace) -> int:
     from ..disagg.roles import check_role_arguments, install_role
     from ..engine.config import EngineConfig
     from ..engine.llm import LLM
+    from ..engine.ranks import exit_with_parent
     from .app import build_app
     from .async_engine import AsyncEngine
+    from .replica_front import EXIT_WITH_PARENT_ENV
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if os.environ.pop(EXIT_WITH_PARENT_ENV, None):  # a replica server of `--data-parallel-size`
+        exit_with_parent()
     if args.data_parallel_size < 1:
         raise SystemExit("--data-parallel-size must be >= 1")
     check_role_arguments(args)
