@@ -40,6 +40,19 @@ def _hits(base: str, i: int) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def _children(proc: subprocess.Popen) -> list[int]:
+    found = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
+    return [int(p) for p in found.stdout.split()]
+
+
+def _kill_all(proc: subprocess.Popen, replicas: list[int]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for p in replicas:
+        subprocess.run(["kill", "-9", str(p)], capture_output=True)
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp("dp") / "k3", family="kimi_k3", preset="tiny", seed=3)
@@ -65,10 +78,7 @@ def test_two_replicas_behind_one_front(model):
         wait_healthy(proc, port, 180)
         base = f"http://127.0.0.1:{port}"
         assert httpx.get(f"{base}/ready", timeout=10).status_code == 200
-        replicas = [
-            int(p)
-            for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-        ]
+        replicas = _children(proc)
         assert len(replicas) == 2
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
         assert client.models.list().data[0].id == "k3"
@@ -96,11 +106,7 @@ def test_two_replicas_behind_one_front(model):
         time.sleep(0.5)
         assert all(subprocess.run(["kill", "-0", str(p)], capture_output=True).returncode for p in replicas)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for p in replicas:
-            subprocess.run(["kill", "-9", str(p)], capture_output=True)
+        _kill_all(proc, replicas)
 
 
 def test_replica_servers_do_not_outlive_a_killed_front(model):
@@ -111,10 +117,7 @@ def test_replica_servers_do_not_outlive_a_killed_front(model):
     replicas: list[int] = []
     try:
         wait_healthy(proc, port, 180)
-        replicas = [
-            int(p)
-            for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-        ]
+        replicas = _children(proc)
         assert len(replicas) == 2
         proc.kill()
         proc.wait(10)
@@ -125,8 +128,4 @@ def test_replica_servers_do_not_outlive_a_killed_front(model):
             alive = [p for p in replicas if subprocess.run(["kill", "-0", str(p)], capture_output=True).returncode == 0]
         assert not alive, f"replica servers {alive} outlived the front"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for p in replicas:
-            subprocess.run(["kill", "-9", str(p)], capture_output=True)
+        _kill_all(proc, replicas)
