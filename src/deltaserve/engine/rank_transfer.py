@@ -68,12 +68,13 @@ class RankTransfer:
         self._jobs: dict[int, Future] = {}
 
     @classmethod
-    def start(cls, engine: str, host: str, tensors: dict) -> "RankTransfer | RankEndpoint":
-        """A started transfer, or the endpoint answer saying why it did not start."""
+    def start(cls, engine: str, host: str, tensors: dict) -> "tuple[RankTransfer | None, RankEndpoint]":
+        """(the started transfer, its endpoint), or (None, an endpoint saying why it did not start)."""
         try:
-            return cls(make_connector(engine, host), tensors)
+            transfer = cls(make_connector(engine, host), tensors)
         except Exception as e:  # any failure is an answer: every rank must reach the gather
-            return RankEndpoint("", {}, f"{type(e).__name__}: {e}")
+            return None, RankEndpoint("", {}, f"{type(e).__name__}: {e}")
+        return transfer, transfer.endpoint()
 
     def endpoint(self) -> RankEndpoint:
         return RankEndpoint(self.connector.session, dict(self.bases))
@@ -122,9 +123,8 @@ def serve_transfer(msg, channel, tensors: dict, ops, transfer: RankTransfer | No
     """A worker's side of the transfer messages (`ops(list)` replays slot writes); returns the
     rank's transfer (started by `TransferSetup`)."""
     if isinstance(msg, TransferSetup):  # a rank on another node advertises that node's own address
-        started = RankTransfer.start(msg.engine, os.environ.get(HOST_ENV) or msg.host, tensors)
-        transfer = started if isinstance(started, RankTransfer) else None
-        _answer(channel, started.endpoint() if transfer is not None else started)
+        transfer, endpoint = RankTransfer.start(msg.engine, os.environ.get(HOST_ENV) or msg.host, tensors)
+        _answer(channel, endpoint)
         return transfer
     if transfer is None:
         raise RankFailure(f"rank {channel.rank}: {type(msg).__name__} without a transfer engine")
@@ -155,10 +155,8 @@ def setup_transfer(core, engine: str, host: str) -> list[RankEndpoint]:
     runner = core.runner
     if runner.channel is not None:
         runner.channel.send(TransferSetup(engine, host))
-    started = RankTransfer.start(engine, host, pool_tensors(core.cache.mla, core.cache.kda))
-    runner.transfer = started if isinstance(started, RankTransfer) else None
-    own = started.endpoint() if runner.transfer is not None else started
-    return _answers(runner.channel, own, RankEndpoint)
+    runner.transfer, endpoint = RankTransfer.start(engine, host, pool_tensors(core.cache.mla, core.cache.kda))
+    return _answers(runner.channel, endpoint, RankEndpoint)
 
 
 def start_job(core, msg: Digest | Pull) -> Future:

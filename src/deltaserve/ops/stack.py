@@ -9,11 +9,11 @@ still decline (None) and the modules run one by one.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from ..parallel.context import Reduce
 from .operands import GluAct
 
 
@@ -56,4 +56,4 @@ class StackOperands:
     out_mix: object | None
     final_norm: NormOperands
     head: tuple[torch.Tensor, torch.Tensor] | None = None
-    reduce: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
+    reduce: Reduce | None = None

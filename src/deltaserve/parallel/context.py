@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -53,6 +54,12 @@ class CommClock:
 
 
 COMM = CommClock()
+
+
+Reduce = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+"""A tensor-parallel rank's sum over the ranks, as `ParallelContext.sum`: (partial, replicated or
+None) -> the sum of every rank's partial (plus `replicated` once); may return `partial` itself,
+summed in place."""
 
 
 @dataclass(frozen=True)

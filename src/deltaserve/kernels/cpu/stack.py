@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...parallel.context import Reduce
 from .abi import MAX_MIX, STRUCTS
 from .attention import kda_pool_fits
 
@@ -33,12 +34,6 @@ class StackLayerPlan:
     mlp_q: torch.Tensor | None
     attn_norm: tuple[torch.Tensor, float]
     mlp_norm: tuple[torch.Tensor, float]
-
-
-Reduce = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-"""A tensor-parallel rank's sum over the ranks: (partial, replicated or None) -> the sum of every rank's
-partial (plus `replicated` once); may return `partial` itself, summed in place
-(`ParallelContext.all_reduce` / `reduce_sum`)."""
 
 
 class _Callback:
@@ -142,7 +137,7 @@ class StackBindings:
         """The plan of `ds_decode_stack`, or None where a layer does not fit it (the caller runs the
         layers one by one). `head`: the (embedding, lm_head) weights, bf16 [vocab, d] each, for
         `decode_logits` (left out where they do not fit). `reduce`: a tensor-parallel rank's sum over
-        the ranks (see `Reduce`), which the kernel calls back where the layers' outputs are partial."""
+        the ranks (`parallel.context.Reduce`), which the kernel calls back where the layers' outputs are partial."""
         if block_size is not None and -(-len(layers) // block_size) + 1 >= MAX_MIX:
             return None
         if not (_f32(out_q, d) and _f32(final_norm[0], d)) or (block_size is None) != (out_q is None):
