@@ -1,17 +1,20 @@
 """`deltaserve serve --data-parallel-size 2`: two replica servers behind one front. The official
 openai client works through it (plain and streamed); requests that share a prompt prefix land on
 the same replica (where it is cached: its prefix cache hits), different prompts spread over both;
-killing a replica turns `/ready` 503 and the front exits 1, taking the other replica with it; a
-front killed outright (SIGKILL: no cleanup of its own) takes its replica servers along too."""
+a replica killed (SIGKILL) fails only its in-flight requests, naming its death, while the front
+serves on the other and restarts it; a front killed outright (SIGKILL: no cleanup of its own) takes
+its replica servers along too; a front none of whose replicas comes up in time exits 1."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -19,7 +22,7 @@ import openai
 import pytest
 
 from deltaserve.tiny import make_tiny
-from tests.server.live_server import ready_codes_until_exit, wait_healthy
+from tests.server.live_server import wait_healthy
 
 
 def _port() -> int:
@@ -99,14 +102,64 @@ def test_two_replicas_behind_one_front(model):
         assert sorted(moved) == [0, 3], moved
         home = moved.index(3)
         assert _hits(base, home) > 0 and _hits(base, 1 - home) == 0
-        os.kill(replicas[home], signal.SIGKILL)
-        codes = ready_codes_until_exit(proc, base)
-        rc = proc.wait(10)
-        assert 503 in codes and rc == 1, (codes, rc, proc.stdout.read()[-2000:])
-        time.sleep(0.5)
-        assert all(subprocess.run(["kill", "-0", str(p)], capture_output=True).returncode for p in replicas)
+        survives_a_replica_death(proc, base, client, home, [system, first], replicas)
     finally:
-        _kill_all(proc, replicas)
+        _kill_all(proc, replicas + _children(proc))
+
+
+def _metric(base: str, name: str) -> float:
+    m = re.search(rf"^deltaserve:{name} (\S+)$", httpx.get(f"{base}/metrics", timeout=10).text, re.M)
+    return float(m.group(1))
+
+
+def _until(check, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not (got := check()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+    return got
+
+
+def survives_a_replica_death(proc, base: str, client, home: int, prefix: list, pids: list) -> None:
+    """SIGKILL replica `home` with a plain and a streamed request in flight on it (`prefix` routes
+    there): both fail naming its death, the next requests succeed on the other replica, the killed
+    one comes back (a new process) and serves again; with none live the front answers 503."""
+    body = {"model": "k3", "max_tokens": 900, "ignore_eos": True, "temperature": 0}
+    body["messages"] = [*prefix, {"role": "user", "content": "go on"}]
+    plain: dict = {}
+    url = f"{base}/v1/chat/completions"
+    thread = threading.Thread(target=lambda: plain.update(r=httpx.post(url, json=body, timeout=120)))
+    thread.start()
+    sent = f'deltaserve:dp_requests_inflight{{replica="{home}"}} 1'
+    _until(lambda: sent in httpx.get(f"{base}/metrics", timeout=10).text, 30, "the request did not go out")
+    with httpx.stream("POST", url, json=body | {"stream": True}, timeout=60) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))  # both are running on `home`
+        os.kill(pids[home], signal.SIGKILL)
+        events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    assert httpx.get(f"{base}/ready", timeout=10).json()["live"] == 1
+    error = json.loads(events[-2])["error"]
+    assert events[-1] == "[DONE]" and f"replica {home} died (killed by SIGKILL)" in error["message"], events[-3:]
+    thread.join(60)
+    assert plain["r"].status_code == 502 and f"replica {home} died" in plain["r"].json()["error"]["message"]
+    for i in range(4):  # routed to the live replica, whatever their prefix
+        out = client.completions.create(model="k3", prompt=f"after the death {i}", max_tokens=2)
+        assert out.usage.completion_tokens == 2
+    assert proc.poll() is None
+    _until(lambda: _metric(base, "dp_replicas_live") == 2, 120, "the killed replica did not come back")
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    assert f'deltaserve:dp_replica_restarts_total{{replica="{home}"}} 1' in text
+    assert f'deltaserve:dp_replica_failures_total{{replica="{home}",reason="exited"}} 1' in text
+    assert pids[home] not in _children(proc) and len(_children(proc)) == 2
+    routed = _routed(base)[home]
+    back = client.chat.completions.create(model="k3", messages=body["messages"], max_tokens=2)
+    assert back.usage.completion_tokens == 2 and _routed(base)[home] == routed + 1  # its prefix is home again
+    for pid in _children(proc):
+        os.kill(pid, signal.SIGKILL)
+    _until(lambda: _metric(base, "dp_replicas_live") == 0, 30, "the front did not notice")
+    down = httpx.post(f"{base}/v1/completions", json={"model": "k3", "prompt": "x", "max_tokens": 1})
+    assert down.status_code == 503 and "no data-parallel replica is live" in down.json()["error"]["message"]
+    assert httpx.get(f"{base}/ready", timeout=10).status_code == 503 and proc.poll() is None
 
 
 def test_replica_servers_do_not_outlive_a_killed_front(model):
@@ -129,3 +182,12 @@ def test_replica_servers_do_not_outlive_a_killed_front(model):
         assert not alive, f"replica servers {alive} outlived the front"
     finally:
         _kill_all(proc, replicas)
+
+
+def test_a_front_none_of_whose_replicas_comes_up_exits_1(model):
+    cmd = [sys.executable, "-m", "deltaserve.cli", "serve", str(model), "--port", str(_port())]
+    cmd += ["--data-parallel-size", "2", "--threads", "1", "--replica-start-timeout", "0.5"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "no data-parallel replica came up within 0.5 s of 2 started" in done.stderr
+    assert done.stderr.count("did not come up in time") == 2 and "Traceback" not in done.stderr

@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 SPILL = 4  # in-flight requests a prefix-affine replica may exceed the least loaded one by
 
 
 def rendezvous(key: bytes, n: int) -> int:
     """The replica in [0, n) whose hash with `key` is highest (rendezvous hashing)."""
-    return max(range(n), key=lambda i: hashlib.sha256(key + i.to_bytes(2, "little")).digest())
+    return rendezvous_among(key, range(n))
+
+
+def rendezvous_among(key: bytes, candidates: Iterable[int]) -> int:
+    """The replica among `candidates` whose hash with `key` is highest: a key keeps its replica
+    while that one is a candidate, and only the keys of a missing one move."""
+    return max(candidates, key=lambda i: hashlib.sha256(key + i.to_bytes(2, "little")).digest())
 
 
 def pick(key: bytes, loads: Sequence[int], spill: int = SPILL) -> int:

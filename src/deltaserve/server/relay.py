@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Callable
+from typing import Awaitable, Callable
 
 import httpx
 from fastapi import Request
@@ -23,10 +23,15 @@ def passed_headers(request: Request) -> dict[str, str]:
     return {k: v for k, v in request.headers.items() if k.lower() in PASSED}
 
 
-def stream_back(resp: httpx.Response, done: Callable[[], None], broken: str, on_break=None) -> StreamingResponse:
+def stream_back(
+    resp: httpx.Response,
+    done: Callable[[], None],
+    broken: str | Callable[[], Awaitable[str]],
+    on_break=None,
+) -> StreamingResponse:
     """`resp` (sent with `stream=True`) relayed chunk by chunk; `done()` runs once it is over. If
-    the upstream breaks mid-answer, `on_break()` runs and an SSE answer ends with `broken` as an
-    error event."""
+    the upstream breaks mid-answer, `on_break()` runs and an SSE answer ends with `broken` (or
+    what `await broken()` says then) as an error event."""
     sse = resp.headers.get("content-type", "").startswith("text/event-stream")
 
     async def chunks():
@@ -37,7 +42,8 @@ def stream_back(resp: httpx.Response, done: Callable[[], None], broken: str, on_
             if on_break is not None:
                 on_break()
             if sse:
-                yield f"data: {json.dumps(error_body(broken, 'server_error'))}\n\ndata: [DONE]\n\n".encode()
+                message = broken if isinstance(broken, str) else await broken()
+                yield f"data: {json.dumps(error_body(message, 'server_error'))}\n\ndata: [DONE]\n\n".encode()
         finally:
             await resp.aclose()
             done()

@@ -9,49 +9,41 @@ request (streams relayed as they come, the client's `Authorization` passed on) t
 - **load-bounded**: a replica with `SPILL` more requests in flight than the least loaded one
   gives way to it.
 
-`/health` is the front's; `/ready` is 200 only while every replica is ready; `/metrics` counts
-requests per replica, and each replica's own metrics are at `/replicas/{i}/metrics`. A replica
-that exits turns `/ready` 503 and the front exits 1 (as a tensor-parallel server does when a rank
-dies); stopping the front stops the replicas.
+Replicas are started, watched and restarted by `replica_supervisor.py`; the front routes only to
+live ones (a key whose replica is down moves to its next rendezvous choice, and back when it
+returns). A request whose replica could not be reached goes to another live one; one in flight on
+a replica that dies fails with a 502 naming the death (a stream already answering ends with an SSE
+error event and `[DONE]`); with no replica live the front answers 503. `/health` is the front's;
+`/ready` is 200 while at least one replica is live and ready (its body counts them); `/metrics`
+counts requests per replica, live replicas, restarts and failures, and each replica's own metrics
+are at `/replicas/{i}/metrics`. Stopping the front stops the replicas.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
-import logging
-import os
-import socket
+import signal
 import subprocess
-import sys
-import threading
-import time
-from dataclasses import dataclass
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from ..engine.routing import SPILL, rendezvous
+from ..engine.routing import SPILL, rendezvous_among
 from .errors import APIError
 from .middleware import front_app
 from .protocol import MAX_BODY_BYTES
-from .relay import all_ready, passed_headers, stream_back
+from .relay import passed_headers, stream_back
+from .replica_supervisor import EXIT_WITH_PARENT_ENV, Replica
 
-log = logging.getLogger("deltaserve.replicas")
+__all__ = ["EXIT_WITH_PARENT_ENV", "Front", "Replica", "build_front_app", "replica_argv", "routing_key"]
 
 KEY_BYTES = 2048  # prompt bytes the routing key hashes
 FORWARDED = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
-FRONT_ONLY = ("--data-parallel-size", "--port", "--host")
-
-
-@dataclass
-class Replica:
-    index: int
-    url: str
-    proc: subprocess.Popen
-    inflight: int = 0
-    routed: int = 0
+FRONT_ONLY = ("--data-parallel-size", "--port", "--host", "--replica-start-timeout")
+FAILURE_REASONS = ("exited", "start_timeout")
 
 
 def routing_key(body: dict) -> bytes:
@@ -65,58 +57,140 @@ def routing_key(body: dict) -> bytes:
     return (json.dumps(salt) + json.dumps(prompt, sort_keys=True, default=str)).encode()[:KEY_BYTES]
 
 
+class Unreached(APIError):
+    """The replica could not be connected to: the request was not sent, another may take it."""
+
+
+def _ended(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+
+
+async def death(proc: subprocess.Popen, wait: float = 1.0) -> str | None:
+    """How `proc` ended, if it does within `wait` s (a killed process's connections close a moment
+    before it can be reaped); None while it runs."""
+    for _ in range(max(1, int(wait / 0.05))):
+        if proc.poll() is not None:
+            return _ended(proc.returncode)
+        await asyncio.sleep(0.05)
+    return None
+
+
 class Front:
     def __init__(self, replicas: list[Replica]):
         self.replicas = replicas
-        self.failure: str | None = None
-        self.closing = False
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
 
-    def pick(self, key: bytes) -> Replica:
-        """The prefix-affine replica unless it is `SPILL` requests busier than the least loaded."""
-        home = self.replicas[rendezvous(key, len(self.replicas))]
-        least = min(self.replicas, key=lambda r: r.inflight)
+    def live(self) -> list[Replica]:
+        return [r for r in self.replicas if r.live]
+
+    def pick(self, key: bytes, skip: set[int] = frozenset()) -> Replica:
+        """The prefix-affine live replica unless it is `SPILL` requests busier than the least
+        loaded live one; 503 when none is live (but those in `skip`)."""
+        live = [r for r in self.live() if r.index not in skip]
+        if not live:
+            raise self.unavailable()
+        home = self.replicas[rendezvous_among(key, [r.index for r in live])]
+        least = min(live, key=lambda r: r.inflight)
         return home if home.inflight <= least.inflight + SPILL else least
 
+    def unavailable(self) -> APIError:
+        n = len(self.replicas)
+        return APIError(
+            503,
+            f"no data-parallel replica is live (0 of {n}; they are being restarted)",
+            "service_unavailable",
+            headers={"Retry-After": "1"},
+        )
+
     async def forward(self, request: Request) -> Response:
-        """Route the request (see `pick`) and relay the replica's answer."""
+        """Route the request (see `pick`) and relay the replica's answer; a replica that cannot
+        be reached hands it to the next live one."""
         raw = await request.body()
         try:
             body = json.loads(raw) if raw else {}
         except ValueError:
             body = {}
-        replica = self.pick(routing_key(body if isinstance(body, dict) else {}))
-        replica.routed += 1
-        return await self.relay(replica, request, request.url.path, raw)
+        key, tried = routing_key(body if isinstance(body, dict) else {}), set()
+        while True:
+            replica = self.pick(key, tried)
+            try:
+                answer = await self.relay(replica, request, request.url.path, raw)
+                replica.routed += 1
+                return answer
+            except Unreached:
+                tried.add(replica.index)
+            except APIError:
+                replica.routed += 1
+                raise
 
     async def relay(self, replica: Replica, request: Request, path: str, raw: bytes = b"") -> Response:
-        """`request` (method, body, authorization) sent to `replica` at `path`, its answer streamed back."""
+        """`request` (method, body, authorization) sent to `replica` at `path`, its answer streamed
+        back; 502 naming the replica's death if it dies before answering."""
+        proc, index = replica.proc, replica.index
         upstream = self.client.build_request(
             request.method, replica.url + path, content=raw, headers=passed_headers(request)
         )
         replica.inflight += 1
         try:
             resp = await self.client.send(upstream, stream=True)
-        except httpx.HTTPError:
+        except httpx.HTTPError as e:
             replica.inflight -= 1
-            raise APIError(503, f"replica {replica.index} did not answer", "service_unavailable") from None
+            if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+                raise Unreached(503, f"replica {index} did not answer", "service_unavailable") from None
+            ended = await death(proc)
+            if ended is None:
+                raise APIError(502, f"replica {index} failed before answering", "server_error") from None
+            raise APIError(502, self.died(index, ended), "server_error") from None
 
         def done():
             replica.inflight -= 1
 
-        return stream_back(resp, done, f"replica {replica.index} failed mid-answer")
+        async def broken() -> str:
+            ended = await death(proc)
+            return f"replica {index} failed mid-answer" if ended is None else self.died(index, ended)
 
-    async def ready(self) -> bool:
-        return self.failure is None and await all_ready(self.client, [r.url for r in self.replicas])
+        return stream_back(resp, done, broken)
+
+    @staticmethod
+    def died(index: int, ended: str) -> str:
+        return f"data-parallel replica {index} died ({ended}) while serving this request; it is being restarted"
+
+    async def ready_count(self) -> int:
+        """How many live replicas answer `/ready` with 200 (within 5 s)."""
+
+        async def one(r: Replica) -> bool:
+            try:
+                return (await self.client.get(r.url + "/ready", timeout=5.0)).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        return sum(await asyncio.gather(*(one(r) for r in self.live())))
 
     def metrics(self) -> str:
+        rs = self.replicas
         lines = [
             "# HELP deltaserve:dp_requests_total Requests the front routed to each replica.",
             "# TYPE deltaserve:dp_requests_total counter",
-            *(f'deltaserve:dp_requests_total{{replica="{r.index}"}} {r.routed}' for r in self.replicas),
+            *(f'deltaserve:dp_requests_total{{replica="{r.index}"}} {r.routed}' for r in rs),
             "# HELP deltaserve:dp_requests_inflight Requests in flight at each replica.",
             "# TYPE deltaserve:dp_requests_inflight gauge",
-            *(f'deltaserve:dp_requests_inflight{{replica="{r.index}"}} {r.inflight}' for r in self.replicas),
+            *(f'deltaserve:dp_requests_inflight{{replica="{r.index}"}} {r.inflight}' for r in rs),
+            "# HELP deltaserve:dp_replicas Replicas configured (--data-parallel-size).",
+            "# TYPE deltaserve:dp_replicas gauge",
+            f"deltaserve:dp_replicas {len(rs)}",
+            "# HELP deltaserve:dp_replicas_live Replicas answering and routed to.",
+            "# TYPE deltaserve:dp_replicas_live gauge",
+            f"deltaserve:dp_replicas_live {len(self.live())}",
+            "# HELP deltaserve:dp_replica_restarts_total Replica processes started again after a failure.",
+            "# TYPE deltaserve:dp_replica_restarts_total counter",
+            *(f'deltaserve:dp_replica_restarts_total{{replica="{r.index}"}} {r.restarts}' for r in rs),
+            "# HELP deltaserve:dp_replica_failures_total Replica failures: exits, starts past the deadline.",
+            "# TYPE deltaserve:dp_replica_failures_total counter",
+            *(
+                f'deltaserve:dp_replica_failures_total{{replica="{r.index}",reason="{why}"}} {r.failures[why]}'
+                for r in rs
+                for why in FAILURE_REASONS
+            ),
         ]
         return "\n".join(lines) + "\n"
 
@@ -129,27 +203,31 @@ def build_front_app(front: Front, api_key: str | None = None, max_body_bytes: in
 
     @app.get("/v1/models")
     async def models(request: Request):
-        return await front.relay(front.replicas[0], request, "/v1/models")
+        tried = set()
+        while True:
+            replica = front.pick(b"", tried)
+            try:
+                return await front.relay(replica, request, "/v1/models")
+            except Unreached:
+                tried.add(replica.index)
 
     @app.get("/ready")
     async def ready():
-        if not await front.ready():
-            raise APIError(503, front.failure or "a replica is not ready", "service_unavailable")
-        return {"status": "ready", "replicas": len(front.replicas)}
+        n = await front.ready_count()
+        if not n:
+            total = len(front.replicas)
+            raise APIError(503, f"no data-parallel replica is ready (0 of {total})", "service_unavailable")
+        return {"status": "ready", "replicas": len(front.replicas), "live": n}
 
     @app.get("/replicas/{index}/metrics")
     async def replica_metrics(index: int, request: Request):
         if not 0 <= index < len(front.replicas):
             raise APIError(404, f"no replica {index}", "not_found_error")
+        if not front.replicas[index].live:
+            raise APIError(503, f"replica {index} is not live", "service_unavailable")
         return await front.relay(front.replicas[index], request, "/metrics")
 
     return app
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def replica_argv(args: argparse.Namespace, parser: argparse.ArgumentParser, model: str) -> list[str]:
@@ -169,56 +247,3 @@ def replica_argv(args: argparse.Namespace, parser: argparse.ArgumentParser, mode
         else:
             argv += [action.option_strings[0], str(value)]
     return argv
-
-
-EXIT_WITH_PARENT_ENV = "DELTASERVE_EXIT_WITH_PARENT"
-
-
-def start_replicas(n: int, argv: list[str]) -> list[Replica]:
-    """Start `n` replica servers on free loopback ports and wait until each answers /health."""
-    replicas = []
-    for i in range(n):
-        port = _free_port()
-        cmd = [sys.executable, "-m", "deltaserve.cli", "serve", *argv, "--host", "127.0.0.1", "--port", str(port)]
-        env = dict(os.environ, **{EXIT_WITH_PARENT_ENV: "1"})  # a killed front takes its replicas along
-        replicas.append(Replica(i, f"http://127.0.0.1:{port}", subprocess.Popen(cmd, env=env)))
-    for r in replicas:
-        while True:
-            if r.proc.poll() is not None:
-                stop_replicas(replicas)
-                raise RuntimeError(f"replica {r.index} exited with code {r.proc.returncode} while starting")
-            try:
-                if httpx.get(r.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-    return replicas
-
-
-def stop_replicas(replicas: list[Replica], timeout: float = 15.0) -> None:
-    for r in replicas:
-        if r.proc.poll() is None:
-            r.proc.terminate()
-    deadline = time.monotonic() + timeout
-    for r in replicas:
-        try:
-            r.proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            r.proc.kill()
-
-
-def watch(front: Front, on_failure) -> None:
-    """Poll the replicas; the first that exits fails the front (`on_failure(reason)`)."""
-
-    def run():
-        while front.failure is None and not front.closing:
-            for r in front.replicas:
-                if r.proc.poll() is not None and not front.closing:
-                    front.failure = f"replica {r.index} (pid {r.proc.pid}) exited with code {r.proc.returncode}"
-                    log.error("data-parallel front failed: %s", front.failure)
-                    on_failure(front.failure)
-                    return
-            time.sleep(0.2)
-
-    threading.Thread(target=run, name="deltaserve-replicas", daemon=True).start()

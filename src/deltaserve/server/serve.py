@@ -19,6 +19,7 @@ import shutil
 import signal
 import tempfile
 import threading
+from functools import partial
 from pathlib import Path
 
 log = logging.getLogger("deltaserve.serve")
@@ -147,6 +148,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=_seconds,
         default=5.0,
         help="on SIGTERM, drain in-flight requests for at most this many seconds, then cancel the rest and exit 0",
+    )
+    p.add_argument(
+        "--replica-start-timeout",
+        type=_seconds,
+        default=900.0,
+        help="with --data-parallel-size: seconds a replica gets to load and answer; one that does not is "
+        "killed and restarted with backoff (the server exits 1 if none comes up at first)",
     )
 
 
@@ -284,14 +292,25 @@ def _serve_replicas(args: argparse.Namespace, model_dir: Path, name: str) -> int
     import uvicorn
 
     from . import replica_front as rf
+    from .replica_supervisor import Replica, Supervisor, serve_command
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     argv = rf.replica_argv(args, parser, str(model_dir))
     if "--served-model-name" not in argv:
         argv += ["--served-model-name", name]
-    replicas = rf.start_replicas(args.data_parallel_size, argv)
-    front = rf.Front(replicas)
+    n, stop_s = args.data_parallel_size, args.shutdown_timeout + 10
+    supervisor = Supervisor([Replica(i, partial(serve_command, argv)) for i in range(n)], args.replica_start_timeout)
+    try:
+        live = supervisor.start()
+    except BaseException:
+        supervisor.stop(stop_s)
+        raise
+    if not live:
+        supervisor.stop(stop_s)
+        log.error("no data-parallel replica came up within %g s of %d started", args.replica_start_timeout, n)
+        return 1
+    front = rf.Front(supervisor.replicas)
     server = uvicorn.Server(
         uvicorn.Config(
             rf.build_front_app(front, args.api_key, media_body_bytes(media_policy(args))),
@@ -301,15 +320,11 @@ def _serve_replicas(args: argparse.Namespace, model_dir: Path, name: str) -> int
             timeout_graceful_shutdown=args.shutdown_timeout,
         )
     )
-    rf.watch(front, lambda reason: threading.Timer(FAILURE_GRACE_S, _stop, (server,)).start())
-    log.info("serving %r on http://%s:%d over %d replicas", name, args.host, args.port, len(replicas))
+    supervisor.run()
+    log.info("serving %r on http://%s:%d over %d replicas (%d live)", name, args.host, args.port, n, live)
     exit_cleanly_on_sigterm()
     try:
         server.run()
     finally:
-        front.closing = True
-        rf.stop_replicas(replicas, args.shutdown_timeout + 10)
-    if front.failure is not None:
-        log.error("exiting: %s", front.failure)
-        return 1
+        supervisor.stop(stop_s)
     return 0
