@@ -18,7 +18,9 @@ Invariants:
   `InvalidRequestError` one engine would and leaves nothing queued); greedy and seeded requests
   give the same tokens, unseeded random ones draw from their replica's engine seed;
 - a replica that exits, reports a failure, or with work says nothing for `distributed_timeout`
-  seconds raises `ReplicaFailure` (the others are killed; every later call raises it again);
+  seconds is lost (killed if it still runs) and fails only its own requests: the call raises
+  `ReplicaFailure` once the other replicas' requests are done, with their outputs in its
+  `outputs`; later calls go to the replicas left (with none left they raise the failure);
 - `shutdown` stops every replica; a replica exits when the client's process does.
 """
 
@@ -55,9 +57,7 @@ from .dp_protocol import (
     Result,
     Shutdown,
     ToClient,
-    WireRequest,
-    image_to_wire,
-    params_to_wire,
+    request_to_wire,
 )
 from .dp_replica import REPLICA_ENV
 from .mm_inputs import ImagePrompts
@@ -72,11 +72,12 @@ STOP_TIMEOUT = 15.0  # seconds a replica gets to stop (its worker ranks too) bef
 
 
 class ReplicaFailure(RuntimeError):
-    """A data-parallel replica exited, failed, or stopped answering: the `LLM` cannot go on."""
+    """A data-parallel replica exited, failed, or stopped answering. From `generate`, `outputs`
+    holds the call's outputs in input order, None for the requests the lost replica had."""
 
-    def __init__(self, replica: int, reason: str):
+    def __init__(self, replica: int, reason: str, outputs: list[RequestOutput | None] | None = None):
         super().__init__(f"data-parallel replica {replica} failed: {reason}")
-        self.replica = replica
+        self.replica, self.reason, self.outputs = replica, reason, outputs
 
 
 @dataclass
@@ -84,6 +85,7 @@ class _Replica:
     index: int
     proc: subprocess.Popen
     link: Link
+    failure: ReplicaFailure | None = None  # set once it is lost
 
 
 def _cpus() -> int:
@@ -149,16 +151,9 @@ def _spawn(index: int, c: EngineConfig, dp: int) -> _Replica:
     return _Replica(index, proc, Link(mine, ToClient))
 
 
-def _wire(s: tuple) -> WireRequest:
-    rid, ids, p, text, salt, images = s
-    ims = None if images is None else [image_to_wire(im) for im in images]
-    return WireRequest(rid, list(ids), params_to_wire(p), text, salt, ims)
-
-
 class DPClient:
     def __init__(self, config: EngineConfig, tokenizer):
         self.config, self.timeout = config, config.distributed_timeout
-        self.failure: ReplicaFailure | None = None
         self.replicas: list[_Replica] = []
         self._closed = False
         self._seq = 0
@@ -184,47 +179,66 @@ class DPClient:
             tokenizer, first.media_pad_id, first.accepts_images or None, first.max_model_len
         )
 
-    def _fail(self, r: _Replica, reason: str):
-        if self.failure is None:
-            self.failure = ReplicaFailure(r.index, reason)
-            self.kill()
-        raise self.failure
+    def _lose(self, r: _Replica, reason: str) -> ReplicaFailure:
+        """`r` lost (killed if it still runs); the others go on."""
+        if r.failure is None:
+            r.failure = ReplicaFailure(r.index, reason)
+            if r.proc.poll() is None:
+                r.proc.kill()
+                r.proc.wait()
+            r.link.close()
+        return r.failure
+
+    def _live(self) -> list[_Replica]:
+        return [r for r in self.replicas if r.failure is None]
 
     def _take(self, r: _Replica):
         """The next message of `r` (readable); raises `ReplicaFailure` on `Failed` or a closed socket."""
         try:
             msg = r.link.recv()
         except msgspec.DecodeError as e:
-            self._fail(r, f"sent a malformed message ({e})")
+            raise self._lose(r, f"sent a malformed message ({e})")
         except (EOFError, OSError):
             try:
                 code = r.proc.wait(5)
             except subprocess.TimeoutExpired:
                 code = None
-            self._fail(r, f"pid {r.proc.pid} closed its connection (exit code {code})")
+            raise self._lose(r, f"pid {r.proc.pid} closed its connection (exit code {code})")
         if isinstance(msg, Failed):
-            self._fail(r, msg.reason)
+            raise self._lose(r, msg.reason)
         return msg
 
     def _wait(self, rs: list[_Replica], heard: dict[int, float] | None) -> list[tuple[_Replica, object]]:
         """The messages of whichever of `rs` speak within `POLL` s; raises `ReplicaFailure` for
         one that exited or (when `heard` has its last message's time) is silent past the timeout."""
+        rs = [r for r in rs if r.failure is None]
         socks = {r.link.sock: r for r in rs}
         wait = 0 if any(r.link.buffered() for r in rs) else POLL
-        readable = {socks[s].index for s in select.select(list(socks), [], [], wait)[0]}
-        got = [(r, self._take(r)) for r in rs if r.index in readable or r.link.buffered()]
+        readable = {socks[s].index for s in select.select(list(socks), [], [], wait)[0]} if rs else set()
+        got = [(r, msg) for r in rs if r.index in readable or r.link.buffered() for msg in self._heard(r, False)]
         now = time.monotonic()
         for r, _ in got:
             if heard is not None:
                 heard[r.index] = now
         for r in rs:
-            if r.proc.poll() is not None:
-                while r.link.ready(0):
-                    self._take(r)
-                self._fail(r, f"pid {r.proc.pid} exited with code {r.proc.returncode}")
-            if heard is not None and now - heard[r.index] > self.timeout:
-                self._fail(r, f"said nothing for {self.timeout:g} s with requests in flight")
+            if r.failure is None and r.proc.poll() is not None:
+                got += [(r, msg) for msg in self._heard(r, True)]
+                self._lose(r, f"pid {r.proc.pid} exited with code {r.proc.returncode}")
+            if r.failure is None and heard is not None and now - heard[r.index] > self.timeout:
+                self._lose(r, f"said nothing for {self.timeout:g} s with requests in flight")
         return got
+
+    def _heard(self, r: _Replica, drain: bool) -> list:
+        """`r`'s next message (it is readable), or with `drain` all it has sent; none once lost."""
+        msgs = []
+        try:
+            if not drain:
+                msgs.append(self._take(r))
+            while drain and r.failure is None and r.link.ready(0):
+                msgs.append(self._take(r))
+        except ReplicaFailure:
+            pass
+        return msgs
 
     def _expect(self, r: _Replica, kind: type, heard: dict[int, float] | None):
         """The next `kind` message of `r`, skipping stale `Outputs` (of aborted requests)."""
@@ -232,23 +246,29 @@ class DPClient:
             for _, msg in self._wait([r], heard):
                 if isinstance(msg, kind):
                     return msg
+            if r.failure is not None:
+                raise r.failure
 
     def _send(self, r: _Replica, msg) -> None:
+        """`msg` sent to `r`; a replica that cannot be reached is lost (no raise)."""
         try:
             r.link.send(msg)
         except OSError as e:
-            self._fail(r, f"cannot be reached ({e})")
+            self._lose(r, f"cannot be reached ({e})")
 
-    def _check(self) -> None:
-        if self.failure is not None:
-            raise self.failure
+    def _check(self) -> list[int]:
+        """The live replicas' indices; raises the first failure when none is left."""
+        live = [r.index for r in self._live()]
+        if not live:
+            raise next(r.failure for r in self.replicas if r.failure is not None)
         if self._closed:
             raise RuntimeError("the LLM was shut down")
+        return live
 
     def generate(self, staged: list[tuple], use_tqdm: bool) -> list[RequestOutput]:
         """`staged`: (request id, prompt ids, params, prompt text, cache salt, images) per
         request, as `LLM.generate` builds them; the outputs in the same order."""
-        self._check()
+        live = self._check()
         self._seq += 1
         loads, batches, refused = [0] * len(self.replicas), {}, []
         for pos, (rid, ids, p, text, salt, images) in enumerate(staged):
@@ -258,20 +278,24 @@ class DPClient:
             if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
                 refused.append((0, pos, f"prompt token ids must be ints in [0, {vocab})"))  # not encodable
                 continue
-            i = pick(token_key(ids, salt, self.config.prefix_match_unit), loads, self.spill)
+            i = pick(token_key(ids, salt, self.config.prefix_match_unit), loads, self.spill, live)
             loads[i] += p.n
             batches.setdefault(i, []).append(pos)
-        adds = {i: Add(self._seq, [_wire(staged[pos]) for pos in positions]) for i, positions in batches.items()}
+        adds = {i: Add(self._seq, [request_to_wire(*staged[p]) for p in ps]) for i, ps in batches.items()}
         results: dict[str, RequestOutput] = {}
         try:
             self._run(adds, batches, refused, len(staged), results, use_tqdm)
         finally:
-            if self.failure is None and not self._closed:
-                for i, positions in batches.items():
-                    left = [staged[p][0] for p in positions if staged[p][0] not in results]
-                    if left:
-                        self._send(self.replicas[i], Abort(left))
-        return [results[s[0]] for s in staged]
+            for i, positions in batches.items():
+                left = [staged[p][0] for p in positions if staged[p][0] not in results]
+                if left and not self._closed and self.replicas[i].failure is None:
+                    self._send(self.replicas[i], Abort(left))
+        outs = [results.get(s[0]) for s in staged]
+        if None in outs:  # a replica was lost: its requests have no output
+            i = next(i for i, ps in sorted(batches.items()) if any(outs[p] is None for p in ps))
+            f, n = self.replicas[i].failure, outs.count(None)
+            raise ReplicaFailure(i, f"{f.reason} ({n} of the call's {len(outs)} requests were on it)", outs)
+        return outs
 
     def _run(self, adds: dict, batches: dict, refused: list, total: int, results: dict, use_tqdm: bool) -> None:
         """Send the batches, then collect answers until every request finished; raises the
@@ -284,6 +308,10 @@ class DPClient:
             self._send(self.replicas[i], add)
         with tqdm(total=total, disable=not use_tqdm, desc="generate") as bar:
             while True:
+                for i in adds:
+                    if self.replicas[i].failure is not None:  # lost: its requests get no output
+                        acks.setdefault(i, Added(self._seq))
+                        pending[i].clear()
                 if len(acks) == len(adds):
                     errors = refused + [(a.phase, batches[i][a.index], a.error) for i, a in acks.items() if a.error]
                     if errors:
@@ -304,13 +332,13 @@ class DPClient:
                                 bar.update(1)
 
     def _call(self, name: str) -> list:
-        """`name` (a `dp_protocol.CALLS` entry) run on every replica: their answers in order."""
-        self._check()
+        """`name` (a `dp_protocol.CALLS` entry) run on every live replica: their answers in order."""
+        live = [self.replicas[i] for i in self._check()]
         self._seq += 1
-        for r in self.replicas:
+        for r in live:
             self._send(r, Call(self._seq, name))
         answers = []
-        for r in self.replicas:
+        for r in live:
             heard = {r.index: time.monotonic()}
             result = self._expect(r, Result, heard)
             while result.seq != self._seq:  # a late answer to an interrupted call
@@ -323,15 +351,15 @@ class DPClient:
         return answers
 
     def stats(self) -> dict:
-        """Integer figures summed over the replicas (`page_size` is every replica's), and
-        `replicas`: each replica's own stats."""
+        """Integer figures summed over the live replicas (`page_size` is every replica's),
+        `replicas`: each live replica's own stats, `replicas_live`: how many there are."""
         each = self._call("stats")
         total = {
             k: v if k == "page_size" else sum(s[k] for s in each)
             for k, v in each[0].items()
             if isinstance(v, int) and not isinstance(v, bool)
         }
-        return total | {"data_parallel_size": len(each), "replicas": each}
+        return total | {"data_parallel_size": len(self.replicas), "replicas_live": len(each), "replicas": each}
 
     def reset_prefix_cache(self) -> bool:
         return all(self._call("reset_prefix_cache"))
@@ -340,18 +368,19 @@ class DPClient:
         self._call("check_integrity")
 
     def shutdown(self) -> None:
-        """Stop every replica (idempotent); after a failure they are killed instead."""
-        if self._closed or self.failure is not None:
+        """Stop every live replica (idempotent); lost ones were killed already."""
+        if self._closed:
             self.kill()
             return
         self._closed = True
-        for r in self.replicas:
+        live = self._live()
+        for r in live:
             try:
                 r.link.send(Shutdown())
             except OSError:
                 pass
         deadline = time.monotonic() + STOP_TIMEOUT
-        for r in self.replicas:
+        for r in live:
             try:
                 r.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

@@ -140,6 +140,12 @@ def image_to_wire(im: ImageInput) -> WireImage:
     return WireImage(TensorBytes.of(p.pixel_values), list(p.grid_thw), p.num_tokens, list(p.image_size), im.digest)
 
 
+def request_to_wire(rid: str, ids, p: SamplingParams, text, salt, images) -> WireRequest:
+    """One request as `LLM.generate` stages it (id, prompt ids, params, text, salt, images)."""
+    ims = None if images is None else [image_to_wire(im) for im in images]
+    return WireRequest(rid, list(ids), params_to_wire(p), text, salt, ims)
+
+
 def image_from_wire(w: WireImage) -> ImageInput:
     image = ProcessedImage(w.pixel_values.tensor(), tuple(w.grid_thw), w.num_tokens, tuple(w.image_size))
     return ImageInput(image, w.digest)

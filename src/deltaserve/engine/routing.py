@@ -26,11 +26,12 @@ def rendezvous_among(key: bytes, candidates: Iterable[int]) -> int:
     return max(candidates, key=lambda i: hashlib.sha256(key + i.to_bytes(2, "little")).digest())
 
 
-def pick(key: bytes, loads: Sequence[int], spill: int = SPILL) -> int:
-    """`key`'s rendezvous replica unless its load exceeds the least one's by more than `spill`:
-    then the least loaded (the lowest index among equals)."""
-    home = rendezvous(key, len(loads))
-    least = min(range(len(loads)), key=loads.__getitem__)
+def pick(key: bytes, loads: Sequence[int], spill: int = SPILL, among: Sequence[int] | None = None) -> int:
+    """`key`'s rendezvous replica (of `among`, default all) unless its load exceeds the least
+    one's by more than `spill`: then the least loaded (the lowest index among equals)."""
+    among = range(len(loads)) if among is None else among
+    home = rendezvous_among(key, among)
+    least = min(among, key=loads.__getitem__)
     return home if loads[home] <= loads[least] + spill else least
 
 
