@@ -100,7 +100,7 @@ def test_the_front_routes_only_to_live_replicas():
         r.live = False
     with pytest.raises(APIError) as e:
         front.pick(key)
-    assert e.value.status == 503 and "no data-parallel replica is live" in e.value.message
+    assert e.value.status == 503 and "(0 of 3 live; they are being restarted)" in e.value.message
     text = front.metrics()
     assert "deltaserve:dp_replicas_live 0\n" in text and "deltaserve:dp_replicas 3\n" in text
     assert 'deltaserve:dp_replica_failures_total{replica="2",reason="start_timeout"} 0' in text

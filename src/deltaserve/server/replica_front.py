@@ -88,16 +88,17 @@ class Front:
         loaded live one; 503 when none is live (but those in `skip`)."""
         live = [r for r in self.live() if r.index not in skip]
         if not live:
-            raise self.unavailable()
+            raise self.unavailable(len(self.live()))
         home = self.replicas[rendezvous_among(key, [r.index for r in live])]
         least = min(live, key=lambda r: r.inflight)
         return home if home.inflight <= least.inflight + SPILL else least
 
-    def unavailable(self) -> APIError:
+    def unavailable(self, live: int) -> APIError:
         n = len(self.replicas)
+        why = "they are being restarted" if not live else f"the {live} live did not answer"
         return APIError(
             503,
-            f"no data-parallel replica is live (0 of {n}; they are being restarted)",
+            f"no data-parallel replica could take the request ({live} of {n} live; {why})",
             "service_unavailable",
             headers={"Retry-After": "1"},
         )

@@ -63,6 +63,7 @@ class Replica:
     deadline: float = 0.0  # while starting: when it is given up
     retry_at: float | None = None  # while down: when it is respawned
     live_since: float = 0.0
+    last_failure: str = ""  # what its last failure was, for the log
 
     def spawn(self, start_timeout: float) -> None:
         port = _free_port()
@@ -94,19 +95,30 @@ class Supervisor:
     def __init__(self, replicas: list[Replica], start_timeout: float, cap: float = BACKOFF_CAP_S):
         self.replicas, self.start_timeout, self.cap = replicas, start_timeout, cap
         self.closing = False
+        self.started = False  # `start` has returned: failures are logged as they happen
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     def start(self) -> int:
         """Spawn every replica and wait (each up to `start_timeout`) until it answers or fails;
-        the number live. Those that failed are left to `run`'s restarts."""
+        the number live. Those that failed are logged (when some are live) and left to `run`'s
+        restarts; with none live nothing is logged: `failed_start` says why in one line."""
         for r in self.replicas:
             r.spawn(self.start_timeout)
         waiting = list(self.replicas)
         while waiting:
             waiting = [r for r in waiting if self.step(r, time.monotonic()) == "starting"]
             time.sleep(POLL_S if waiting else 0)
-        return sum(r.live for r in self.replicas)
+        live = sum(r.live for r in self.replicas)
+        for r in self.replicas:
+            if live and not r.live:
+                self._log_failure(r)
+        self.started = True
+        return live
+
+    def failed_start(self) -> str:
+        """Why each replica failed its first start, in one line."""
+        return "; ".join(f"replica {r.index} {r.last_failure}" for r in self.replicas if not r.live)
 
     def step(self, r: Replica, now: float) -> str:
         """Advance `r` by one observation; its state after it."""
@@ -148,17 +160,17 @@ class Supervisor:
         r.failures[reason] += 1
         r.streak += 1
         r.live_since = 0.0
+        r.retry_at = now + backoff(r.streak, self.cap)
+        if reason == "exited":
+            r.last_failure = f"(pid {r.proc.pid}) exited with code {r.proc.returncode}"
+        else:
+            r.last_failure = f"(pid {r.proc.pid}) did not come up within {self.start_timeout:g} s"
+        if self.started:
+            self._log_failure(r)
+
+    def _log_failure(self, r: Replica) -> None:
         delay = backoff(r.streak, self.cap)
-        r.retry_at = now + delay
-        what = f"exited with code {r.proc.returncode}" if reason == "exited" else "did not come up in time"
-        log.error(
-            "replica %d (pid %d) %s; restarting in %.3g s (failure %d in a row)",
-            r.index,
-            r.proc.pid,
-            what,
-            delay,
-            r.streak,
-        )
+        log.error("replica %d %s; restarting in %.3g s (failure %d in a row)", r.index, r.last_failure, delay, r.streak)
 
     def run(self) -> None:
         """Watch and restart the replicas on a daemon thread until `stop`."""

@@ -308,7 +308,7 @@ def _serve_replicas(args: argparse.Namespace, model_dir: Path, name: str) -> int
         raise
     if not live:
         supervisor.stop(stop_s)
-        log.error("no data-parallel replica came up within %g s of %d started", args.replica_start_timeout, n)
+        log.error("no data-parallel replica came up: %s", supervisor.failed_start())
         return 1
     front = rf.Front(supervisor.replicas)
     server = uvicorn.Server(
