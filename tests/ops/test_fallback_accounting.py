@@ -84,12 +84,12 @@ def test_each_op_and_reason_is_logged_once(ops, caplog):
 
 
 def test_startup_line_names_what_the_models_shapes_leave_to_torch(ops):
-    plain = ServedShapes(BF16, BF16, torch.float32, 8, 512, "sigmoid")
+    plain = ServedShapes(BF16, BF16, torch.float32, 8, 512, 64, 192, "sigmoid")
     assert "gathered rows" not in describe(ops, plain) and "states" not in describe(ops, plain)
-    wide = ServedShapes(BF16, BF16, BF16, MLA_MAX_HEADS * 2, 512, "softplus")
+    wide = ServedShapes(BF16, BF16, BF16, MLA_MAX_HEADS * 2, 512, 64, 192, "softplus")
     line = describe(ops, wide)
     assert f"{MLA_MAX_HEADS * 2} heads" in line and "gathered rows" in line
     assert "softplus gate on torch" in line and "fp32 states, not bfloat16" in line
-    assert describe(ops, ServedShapes(torch.float32, torch.float32, torch.float32, 8, 512, "sigmoid")).startswith(
-        "torch [float32 model]"
-    )
+    assert describe(
+        ops, ServedShapes(torch.float32, torch.float32, torch.float32, 8, 512, 64, 192, "sigmoid")
+    ).startswith("torch [float32 model]")

@@ -122,7 +122,11 @@ def served_shapes(cfg, layout: CacheLayout, dtype: torch.dtype, tp) -> ServedSha
     """The dtypes and this rank's attention shapes that decide which kernels run (`ops.select.describe`)."""
     gate = "" if not cfg.kda_layer_ids else "softplus" if cfg.kda.gate_lower_bound is None else "sigmoid"
     heads = tp.split(cfg.mla.num_heads, "MLA heads") if cfg.mla_layer_ids else 0
-    return ServedShapes(dtype, layout.kv_dtype, layout.state_dtype, heads, cfg.mla.kv_lora_rank, gate)
+    m = cfg.mla
+    width = max(m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim)
+    return ServedShapes(
+        dtype, layout.kv_dtype, layout.state_dtype, heads, m.kv_lora_rank, m.qk_rope_head_dim, width, gate
+    )
 
 
 def _build_rank0(c: EngineConfig, dtype, ranks, tp, control) -> Engine:

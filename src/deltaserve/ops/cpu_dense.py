@@ -68,7 +68,8 @@ class CpuDenseOps(TorchOps):
                 flat = x if x.dim() == 2 else x.reshape(rows, k)
                 y = self.k.linear_bf16(flat, w) if rows <= MAX_ROWS else self.k.linear_bf16_multi(flat, [w])[0]
                 return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
-        else:  # more rows: oneDNN's GEMM by design, not a fallback
+            # no rows, or more than the kernels take: oneDNN's GEMM by design, not a fallback
+        else:
             fallback(
                 "linear", "device" if not x.is_cpu else "layout" if w.dtype == x.dtype == torch.bfloat16 else "dtype"
             )
@@ -91,7 +92,7 @@ class CpuDenseOps(TorchOps):
     def rms_norm(self, x, w, eps, prepared=None):
         if prepared is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(-1) == 1:
             return self.k.rms_norm(x, prepared, eps)
-        fallback("rms_norm", "variant" if prepared is None else "dtype" if x.dtype != torch.bfloat16 else "layout")
+        fallback("rms_norm", "unprepared" if prepared is None else "dtype" if x.dtype != torch.bfloat16 else "layout")
         return super().rms_norm(x, w, eps)
 
     def argmax_rows(self, logits):
@@ -112,7 +113,8 @@ class CpuDenseOps(TorchOps):
             or len(bank) >= self.k.MAX_MIX
             or (then is not None and then[2] is None)
         ):
-            fallback("attn_res", "dtype" if cur.dtype != torch.bfloat16 else "shape" if cur.dim() == 2 else "layout")
+            unprepared = prepared is None or (then is not None and then[2] is None)
+            fallback("attn_res", "unprepared" if unprepared else "dtype" if cur.dtype != torch.bfloat16 else "shape")
             return super().attn_res(cur, bank, proj, norm, prepared, then)
         if then is None:
             return self.k.attn_res_mix([*bank, cur], prepared, ATTN_RES_EPS)

@@ -242,11 +242,11 @@ class CpuNativeOps(CpuStackOps, CpuDenseOps):
         return self.k.mla_block(prepared.plan, x, *pool_view)
 
     def mla_prefill(self, q, k_nope, k_rot, v, cu_seqlens, scale):
-        out = self._flash("mla_prefill", q, k_nope, k_rot, v, cu_seqlens, cu_seqlens, scale)
+        out = self._flash(q, k_nope, k_rot, v, cu_seqlens, cu_seqlens, scale)
         return super().mla_prefill(q, k_nope, k_rot, v, cu_seqlens, scale) if out is None else out
 
     def mla_context_prefill(self, q, k_nope, k_rot, v, cu_q, cu_kv, scale):
-        out = self._flash("mla_context_prefill", q, k_nope, k_rot, v, cu_q, cu_kv, scale)
+        out = self._flash(q, k_nope, k_rot, v, cu_q, cu_kv, scale, op="mla_context_prefill")
         return super().mla_context_prefill(q, k_nope, k_rot, v, cu_q, cu_kv, scale) if out is None else out
 
     def mla_absorbed(self, q_latent, rows, cu_q, cu_kv, rank, scale):
@@ -255,7 +255,7 @@ class CpuNativeOps(CpuStackOps, CpuDenseOps):
         nq, h, d = q_latent.shape
         latent = rows[:, None, :rank]
         out = self._flash(
-            "mla_absorbed", q_latent.reshape(nq * h, 1, d), latent, rows[:, rank:], latent, cu_q, cu_kv, scale, h
+            q_latent.reshape(nq * h, 1, d), latent, rows[:, rank:], latent, cu_q, cu_kv, scale, h, "mla_absorbed"
         )
         return super().mla_absorbed(q_latent, rows, cu_q, cu_kv, rank, scale) if out is None else out.view(nq, h, rank)
 
@@ -267,7 +267,7 @@ class CpuNativeOps(CpuStackOps, CpuDenseOps):
             return heads * 2 * (nope + v)
         return super().unabsorbed_row_bytes(heads, rope, nope, v)
 
-    def _flash(self, op: str, q, k_nope, k_rot, v, cu_q, cu_kv, scale, group: int = 1):
+    def _flash(self, q, k_nope, k_rot, v, cu_q, cu_kv, scale, group: int = 1, op: str = "mla_prefill"):
         """MLA prefill attention on the native flash kernel (keys' parts and values read in place), or
         None, a fallback of `op`: switched off, operands other than bf16, or a build without AVX512-BF16."""
         if not self.flash_prefill or any(t.dtype != torch.bfloat16 or t.stride(-1) != 1 for t in (q, k_nope, k_rot, v)):

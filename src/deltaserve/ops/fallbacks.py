@@ -29,6 +29,7 @@ REASONS = {
     "device": "tensors on a device the kernel does not run on",
     "isa": "a CPU without the instruction set the kernel needs",
     "variant": "an op variant the backend has no kernel for",
+    "unprepared": "no plan prepared for the kernel at load (a module the backend's prepare_* did not see)",
     "disabled": "the kernel switched off by its environment variable",
 }
 

@@ -164,6 +164,8 @@ class ServedShapes:
     state_dtype: torch.dtype  # KDA recurrent states
     mla_heads: int  # MLA heads on this rank (0: no MLA layer)
     mla_rank: int  # kv_lora_rank
+    mla_rope: int  # qk_rope_head_dim
+    mla_width: int  # the widest head of the unabsorbed prefill: max(nope + rope, v)
     kda_gate: str  # "sigmoid" (K3) | "softplus" (Kimi-Linear) | "" (no KDA layer)
 
 

@@ -74,7 +74,8 @@ class TritonOps(TritonDenseOps, TorchOps):
 
     def describe(self, served: ServedShapes | None = None) -> dict[str, str]:
         out = super().describe(served)
-        out["kda"] = "triton+fla-prefill" if fla_kda.available() else "triton"
+        half = served is None or served.dtype in (torch.bfloat16, torch.float16)
+        out["kda"] = "triton+fla-prefill" if half and fla_kda.available() else "triton"
         if served is not None and served.state_dtype != torch.float32:
             out["kda"] += (
                 f" [decode on torch: the recurrent kernel keeps fp32 states, not {dtype_name(served.state_dtype)}]"

@@ -66,9 +66,18 @@ class TritonDenseOps(TorchOps):
     dense_families = {"norms": "triton", "attn_res": "triton"}
 
     def describe(self, served=None) -> dict[str, str]:
-        libs = (("flashinfer-decode", flashinfer_mla), ("torch-flash-prefill", flash_prefill))
-        mla = "+".join(["triton", *(name for name, lib in libs if lib.available())])
-        moe = "triton+triton_kernels" if ogs_moe.available() else "triton"
+        """The optional libraries that import, and for `served` only those whose windows admit the
+        model (half precision; FlashInfer's (rank, rope) widths; the flash prefill's head width)."""
+        half = served is None or served.dtype in (torch.bfloat16, torch.float16)
+        fi = served is None or (served.mla_rank, served.mla_rope) == flashinfer_mla._WIDTHS
+        fp = served is None or served.mla_width <= flash_prefill._MAX_WIDTH
+        libs = (("flashinfer-decode", flashinfer_mla, fi), ("torch-flash-prefill", flash_prefill, fp))
+        mla = "+".join(["triton", *(name for name, lib, fits in libs if half and fits and lib.available())])
+        moe = (
+            "triton+triton_kernels"
+            if ogs_moe.available() and (served is None or served.dtype == torch.bfloat16)
+            else "triton"
+        )
         return {**super().describe(served), **self.dense_families, "mla": mla, "moe": moe}
 
     # dense -------------------------------------------------------------------------------------
