@@ -177,8 +177,9 @@ class CpuNativeOps(CpuStackOps, CpuDenseOps):
             or pre.dtype != torch.bfloat16
             or (prior is not None and prior[0].dtype != torch.bfloat16)
         ):
-            if not step and prepared is not None:  # a step: counted where `kda_decode` declined it
-                fallback("kda_attend", "dtype" if pre.dtype != torch.bfloat16 else "cache_dtype")
+            if not step:  # a step: counted where `kda_decode` declined it
+                why = "unprepared" if prepared is None else "dtype" if pre.dtype != torch.bfloat16 else "cache_dtype"
+                fallback("kda_attend", why)
             return super().kda_attend(
                 pre, f, beta, gate, conv, a_log, dt_bias, norm, spec, cu_seqlens, prior, export_offsets, step, prepared
             )
