@@ -1,8 +1,9 @@
 """A decode instance counts every request it computes itself instead of taking its prompt by handoff,
 by reason, in `/metrics` (`deltaserve:pd_bypass_total{reason}`) and `/disagg/state`: n > 1, a
-one-token prompt, no prefill instance named (or named without the shared secret). Every request
-here bypasses before any transfer, so the instance runs without a transfer engine (a stand-in for
-its ranks); a handoff that runs counts none (`test_pd_serving`)."""
+one-token prompt, no prefill instance named (or named without the shared secret), a request it
+refuses, a handoff that fails before any transfer (an unreachable prefill instance). Nothing here
+reaches a transfer, so the instance runs without a transfer engine (a stand-in for its ranks); a
+handoff that runs counts none (`test_pd_serving`)."""
 
 from __future__ import annotations
 
@@ -42,10 +43,10 @@ def decode_url(tmp_path_factory):
         llm.shutdown()
 
 
-def _complete(url: str, prompt: list[int], headers: dict, **extra) -> None:
+def _complete(url: str, prompt: list[int], headers: dict, status: int = 200, **extra) -> None:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "ignore_eos": True, **extra}
     r = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=120)
-    assert r.status_code == 200, r.text
+    assert r.status_code == status, r.text
 
 
 def _bypasses(url: str) -> dict[str, float]:
@@ -70,6 +71,16 @@ def test_requests_around_the_handoff_are_counted_by_reason(decode_url):
     s = state(decode_url)
     assert (s["bypass_n>1"], s["bypass_short_prompt"], s["bypass_no_prefill_target"]) == (1, 1, 2)
     assert "handoffs" not in s and "failures" not in s
+
+
+def test_refused_and_failed_handoffs_are_counted(decode_url):
+    target = {"X-Deltaserve-Secret": SECRET, "X-Deltaserve-Prefill": NOWHERE}
+    before = _bypasses(decode_url)
+    _complete(decode_url, [5] * 1100, target, status=400)  # over max_model_len: refused here
+    _complete(decode_url, list(range(30, 60)), target)  # the prefill instance is unreachable: recomputed
+    after = _bypasses(decode_url)
+    assert {k: after[k] - before[k] for k in after if after[k] != before[k]} == {"invalid": 1, "handoff_failed": 1}
+    assert state(decode_url)["failures"] == 1
 
 
 def test_bypass_reason_names_the_first_that_applies():
