@@ -76,6 +76,7 @@ def test_multi_turn_branching_equals_colocated(deployment):
         history[name] = prompt + list(want.token_ids)
     metrics = httpx.get(decode_url + "/metrics", timeout=30).text
     final = state(decode_url)
+    assert not [k for k in final if k.startswith("bypass_")], final  # every turn went by handoff
     for key in ("bytes_mla", "bytes_kda", "handoffs", "hit_tokens"):
         assert re.search(rf"^deltaserve:disagg_{key}_total{{[^}}]*}} {final[key]}\.0$", metrics, re.M), key
     routed = deployment["proxy"][1].counters

@@ -19,7 +19,9 @@
 4. Only then queue the request from its last prompt token (`add_request(received=...)`).
 Any failure cancels the reservation; the request is then recomputed here (`on_failure=
 "recompute"`) or refused with a 502 (`"error"`), and counted. No token is ever sampled from
-unverified state. `tamper`, a test hook, may alter the header or the received bytes.
+unverified state. Every request computed here instead (`bypass_reason`, a local prefill, a
+refusal, a reservation timeout, a recomputed failure) counts in `bypasses` by reason
+(`deltaserve:pd_bypass_total`). `tamper`, a test hook, may alter the header or the received bytes.
 """
 
 from __future__ import annotations
@@ -60,6 +62,20 @@ from .ranks import InstanceRanks
 from .service import check_secret, engine_state, read_msg, reply
 
 PREFILL_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("prefill_target", default=None)
+REFUSED, TIMED_OUT = -1, -2  # `_reserve`'s answers that are neither a reservation nor a local prefill
+
+
+def bypass_reason(url: str | None, ids: list[int], params, images) -> str | None:
+    """Why a request goes around the handoff before any reservation (`deltaserve:pd_bypass_total`),
+    or None: no prefill instance named (or not with the shared secret), images (the encoder runs
+    here), n > 1 (several sequences share the prompt here), a prompt of one token (nothing to prefill)."""
+    if url is None:
+        return "no_prefill_target"
+    if images:
+        return "images"
+    if params.n != 1:
+        return "n>1"
+    return "short_prompt" if len(ids) < 2 else None
 
 
 class HandoffError(RuntimeError):
@@ -127,18 +143,19 @@ class DecodeHandoff:
         self.timeout_s = timeout_s
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
         self.counters: Counter[str] = Counter()
+        self.bypasses: Counter[str] = Counter()  # requests computed here, not handed off, by reason
         self.tamper: Callable[[str, object], object] | None = None
         self._background: set[asyncio.Task] = set()
 
     def _plan(self, core, ids: list[int], params) -> tuple[Reservation | int | None, int]:
         """On the engine thread: (a reservation; or the joint hit length if the request runs
-        here; or -1 if it is refused (the local way answers the refusal); or None while the
+        here; or REFUSED (the local way answers the refusal); or None while the
         pools are short or requests queued before it wait, and the caller waits behind them;
         the next sequence id, the arrival mark of `reserve_behind`)."""
         try:
             core.validate(f"handoff-check-{core._next_seq}", ids, params)
         except InvalidRequestError:
-            return -1, core._next_seq
+            return REFUSED, core._next_seq
         if self.local_prefill_tokens and core.cache.prefix_enabled:
             hit = core.cache.lookup(ids)
             if len(ids) - hit.length <= self.local_prefill_tokens:
@@ -149,7 +166,7 @@ class DecodeHandoff:
         """`_plan`; while the pools are short or earlier requests wait, a reservation queued on the
         engine thread (FIFO behind earlier reservations, after the requests queued before it,
         retried as running requests free slots and pages: the queueing a local request would
-        see), or -1 (run it locally) after the handoff timeout."""
+        see), or TIMED_OUT (run it locally) after the handoff timeout."""
         plan, marker = await self.engine.call(lambda core: self._plan(core, ids, params), release=_drop_plan)
         if plan is not None:
             return plan
@@ -160,16 +177,19 @@ class DecodeHandoff:
             self.timeout_s,
             key=_pool_state,
         )
-        return -1 if plan is None else plan
+        return TIMED_OUT if plan is None else plan
 
     async def submit(self, state, ids: list[int], params, images=None):
         url = PREFILL_TARGET.get()
-        if url is None or images or params.n != 1 or len(ids) < 2:
+        reason = bypass_reason(url, ids, params, images)
+        if reason is not None:
+            self.bypasses[reason] += 1
             return await state.submit_local(ids, params, images)
         plan = await self._reserve(ids, params)
         if not isinstance(plan, Reservation):
             self.counters["local_prefills" if plan >= 0 else "local_other"] += 1
             self.counters["local_hit_tokens"] += max(plan, 0)
+            self.bypasses[{REFUSED: "invalid", TIMED_OUT: "reserve_timeout"}.get(plan, "local_prefill")] += 1
             return await state.submit_local(ids, params, images)
         try:
             await self._receive(url, ids, plan)
@@ -181,6 +201,7 @@ class DecodeHandoff:
             if self.on_failure == "error":
                 raise APIError(502, f"the prefill handoff failed ({reason}); nothing was generated", "server_error")
             self.counters["recomputes"] += 1
+            self.bypasses["handoff_failed"] += 1
             return await state.submit_local(ids, params, images)
         except BaseException:
             self.engine.post(lambda core: cancel(core, plan.seq_id))
@@ -276,6 +297,7 @@ class DecodeHandoff:
         @r.get("/disagg/state")
         async def state(request: Request):
             check_secret(request, self.secret)
-            return await engine_state(self.engine, {"role": "decode", **self.counters})
+            bypasses = {f"bypass_{k}": v for k, v in self.bypasses.items()}
+            return await engine_state(self.engine, {"role": "decode", **self.counters, **bypasses})
 
         return r

@@ -26,7 +26,7 @@ from .decode import DecodeHandoff, PrefillTarget
 from .prefill import PrefillService
 from .protocol import load_secret
 from .ranks import InstanceRanks
-from .service import CounterCollector
+from .service import BypassCollector, CounterCollector
 
 log = logging.getLogger("deltaserve.disagg")
 ROLES = ("both", "prefill", "decode")
@@ -88,12 +88,14 @@ def check_role_arguments(args: argparse.Namespace) -> None:
         args.enable_prefix_caching = True
 
 
-def install_role(app, engine, args: argparse.Namespace) -> object | None:
-    """Add the role's routes (and, for decode, its handoff) to `app`; returns the service."""
+def install_role(app, engine, args: argparse.Namespace, ranks: InstanceRanks | None = None) -> object | None:
+    """Add the role's routes (and, for decode, its handoff) to `app`; returns the service. `ranks`:
+    the instance's transfer engines, started here when not given."""
     if args.role == "both":
         return None
     secret = load_secret(args.disagg_secret)
-    ranks = InstanceRanks(engine, args.kv_transfer_engine, args.kv_transfer_host)
+    if ranks is None:
+        ranks = InstanceRanks(engine, args.kv_transfer_engine, args.kv_transfer_host)
     if args.role == "prefill":
         service = PrefillService(engine, ranks, secret, args.disagg_park_timeout)
         app.include_router(service.router())
@@ -104,6 +106,8 @@ def install_role(app, engine, args: argparse.Namespace) -> object | None:
         app.add_middleware(PrefillTarget, secret=secret)
     state = app.state.server
     state.metrics.registry.register(CounterCollector(service.counters, state.model_name))
+    if args.role == "decode":
+        state.metrics.registry.register(BypassCollector(service.bypasses, state.model_name))
     log.info(
         "role %s: transfer engine %s at %s (%d rank%s)",
         args.role,

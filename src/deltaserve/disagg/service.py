@@ -82,3 +82,34 @@ class CounterCollector:
             m = CounterMetricFamily(f"deltaserve:disagg_{key}", self.HELP.get(key, key), labels=["model_name"])
             m.add_metric([self.model_name], value)
             yield m
+
+
+BYPASS_REASONS = (
+    "no_prefill_target",
+    "images",
+    "n>1",
+    "short_prompt",
+    "invalid",
+    "local_prefill",
+    "reserve_timeout",
+    "handoff_failed",
+)
+
+
+class BypassCollector:
+    """Exports a decode instance's bypasses (`DecodeHandoff.bypasses`: requests it computed itself
+    instead of taking their prompt by handoff) as `deltaserve:pd_bypass_total{reason}`, every known
+    reason from zero."""
+
+    HELP = "Requests this decode instance computed itself instead of taking the prompt by handoff, by reason"
+
+    def __init__(self, bypasses, model_name: str):
+        self.bypasses, self.model_name = bypasses, model_name
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        m = CounterMetricFamily("deltaserve:pd_bypass", self.HELP, labels=["model_name", "reason"])
+        for reason in dict.fromkeys([*BYPASS_REASONS, *sorted(self.bypasses)]):
+            m.add_metric([self.model_name, reason], self.bypasses.get(reason, 0))
+        yield m

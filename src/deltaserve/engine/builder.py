@@ -30,6 +30,7 @@ from ..model.tokenizer import Tokenizer
 from ..model.vision import VisionModel
 from ..model.vision_weights import PREFIXES, load_vision_model
 from ..model.weights import checkpoint_files
+from ..ops.operands import ServedShapes
 from ..ops.select import describe
 from ..parallel import SINGLE
 from .channel import ControlChannel
@@ -117,6 +118,17 @@ def load_vision(c: EngineConfig, model: KimiForCausalLM, dtype: torch.dtype) -> 
     return vision
 
 
+def served_shapes(cfg, layout: CacheLayout, dtype: torch.dtype, tp) -> ServedShapes:
+    """The dtypes and this rank's attention shapes that decide which kernels run (`ops.select.describe`)."""
+    gate = "" if not cfg.kda_layer_ids else "softplus" if cfg.kda.gate_lower_bound is None else "sigmoid"
+    heads = tp.split(cfg.mla.num_heads, "MLA heads") if cfg.mla_layer_ids else 0
+    m = cfg.mla
+    width = max(m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim)
+    return ServedShapes(
+        dtype, layout.kv_dtype, layout.state_dtype, heads, m.kv_lora_rank, m.qk_rope_head_dim, width, gate
+    )
+
+
 def _build_rank0(c: EngineConfig, dtype, ranks, tp, control) -> Engine:
     model, memory = load_rank_model(c, tp)
     vision = load_vision(c, model, dtype)
@@ -140,7 +152,8 @@ def _build_rank0(c: EngineConfig, dtype, ranks, tp, control) -> Engine:
     )
     model_id = f"{Path(c.model).resolve()}:{dtype}"
     kernel = model.ops.name  # load_model bound the backend (and built the native kernels) once
-    log.info("kernel backend: %s (%s on %s): %s", kernel, dtype, c.device, describe(model.ops))
+    served = served_shapes(cfg, layout, dtype, tp)
+    log.info("kernel backend: %s (%s on %s): %s", kernel, dtype, c.device, describe(model.ops, served))
     stack = getattr(getattr(model, "model", None), "prepared", None)
     if stack is not None:
         log.info("decode steps of up to %d rows: the whole layer stack in one native call", stack.max_rows)

@@ -29,6 +29,7 @@ import torch
 from ..cache.manager import CacheManager
 from ..model.kimi import KimiForCausalLM
 from ..model.vision import VisionModel
+from ..ops import fallbacks
 from .config import DEFAULT_ENCODER_CACHE_BYTES, DEFAULT_STRUCTURED_THINKING_BUDGET
 from .detokenizer import IncrementalDetokenizer
 from .encoder_cache import EncoderCache, encoder_stats
@@ -394,4 +395,5 @@ class EngineCore:
         out.update(encoder_stats(self.runner.encoder))
         if self.cache.prefix_enabled:
             out["prefix_cache"] = self.cache.prefix_stats()
+        out["kernel_fallbacks"] = fallbacks.table()  # this process's: rank 0's under TP
         return out

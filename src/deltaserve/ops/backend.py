@@ -29,7 +29,17 @@ from .mla import (
 from .moe import grouped_experts, route
 from .mxfp4 import mxfp4_decode
 from .norms import gated_rms_norm, rms_norm
-from .operands import ExpertWeights, GluAct, KdaSpec, KdaWeights, MlaWeights, MoeWeights, PackedExpertView, RouteSpec
+from .operands import (
+    ExpertWeights,
+    GluAct,
+    KdaSpec,
+    KdaWeights,
+    MlaWeights,
+    MoeWeights,
+    PackedExpertView,
+    RouteSpec,
+    ServedShapes,
+)
 
 
 class TorchOps:
@@ -38,8 +48,10 @@ class TorchOps:
     name = "torch"
     families = ("linear", "norms", "attn_res", "glu", "moe", "kda", "mla")
 
-    def describe(self) -> dict[str, str]:
-        """Op family -> what implements it (logged at start-up)."""
+    def describe(self, served: ServedShapes | None = None) -> dict[str, str]:
+        """Op family -> what implements it (logged at start-up): for a model of `served`'s dtypes and
+        shapes, what its calls will run (a kernel window that refuses them is named), else the
+        backend's kernels."""
         return {family: "torch" for family in self.families}
 
     # dense -------------------------------------------------------------------------------------

@@ -16,8 +16,9 @@ from ..kernels.cpu import ACT_SILU, ACT_SITU, AMX_ROWS, MAX_ROWS, NativeKernels
 from ..kernels.cpu.blocks import MoeBlockWeights
 from .attn_res import ATTN_RES_EPS
 from .backend import TorchOps
+from .fallbacks import fallback
 from .mxfp4 import mxfp4_decode
-from .operands import ExpertWeights, GluAct, MoeWeights, PackedExpertView, RouteSpec
+from .operands import ExpertWeights, GluAct, MoeWeights, PackedExpertView, RouteSpec, ServedShapes, dtype_name
 
 FUSED_MAX_TOKENS = 64  # above this many tokens, per-expert GEMMs (oneDNN) beat the fused GEMVs
 ROW_BUCKET = 32  # prefill expert GEMMs run on row counts rounded up to a multiple of this
@@ -45,9 +46,16 @@ class CpuDenseOps(TorchOps):
         self.k = kernels
         self.fuse_blocks = fuse_blocks
 
-    def describe(self) -> dict[str, str]:
-        """Each family as `cpu-native (<isa>)`, the ISA the kernels were loaded for (`NativeKernels.isa`)."""
-        return {family: f"cpu-native ({self.k.isa})" for family in self.families}
+    def describe(self, served: ServedShapes | None = None) -> dict[str, str]:
+        """Each family as `cpu-native (<isa>)`, the ISA the kernels were loaded for (`NativeKernels.isa`);
+        for a model that is not bf16, torch (the kernels take bf16 only)."""
+        if served is not None and served.dtype != torch.bfloat16:
+            return {family: f"torch [{dtype_name(served.dtype)} model]" for family in self.families}
+        native = f"cpu-native ({self.k.isa})"
+        out = {family: native for family in self.families}
+        if served is not None:
+            out["moe"] = f"{native} [router on torch above {FUSED_MAX_TOKENS} rows]"
+        return out
 
     # dense -------------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -60,6 +68,11 @@ class CpuDenseOps(TorchOps):
                 flat = x if x.dim() == 2 else x.reshape(rows, k)
                 y = self.k.linear_bf16(flat, w) if rows <= MAX_ROWS else self.k.linear_bf16_multi(flat, [w])[0]
                 return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
+            # no rows, or more than the kernels take: oneDNN's GEMM by design, not a fallback
+        else:
+            fallback(
+                "linear", "device" if not x.is_cpu else "layout" if w.dtype == x.dtype == torch.bfloat16 else "dtype"
+            )
         return super().linear(x, w)
 
     def linears(self, x, ws, f32=None):
@@ -79,11 +92,16 @@ class CpuDenseOps(TorchOps):
     def rms_norm(self, x, w, eps, prepared=None):
         if prepared is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(-1) == 1:
             return self.k.rms_norm(x, prepared, eps)
+        fallback("rms_norm", "unprepared" if prepared is None else "dtype" if x.dtype != torch.bfloat16 else "layout")
         return super().rms_norm(x, w, eps)
 
     def argmax_rows(self, logits):
         if logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_cpu and logits.shape[1] > 0:
             return self.k.argmax_rows(logits.contiguous())
+        if logits.numel():
+            fallback(
+                "argmax_rows", "dtype" if logits.dtype != torch.float32 else "device" if not logits.is_cpu else "shape"
+            )
         return super().argmax_rows(logits)
 
     def attn_res(self, cur, bank, proj, norm, prepared=None, then=None):
@@ -95,6 +113,8 @@ class CpuDenseOps(TorchOps):
             or len(bank) >= self.k.MAX_MIX
             or (then is not None and then[2] is None)
         ):
+            unprepared = prepared is None or (then is not None and then[2] is None)
+            fallback("attn_res", "unprepared" if unprepared else "dtype" if cur.dtype != torch.bfloat16 else "shape")
             return super().attn_res(cur, bank, proj, norm, prepared, then)
         if then is None:
             return self.k.attn_res_mix([*bank, cur], prepared, ATTN_RES_EPS)
@@ -111,6 +131,8 @@ class CpuDenseOps(TorchOps):
             or n == 0
             or not all(w.dtype == torch.bfloat16 for w in (gate, up, down))
         ):
+            if n:
+                fallback("glu_mlp", "shape" if x.dim() != 2 else "dtype")
             return super().glu_mlp(x, gate, up, down, act)
         if n <= (AMX_ROWS if self.k.tiles else MAX_ROWS):
             return self.k.moe_experts(
@@ -128,6 +150,10 @@ class CpuDenseOps(TorchOps):
             picked = self.k.route(outs[0], bias, *spec.args())
             if picked is not None:
                 return *picked, x if down is None else outs[1]
+        if x.shape[0]:
+            fallback(
+                "route", "dtype" if x.dtype != torch.bfloat16 else "rows" if x.shape[0] > FUSED_MAX_TOKENS else "shape"
+            )
         return super().route(x, gate, bias, spec, down)
 
     def expert_views(self, ex: ExpertWeights) -> tuple:
@@ -142,6 +168,7 @@ class CpuDenseOps(TorchOps):
         """Small batches (any batch on tiles: AMX or AVX512-BF16 registers, MXFP4 decoded in the weight
         loads) run the fused kernel; larger ones per-expert GEMMs."""
         if x.dtype != torch.bfloat16 or not (ex.packed or ex.w1.dtype == torch.bfloat16):
+            fallback("experts", "dtype")
             return super().experts(x, ids, weights, ex, act)
         if 0 < x.shape[0] <= FUSED_MAX_TOKENS or self.k.tiles:
             return self.k.moe_experts(x, ids, weights, *ex.operands(), *act_spec(act))

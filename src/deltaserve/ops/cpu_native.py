@@ -17,8 +17,9 @@ from ..kernels.cpu import GATE_SIGMOID, GATE_SOFTPLUS, MAX_ROWS, MLA_MAX_HEADS, 
 from ..kernels.cpu.blocks import KdaBlockWeights, MlaBlockWeights
 from .cpu_dense import CpuDenseOps
 from .cpu_stack import CpuStackOps
+from .fallbacks import fallback
 from .norms import gated_rms_norm
-from .operands import KdaSpec, KdaWeights, MlaWeights
+from .operands import KdaSpec, KdaWeights, MlaWeights, ServedShapes, dtype_name
 
 
 @dataclass
@@ -56,6 +57,11 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().float().contiguous()
 
 
+def _mla_reason(heads: int, rank: int) -> str:
+    """Why the native MLA decode kernel refuses bf16 queries: the pool's dtype or the model's shape."""
+    return "shape" if heads > MLA_MAX_HEADS or rank > MLA_MAX_RANK else "cache_dtype"
+
+
 class CpuNativeOps(CpuStackOps, CpuDenseOps):
     """See the module docstring (`fuse_blocks`: see `CpuDenseOps`; `fuse_stack`: `CpuStackOps`;
     `flash_prefill`: the MLA prefill attention on the native flash kernel, else SDPA)."""
@@ -64,6 +70,29 @@ class CpuNativeOps(CpuStackOps, CpuDenseOps):
         super().__init__(kernels, fuse_blocks)
         self.fuse_stack = fuse_stack
         self.flash_prefill = flash_prefill
+
+    def describe(self, served: ServedShapes | None = None) -> dict[str, str]:
+        """`CpuDenseOps.describe`, the KDA and MLA families with what their kernels leave to torch or to
+        other kernels for `served` (the softplus gate, bf16 states, heads or rank beyond MLA_MAX_HEADS /
+        MLA_MAX_RANK, no flash kernel)."""
+        out = super().describe(served)
+        if served is None or served.dtype != torch.bfloat16:
+            return out
+        native, kda, mla = out["kda"], [], []
+        if served.kda_gate == "softplus":
+            kda.append("softplus gate on torch")
+        if served.state_dtype != torch.float32:
+            kda.append(f"decode on torch: the kernels keep fp32 states, not {dtype_name(served.state_dtype)}")
+        if served.mla_heads > MLA_MAX_HEADS or served.mla_rank > MLA_MAX_RANK:
+            rows = "flash kernel" if self.flash_prefill and self.k.avx512_bf16 else "torch"
+            mla.append(
+                f"decode on {rows} over gathered rows: {served.mla_heads} heads or rank {served.mla_rank} too large"
+            )
+        if not (self.flash_prefill and self.k.avx512_bf16):
+            mla.append("prefill on torch SDPA")
+        for family, notes in (("kda", kda), ("mla", mla)):
+            out[family] = f"{native} [{', '.join(notes)}]" if notes else native
+        return out
 
     # KDA ---------------------------------------------------------------------------------------
     def prepare_kda(self, w: KdaWeights, spec: KdaSpec) -> KdaPrepared:
@@ -90,10 +119,11 @@ class CpuNativeOps(CpuStackOps, CpuDenseOps):
     def kda_decode(self, x, prepared: KdaPrepared | None, slot_view):
         """The whole step in one call (the block plan) where it fits, else the fused decode kernel
         between the native projections; None for non-bf16 activations or pools."""
-        if prepared is None or slot_view is None or x.dtype != torch.bfloat16:
+        if prepared is None or slot_view is None:
             return None
         tails, states, slots = slot_view
-        if tails.dtype != torch.bfloat16 or states.dtype != torch.float32:
+        if x.dtype != torch.bfloat16 or tails.dtype != torch.bfloat16 or states.dtype != torch.float32:
+            fallback("kda_decode", "dtype" if x.dtype != torch.bfloat16 else "cache_dtype")
             return None
         if prepared.plan is not None and x.shape[0] <= self.k.kda_block_rows(prepared.plan):
             return self.k.kda_block(prepared.plan, x, tails, states, slots)
@@ -147,6 +177,9 @@ class CpuNativeOps(CpuStackOps, CpuDenseOps):
             or pre.dtype != torch.bfloat16
             or (prior is not None and prior[0].dtype != torch.bfloat16)
         ):
+            if not step:  # a step: counted where `kda_decode` declined it
+                why = "unprepared" if prepared is None else "dtype" if pre.dtype != torch.bfloat16 else "cache_dtype"
+                fallback("kda_attend", why)
             return super().kda_attend(
                 pre, f, beta, gate, conv, a_log, dt_bias, norm, spec, cu_seqlens, prior, export_offsets, step, prepared
             )
@@ -159,6 +192,7 @@ class CpuNativeOps(CpuStackOps, CpuDenseOps):
         if spec.lower_bound is not None:
             g = self.k.kda_gate_sigmoid(f, prepared.a_log, prepared.dt_bias, spec.lower_bound)
         else:
+            fallback("kda_gate", "variant")  # the softplus gate (Kimi-Linear) has no native kernel
             g = self._kda_gate(f, a_log, dt_bias, spec)
         o, state, states_at = self.k.kda_chunked(
             q,
@@ -175,6 +209,7 @@ class CpuNativeOps(CpuStackOps, CpuDenseOps):
         if gate.dtype == torch.bfloat16:
             o = self.k.gated_rms_norm(o, prepared.norm, gate, spec.eps)
         else:
+            fallback("gated_rms_norm", "dtype")
             o = gated_rms_norm(o, norm, gate, spec.eps, pre.dtype)
         return o, tail, state, exported
 
@@ -212,7 +247,7 @@ class CpuNativeOps(CpuStackOps, CpuDenseOps):
         return super().mla_prefill(q, k_nope, k_rot, v, cu_seqlens, scale) if out is None else out
 
     def mla_context_prefill(self, q, k_nope, k_rot, v, cu_q, cu_kv, scale):
-        out = self._flash(q, k_nope, k_rot, v, cu_q, cu_kv, scale)
+        out = self._flash(q, k_nope, k_rot, v, cu_q, cu_kv, scale, op="mla_context_prefill")
         return super().mla_context_prefill(q, k_nope, k_rot, v, cu_q, cu_kv, scale) if out is None else out
 
     def mla_absorbed(self, q_latent, rows, cu_q, cu_kv, rank, scale):
@@ -220,7 +255,9 @@ class CpuNativeOps(CpuStackOps, CpuDenseOps):
         folded into rows."""
         nq, h, d = q_latent.shape
         latent = rows[:, None, :rank]
-        out = self._flash(q_latent.reshape(nq * h, 1, d), latent, rows[:, rank:], latent, cu_q, cu_kv, scale, h)
+        out = self._flash(
+            q_latent.reshape(nq * h, 1, d), latent, rows[:, rank:], latent, cu_q, cu_kv, scale, h, "mla_absorbed"
+        )
         return super().mla_absorbed(q_latent, rows, cu_q, cu_kv, rank, scale) if out is None else out.view(nq, h, rank)
 
     def unabsorbed_row_bytes(self, heads, rope, nope, v):
@@ -231,12 +268,17 @@ class CpuNativeOps(CpuStackOps, CpuDenseOps):
             return heads * 2 * (nope + v)
         return super().unabsorbed_row_bytes(heads, rope, nope, v)
 
-    def _flash(self, q, k_nope, k_rot, v, cu_q, cu_kv, scale, group: int = 1):
+    def _flash(self, q, k_nope, k_rot, v, cu_q, cu_kv, scale, group: int = 1, op: str = "mla_prefill"):
         """MLA prefill attention on the native flash kernel (keys' parts and values read in place), or
-        None: switched off, operands other than bf16, or a build without AVX512-BF16."""
+        None, a fallback of `op`: switched off, operands other than bf16, or a build without AVX512-BF16."""
         if not self.flash_prefill or any(t.dtype != torch.bfloat16 or t.stride(-1) != 1 for t in (q, k_nope, k_rot, v)):
+            bf16 = all(t.dtype == torch.bfloat16 for t in (q, k_nope, k_rot, v))
+            fallback(op, "disabled" if not self.flash_prefill else "layout" if bf16 else "dtype")
             return None
-        return self.k.flash_attention(q, k_nope, k_rot, v, cu_q.long(), cu_kv.long(), scale, group)
+        out = self.k.flash_attention(q, k_nope, k_rot, v, cu_q.long(), cu_kv.long(), scale, group)
+        if out is None:
+            fallback(op, "isa")
+        return out
 
     def mla_decode_partial(self, q_latent, rows_view, rank, scale):
         rows = rows_view[0]
@@ -246,20 +288,25 @@ class CpuNativeOps(CpuStackOps, CpuDenseOps):
             or q_latent.shape[1] > MLA_MAX_HEADS
             or rank > MLA_MAX_RANK
         ):
+            fallback(
+                "mla_decode_partial",
+                "dtype" if q_latent.dtype != torch.bfloat16 else _mla_reason(q_latent.shape[1], rank),
+            )
             return None
         return self.k.mla_decode_partial(q_latent, *rows_view, rank, scale)
 
     def mla_decode(self, q, w_uk, w_uv, rows_view, rank, scale, prepared: MlaPrepared | None = None):
         """The paged decode kernel reading the pool's rows in place; up to MAX_ROWS queries also
         absorb W_UK and W_UV with the per-head GEMV kernel."""
+        if prepared is None or rows_view is None:
+            return None
         if (
-            prepared is None
-            or rows_view is None
-            or q.dtype != torch.bfloat16
+            q.dtype != torch.bfloat16
             or q.shape[1] > MLA_MAX_HEADS
             or rank > MLA_MAX_RANK
             or rows_view[0].dtype != torch.bfloat16
         ):
+            fallback("mla_decode", "dtype" if q.dtype != torch.bfloat16 else _mla_reason(q.shape[1], rank))
             return None
         rows, read_rows, cu_kv = rows_view
         nope = w_uk.shape[1]

@@ -14,6 +14,7 @@ from ..kernels.cpu.stack import StackLayerPlan, StackPlan
 from .attn_res import ATTN_RES_EPS
 from .backend import TorchOps
 from .cpu_dense import act_spec
+from .fallbacks import fallback
 from .stack import StackOperands
 
 
@@ -32,6 +33,8 @@ class CpuStackOps(TorchOps):
     def sigmoid_gate(self, o, gate):
         if o.dtype == gate.dtype == torch.bfloat16 and o.shape == gate.shape and o.is_cpu:
             return self.k.sigmoid_mul(o, gate)
+        if o.numel():
+            fallback("sigmoid_gate", "device" if not o.is_cpu else "shape" if o.shape != gate.shape else "dtype")
         return super().sigmoid_gate(o, gate)
 
     def prepare_stack(self, stack: StackOperands) -> StackPlan | None:

@@ -152,3 +152,23 @@ class MoeWeights:
     # partial, so a block that applies `norm` to it would be wrong
     partial: bool = False
     first: int = 0
+
+
+@dataclass(frozen=True)
+class ServedShapes:
+    """What decides, per op family, whether a backend's kernels admit a loaded model (`describe`):
+    its dtype, its cache pools' dtypes and its per-rank attention shapes."""
+
+    dtype: torch.dtype
+    kv_dtype: torch.dtype  # MLA latent rows and KDA conv tails
+    state_dtype: torch.dtype  # KDA recurrent states
+    mla_heads: int  # MLA heads on this rank (0: no MLA layer)
+    mla_rank: int  # kv_lora_rank
+    mla_rope: int  # qk_rope_head_dim
+    mla_width: int  # the widest head of the unabsorbed prefill: max(nope + rope, v)
+    kda_gate: str  # "sigmoid" (K3) | "softplus" (Kimi-Linear) | "" (no KDA layer)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`bfloat16` for torch.bfloat16 (start-up lines)."""
+    return str(dtype).removeprefix("torch.")

@@ -25,6 +25,7 @@ from ..kernels.cpu import native
 from . import triton as triton_backend
 from .backend import REFERENCE, TorchOps
 from .cpu_native import CpuNativeOps
+from .operands import ServedShapes
 
 
 def _wants_triton(device: torch.device) -> bool:
@@ -48,9 +49,10 @@ def select_ops(device: torch.device | str, dtype: torch.dtype, fuse_blocks: bool
     return REFERENCE
 
 
-def describe(ops: TorchOps) -> str:
-    """One line naming the implementation of each op family (grouped when they agree)."""
+def describe(ops: TorchOps, served: ServedShapes | None = None) -> str:
+    """One line naming the implementation of each op family (grouped when they agree): what runs
+    for a model of `served`'s dtypes and shapes (`TorchOps.describe`)."""
     by_impl: dict[str, list[str]] = {}
-    for family, impl in ops.describe().items():
+    for family, impl in ops.describe(served).items():
         by_impl.setdefault(impl, []).append(family)
     return "; ".join(f"{impl}: {', '.join(families)}" for impl, families in by_impl.items())

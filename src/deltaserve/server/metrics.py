@@ -3,9 +3,10 @@ shaped like vLLM's (`vllm:` -> `deltaserve:`).
 
 Request-side numbers (finish reasons, tokens, TTFT / inter-token / end-to-end latency) are
 recorded on the event loop from each request's delta stream. Engine-side numbers (queue sizes,
-MLA pages, KDA slots, prefix-cache counters) come from a `stats()` snapshot taken on the engine
-thread through `AsyncEngine.call` when `/metrics` is scraped; the event loop never touches the
-`EngineCore`. If the engine does not answer, the last snapshot is served.
+MLA pages, KDA slots, prefix-cache counters, the op backends' kernel fallbacks) come from a
+`stats()` snapshot taken on the engine thread through `AsyncEngine.call` when `/metrics` is
+scraped; the event loop never touches the `EngineCore`. If the engine does not answer, the last
+snapshot is served.
 """
 
 from __future__ import annotations
@@ -119,6 +120,10 @@ ENCODER_GAUGES = {
     "encoder_cache_bytes": ("encoder_cache_bytes", "Bytes of projector rows in the encoder cache"),
     "encoder_cache_entries": ("encoder_cache_entries", "Images in the encoder cache"),
 }
+FALLBACK_HELP = (
+    "Op calls whose backend kernel did not run (the PyTorch reference or the layer's module path ran), "
+    "by op and reason; this process's (rank 0's under tensor parallelism)"
+)
 PREFIX_GAUGES = {
     "checkpoint_slots_used": ("prefix_cache_checkpoint_slots_used", "KDA checkpoint slots in use"),
     "checkpoint_slots_total": ("prefix_cache_checkpoint_slots_total", "KDA checkpoint slots in the pool"),
@@ -149,6 +154,16 @@ class _EngineCollector:
                     m = family(P + name, doc, labels=["model_name"])
                     m.add_metric([self.model_name], values[key])
                     yield m
+        if "kernel_fallbacks" in s:
+            yield self._fallbacks(s["kernel_fallbacks"])
+
+    def _fallbacks(self, table: dict) -> CounterMetricFamily:
+        """`kernel_fallbacks_total{op, reason}` from stats()'s {op: {reason: calls}} (`ops.fallbacks`)."""
+        m = CounterMetricFamily(P + "kernel_fallbacks", FALLBACK_HELP, labels=["model_name", "op", "reason"])
+        for op, reasons in sorted(table.items()):
+            for reason, n in sorted(reasons.items()):
+                m.add_metric([self.model_name, op, reason], n)
+        return m
 
 
 class RequestTracker:

@@ -17,8 +17,9 @@ import torch
 
 from .. import kda as kda_ops
 from ..backend import TorchOps
+from ..fallbacks import fallback
 from ..norms import gated_rms_norm
-from ..operands import KdaSpec, KdaWeights
+from ..operands import KdaSpec, KdaWeights, ServedShapes, dtype_name
 from . import fla_kda, interpreted
 from .dense import TritonDenseOps
 from .kda import GATE_SIGMOID, GATE_SOFTPLUS, chunk_kda, conv_step, recurrent_step
@@ -43,12 +44,22 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().float().contiguous()
 
 
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _runs_here(*tensors: torch.Tensor) -> bool:
     """CUDA tensors, or CPU ones under the interpreter, of a dtype the kernels take."""
-    return all(
-        (t.is_cuda or (t.is_cpu and interpreted())) and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        for t in tensors
-    )
+    return all((t.is_cuda or (t.is_cpu and interpreted())) and t.dtype in _DTYPES for t in tensors)
+
+
+def _state_reason(x: torch.Tensor, tails: torch.Tensor, states: torch.Tensor) -> str:
+    """Why the decode step declines: the activations' dtype, the pool's (the recurrent kernel keeps
+    fp32 states), the devices, or non-contiguous states."""
+    if x.dtype not in _DTYPES:
+        return "dtype"
+    if tails.dtype not in _DTYPES or states.dtype != torch.float32:
+        return "cache_dtype"
+    return "device" if not _runs_here(x, tails, states) else "layout"
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -61,9 +72,14 @@ class TritonOps(TritonDenseOps, TorchOps):
 
     name = "triton"
 
-    def describe(self) -> dict[str, str]:
-        out = super().describe()
-        out["kda"] = "triton+fla-prefill" if fla_kda.available() else "triton"
+    def describe(self, served: ServedShapes | None = None) -> dict[str, str]:
+        out = super().describe(served)
+        half = served is None or served.dtype in (torch.bfloat16, torch.float16)
+        out["kda"] = "triton+fla-prefill" if half and fla_kda.available() else "triton"
+        if served is not None and served.state_dtype != torch.float32:
+            out["kda"] += (
+                f" [decode on torch: the recurrent kernel keeps fp32 states, not {dtype_name(served.state_dtype)}]"
+            )
         return out
 
     def prepare_kda(self, w: KdaWeights, spec: KdaSpec) -> KdaPrepared:
@@ -76,9 +92,11 @@ class TritonOps(TritonDenseOps, TorchOps):
         if prepared is None or slot_view is None:
             return None
         tails, states, slots = slot_view
-        if not _runs_here(x, tails, states) or states.dtype != torch.float32:
+        if not _runs_here(x, tails, states) or states.dtype != torch.float32 or not states.is_contiguous():
+            fallback("kda_decode", _state_reason(x, tails, states))
             return None
-        if not (states.is_contiguous() and tails.is_contiguous()):
+        if not tails.is_contiguous():
+            fallback("kda_decode", "layout")
             return None
         w, spec = prepared.w, prepared.spec
         n, h, dk = x.shape[0], spec.heads, spec.head_dim
@@ -113,6 +131,8 @@ class TritonOps(TritonDenseOps, TorchOps):
         """`TorchOps.kda_attend` with the chunked and recurrent parts on the kernels."""
         n, h, dk = pre.shape[0], spec.heads, spec.head_dim
         if not _runs_here(pre) or (step and (prior[1].dtype != torch.float32 or not prior[1].is_contiguous())):
+            if not step:  # a step: counted where `kda_decode` declined it
+                fallback("kda_attend", "device" if pre.dtype in _DTYPES else "dtype")
             return super().kda_attend(
                 pre, f, beta, gate, conv, a_log, dt_bias, norm, spec, cu_seqlens, prior, export_offsets, step
             )

@@ -27,6 +27,7 @@ import torch
 
 from ..attn_res import ATTN_RES_EPS
 from ..backend import TorchOps
+from ..fallbacks import fallback
 from ..operands import ExpertWeights, GluAct, RouteSpec
 from . import flash_prefill, flashinfer_mla, interpreted, ogs_moe
 from . import mla as mla_kernels
@@ -38,10 +39,24 @@ from .router import route_select
 _FLOATS = (torch.float32, torch.bfloat16)
 
 
+def why_not(dtype: torch.dtype, *tensors: torch.Tensor) -> str:
+    """The fallback reason of operands the kernels refuse: their dtype, else their device, else their shape."""
+    return "dtype" if dtype not in _FLOATS else "device" if not runs_here(*tensors) else "shape"
+
+
 def runs_here(*tensors: torch.Tensor) -> bool:
     """True where Triton can run on all `tensors`: CUDA, or CPU under the interpreter."""
     interp = interpreted()
     return all(t.is_cuda or (interp and t.is_cpu) for t in tensors)
+
+
+def _latent_reason(q: torch.Tensor, rows: torch.Tensor, *index: torch.Tensor) -> str:
+    """Why `_latent_fits` refused: the queries' or the pool's dtype, the devices, the rows' layout."""
+    if q.dtype not in _FLOATS:
+        return "dtype"
+    if rows.dtype not in (*_FLOATS, torch.float16):
+        return "cache_dtype"
+    return "device" if not runs_here(q, rows, *index) else "layout"
 
 
 class TritonDenseOps(TorchOps):
@@ -50,15 +65,25 @@ class TritonDenseOps(TorchOps):
     name = "triton"
     dense_families = {"norms": "triton", "attn_res": "triton"}
 
-    def describe(self) -> dict[str, str]:
-        libs = (("flashinfer-decode", flashinfer_mla), ("torch-flash-prefill", flash_prefill))
-        mla = "+".join(["triton", *(name for name, lib in libs if lib.available())])
-        moe = "triton+triton_kernels" if ogs_moe.available() else "triton"
-        return {**super().describe(), **self.dense_families, "mla": mla, "moe": moe}
+    def describe(self, served=None) -> dict[str, str]:
+        """The optional libraries that import, and for `served` only those whose windows admit the
+        model (half precision; FlashInfer's (rank, rope) widths; the flash prefill's head width)."""
+        half = served is None or served.dtype in (torch.bfloat16, torch.float16)
+        fi = served is None or (served.mla_rank, served.mla_rope) == flashinfer_mla._WIDTHS
+        fp = served is None or served.mla_width <= flash_prefill._MAX_WIDTH
+        libs = (("flashinfer-decode", flashinfer_mla, fi), ("torch-flash-prefill", flash_prefill, fp))
+        mla = "+".join(["triton", *(name for name, lib, fits in libs if half and fits and lib.available())])
+        moe = (
+            "triton+triton_kernels"
+            if ogs_moe.available() and (served is None or served.dtype == torch.bfloat16)
+            else "triton"
+        )
+        return {**super().describe(served), **self.dense_families, "mla": mla, "moe": moe}
 
     # dense -------------------------------------------------------------------------------------
     def rms_norm(self, x, w, eps, prepared=None):
         if x.dtype not in _FLOATS or not runs_here(x, w) or x.shape[-1] == 0:
+            fallback("rms_norm", why_not(x.dtype, x, w))
             return super().rms_norm(x, w, eps, prepared)
         return mix_norm([x], None, w, 0.0, eps)
 
@@ -70,6 +95,7 @@ class TritonDenseOps(TorchOps):
             or not runs_here(*tensors)
             or any(t.shape != cur.shape or t.dtype != cur.dtype for t in bank)
         ):
+            fallback("attn_res", why_not(cur.dtype, *tensors))
             return super().attn_res(cur, bank, proj, norm, prepared, then)
         q = norm.reshape(-1).float() * proj.reshape(-1).float()
         w, eps = (None, 0.0) if then is None else then[:2]
@@ -87,6 +113,7 @@ class TritonDenseOps(TorchOps):
             or spec.topk_group > groups
             or spec.top_k > allowed
         ):
+            fallback("route", why_not(x.dtype, x, gate, *(() if bias is None else (bias,))))
             return super().route(x, gate, bias, spec, down)
         logits = x.float() @ gate.float().T
         weights, ids = route_select(logits, bias, *spec.args())
@@ -103,6 +130,10 @@ class TritonDenseOps(TorchOps):
             or (ex.packed and ex.dtype not in _FLOATS)
             or not runs_here(x, ids, weights, *flat)
         ):
+            fallback(
+                "experts",
+                "dtype" if ex.packed and ex.dtype not in _FLOATS else why_not(x.dtype, x, ids, weights, *flat),
+            )
             return super().experts(x, ids, weights, ex, act)
         prepared = ogs_moe.prepared_for(ex)
         if prepared is not None and ogs_moe.fits(x, ex, act):
@@ -123,6 +154,7 @@ class TritonDenseOps(TorchOps):
             return flash_prefill.prefill(q, k_nope, k_rot, v, cu_seqlens, scale)
         tensors = (q, k_nope, k_rot, v, cu_seqlens)
         if q.dtype not in _FLOATS or not runs_here(*tensors) or any(t.stride(-1) != 1 for t in tensors[:4]):
+            fallback("mla_prefill", why_not(q.dtype, *tensors).replace("shape", "layout"))
             return super().mla_prefill(q, k_nope, k_rot, v, cu_seqlens, scale)
         return mla_prefill_kernels.mla_prefill_attention(q, k_nope, k_rot, v, cu_seqlens, scale)
 
@@ -131,6 +163,7 @@ class TritonDenseOps(TorchOps):
         page table in the view or where the kernel does not run."""
         table = getattr(rows_view, "block_table", None)
         if table is None or not self._latent_fits(q, rows_view.rows, table, rows_view.cu_kv, cu_q):
+            fallback("mla_extend", "layout" if table is None else _latent_reason(q, rows_view.rows, table))
             return None
         o_lat = mla_prefill_kernels.mla_extend_attention(
             self._absorb(q, w_uk), rows_view.rows, table, rows_view.page_size, cu_q, rows_view.cu_kv, rank, scale
@@ -164,6 +197,7 @@ class TritonDenseOps(TorchOps):
             rows, index, cu_kv = rows_view
             where = dict(read_rows=index)
         if not self._latent_fits(q, rows, index, cu_kv):
+            fallback("mla_decode", _latent_reason(q, rows, index, cu_kv))
             return None
         q_lat, o_lat = self._absorb(q, w_uk), None
         if table is not None and flashinfer_mla.fits(q_lat, rows, rank, rows_view.page_size):
