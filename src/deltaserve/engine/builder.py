@@ -25,7 +25,7 @@ import torch
 from ..cache import CacheLayout, CacheManager, build_pools, size_layout
 from ..cache.checkpoint_policy import CheckpointPolicy
 from ..cache.slot_journal import SlotJournal
-from ..model import KimiForCausalLM, resolve_dtype
+from ..model import KimiForCausalLM, ModelConfig, resolve_dtype
 from ..model.tokenizer import Tokenizer
 from ..model.vision import VisionModel
 from ..model.vision_weights import PREFIXES, load_vision_model
@@ -70,6 +70,14 @@ class Engine:
                 ranks.kill()
         ranks.close()
 
+    def kill(self) -> None:
+        """Stop the other ranks without a collective (the engine thread may be inside a step): kill
+        the local workers; the process group is left to the process's exit. Later `shutdown`s
+        do nothing."""
+        ranks, self.ranks = self.ranks, None
+        if ranks is not None:
+            ranks.kill()
+
 
 def resolve_device(name: str) -> str:
     """`auto` -> `cuda` where torch sees a GPU, else `cpu`; a CUDA device on a machine without
@@ -90,9 +98,14 @@ def build_engine(config: EngineConfig) -> Engine:
     plan = plan_ranks(c)
     ranks, tp, control = None, SINGLE, None
     if plan is not None:
+        ModelConfig.from_pretrained(c.model).check_tensor_parallel(plan.world, c.enable_expert_parallel)
         ranks = RankGroup(plan, c)
         ranks.launch()  # the workers get `c` and choose their own GPUs
-        c = dataclasses.replace(c, device=rank_device(c, plan.rank))
+        try:
+            c = dataclasses.replace(c, device=rank_device(c, plan.rank))
+        except BaseException:
+            ranks.abandon()
+            raise
         tp, control = ranks.join()
         if tp.rank != 0:
             try:
@@ -104,7 +117,7 @@ def build_engine(config: EngineConfig) -> Engine:
         return _build_rank0(c, dtype, ranks, tp, control)
     except BaseException:
         if ranks is not None:
-            ranks.kill()
+            ranks.abandon()
         raise
 
 
