@@ -25,7 +25,7 @@ import torch
 from ..cache import CacheLayout, CacheManager, build_pools, size_layout
 from ..cache.checkpoint_policy import CheckpointPolicy
 from ..cache.slot_journal import SlotJournal
-from ..model import KimiForCausalLM, ModelConfig, resolve_dtype
+from ..model import KimiForCausalLM, resolve_dtype
 from ..model.tokenizer import Tokenizer
 from ..model.vision import VisionModel
 from ..model.vision_weights import PREFIXES, load_vision_model
@@ -98,7 +98,6 @@ def build_engine(config: EngineConfig) -> Engine:
     plan = plan_ranks(c)
     ranks, tp, control = None, SINGLE, None
     if plan is not None:
-        ModelConfig.from_pretrained(c.model).check_tensor_parallel(plan.world, c.enable_expert_parallel)
         ranks = RankGroup(plan, c)
         ranks.launch()  # the workers get `c` and choose their own GPUs
         try:

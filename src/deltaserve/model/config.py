@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..ops.mxfp4 import GROUP_SIZE as MXFP4_GROUP
-
 FAMILIES = ("kimi_k3", "kimi_linear")
 
 
@@ -95,21 +93,6 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     quantization: str | None = None  # "mxfp4" or None
     media_placeholder_token_id: int | None = None
-
-    def check_tensor_parallel(self, world: int, expert_parallel: bool = False) -> None:
-        """Refuse a plain tensor-parallel split of MXFP4 routed experts whose per-rank width is not
-        whole 32-element scale groups (each rank's down projection reads whole groups; expert
-        parallelism keeps every expert whole and needs no such split)."""
-        width = self.moe.intermediate_size
-        if self.quantization != "mxfp4" or world == 1 or expert_parallel or not self.moe.num_experts:
-            return
-        if width % (MXFP4_GROUP * world):
-            raise ConfigError(
-                f"MXFP4 routed experts do not split over tensor-parallel size {world}: the checkpoint's "
-                f"moe_intermediate_size {width} gives each rank {width / world:g} columns, which must be whole "
-                f"{MXFP4_GROUP}-element scale groups (moe_intermediate_size a multiple of {MXFP4_GROUP * world}); "
-                "use expert parallelism (--enable-expert-parallel) or another tensor-parallel size"
-            )
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, **overrides: Any) -> "ModelConfig":

@@ -91,8 +91,6 @@ def load_model(
     if moe_weights == "auto":
         moe_weights = "packed" if dtype == torch.bfloat16 else "dequantized"
     cfg = config or ModelConfig.from_pretrained(model_dir)
-    if tp is not None:
-        cfg.check_tensor_parallel(tp.world, tp.expert_parallel)
     with torch.device("meta"):
         model = KimiForCausalLM(cfg, tp)
     expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
