@@ -278,6 +278,7 @@ class RankGroup:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        atexit.unregister(self.kill)  # nothing left to kill: the group is not kept alive till exit
         leave_tensor_parallel(failed=failed or self.failure is not None)
 
     def kill(self) -> None:
