@@ -1,12 +1,13 @@
 """Per-rank loading without a process group (loading runs no collective): each rank's tensors
-are exactly its chunks of the unsharded model's, and dims that do not split are refused."""
+are exactly its chunks of the unsharded model's (MXFP4 experts padded to whole groups), and dims
+that do not split are refused."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from deltaserve.model.weights import CheckpointError, load_model
+from deltaserve.model.weights import load_model
 from deltaserve.parallel import ParallelContext
 from deltaserve.tiny import make_tiny
 
@@ -39,11 +40,19 @@ def test_rank_tensors_are_chunks_of_the_whole(k3):
 
 
 @pytest.mark.parametrize("moe_weights", ["packed", "dequantized"])
-def test_mxfp4_experts_need_whole_groups_per_rank(tmp_path, moe_weights):
-    """MXFP4 w2 splits by 32-element groups (read packed either way): width 32 cannot split in 2."""
+def test_mxfp4_experts_pad_to_whole_groups_per_rank(tmp_path, moe_weights):
+    """MXFP4 experts split by whole 32-element groups: width 32 over 2 ranks is a group each, rank
+    0's the checkpoint's whole width and rank 1's zeros (exact: zero columns add nothing)."""
     ckpt = make_tiny(tmp_path, "kimi_k3", mxfp4=True, seed=2)
-    with pytest.raises(CheckpointError, match="does not split into 2 tensor-parallel shards \\(MXFP4"):
-        load_model(ckpt, torch.bfloat16, progress=False, moe_weights=moe_weights, tp=ParallelContext(0, 2))
+    whole = _tensors(load_model(ckpt, torch.bfloat16, progress=False, moe_weights=moe_weights))
+    for rank in range(2):
+        tp = ParallelContext(rank, 2)
+        part = _tensors(load_model(ckpt, torch.bfloat16, progress=False, moe_weights=moe_weights, tp=tp))
+        experts = {n: t for n, t in part.items() if ".experts." in n}
+        assert len(experts) >= 3
+        for name, t in experts.items():
+            assert t.shape == whole[name].shape, name
+            assert torch.equal(t, whole[name]) if rank == 0 else not t.any(), name
 
 
 def test_context_checks():

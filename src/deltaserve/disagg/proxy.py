@@ -40,6 +40,9 @@ class Proxy:
     def __init__(self, prefill: list[str], decode: list[str], secret: str, match_timeout_s: float = 10.0):
         if not prefill or not decode:
             raise ValueError("the proxy needs at least one prefill and one decode instance")
+        bad = [u for u in (*prefill, *decode) if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"an instance is an http:// or https:// URL, got {', '.join(map(repr, bad))}")
         self.prefill = [u.rstrip("/") for u in prefill]
         self.decode = [u.rstrip("/") for u in decode]
         self.secret = secret
@@ -166,9 +169,14 @@ def run_proxy(args) -> int:
 
     from ..server.serve import exit_cleanly_on_sigterm
     from .protocol import load_secret
+    from .roles import start_failure
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    proxy = Proxy(args.prefill, args.decode, load_secret(args.disagg_secret))
+    try:
+        proxy = Proxy(args.prefill, args.decode, load_secret(args.disagg_secret))
+    except Exception as e:
+        log.error("%s", start_failure("the proxy", e))
+        return 1
     log.info("proxy on http://%s:%d: prefill %s, decode %s", args.host, args.port, proxy.prefill, proxy.decode)
     exit_cleanly_on_sigterm()
     uvicorn.run(build_proxy_app(proxy, args.api_key), host=args.host, port=args.port, log_level="info")

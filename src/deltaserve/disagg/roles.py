@@ -88,6 +88,26 @@ def check_role_arguments(args: argparse.Namespace) -> None:
         args.enable_prefix_caching = True
 
 
+class RoleStartError(RuntimeError):
+    """A role (or the proxy) could not start: its transfer engine, secret or instance list. One
+    line, for the operator; the process exits 1 (`serve`, `run_proxy`)."""
+
+
+def start_failure(what: str, e: BaseException) -> RoleStartError:
+    """`e`, raised while `what` started, as one line (the traceback only at debug level)."""
+    log.debug("%s: start-up failed", what, exc_info=e)
+    text = " ".join(f"{type(e).__name__}: {e}".split())
+    return RoleStartError(f"{what} did not start: {text}")
+
+
+def start_role(app, engine, args: argparse.Namespace, ranks: InstanceRanks | None = None) -> object | None:
+    """`install_role`, any failure raised as a `RoleStartError`."""
+    try:
+        return install_role(app, engine, args, ranks)
+    except Exception as e:
+        raise start_failure(f"--role {args.role}", e) from None
+
+
 def install_role(app, engine, args: argparse.Namespace, ranks: InstanceRanks | None = None) -> object | None:
     """Add the role's routes (and, for decode, its handoff) to `app`; returns the service. `ranks`:
     the instance's transfer engines, started here when not given."""

@@ -71,6 +71,14 @@ class Engine:
                 ranks.kill()
         ranks.close()
 
+    def kill(self) -> None:
+        """Stop the other ranks without a collective (the engine thread may be inside a step): kill
+        the local workers; the process group is left to the process's exit. Later `shutdown`s
+        do nothing."""
+        ranks, self.ranks = self.ranks, None
+        if ranks is not None:
+            ranks.kill()
+
 
 def resolve_device(name: str) -> str:
     """`auto` -> `cuda` where torch sees a GPU, else `cpu`; a CUDA device on a machine without
@@ -93,7 +101,11 @@ def build_engine(config: EngineConfig) -> Engine:
     if plan is not None:
         ranks = RankGroup(plan, c)
         ranks.launch()  # the workers get `c` and choose their own GPUs
-        c = dataclasses.replace(c, device=rank_device(c, plan.rank))
+        try:
+            c = dataclasses.replace(c, device=rank_device(c, plan.rank))
+        except BaseException:
+            ranks.abandon()
+            raise
         tp, control = ranks.join()
         if tp.rank != 0:
             try:
@@ -105,7 +117,7 @@ def build_engine(config: EngineConfig) -> Engine:
         return _build_rank0(c, dtype, ranks, tp, control)
     except BaseException:
         if ranks is not None:
-            ranks.kill()
+            ranks.abandon()
         raise
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
+import weakref
 from pathlib import Path
 
 import torch
@@ -32,8 +34,11 @@ class LLM:
     them and their defaults) as keyword arguments; `LLM.from_config(config)` takes the config.
     Both start the engine with `build_engine` (engine/builder.py): in bfloat16 the native CPU
     kernels are built and loaded there, so no request pays for the compile. With
-    `tensor_parallel_size > 1` it also starts the worker processes; `shutdown()` (or leaving a
-    `with LLM(...)` block) stops them. With `data_parallel_size = N > 1` it is a client of N
+    `tensor_parallel_size > 1` it also starts the worker processes and creates the process group
+    (refused if this process has one already: `parallel.ProcessGroupTaken`); `shutdown()` /
+    `close()`, leaving a `with LLM(...)` block, or the `LLM` being collected stops them and leaves
+    the group (a start that fails does so before raising), so engines can follow one another in
+    one process. With `data_parallel_size = N > 1` it is a client of N
     engine replica processes (engine/dp_client.py: requests routed by prefix, outputs exactly
     one engine's); `model`, `cache`, `engine` and `layout` are then None (they live in the
     replicas), `stats()` sums the replicas' figures and `pool_snapshot()` is refused. With
@@ -67,9 +72,13 @@ class LLM:
             self._dp = self._parts = DPClient(config, self.tokenizer)
             self.model = self.layout = self.cache = self.engine = None
             self.max_model_len = self._dp.max_model_len
+            self._finalizer = weakref.finalize(self, self._dp.shutdown)
             return
+        if config.tensor_parallel_size > 1:
+            gc.collect()  # an engine no longer referenced but still in a cycle leaves its group now
         parts = build_engine(config)
         self._parts = parts
+        self._finalizer = weakref.finalize(self, parts.shutdown)  # holds the parts, never `self`
         self.model, self.tokenizer, self.layout = parts.model, parts.tokenizer, parts.layout
         self.cache, self.engine, self.max_model_len = parts.cache, parts.core, parts.max_model_len
 
@@ -80,8 +89,18 @@ class LLM:
         return self._parts.rank_memory
 
     def shutdown(self) -> None:
-        """Stop the worker (or replica) processes (idempotent; no-op for one process)."""
-        self._parts.shutdown()
+        """Stop the worker (or replica) processes and leave the process group (idempotent; no-op
+        for one process)."""
+        self._finalizer()
+
+    close = shutdown
+
+    def kill(self) -> None:
+        """Kill the worker processes without a collective, for a caller whose engine thread may
+        still be inside a step (`shutdown` would then race it on the control group)."""
+        if self._dp is None:
+            self._parts.kill()
+        self._finalizer()
 
     def __enter__(self) -> "LLM":
         return self

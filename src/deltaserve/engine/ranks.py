@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..parallel import ParallelContext, init_tensor_parallel
+from ..parallel import ParallelContext, check_process_group_free, init_tensor_parallel, leave_tensor_parallel
 from .config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,11 @@ def join(config: EngineConfig, rank: int, init_method: str) -> tuple[ParallelCon
         config.decode_context_parallel_size,
         SHM_SLOT_BYTES,
     )
-    return tp, dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    try:
+        return tp, dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    except BaseException:
+        leave_tensor_parallel(failed=True)
+        raise
 
 
 def memory_report(tp: ParallelContext, before: int, weights: int, decode_stack: bool) -> list[dict[str, int]]:
@@ -214,7 +218,9 @@ class RankGroup:
         self._lock = threading.Lock()
 
     def launch(self) -> None:
-        """Start the local worker subprocesses (they join the group themselves)."""
+        """Start the local worker subprocesses (they join the group themselves); refused while this
+        process has a process group (`ProcessGroupTaken`)."""
+        check_process_group_free()
         spec = config_json(self.config)
         for r in self.plan.spawn:
             env = dict(os.environ)
@@ -226,8 +232,8 @@ class RankGroup:
     def join(self) -> tuple[ParallelContext, object]:
         try:
             tp, control = join(self.config, self.plan.rank, self.plan.init_method)
-        except Exception:
-            self.kill()
+        except BaseException:
+            self.abandon()
             raise
         if tp.shm is not None:  # a dead rank ends a shared-memory wait at once
             self.on_failure(tp.shm.abort)
@@ -260,9 +266,10 @@ class RankGroup:
                     return
             time.sleep(0.2)
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Wait for the local workers to exit (after a `Shutdown` was sent), kill stragglers,
-        and leave the process group unless the group failed (a dead peer would hang it)."""
+    def close(self, timeout: float = 10.0, failed: bool = False) -> None:
+        """Wait for the local workers to exit (after a `Shutdown` was sent), kill stragglers, reap
+        them, and leave the process group (aborted where the group failed), so that a later
+        engine of this process creates its own."""
         self._closing = True
         deadline = time.monotonic() + timeout
         for p in self.procs.values():
@@ -270,11 +277,18 @@ class RankGroup:
                 p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
-        if self.failure is None and dist.is_initialized():
-            dist.destroy_process_group()
+                p.wait()
+        atexit.unregister(self.kill)  # nothing left to kill: the group is not kept alive till exit
+        leave_tensor_parallel(failed=failed or self.failure is not None)
 
     def kill(self) -> None:
+        """Kill the local workers (no collective: safe at exit and from any thread)."""
         self._closing = True
         for p in self.procs.values():
             if p.poll() is None:
                 p.kill()
+
+    def abandon(self) -> None:
+        """A start that failed: kill the workers, then leave the group as a failed one."""
+        self.kill()
+        self.close(timeout=5.0, failed=True)

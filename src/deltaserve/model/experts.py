@@ -20,17 +20,31 @@ from .modules import OpsModule
 PROJECTIONS = ("w1", "w3", "w2")
 
 
+def rank_width(width: int, tp: ParallelContext, group: int) -> tuple[int, bool]:
+    """(each rank's share of the intermediate `width`, whether it is zero-padded): `width` / W
+    where that is whole `group`s, else ceil(width / (group W)) groups (padded)."""
+    if tp.world == 1 or (width % tp.world == 0 and (width // tp.world) % group == 0):
+        return tp.split(width, "expert width"), False
+    if group == 1:
+        return tp.split(width, "expert width"), False  # raises: the width does not divide
+    return -(-width // (group * tp.world)) * group, True
+
+
 class StackedExperts(OpsModule):
     """The routed experts of a layer this rank holds. The loader fills either the dense parameters
     or, through `set_packed`, the packed buffers `{w1,w3,w2}_packed` / `_scale` (validated MXFP4).
 
     `num_experts` and `width` are the model's; `tp` decides the split (world W > 1). Tensor
-    parallel: every expert, w1/w3 split by rows and w2 by columns (`width` / W each; packed: by
-    whole 32-element groups). Expert parallel (`tp.expert_parallel`): the contiguous experts
-    [first, first + E/W) whole, split along the expert dim; E % W must be 0. Either way the
-    output is this rank's partial sum of the routed output (the full output at W = 1)."""
+    parallel: every expert, w1/w3 split by rows and w2 by columns (`width` / W each). With `group`
+    (32 for MXFP4 checkpoints) each rank's width is whole groups: where `width` / W is not, every
+    rank holds ceil(width / (group W)) groups, the columns past `width` zero (`tp_padded`; the
+    loader pads them), which is exact for a GLU whose activation maps 0 to 0 (SiTU, SwiGLU: the
+    zero gate and up rows give 0, the zero down columns add 0). Expert parallel
+    (`tp.expert_parallel`): the contiguous experts [first, first + E/W) whole, split along the
+    expert dim; E % W must be 0. Either way the output is this rank's partial sum of the routed
+    output (the full output at W = 1)."""
 
-    def __init__(self, num_experts: int, width: int, d_in: int, tp: ParallelContext = SINGLE):
+    def __init__(self, num_experts: int, width: int, d_in: int, tp: ParallelContext = SINGLE, group: int = 1):
         super().__init__()
         by_expert = tp.expert_parallel and tp.world > 1
         if by_expert and num_experts % tp.world:
@@ -38,12 +52,15 @@ class StackedExperts(OpsModule):
                 f"expert parallelism: {num_experts} routed experts do not split evenly over {tp.world} ranks"
             )
         local = num_experts // tp.world if by_expert else num_experts
-        width = width if by_expert else tp.split(width, "expert width")
+        padded = False
+        if not by_expert:
+            width, padded = rank_width(width, tp, group)
         self.w1 = nn.Parameter(torch.zeros(local, width, d_in))
         self.w3 = nn.Parameter(torch.zeros(local, width, d_in))
         self.w2 = nn.Parameter(torch.zeros(local, d_in, width))
         for param, dim in zip((self.w1, self.w3, self.w2), (0, 0, 0) if by_expert else (1, 1, 2)):
             shard(param, dim)
+            param.tp_padded = padded
         self.num_experts, self.width, self.d_in = local, width, d_in
         self.total, self.first = num_experts, tp.rank * local if by_expert else 0
         self.packed = False

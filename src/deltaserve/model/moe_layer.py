@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.mxfp4 import GROUP_SIZE as MXFP4_GROUP
 from ..ops.operands import GluAct, RouteSpec
 from ..parallel import SINGLE, ParallelContext, shard
 from .config import ModelConfig
@@ -80,7 +81,8 @@ class MoeBlock(OpsModule):
             self.routed_expert_up_proj = empty_linear(m.latent_size, cfg.hidden_size)
             if m.latent_norm:
                 self.routed_expert_norm = RMSNorm(m.latent_size, cfg.rms_norm_eps)
-        self.experts = StackedExperts(m.num_experts, m.intermediate_size, d_in, tp)
+        group = MXFP4_GROUP if cfg.quantization == "mxfp4" else 1
+        self.experts = StackedExperts(m.num_experts, m.intermediate_size, d_in, tp, group)
         if m.num_shared_experts:
             width = m.num_shared_experts * m.intermediate_size
             self.shared_experts = GluMlp(cfg, cfg.hidden_size, width, tp, reduce=False)

@@ -2,7 +2,26 @@
 the vocab-parallel embedding, and the per-rank checkpoint slicing the loader uses.
 Imports only torch and safetensors (model/ builds on it)."""
 
-from .context import COMM, SINGLE, ParallelContext, init_tensor_parallel, shard
+from .context import (
+    COMM,
+    SINGLE,
+    ParallelContext,
+    ProcessGroupTaken,
+    check_process_group_free,
+    init_tensor_parallel,
+    leave_tensor_parallel,
+    shard,
+)
 from .embedding import VocabParallelEmbedding
 
-__all__ = ["COMM", "SINGLE", "ParallelContext", "VocabParallelEmbedding", "init_tensor_parallel", "shard"]
+__all__ = [
+    "COMM",
+    "SINGLE",
+    "ParallelContext",
+    "ProcessGroupTaken",
+    "VocabParallelEmbedding",
+    "check_process_group_free",
+    "init_tensor_parallel",
+    "leave_tensor_parallel",
+    "shard",
+]

@@ -14,6 +14,9 @@ Invariants:
 - Decode context parallelism (`dcp_world` D, dividing `world`) splits the MLA latent cache by
   position: the DCP group of a rank is the D consecutive ranks sharing `rank // D`, and token
   position t lives on DCP rank `t % D` of it.
+- The default process group belongs to the engine that created it (`init_tensor_parallel`) until
+  it leaves (`leave_tensor_parallel`); a group someone else initialised, or one another engine of
+  this process still holds, is refused (`ProcessGroupTaken`), never silently shared.
 - Only tensor collectives are used: nothing is pickled between ranks. Ranks on one machine
   reduce and gather through shared memory (`shm`), falling back to the process group for
   tensors larger than its slots.
@@ -150,6 +153,43 @@ def shard(p: nn.Parameter, dim: int) -> nn.Parameter:
     return p
 
 
+class ProcessGroupTaken(RuntimeError):
+    """torch.distributed's default group exists already: a tensor-parallel engine needs its own."""
+
+
+_owned: list = []  # the default group `init_tensor_parallel` created, while it lives
+
+
+def check_process_group_free() -> None:
+    """Raise `ProcessGroupTaken` if this process already has a default process group."""
+    if not dist.is_initialized():
+        return
+    if _owned and _owned[0] is dist.group.WORLD:
+        raise ProcessGroupTaken(
+            "another tensor-parallel engine of this process still holds the process group: shut it down "
+            "first (llm.shutdown(), or leave its `with` block)"
+        )
+    raise ProcessGroupTaken(
+        "torch.distributed is already initialised in this process, not by deltaserve: a tensor-parallel "
+        "engine creates and owns its process group (call torch.distributed.destroy_process_group() first; "
+        "under torchrun, let the engine join from the environment)"
+    )
+
+
+def leave_tensor_parallel(failed: bool = False) -> None:
+    """Destroy the default group (and its subgroups) if `init_tensor_parallel` created it; a no-op
+    otherwise. `failed`: a peer may be dead or hung, so a CUDA group is aborted, not destroyed."""
+    mine = bool(_owned) and dist.is_initialized() and _owned[0] is dist.group.WORLD
+    _owned.clear()
+    if not mine:
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if failed and abort is not None and "nccl" in str(dist.get_backend()):
+        abort()
+    else:
+        dist.destroy_process_group()
+
+
 def process_group_backend(device: str | torch.device) -> str:
     """gloo on CPU; on CUDA nccl for device tensors and gloo for host ones (the load report)."""
     return "cpu:gloo,cuda:nccl" if torch.device(device).type == "cuda" else "gloo"
@@ -168,12 +208,22 @@ def init_tensor_parallel(
     """Join the default process group (`process_group_backend(device)`) as `rank` of `world` and
     return the context a model is built with (its DCP subgroups created on every rank). With
     `shm_slot_bytes` > 0, CPU ranks that all run on this machine reduce and gather tensors up to
-    that size through shared memory (`shm.ShmCollectives`)."""
+    that size through shared memory (`shm.ShmCollectives`). Refuses a process that has a default
+    group already (`ProcessGroupTaken`); on failure the group it created is left again."""
+    check_process_group_free()
     backend = process_group_backend(device)
-    if not dist.is_initialized():
-        dist.init_process_group(
-            backend, init_method=init_method, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
-        )
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    _owned[:] = [dist.group.WORLD]
+    try:
+        return _subgroups(rank, world, backend, timeout_s, expert_parallel, dcp_world, shm_slot_bytes)
+    except BaseException:
+        leave_tensor_parallel(failed=True)
+        raise
+
+
+def _subgroups(rank, world, backend, timeout_s, expert_parallel, dcp_world, shm_slot_bytes) -> ParallelContext:
     dcp_group = None
     if 1 < dcp_world < world:
         if world % dcp_world:

@@ -40,6 +40,36 @@ def read_shard(f, name: str, dim: int, tp: ParallelContext) -> torch.Tensor:
     return part[(slice(None),) * dim + (chunk_bounds(shape[dim], dim, tp, name),)].contiguous()
 
 
+def group_units(name: str, dim: int, ndim: int) -> int:
+    """Units of a checkpoint tensor's `dim` per 32-element MXFP4 group of the logical width: 16
+    packed bytes or 1 scale along the input (last) dim, else 32 rows or columns."""
+    if dim == ndim - 1 and name.endswith("weight_packed"):
+        return 16
+    if dim == ndim - 1 and name.endswith("weight_scale"):
+        return 1
+    return 32
+
+
+def read_padded_shard(f, name: str, dim: int, tp: ParallelContext) -> torch.Tensor:
+    """Rank `tp.rank`'s chunk along `dim` of `name` with that dim zero-padded to whole 32-element
+    groups on every rank (`group_units`): the dim's size rounded up to a multiple of groups x
+    world, then cut in `world` equal chunks; a chunk past the tensor's end is zeros. Zero weights
+    (zero MXFP4 codes) in a GLU expert's padded intermediate columns add exactly nothing."""
+    part = f.get_slice(name)
+    shape = part.get_shape()
+    if dim >= len(shape):
+        return f.get_tensor(name)
+    g = group_units(name, dim, len(shape))
+    size = shape[dim]
+    chunk = -(-size // (g * tp.world)) * g
+    lo = min(tp.rank * chunk, size)
+    hi = min(lo + chunk, size)
+    real = part[(slice(None),) * dim + (slice(lo, hi),)]
+    out = torch.zeros(*shape[:dim], chunk, *shape[dim + 1 :], dtype=real.dtype)
+    out.narrow(dim, 0, hi - lo).copy_(real)
+    return out
+
+
 def take_shard(t: torch.Tensor, dim: int, tp: ParallelContext, name: str) -> torch.Tensor:
     """Rank `tp.rank`'s chunk along `dim` of a tensor already read, as its own storage."""
     return t[(slice(None),) * dim + (chunk_bounds(t.shape[dim], dim, tp, name),)].clone()
@@ -57,13 +87,16 @@ class ShardReader:
     split dim is the stack's less the expert dim), else None. A stack split along dim 0 is split
     by expert: this rank holds its experts `experts_held(stack)` whole, and the per-expert tensors
     of other ranks' experts are never read. Names ending in `read_whole` are read whole and cut by
-    `local` after mapping (A_log: H floats, stored padded or 4-D)."""
+    `local` after mapping (A_log: H floats, stored padded or 4-D). Stacks in `padded` (MXFP4
+    experts whose width per rank is not whole 32-element groups) read their expert tensors
+    zero-padded to whole groups per rank (`read_padded_shard`)."""
 
     tp: ParallelContext = SINGLE
     dims: dict[str, int] = field(default_factory=dict)
     stack_of: Callable[[str], str | None] = _no_stack
     read_whole: tuple[str, ...] = (".A_log",)
     sizes: dict[str, int] = field(default_factory=dict)
+    padded: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, model: nn.Module, tp: ParallelContext, stack_of: Callable[[str], str | None]) -> ShardReader:
@@ -72,7 +105,8 @@ class ShardReader:
             return cls()
         marked = [(n, p) for n, p in model.named_parameters() if hasattr(p, "tp_dim")]
         dims = {n: p.tp_dim for n, p in marked}
-        return cls(tp, dims, stack_of, sizes={n: p.shape[p.tp_dim] for n, p in marked})
+        padded = frozenset(n for n, p in marked if getattr(p, "tp_padded", False))
+        return cls(tp, dims, stack_of, sizes={n: p.shape[p.tp_dim] for n, p in marked}, padded=padded)
 
     def dim(self, name: str) -> int | None:
         stack = self.stack_of(name)
@@ -100,6 +134,8 @@ class ShardReader:
         dim = self.dim(name)
         if dim is None or name.endswith(self.read_whole):
             return partial(f.get_tensor, raw_name)
+        if self.stack_of(name) in self.padded:
+            return partial(read_padded_shard, f, raw_name, dim, self.tp)
         return partial(read_shard, f, raw_name, dim, self.tp)
 
     def local(self, name: str, t: torch.Tensor) -> torch.Tensor:

@@ -92,10 +92,13 @@ class AsyncEngine:
         the engine thread reaches this, after what was queued before it."""
         self._send(Fatal(reason), quiet=True)
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float = 10.0) -> bool:
+        """Stop the engine thread after its current step; True once it has stopped (False: still
+        inside a step after `timeout` seconds)."""
         if self._thread is not None and self._thread.is_alive():
             self._send(Shutdown(), quiet=True)
             self._thread.join(timeout)
+        return not self.alive
 
     def queue_load(self) -> int:
         """Requests waiting in the scheduler plus those on their way in."""

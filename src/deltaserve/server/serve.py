@@ -230,7 +230,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..chat.render import load_chat_template
-    from ..disagg.roles import check_role_arguments, install_role
+    from ..disagg.roles import RoleStartError, check_role_arguments, start_role
     from ..engine.config import EngineConfig
     from ..engine.llm import LLM
     from ..engine.ranks import exit_with_parent
@@ -261,7 +261,12 @@ def serve(args: argparse.Namespace) -> int:
     cap = args.max_waiting_requests
     vision = vision_app_kwargs(engine, Path(model_dir), media_policy(args))
     app = build_app(engine, name, api_key=args.api_key, max_waiting_requests=cap if cap >= 0 else None, **vision)
-    install_role(app, engine, args)
+    try:
+        start_role(app, engine, args)
+    except RoleStartError as e:
+        stop_engine(engine, llm)
+        log.error("%s", e)
+        return 1
     log.info(
         "serving %r on http://%s:%d (api key %s)", name, args.host, args.port, "required" if args.api_key else "off"
     )
@@ -275,12 +280,22 @@ def serve(args: argparse.Namespace) -> int:
     try:
         server.run()
     finally:
-        engine.shutdown()
-        llm.shutdown()
+        stop_engine(engine, llm)
     if engine.failure is not None:
         log.error("exiting: %s", engine.failure)
         return 1
     return 0
+
+
+def stop_engine(engine, llm, timeout: float = 10.0) -> None:
+    """Shut down in order, one thread on the control group at a time: the engine thread stops
+    first (it finishes its step), then the other ranks get `Shutdown` (`llm.shutdown`). A thread
+    still inside a step after `timeout` has the workers killed instead (no collective races it)."""
+    if engine.shutdown(timeout):
+        llm.shutdown()
+    else:
+        log.error("the engine thread did not stop within %.0f s: killing the worker ranks", timeout)
+        llm.kill()
 
 
 def _stop(server) -> None:
