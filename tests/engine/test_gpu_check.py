@@ -2,11 +2,20 @@
 (its RMSNorm's epsilon off in bf16 only, fp32 untouched) fails the check through its first-step KL
 against the fp32 reference, while a correct one passes. Before the fix only fp32 mismatches
 failed, so this broken backend passed (bf16 was reported, never judged). The backend stands in
-for the Triton one (`DELTASERVE_TRITON=1` picks it), as on a GPU."""
+for the Triton one (`DELTASERVE_TRITON=1` picks it), as on a GPU.
+
+The device check's set-up (issue 44: no venv, no network there) is proven by
+`scripts/gpu_dry_run.sh --setup-only`: an interpreter that sees only the lent image's
+distributions installs the fetched wheels with pip --no-index and passes the deps check. It runs
+where `scripts/fetch_gpu_wheels.sh --dest .whl-cpu` has fetched wheels for this python3 (skipped
+otherwise: fetching needs the network)."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,7 +26,9 @@ from deltaserve.ops import select
 from deltaserve.ops.backend import TorchOps
 from deltaserve.tiny import make_tiny
 
-SCRIPT = Path(__file__).parents[2] / "scripts" / "gpu_engine_check.py"
+ROOT = Path(__file__).parents[2]
+SCRIPT = ROOT / "scripts" / "gpu_engine_check.py"
+CPU_WHEELS = ROOT / ".whl-cpu"
 
 
 class BrokenBf16(TorchOps):
@@ -64,3 +75,22 @@ def test_kl_and_first_token_rules(check):
     flipped = check.Run([[1]], [torch.tensor([1.0, 2.0, 0.0])], "x")
     assert check.bf16_failures(run, run, flipped)[0] == 1  # another first token, a large KL
     assert check.bf16_failures(run, flipped, flipped)[0] == 0  # as far off as CPU's own bf16
+
+
+@pytest.mark.skipif(not list(CPU_WHEELS.glob("*.whl")), reason="no wheels in .whl-cpu (scripts/fetch_gpu_wheels.sh)")
+def test_dry_run_setup_needs_only_the_image_and_the_wheels(tmp_path):
+    """The image-like interpreter installs every wheel offline, and the deps check finds the
+    wheels' versions (not this machine's) and imports the server, the engine and Triton's ops."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"OUT": str(tmp_path)}
+    done = subprocess.run(
+        ["bash", "scripts/gpu_dry_run.sh", "--setup-only"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    pydantic = next(CPU_WHEELS.glob("pydantic-*.whl")).name.split("-")[1]
+    assert re.search(rf"^  pydantic {re.escape(pydantic)}$", done.stdout, re.M) and "deps: ok" in done.stdout
+    assert f"installed {len(list(CPU_WHEELS.glob('*.whl')))} wheels" in done.stdout
