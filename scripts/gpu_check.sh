@@ -14,7 +14,8 @@
 #      HBM and tensor-core rooflines it measures;
 #   5. the MLA attention bench (prefill: ours, torch's flash varlen, padded SDPA; extend over a
 #      cached prefix: ours through the page table, gather + SDPA) at the same T.
-# Meant to finish in a few minutes on one GPU (each step has a time limit, about 14 min in all).
+# Meant to finish in a few minutes on one GPU (each step has a time limit, about 16 min in all:
+# `--steps 1,2` and `--steps 3,4,5` keep each of two device calls under its 10 minutes).
 # Logs go to $OUT (or a temp dir) as well as stdout; the exit status is 1 if any step failed.
 #
 #   bash scripts/gpu_check.sh            # on a machine with CUDA
@@ -99,7 +100,7 @@ if want 2; then
     # (tests/engine/test_gpu_check.py)
     run engine 300 "$py" scripts/gpu_engine_check.py --device cpu --families kimi_k3 --dtypes float32 --max-tokens 2
   else
-    run engine 200 "$py" scripts/gpu_engine_check.py --device cuda
+    run engine 300 "$py" scripts/gpu_engine_check.py --device cuda
   fi
 fi
 
