@@ -15,7 +15,7 @@
 #   5. the MLA attention bench (prefill: ours, torch's flash varlen, padded SDPA; extend over a
 #      cached prefix: ours through the page table, gather + SDPA) at the same T.
 # Meant to finish in a few minutes on one GPU (each step has a time limit, about 16 min in all:
-# `--steps 1,2` and `--steps 3,4,5` keep each of two device calls under its 10 minutes).
+# `--steps 1,2` then `--steps 3,4,5` splits it over two device calls of at most 10 minutes each).
 # Logs go to $OUT (or a temp dir) as well as stdout; the exit status is 1 if any step failed.
 #
 #   bash scripts/gpu_check.sh            # on a machine with CUDA
