@@ -9,6 +9,7 @@
 #
 #   bash scripts/gpu_dry_run.sh                # fetch .whl-cpu/ if empty, then the whole dry run
 #   bash scripts/gpu_dry_run.sh --setup-only   # the interpreter, the install and the deps check
+#                                              # (no triton needed: nothing imports it before a kernel runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 wheels="${DELTASERVE_WHEELS:-.whl-cpu}"
@@ -38,7 +39,8 @@ for dist in distributions():
             (out / top).symlink_to(base / top)
 print(f"image-like site: {len(found)} of the image's {len(image)} distributions are on this machine")
 EOF
-if ! PYTHONPATH="$triton_dir" python3 -c "import triton" 2>/dev/null && [ ! -e "$image/site/triton" ]; then
+if [[ " $* " != *" --setup-only "* ]] && ! PYTHONPATH="$triton_dir" python3 -c "import triton" 2>/dev/null \
+  && [ ! -e "$image/site/triton" ]; then
   python3 -m pip install -q --target "$triton_dir" "triton>=3.0"  # the image's own triton, for the interpreter
 fi
 python3 -m venv --without-pip "$image/venv"
