@@ -105,7 +105,7 @@ def _memory_lines(p: dict) -> list[str]:
     if cache is None:
         lines.append(f"nothing fits: the KV budget cannot hold one {p['layout']['max_model_len']:,}-token request")
         return lines
-    why = "as --kv-cache-memory" if cache["kv_cache_memory"] is not None else "the engine's default (workload)"
+    why = "as --kv-cache-memory" if cache["kv_cache_memory"] is not None else "default: what the sequences can use"
     ckpt = (
         f" + {cache['checkpoint_slots']} checkpoint slots (prefix cache, {cache['checkpoint_fraction']:.0%})"
         if cache["prefix_caching"]
