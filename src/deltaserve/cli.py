@@ -105,10 +105,21 @@ def _add_bench(sub) -> None:
         mod.add_parser(kinds)
 
 
+def plan_defaults():
+    """`deltaserve plan`'s engine flags default to the engine's own (`EngineConfig`)."""
+    import dataclasses
+
+    from .cache.plan_engine import EngineSettings
+    from .engine.config import EngineConfig
+
+    fields = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    return EngineSettings(**{f.name: fields[f.name] for f in dataclasses.fields(EngineSettings)})
+
+
 def _add_plan(sub) -> None:
     from .cache import plan_report
 
-    plan_report.add_parser(sub)
+    plan_report.add_parser(sub, plan_defaults())
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from deltaserve.cache.plan import Layout, PlanError, check, parse_bytes, plan
-from deltaserve.cli import main
+from deltaserve.cache.plan_engine import EngineSettings, load_vision_config
+from deltaserve.cli import main, plan_defaults
 from deltaserve.model.config import ModelConfig
 from deltaserve.tiny.hf_config import hf_config
 from deltaserve.tiny.presets import Dims
@@ -82,6 +83,11 @@ def k3(k3_dir):
 
 
 @pytest.fixture(scope="module")
+def k3_vision(k3_dir):
+    return load_vision_config(k3_dir)
+
+
+@pytest.fixture(scope="module")
 def kl(tmp_path_factory):
     cfg = ModelConfig.from_pretrained(_write(tmp_path_factory.mktemp("plan") / "kl", "kimi_linear", KL))
     assert (len(cfg.kda_layer_ids), len(cfg.mla_layer_ids)) == (20, 7)
@@ -108,26 +114,39 @@ def test_k3_kda_state_per_request(k3, tp, state, exact, mib):
 
 
 @pytest.mark.parametrize(
-    "kv, dcp, per_token, request_1m",
+    "dtype, dcp, per_token, request_1m",
     [
         ("bfloat16", 1, 27_648, 27_648 * 2**20),
-        ("fp8", 1, 13_824, 14_495_514_624),
-        ("fp8", 8, 1_728, 1_811_939_328),
+        ("float32", 1, 55_296, 55_296 * 2**20),
+        ("bfloat16", 8, 3_456, 3_456 * 2**20),
         ("bfloat16", 4, 6_912, 6_912 * 2**20),
     ],
 )
-def test_k3_mla_bytes_per_token_divide_by_dcp(k3, kv, dcp, per_token, request_1m):
-    p = plan(k3, Layout(tp=8, dcp=dcp, kv_dtype=kv))
+def test_k3_mla_bytes_per_token_divide_by_dcp(k3, dtype, dcp, per_token, request_1m):
+    p = plan(k3, Layout(tp=8, dcp=dcp, dtype=dtype))
     assert p["mla_bytes_per_token"] == per_token
     row = p["fits"][-1]
     assert row["tokens"] == 1 << 20 and row["mla_bytes"] == request_1m
     assert row["request_bytes"] == request_1m + _kda(p)
 
 
-def test_spec_one_million_token_fp8_request(k3):
-    """spec §1.1: ≈14.5 GB per rank without DCP, ≈1.8 GB with DCP8."""
-    assert round(plan(k3, Layout(tp=8, kv_dtype="fp8"))["fits"][-1]["mla_bytes"] / 1e9, 1) == 14.5
-    assert round(plan(k3, Layout(tp=8, dcp=8, kv_dtype="fp8"))["fits"][-1]["mla_bytes"] / 1e9, 1) == 1.8
+def test_one_million_token_request_in_the_engines_bf16(k3):
+    """spec §1.1 sizes fp8 (≈14.5 GB per rank); the engine's latent is bf16: twice that, /8 with DCP8."""
+    assert round(plan(k3, Layout(tp=8))["fits"][-1]["mla_bytes"] / 1e9, 1) == 29.0
+    assert round(plan(k3, Layout(tp=8, dcp=8))["fits"][-1]["mla_bytes"] / 1e9, 2) == 3.62
+
+
+@pytest.mark.parametrize(
+    "lay, message",
+    [
+        (Layout(tp=8, kv_dtype="fp8"), "--kv-cache-dtype fp8: the engine has no fp8 KV cache"),
+        (Layout(kv_dtype="float32"), "keeps the KV cache in the model dtype (--dtype bfloat16)"),
+    ],
+)
+def test_kv_dtypes_the_engine_cannot_allocate_are_refused(k3, lay, message):
+    with pytest.raises(PlanError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        plan(k3, lay)
+    assert plan(k3, Layout(kv_dtype="bfloat16"))["layout"]["kv_cache_dtype"] == "bfloat16"
 
 
 @pytest.mark.parametrize("tp, dcp", [(8, 4), (8, 8), (16, 8), (8, 1)])
@@ -151,8 +170,8 @@ def test_kimi_linear_per_request(kl):
     assert round(p["weights"]["total"]["total"] / 2 / 1e9, 1) == 49.1  # bf16: spec §1.3 49.1B params
 
 
-def test_k3_weights_match_the_checkpoint_and_shard(k3):
-    w = plan(k3, Layout(tp=8))["weights"]
+def test_k3_weights_match_the_checkpoint_and_shard(k3, k3_vision):
+    w = plan(k3, Layout(tp=8), vision=k3_vision)["weights"]
     routed = 92 * 896 * 3 * 3072 * 3584
     assert w["routed_experts"]["total"] == routed * 17 // 32  # 4.25 bits per weight
     assert w["routed_experts"]["per_rank"] == w["routed_experts"]["total"] // 8
@@ -160,23 +179,42 @@ def test_k3_weights_match_the_checkpoint_and_shard(k3):
     assert w["shared_experts"]["per_rank"] * 8 == w["shared_experts"]["total"] == 92 * 3 * 6144 * 7168 * 2
     # spec/model.md §15.1: 1453.7 GiB on disk, of which the vision tower is 0.447B bf16 params
     text = 1453.7 * 2**30 - 0.447e9 * 2
-    assert abs(w["total"]["total"] / text - 1) < 1e-3
+    assert abs((w["total"]["total"] - w["vision"]["total"]) / text - 1) < 1e-3
+    assert w["vision"]["per_rank"] == w["vision"]["total"] > 0  # rank 0 holds the whole tower
     ep = plan(k3, Layout(tp=32, dcp=4, ep=True))
     assert ep["layout"]["experts_per_rank"] == 28
     assert ep["weights"]["routed_experts"]["per_rank"] == w["routed_experts"]["total"] * 28 // 896
 
 
-def test_pool_split_and_requests_that_fit(k3):
+def test_pool_split_and_requests_that_fit(k3, k3_vision):
     mem = 288 * 10**9
-    p = plan(k3, Layout(tp=8, kv_dtype="fp8"), memory_per_rank=mem, max_model_len=200_000)
-    m = p["memory"]
-    assert m["reserve"] == mem // 10 and m["pool"] == mem - mem // 10 - p["weights"]["total"]["per_rank"]
+    p = plan(k3, Layout(tp=8), memory_per_rank=mem, max_model_len=200_000, vision=k3_vision)
+    m, c = p["memory"], p["cache"]
+    weights = p["weights"]["total"]["per_rank"]
+    assert m["reserve"] == mem // 10 and m["encoder_cache"] == p["encoder_cache"]["bytes"] == 512 << 20
+    assert m["pool"] == c["kv_cache_memory"] == mem - mem // 10 - weights - (512 << 20)
+    assert 0 <= m["pool"] - c["bytes"] < c["mla_page_bytes"] and c["live_slots"] == 16
+    assert p["total_per_rank"] == weights + (512 << 20) + c["bytes"]
     assert [r["tokens"] for r in p["fits"]] == [8192, 32768, 131072, 200_000]
     last = p["fits"][-1]
-    assert last["request_bytes"] == 12_500 * 16 * 13_824 + 56_171_520
-    assert last["requests"] == m["pool"] // last["request_bytes"] > 0
+    assert last["request_bytes"] == 12_500 * 16 * 27_648 + 56_171_520
+    assert last["pages_hold"] == c["mla_pages"] // 12_500 and last["requests"] == min(last["pages_hold"], 16) > 0
+    assert p["fits"][0]["requests"] == 16 < p["fits"][0]["pages_hold"]
     short = plan(k3, Layout(tp=8), memory_per_rank=141 * 2**30)
-    assert short["memory"]["pool"] < 0 and {r["requests"] for r in short["fits"]} == {0}
+    assert short["memory"]["pool"] < 0 and short["cache"] is None and {r["requests"] for r in short["fits"]} == {0}
+
+
+def test_prefix_caching_takes_its_checkpoint_share(k3):
+    on = plan(k3, Layout(tp=8), 288 * 10**9, 200_000, engine=EngineSettings(enable_prefix_caching=True))["cache"]
+    off = plan(k3, Layout(tp=8), 288 * 10**9, 200_000)["cache"]
+    assert (
+        off["checkpoint_slots"] == 0 and on["checkpoint_slots"] == int(0.25 * on["kv_cache_memory"]) // on["slot_bytes"]
+    )
+    assert (
+        on["mla_pages"] < off["mla_pages"]
+        and "--enable-prefix-caching"
+        in plan(k3, Layout(), engine=EngineSettings(enable_prefix_caching=True))["engine_flags"]
+    )
 
 
 def test_cli_json_carries_the_same_numbers(k3, k3_dir, capsys):
@@ -187,19 +225,22 @@ def test_cli_json_carries_the_same_numbers(k3, k3_dir, capsys):
         "8",
         "--decode-context-parallel-size",
         "8",
-        "--kv-cache-dtype",
-        "fp8",
         "--memory-per-rank",
         "288GB",
         "--json",
     ]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out == json.loads(json.dumps(plan(k3, Layout(8, 8, False, "fp8"), 288 * 10**9)))
-    assert out["mla_bytes_per_token"] == 1_728 and out["kda_state_per_request"]["bytes"] == 56_171_520
+    want = plan(k3, Layout(8, 8), 288 * 10**9, vision=load_vision_config(k3_dir), engine_defaults=plan_defaults())
+    assert out == json.loads(json.dumps(want))
+    assert out["mla_bytes_per_token"] == 3_456 and out["kda_state_per_request"]["bytes"] == 56_171_520
     assert main(args[:-1]) == 0
     text = capsys.readouterr().out
-    assert "1,728 B per token per rank" in text and "53.6 MiB per request per rank" in text
+    assert (
+        "3,456 B per token per rank" in text
+        and "engine flags: --dtype bfloat16" in text
+        and "53.6 MiB per request per rank" in text
+    )
     assert "TP8 = 8 ranks, DCP8 within" in text and "DCP8 splits MLA positions only" in text
 
 

@@ -14,11 +14,15 @@ AttnRes projections, the router, the low-rank `*_a` projections, K3's latent MoE
 is replicated.
 
 KDA state per request: `budget.unit_bytes` on the per-rank head count (H / TP: the DCP group's
-ranks hold different heads, so DCP shrinks the MLA part of a request only), conv tail in bf16 (the
-activation dtype, whatever `--kv-cache-dtype`).
+ranks hold different heads, so DCP shrinks the MLA part of a request only), conv tail in the
+model dtype. The MLA latent is in the model dtype too: the engine has no fp8 KV cache, so
+`--kv-cache-dtype fp8` (or any dtype but the model's) is refused.
 
-A request of L tokens costs one KDA slot plus ceil(ceil(L / DCP) / page) MLA pages per rank; the
-pool is memory per rank - weights - a reserve (activations, graphs, allocator: a fraction).
+A request of L tokens costs one KDA slot plus ceil(ceil(L / DCP) / page) MLA pages per rank. Rank
+0 also holds the vision tower and the encoder cache (`plan_engine`); the KV budget is memory per
+rank - a reserve (activations, graphs, allocator: a fraction) - rank 0's weights - the encoder
+cache, split into pools exactly as the engine splits `--kv-cache-memory` (prefix-cache
+checkpoint slots included).
 """
 
 from __future__ import annotations
@@ -35,13 +39,14 @@ from pathlib import Path
 import torch
 
 from ..model.config import ConfigError, ModelConfig
-from .budget import unit_bytes
+from ..model.vision import VisionConfig
+from .budget import CacheLayout, unit_bytes
+from .plan_engine import EngineSettings, cache_section, engine_flags, engine_layout, vision_bytes
 
 GROUPS = ("attention_dense", "shared_experts", "routed_experts", "embeddings")
-KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+MODEL_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+KV_DTYPES = ("auto", "bfloat16", "float32", "fp8")  # accepted by the flag; only the model dtype plans
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-CONV_DTYPE = torch.bfloat16
-WEIGHT_BYTES = 2  # bf16
 MXFP4_BITS_PER_WEIGHT = Fraction(4 * 32 + 8, 32)  # E2M1 nibbles + one E8M0 byte per 32: 4.25
 SHORT_LENGTHS = (8192, 32768, 131072)
 _UNITS = {
@@ -67,9 +72,14 @@ class Layout:
     tp: int = 1
     dcp: int = 1
     ep: bool = False
-    kv_dtype: str = "bfloat16"
+    kv_dtype: str = "auto"  # the engine's KV cache is the model dtype: "auto" or that dtype
     state_dtype: str = "float32"
     page_size: int = 16
+    dtype: str = "bfloat16"  # weights, activations, MLA latent and KDA conv tail
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return MODEL_DTYPES[self.dtype]
 
     @property
     def ranks(self) -> int:
@@ -141,54 +151,120 @@ def check(cfg: ModelConfig, lay: Layout) -> None:
         raise PlanError(f"--enable-expert-parallel: {cfg.moe.num_experts} experts do not split over TP{lay.tp}")
     if lay.dcp > 1 and not cfg.mla_layer_ids:
         raise PlanError("--decode-context-parallel-size shards MLA KV by position, and this model has no MLA layers")
-    if lay.kv_dtype not in KV_DTYPES or lay.state_dtype not in STATE_DTYPES:
+    if lay.dtype not in MODEL_DTYPES or lay.kv_dtype not in KV_DTYPES or lay.state_dtype not in STATE_DTYPES:
         raise PlanError(
-            f"unknown dtype: kv {lay.kv_dtype!r} (one of {sorted(KV_DTYPES)}), "
-            f"state {lay.state_dtype!r} (one of {sorted(STATE_DTYPES)})"
+            f"unknown dtype: model {lay.dtype!r} (one of {sorted(MODEL_DTYPES)}), kv {lay.kv_dtype!r} "
+            f"(one of {list(KV_DTYPES)}), state {lay.state_dtype!r} (one of {sorted(STATE_DTYPES)})"
+        )
+    if lay.kv_dtype == "fp8":
+        raise PlanError(
+            "--kv-cache-dtype fp8: the engine has no fp8 KV cache (it keeps the MLA latent in the model "
+            "dtype, --dtype bfloat16 or float32); plan without it"
+        )
+    if lay.kv_dtype not in ("auto", lay.dtype):
+        raise PlanError(
+            f"--kv-cache-dtype {lay.kv_dtype}: the engine keeps the KV cache in the model dtype "
+            f"(--dtype {lay.dtype}); give auto or {lay.dtype}"
         )
 
 
-def weight_bytes(cfg: ModelConfig, lay: Layout) -> dict[str, dict[str, int]]:
-    """Group -> {"per_rank", "total"} bytes (see the module docstring for the sharding)."""
+def weight_bytes(cfg: ModelConfig, lay: Layout, vision: VisionConfig | None = None) -> dict[str, dict[str, int]]:
+    """Group -> {"per_rank", "total"} bytes (see the module docstring for the sharding); "vision"
+    (tower + projector) is on rank 0 only, so "per_rank" is rank 0's. MXFP4 experts stay packed
+    in a bf16 engine (`--moe-weights auto`) and are decoded to the model dtype otherwise."""
     out = {}
+    size = lay.torch_dtype.itemsize
     for group, (split, rep) in weight_census(cfg).items():
-        if group == "routed_experts" and cfg.quantization == "mxfp4":
+        if group == "routed_experts" and cfg.quantization == "mxfp4" and lay.dtype == "bfloat16":
             total = math.ceil((split + rep) * MXFP4_BITS_PER_WEIGHT / 8)
         else:
-            total = (split + rep) * WEIGHT_BYTES
+            total = (split + rep) * size
         if group != "routed_experts":
-            per_rank = _ceil_div(split * WEIGHT_BYTES, lay.tp) + rep * WEIGHT_BYTES
+            per_rank = _ceil_div(split * size, lay.tp) + rep * size
         elif lay.ep:
             per_rank = total // lay.tp
         else:
             per_rank = _ceil_div(total, lay.tp)
         out[group] = {"per_rank": per_rank, "total": total}
+    tower = vision_bytes(vision, lay.torch_dtype)
+    out["vision"] = {"per_rank": tower, "total": tower}
     out["total"] = {k: sum(v[k] for v in out.values()) for k in ("per_rank", "total")}
     return out
 
 
 def _slot_bytes(cfg: ModelConfig, shards: int, lay: Layout) -> int:
     sharded = dataclasses.replace(cfg, kda=dataclasses.replace(cfg.kda, num_heads=cfg.kda.num_heads // shards))
-    return unit_bytes(sharded, 1, CONV_DTYPE, STATE_DTYPES[lay.state_dtype])[0]
+    return unit_bytes(sharded, 1, lay.torch_dtype, STATE_DTYPES[lay.state_dtype])[0]
 
 
 def _number(x: float) -> int | float:
     return int(x) if float(x).is_integer() else round(x, 2)
 
 
-def _fits(lengths, pool: int | None, slot: int, page: int, lay: Layout) -> list[dict]:
+def _fits(lengths, layout: CacheLayout | None, memory: dict | None, slot: int, page: int, lay: Layout, seqs: int):
+    """Per length: bytes of one request and, with a memory budget, how many run at once (live
+    slots permitting) and how many the MLA pages alone hold."""
     rows = []
     for n in lengths:
-        mla = _ceil_div(_ceil_div(n, lay.dcp), lay.page_size) * page
+        pages = _ceil_div(_ceil_div(n, lay.dcp), lay.page_size)
+        held = None if memory is None else (0 if layout is None else layout.num_pages // pages)
         rows.append(
             {
                 "tokens": n,
-                "mla_bytes": mla,
-                "request_bytes": mla + slot,
-                "requests": None if pool is None else max(pool, 0) // (mla + slot),
+                "mla_bytes": pages * page,
+                "request_bytes": pages * page + slot,
+                "requests": None if held is None else min(held, seqs),
+                "pages_hold": held,
             }
         )
     return rows
+
+
+def _model(cfg: ModelConfig, vision: VisionConfig | None) -> dict:
+    return {
+        "family": cfg.family,
+        "layers": cfg.num_hidden_layers,
+        "kda_layers": len(cfg.kda_layer_ids),
+        "mla_layers": len(cfg.mla_layer_ids),
+        "kda_heads": cfg.kda.num_heads,
+        "kda_head_dim": cfg.kda.head_dim,
+        "mla_latent_dim": cfg.mla.latent_dim,
+        "experts": cfg.moe.num_experts,
+        "top_k": cfg.moe.top_k,
+        "shared_experts": cfg.moe.num_shared_experts,
+        "routed_experts_quantization": cfg.quantization,
+        "vision_layers": None if vision is None else vision.num_layers,
+    }
+
+
+def _layout(cfg: ModelConfig, lay: Layout, max_len: int) -> dict:
+    return {
+        "tensor_parallel_size": lay.tp,
+        "decode_context_parallel_size": lay.dcp,
+        "expert_parallel": lay.ep,
+        "ranks": lay.ranks,
+        "experts_per_rank": cfg.moe.num_experts // lay.tp if lay.ep else None,
+        "dtype": lay.dtype,
+        "kv_cache_dtype": lay.dtype,
+        "kv_state_dtype": lay.state_dtype,
+        "conv_state_dtype": lay.dtype,
+        "page_size": lay.page_size,
+        "max_model_len": max_len,
+    }
+
+
+def _memory(memory_per_rank: int | None, reserve_fraction: float, weights: int, encoder: int) -> dict | None:
+    if memory_per_rank is None:
+        return None
+    reserve = int(memory_per_rank * reserve_fraction)
+    return {
+        "per_rank": memory_per_rank,
+        "reserve": reserve,
+        "reserve_fraction": reserve_fraction,
+        "weights": weights,
+        "encoder_cache": encoder,
+        "pool": memory_per_rank - reserve - weights - encoder,
+    }
 
 
 def plan(
@@ -197,59 +273,42 @@ def plan(
     memory_per_rank: int | None = None,
     max_model_len: int | None = None,
     reserve_fraction: float = 0.1,
+    vision: VisionConfig | None = None,
+    engine: EngineSettings | None = None,
+    engine_defaults: EngineSettings | None = None,
 ) -> dict:
-    """The whole plan as a JSON-ready dict (bytes are per rank unless the key says total)."""
+    """The whole plan as a JSON-ready dict (bytes are per rank, rank 0's, unless the key says
+    total); `engine` holds the engine flags that size memory (default: the engine's defaults)."""
     check(cfg, lay)
+    eng = engine or EngineSettings()
     if not 0 <= reserve_fraction < 1:
         raise PlanError(f"--reserve-fraction must lie in [0, 1), got {reserve_fraction}")
+    if eng.max_num_seqs < 1 or eng.encoder_cache_memory < 0 or not 0 <= eng.checkpoint_fraction < 1:
+        raise PlanError("--max-num-seqs must be >= 1, --encoder-cache-memory >= 0, --checkpoint-fraction in [0, 1)")
     max_len = max_model_len or cfg.max_position_embeddings
     if max_len < 1:
         raise PlanError(f"--max-model-len must be >= 1, got {max_len}")
-    weights = weight_bytes(cfg, lay)
-    kv, state = KV_DTYPES[lay.kv_dtype], STATE_DTYPES[lay.state_dtype]
+    weights = weight_bytes(cfg, lay, vision)
+    kv, state = lay.torch_dtype, STATE_DTYPES[lay.state_dtype]
     token, page = (unit_bytes(cfg, n, kv, state)[1] for n in (1, lay.page_size))
     slot = _slot_bytes(cfg, lay.tp, lay)
-    memory = None
-    if memory_per_rank is not None:
-        reserve = int(memory_per_rank * reserve_fraction)
-        memory = {
-            "per_rank": memory_per_rank,
-            "reserve": reserve,
-            "reserve_fraction": reserve_fraction,
-            "weights": weights["total"]["per_rank"],
-            "pool": memory_per_rank - reserve - weights["total"]["per_rank"],
-        }
-    pool = None if memory is None else memory["pool"]
+    encoder = eng.encoder_cache_memory if vision is not None else 0
+    memory = _memory(memory_per_rank, reserve_fraction, weights["total"]["per_rank"], encoder)
+    budget = None if memory is None else max(memory["pool"], 0)
+    layout = engine_layout(cfg, eng, budget, max_len, lay.page_size, (kv, state), lay.tp, lay.dcp)
+    cache = cache_section(layout, budget, eng)
     lengths = sorted({n for n in SHORT_LENGTHS if n < max_len} | {max_len})
-    return {
-        "model": {
-            "family": cfg.family,
-            "layers": cfg.num_hidden_layers,
-            "kda_layers": len(cfg.kda_layer_ids),
-            "mla_layers": len(cfg.mla_layer_ids),
-            "kda_heads": cfg.kda.num_heads,
-            "kda_head_dim": cfg.kda.head_dim,
-            "mla_latent_dim": cfg.mla.latent_dim,
-            "experts": cfg.moe.num_experts,
-            "top_k": cfg.moe.top_k,
-            "shared_experts": cfg.moe.num_shared_experts,
-            "routed_experts_quantization": cfg.quantization,
-        },
-        "layout": {
-            "tensor_parallel_size": lay.tp,
-            "decode_context_parallel_size": lay.dcp,
-            "expert_parallel": lay.ep,
-            "ranks": lay.ranks,
-            "experts_per_rank": cfg.moe.num_experts // lay.tp if lay.ep else None,
-            "kv_cache_dtype": lay.kv_dtype,
-            "kv_state_dtype": lay.state_dtype,
-            "conv_state_dtype": "bfloat16",
-            "page_size": lay.page_size,
-            "max_model_len": max_len,
-        },
+    out = {
+        "model": _model(cfg, vision),
+        "layout": _layout(cfg, lay, max_len),
         "weights": weights,
         "mla_bytes_per_token": _number(token / lay.dcp),
         "kda_state_per_request": {"bytes": slot, "heads_per_rank": cfg.kda.num_heads // lay.tp},
+        "encoder_cache": {"bytes": encoder},
         "memory": memory,
-        "fits": _fits(lengths, pool, slot, page, lay),
+        "cache": cache,
+        "total_per_rank": None if cache is None else weights["total"]["per_rank"] + encoder + cache["bytes"],
+        "fits": _fits(lengths, layout if memory else None, memory, slot, page, lay, eng.max_num_seqs),
     }
+    out["engine_flags"] = engine_flags(out, eng, engine_defaults or EngineSettings())
+    return out

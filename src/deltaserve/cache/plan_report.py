@@ -1,5 +1,6 @@
 """`deltaserve plan`: the memory plan (`cache.plan`) as text or one JSON object. Bad layouts and
-configs exit 2 with one `deltaserve plan: error: ...` line on stderr."""
+configs exit 2 with one `deltaserve plan: error: ...` line on stderr. The engine flags' defaults
+(`EngineSettings`) come from the caller: `cli` passes `EngineConfig`'s."""
 
 from __future__ import annotations
 
@@ -8,17 +9,21 @@ import json
 import sys
 
 from ..model.config import ConfigError
-from .plan import KV_DTYPES, STATE_DTYPES, Layout, PlanError, load_config, parse_bytes, plan
+from .plan import KV_DTYPES, MODEL_DTYPES, STATE_DTYPES, Layout, PlanError, load_config, parse_bytes, plan
+from .plan_engine import EngineSettings, load_vision_config
 
 _LABELS = {
     "attention_dense": "attention + dense",
     "shared_experts": "shared experts",
     "routed_experts": "routed experts",
     "embeddings": "embedding + lm_head",
+    "vision": "vision tower",
 }
 
 
 def _size(b: float) -> str:
+    if abs(b) < 2**20:
+        return f"{b / 2**10:,.1f} KiB"
     return f"{b / 2**20:,.1f} MiB" if abs(b) < 2**30 else f"{b / 2**30:,.2f} GiB"
 
 
@@ -34,6 +39,7 @@ def _sharding(group: str, p: dict) -> str:
         "attention_dense": f"heads/width split {tp}; norms, router, low-rank, latent MoE replicated",
         "shared_experts": f"width split {tp}",
         "embeddings": f"vocab split {tp}",
+        "vision": "rank 0 only (tower + projector)",
     }[group]
 
 
@@ -54,6 +60,8 @@ def render(p: dict) -> str:
     ]
     for group, label in _LABELS.items():
         w = p["weights"][group]
+        if group == "vision" and not w["total"]:
+            continue
         lines.append(f"  {label:<20}{_size(w['per_rank']):>14}{_size(w['total']):>14}  {_sharding(group, p)}")
     w = p["weights"]["total"]
     lines += [
@@ -69,27 +77,53 @@ def render(p: dict) -> str:
             f"  DCP{dcp} splits MLA positions only: the DCP group's ranks already hold different KDA heads"
             " (raise TP to shrink the KDA state per rank)"
         )
-    mem = p["memory"]
-    if mem is not None:
-        tail = f"pool {_size(mem['pool'])}" if mem["pool"] > 0 else f"short by {_size(-mem['pool'])}: nothing fits"
-        lines += [
-            "",
-            f"memory per rank {_size(mem['per_rank'])} - weights {_size(mem['weights'])} - reserve "
-            f"{_size(mem['reserve'])} ({mem['reserve_fraction']:.0%}, activations/overhead) = {tail}",
-        ]
+    if p["encoder_cache"]["bytes"]:
+        lines.append(f"encoder cache: {_size(p['encoder_cache']['bytes'])} of image rows at most, on rank 0")
+    lines += _memory_lines(p)
     head = f"{'tokens':>11}{'MLA per rank':>15}{'+ KDA state':>15}"
-    head += "" if mem is None else f"{'requests':>10}"
-    lines += ["", "per request" + ("" if mem is None else " and requests that fit in the pool") + ":", head]
+    mem = p["memory"]
+    head += "" if mem is None else f"{'running':>10}{'pages hold':>12}"
+    lines += ["", "per request" + ("" if mem is None else " and requests the pools take at once") + ":", head]
     for row in p["fits"]:
         line = f"{row['tokens']:>11,}{_size(row['mla_bytes']):>15}{_size(row['request_bytes']):>15}"
         if mem is not None:
-            line += f"{row['requests']:>10,}"
+            line += f"{row['requests']:>10,}{row['pages_hold']:>12,}"
         lines.append(line)
     return "\n".join(lines)
 
 
-def add_parser(sub) -> None:
+def _memory_lines(p: dict) -> list[str]:
+    """The budget arithmetic, the pools the engine builds from it and the flags that build them."""
+    mem, cache, lines = p["memory"], p["cache"], [""]
+    if mem is not None:
+        tail = f"KV budget {_size(mem['pool'])}" if mem["pool"] > 0 else f"short by {_size(-mem['pool'])}"
+        enc = f" - encoder cache {_size(mem['encoder_cache'])}" if mem["encoder_cache"] else ""
+        lines.append(
+            f"memory per rank {_size(mem['per_rank'])} - reserve {_size(mem['reserve'])} "
+            f"({mem['reserve_fraction']:.0%}, activations/overhead) - weights {_size(mem['weights'])}{enc} = {tail}"
+        )
+    if cache is None:
+        lines.append(f"nothing fits: the KV budget cannot hold one {p['layout']['max_model_len']:,}-token request")
+        return lines
+    why = "as --kv-cache-memory" if cache["kv_cache_memory"] is not None else "default: what the sequences can use"
+    ckpt = (
+        f" + {cache['checkpoint_slots']} checkpoint slots (prefix cache, {cache['checkpoint_fraction']:.0%})"
+        if cache["prefix_caching"]
+        else " (prefix caching off)"
+    )
+    lines += [
+        f"KV pools {_size(cache['bytes'])} ({why}): {cache['mla_pages']:,} MLA pages = {cache['token_capacity']:,}"
+        f" tokens, {cache['live_slots']} live KDA slots{ckpt}, {_size(cache['slot_bytes'])} each",
+        f"rank 0 total: {_size(p['total_per_rank'])} (weights + encoder cache + KV pools)",
+        f"engine flags: {p['engine_flags']}",
+    ]
+    return lines
+
+
+def add_parser(sub, defaults: EngineSettings | None = None) -> None:
+    d = defaults or EngineSettings()
     p = sub.add_parser("plan", help="memory per rank for a parallel layout, from config.json alone")
+    p.set_defaults(engine_defaults=d)
     p.add_argument("model", help="checkpoint directory or a config.json file (no weights needed)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument(
@@ -105,12 +139,32 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--max-model-len", type=int, default=None, help="default (or 0): the config's max_position_embeddings"
     )
-    p.add_argument("--kv-cache-dtype", default="bfloat16", choices=sorted(KV_DTYPES))
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(MODEL_DTYPES), help="the engine's --dtype")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_DTYPES),
+        help="the engine keeps the KV cache in --dtype; fp8 is refused (not implemented)",
+    )
     p.add_argument("--kv-state-dtype", default="float32", choices=sorted(STATE_DTYPES))
     p.add_argument("--page-size", type=int, default=16, help="MLA page size in tokens")
     p.add_argument("--memory-per-rank", type=_bytes_arg, default=None, help="e.g. 141GiB, 288GB or bytes")
     p.add_argument(
         "--reserve-fraction", type=float, default=0.1, help="share of memory per rank kept for activations and overhead"
+    )
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="live KDA slots (the engine's flag)")
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_prefix_caching,
+        help="KDA checkpoint slots (--checkpoint-fraction of the KV budget) beside the live pools",
+    )
+    p.add_argument("--checkpoint-fraction", type=float, default=d.checkpoint_fraction)
+    p.add_argument(
+        "--encoder-cache-memory",
+        type=int,
+        default=d.encoder_cache_memory,
+        help="bytes of image rows rank 0 keeps (models with a vision tower)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=main)
@@ -131,9 +185,16 @@ def main(args: argparse.Namespace) -> int:
         args.kv_cache_dtype,
         args.kv_state_dtype,
         args.page_size,
+        args.dtype,
+    )
+    eng = EngineSettings(
+        args.max_num_seqs, args.enable_prefix_caching, args.checkpoint_fraction, args.encoder_cache_memory
     )
     try:
-        p = plan(load_config(args.model), lay, args.memory_per_rank, args.max_model_len, args.reserve_fraction)
+        cfg, vision = load_config(args.model), load_vision_config(args.model)
+        p = plan(
+            cfg, lay, args.memory_per_rank, args.max_model_len, args.reserve_fraction, vision, eng, args.engine_defaults
+        )
     except (ConfigError, PlanError) as e:
         print(f"deltaserve plan: error: {e}", file=sys.stderr)
         return 2
