@@ -18,7 +18,10 @@ openai = pytest.importorskip("openai")
 USER = [{"role": "user", "content": "Hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 TOOL_G = {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}
-PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+PNG = (
+    "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAh"
+    "KmMIQAAAABJRU5ErkJggg=="
+)
 
 
 def post(server, body: dict, stream: bool = False):
