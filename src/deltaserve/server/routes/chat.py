@@ -25,6 +25,7 @@ from ..errors import APIError
 from ..parsers import StreamingParser, control_token_ids, parse_output
 from ..protocol import ChatRequest
 from ..request_stream import GenerationError
+from ..sampling_policy import apply_policy
 from ..state import State
 from ..thinking import resolve_thinking
 from .common import run_collect, sampling_kwargs, sse, sse_stream, usage
@@ -112,7 +113,7 @@ async def chat_completions(req: ChatRequest, request: Request, state: State):
     state.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    kw = sampling_kwargs(req)
+    kw = apply_policy(state.sampling_policy, req, sampling_kwargs(req), _thinking(req))
     ids, cons, declared, think = await chat_prompt_ids(req, state)
     plan = ChatPlan(
         state.engine.family,
