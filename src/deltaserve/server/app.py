@@ -60,10 +60,11 @@ def build_app(
     media: MediaPolicy | None = None,
     image_processor: ImageProcessor | None = None,
     sampling_policy: str = "open",
+    channel_guard: bool = False,
 ) -> FastAPI:
     """The FastAPI app over a started-or-not `AsyncEngine` (started on app start-up);
     `max_waiting_requests=None` means no queue cap; `sampling_policy` in `POLICIES`
-    (sampling_policy.py)."""
+    (sampling_policy.py); `channel_guard` (K3) guards each reply's structure (channel_guard.py)."""
     if sampling_policy not in POLICIES:
         raise ValueError(f"unknown sampling policy {sampling_policy!r}; expected one of {POLICIES}")
     media = media or MediaPolicy()
@@ -94,6 +95,7 @@ def build_app(
         media,
         image_processor,
         sampling_policy=sampling_policy,
+        channel_guard=channel_guard and engine.family == "kimi_k3",
     )
     for module in (completions, chat, misc):
         app.include_router(module.router)

@@ -20,6 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from ...chat.k3 import uncounted_prompt_tokens
+from ..channel_guard import channel_guard
 from ..constraints import ChatConstraint, all_tools, chat_constraint, forced_tool_calls, missing_forced_call
 from ..errors import APIError
 from ..parsers import StreamingParser, control_token_ids, parse_output
@@ -85,6 +86,24 @@ def forced_finish(cons: ChatConstraint, finish: str | None, called: bool) -> str
     return "tool_calls" if finish == "stop" and called else finish
 
 
+def _reasoning_omitted(messages: list[dict]) -> bool:
+    """Whether an earlier (not prefilled) assistant turn comes without its reasoning."""
+    return any(
+        m.get("role") == "assistant"
+        and m.get("partial") is not True
+        and not (m.get("reasoning_content") or m.get("reasoning"))
+        for m in messages
+    )
+
+
+def _structured(state, plan: ChatPlan, req: ChatRequest):
+    """The request's own constraint, else (K3 with `--channel-guard`) the channel guard."""
+    if plan.cons.structured is not None or not state.channel_guard or plan.family != "kimi_k3":
+        return plan.cons.structured
+    names = [t.get("function", t)["name"] for t in all_tools(req)] if plan.declared else []
+    return channel_guard(plan.think, names)
+
+
 async def chat_prompt_ids(req: ChatRequest, state) -> tuple[list[int], ChatConstraint, bool, bool]:
     """The rendered prompt's ids (before images are expanded), the constraint, whether tool
     calls are parsed, and whether the output starts in a think element."""
@@ -115,6 +134,8 @@ async def chat_completions(req: ChatRequest, request: Request, state: State):
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     kw = apply_policy(state.sampling_policy, req, sampling_kwargs(req), _thinking(req))
     ids, cons, declared, think = await chat_prompt_ids(req, state)
+    if state.engine.family == "kimi_k3" and _thinking(req) and _reasoning_omitted(req.messages):
+        state.metrics.reasoning_omitted.inc()
     plan = ChatPlan(
         state.engine.family,
         cons,
@@ -128,7 +149,7 @@ async def chat_completions(req: ChatRequest, request: Request, state: State):
         kw,
         max_tokens=req.max_completion_tokens or req.max_tokens,
         logprobs=plan.top_k if req.logprobs else None,
-        structured=cons.structured,
+        structured=_structured(state, plan, req),
         keep_special_token_ids=control_token_ids(plan.tok, plan.family),
         reasoning_end=cons.reasoning_end,
         thinking_token_budget=cons.thinking_budget,
