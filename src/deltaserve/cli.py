@@ -22,6 +22,7 @@ def _make_tiny(args: argparse.Namespace) -> int:
         seed=args.seed,
         dtype=dtype,
         vision=args.vision,
+        tokenizer_ranks=args.tokenizer_ranks,
     )
     mxfp4 = PRESETS[(args.family, args.preset)].mxfp4 if args.mxfp4 is None else args.mxfp4
     print(
@@ -56,6 +57,13 @@ def _add_make_tiny(sub) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="K3's vision tower, vision_config and preprocessor_config.json (default: on for kimi_k3)",
+    )
+    p.add_argument(
+        "--tokenizer-ranks",
+        type=Path,
+        default=None,
+        help="tiktoken base-rank file (e.g. Moonshot's Kimi ranks) instead of cl100k_base's first ranks; "
+        "the vocabulary grows to its size + 256, so prompt token counts equal the real model's",
     )
     p.set_defaults(func=_make_tiny)
 

@@ -58,9 +58,29 @@ def split_specials(text, specials):
     return [("S", x) if x in specials else x for x in re.split(pat, text) if x]
 
 
+def k3_segment_ids(tok, text, specials=K3_SPECIALS):
+    """The K3 reference encoder's ids of `text`: every piece between specials is its own segment,
+    and a tag head (after `<|open|>`) splits into the name and, per attribute, ` key`, `="`,
+    the value and `"`."""
+    ids, prev = [], None
+    for p in split_specials(text, specials):
+        if isinstance(p, tuple):
+            ids.append(tok.special_tokens[p[1]])
+            prev = p[1]
+            continue
+        parts = [p]
+        if prev == "<|open|>":
+            name, _, rest = p.partition(" ")
+            parts = [name] + [x for a in re.findall(r'( [\w-]+)(=")([^"]*)(")', " " + rest) for x in a]
+            assert "".join(parts) == p, p
+        ids += [i for x in parts if x for i in tok.encode(x)]
+    return ids
+
+
 def check(tok, ids, text, specials):
     assert tok.decode(ids) == text
-    assert ids == expected_ids(tok, split_specials(text, specials))
+    want = k3_segment_ids(tok, text) if specials == K3_SPECIALS else expected_ids(tok, split_specials(text, specials))
+    assert ids == want
 
 
 # ------------------------------------------------------------------ K3 XTML
@@ -118,7 +138,7 @@ DECLARE = (
 
 
 def test_k3_tools_calls_and_results(k3):
-    args = '{"city":"Paris","days":3,"metric":true,"extra":null,"opts":{"b":1,"a":"é"},"tags":["x",2]}'
+    args = '{"city":"Paris","days":3,"metric":true,"extra":null,"opts":{"b":1,"a":"é"},"tags":["x", 2]}'
     msgs = [
         {"role": "user", "content": "Weather?"},
         {
@@ -141,20 +161,22 @@ def test_k3_tools_calls_and_results(k3):
         DECLARE
         + '<|open|>message role="user"<|sep|>Weather?<|close|>message<|sep|><|end_of_msg|>'
         + '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>need tool<|close|>think<|sep|>'
+        + "<|open|>response<|sep|><|close|>response<|sep|>"  # always present, may be empty
         + '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
         + arg("city", "string", "Paris")
         + arg("days", "number", "3")
         + arg("metric", "boolean", "true")
         + arg("extra", "null", "null")
-        + arg("opts", "object", '{"b": 1, "a": "é"}')
+        + arg("opts", "object", '{"b":1,"a":"é"}')  # a string's values keep their literal text
         + arg("tags", "array", '["x", 2]')
         + '<|close|>call<|sep|><|open|>call tool="get_weather" index="2"<|sep|>'
         + arg("city", "string", "Rome")
         + "<|close|>call<|sep|><|close|>tools<|sep|>"
         + "<|close|>message<|sep|><|end_of_msg|>"
-        + '<|open|>message role="tool" tool="get_weather" index="2"<|sep|>sunny<|close|>message'
-        + "<|sep|><|end_of_msg|>"
+        # results are put in call order (c1 first) and indexed by position
         + '<|open|>message role="tool" tool="get_weather" index="1"<|sep|>rain<|close|>message'
+        + "<|sep|><|end_of_msg|>"
+        + '<|open|>message role="tool" tool="get_weather" index="2"<|sep|>sunny<|close|>message'
         + "<|sep|><|end_of_msg|>"
         + GEN_THINK
     )
@@ -202,7 +224,11 @@ def test_k3_mid_conversation_tools(k3):
     msgs = [{"role": "user", "content": "x"}, {"role": "system", "tools": TOOLS}]
     text = (
         '<|open|>message role="user"<|sep|>x<|close|>message<|sep|><|end_of_msg|>'
-        + DECLARE.replace("# Tools", "## New Tools Available")
+        + DECLARE.replace(
+            "# Tools\nHere are the available tools, described in JSONSchema.",
+            "## New Tools Available\nThe system dynamically extends the toolset via lazy-loading.\n"
+            "You have access to all existing and extended tools.\nHere are the specs for the extended tools.",
+        )
         + GEN_THINK
     )
     check(k3, render_chat(k3, "kimi_k3", msgs), text, K3_SPECIALS)
@@ -232,7 +258,7 @@ def test_k3_user_specials_are_plain_text(k3, evil):
         add_generation_prompt=False,
     )
     n_struct = sum(1 for i in ids if i == k3.special_tokens["<|open|>"])
-    assert n_struct == 6  # message, think, tools, call, argument, tool message
+    assert n_struct == 7  # message, think, response, tools, call, argument, tool message
 
 
 # ------------------------------------------------------------------ validation
@@ -273,7 +299,7 @@ def test_validation_misc(k3, kl):
         render_chat(k3, "gpt", BASIC)
     with pytest.raises(ChatFormatError, match="tools"):
         render_chat(k3, "kimi_k3", BASIC, tools=[{"function": {}}])
-    with pytest.raises(ChatFormatError, match="matches no earlier"):
+    with pytest.raises(ChatFormatError, match="matches no call"):
         render_chat(k3, "kimi_k3", [{"role": "tool", "tool_call_id": "zz", "content": "r"}])
     with pytest.raises(ChatFormatError, match="image"):
         render_chat(kl, "kimi_linear", [{"role": "user", "content": [{"type": "image_url"}]}])

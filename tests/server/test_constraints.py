@@ -41,21 +41,46 @@ def req(**kw):
     return ChatRequest(model="m", messages=USER, **kw)
 
 
+EFFORT_MAX = (
+    "`thinking_effort` guides on how much to think in your thinking channel (not including the response "
+    "channel), supported values include `low`, `medium`, `high`, and `max`.\nNow the system is invoked "
+    "with `thinking_effort=max`."
+)
+REQUIRED = "The system is invoked with `tool_choice=required`.\nYou MUST call tools in the next message."
+NONE = "The system is invoked with `tool_choice=none`.\nYou MUST NOT call any tools in the next message."
+JSON_OBJECT = (
+    "The system is invoked with `response_format=json_object`.\nYour response must be raw JSON data "
+    "without markdown code blocks (```json) or any additional formatting."
+)
+
+
 def test_k3_control_messages_render_exactly(k3):
+    """The reference bodies and places: effort after the tool declaration, before the
+    conversation; tool choice and format after it."""
     controls = (("thinking_effort", "max"), ("tool_choice", "required"), ("response_format", "json_object"))
     ids = render_chat(k3, "kimi_k3", USER, tools=TOOLS, controls=controls)
     text = (
         TOOLS_TEXT
+        + control("thinking-effort", EFFORT_MAX)
         + USER_TEXT
-        + control("thinking_effort", "max")
-        + control("tool_choice", "required")
-        + control("response_format", "json_object")
+        + control("tool-choice", REQUIRED)
+        + control("response-format", JSON_OBJECT)
         + GEN_THINK
     )
     check(k3, ids, text, K3_SPECIALS)
-    ids = render_chat(k3, "kimi_k3", USER, thinking=False, controls=(("tool_choice", "none"),))
-    check(k3, ids, USER_TEXT + control("tool_choice", "none") + GEN_NOTHINK, K3_SPECIALS)
-    for bad in [("effort", "x"), ("tool_choice", ""), ("tool_choice",), "tool_choice"]:
+    ids = render_chat(
+        k3, "kimi_k3", USER, thinking=False, controls=(("tool_choice", "none"), ("thinking_effort", "max"))
+    )
+    check(k3, ids, USER_TEXT + control("tool-choice", NONE) + GEN_NOTHINK, K3_SPECIALS)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    ids = render_chat(k3, "kimi_k3", USER, thinking=False, controls=(("response_format", schema),))
+    body = (
+        JSON_OBJECT.replace("json_object", "json_schema")
+        + '\nThe JSON data must match the following schema:\n```json\n{"properties":{"a":{"type":"integer"}},'
+        '"type":"object"}\n```'
+    )
+    check(k3, ids, USER_TEXT + control("response-format", body) + GEN_NOTHINK, K3_SPECIALS)
+    for bad in [("effort", "x"), ("tool_choice", ""), ("thinking_effort", "medium"), ("tool_choice",), "tool_choice"]:
         with pytest.raises(ChatFormatError, match="control message"):
             render_chat(k3, "kimi_k3", USER, controls=(bad,))
 
@@ -75,11 +100,7 @@ def test_controls_from_request():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     rf = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}
     c = chat_constraint(req(response_format=rf), "kimi_k3", False)
-    body = (
-        'json_schema\n```json\n{"name":"n","schema":{"properties":{"a":{"type":"integer"}},"type":"object"},'
-        '"strict":true}\n```'
-    )
-    assert c.controls == (("response_format", body),) and c.tool is None
+    assert c.controls == (("response_format", schema),) and c.tool is None
     assert c.structured == StructuredOutput.json(schema)
     kl = chat_constraint(req(response_format={"type": "json_object"}), "kimi_linear", True)
     assert kl.structured == StructuredOutput.json() and kl.controls == (("response_format", "json_object"),)

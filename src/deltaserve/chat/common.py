@@ -51,6 +51,18 @@ def encode_pieces(tokenizer, pieces) -> list[int]:
     return ids
 
 
+def encode_segments(tokenizer, pieces) -> list[int]:
+    """Encode `Special` / `str` pieces with every str encoded on its own (no joining): the K3
+    reference encoder's segment-by-segment tokenization."""
+    ids: list[int] = []
+    for p in pieces:
+        if isinstance(p, Special):
+            ids += encode_pieces(tokenizer, [p])
+        elif p:
+            ids += tokenizer.encode(p, allow_special=False)
+    return ids
+
+
 # ---------------------------------------------------------------- validation
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import ChatFormatError, Special, encode_pieces, reject_images, validate_messages, validate_tools
+from .common import ChatFormatError, Special, encode_segments, reject_images, validate_messages, validate_tools
 from .k3 import k3_pieces
 from .kimi_linear import kimi_linear_ids
 
@@ -56,7 +56,7 @@ def render_chat(
             if "<|kimi_image_placeholder|>" in tokenizer.special_tokens
             else "<|media_pad|>"
         )
-        return encode_pieces(
+        return encode_segments(
             tokenizer, k3_pieces(messages, tools, add_generation_prompt, thinking, Special(image), controls)
         )
     return kimi_linear_ids(tokenizer, messages, tools, add_generation_prompt, chat_template)

@@ -121,7 +121,11 @@ def params_to_wire(p: SamplingParams) -> dict[str, Any]:
     """Every field of `p` as msgpack-able values (the inverse is `params_from_wire`)."""
     out = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
     s = p.structured
-    out["structured"] = None if s is None else {"json_schema": s.json_schema, "prefix": [_piece(x) for x in s.prefix]}
+    out["structured"] = (
+        None
+        if s is None
+        else {"json_schema": s.json_schema, "prefix": [_piece(x) for x in s.prefix], "grammar": s.grammar}
+    )
     out["reasoning_end"] = [_piece(x) for x in p.reasoning_end]
     out["keep_special_token_ids"] = sorted(p.keep_special_token_ids)
     return out
@@ -130,7 +134,11 @@ def params_to_wire(p: SamplingParams) -> dict[str, Any]:
 def params_from_wire(d: dict[str, Any]) -> SamplingParams:
     d = dict(d)
     s = d["structured"]
-    d["structured"] = None if s is None else StructuredOutput(s["json_schema"], tuple(map(_unpiece, s["prefix"])))
+    d["structured"] = (
+        None
+        if s is None
+        else StructuredOutput(s["json_schema"], tuple(map(_unpiece, s["prefix"])), s.get("grammar", ""))
+    )
     d["reasoning_end"] = tuple(map(_unpiece, d["reasoning_end"]))
     return SamplingParams(**d)
 

@@ -83,6 +83,15 @@ class StructuredOutput:
 
     json_schema: str
     prefix: tuple = ()
+    grammar: str = ""  # a whole llguidance Lark grammar instead of the JSON (`raw`)
+
+    @classmethod
+    def raw(cls, grammar: str) -> "StructuredOutput":
+        """A whole llguidance Lark grammar (e.g. the K3 channel guard); `%free%` in it stands for
+        the rule body "any run of non-control tokens"."""
+        if not isinstance(grammar, str) or not grammar.strip():
+            raise StructuredOutputError("a raw grammar must be non-empty Lark text")
+        return cls("", (), grammar)
 
     @classmethod
     def json(cls, schema: dict | None = None, prefix: Sequence = ()) -> "StructuredOutput":
@@ -105,6 +114,8 @@ class StructuredOutput:
     def lark(self, free: str = "/(.|\\n)*/") -> str:
         """The llguidance Lark grammar (JSON options forced compact, see module invariants);
         `free` is the body of the free-text rule (`GrammarCompiler` passes non-control tokens)."""
+        if self.grammar:
+            return self.grammar.replace("%free%", free)
         schema = json.loads(self.json_schema)
         schema.pop("x-guidance", None)
         schema["x-guidance"] = _JSON_OPTIONS
@@ -213,6 +224,8 @@ class GrammarCompiler:
         unknown = [p.name for p in so.prefix if isinstance(p, Special) and p.name not in self._specials]
         if unknown:
             raise StructuredOutputError(f"the tokenizer has no control tokens {unknown}")
+        if so.grammar:
+            return self._matcher(so)
         size = len(so.json_schema.encode())
         if size > MAX_SCHEMA_BYTES:
             raise StructuredOutputError(
@@ -223,17 +236,22 @@ class GrammarCompiler:
                 "the JSON schema admits no finite JSON value (a required "
                 "property or array item recurses into itself without end)"
             )
+        return self._matcher(so)
+
+    def _matcher(self, so: StructuredOutput):
+        what = "grammar" if so.grammar else "JSON schema"
         try:
             grammar = self._llg.LLMatcher.grammar_from_lark(so.lark(self._free))
             matcher = self._llg.LLMatcher(self._tok, grammar, log_level=0, limits=self._limits)
         except (ValueError, RuntimeError) as e:
-            raise StructuredOutputError(f"invalid JSON schema: {_short(str(e))}") from None
+            raise StructuredOutputError(f"invalid {what}: {_short(str(e))}") from None
         if not matcher.is_error():
             first = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
             if not matcher.is_error() and not bool(first.any()):
-                raise StructuredOutputError("the JSON schema admits no JSON value (the grammar allows no first token)")
+                kind = "output" if so.grammar else "JSON value"
+                raise StructuredOutputError(f"the {what} admits no {kind} (the grammar allows no first token)")
         if matcher.is_error():
-            raise StructuredOutputError(f"invalid JSON schema: {_short(matcher.get_error())}")
+            raise StructuredOutputError(f"invalid {what}: {_short(matcher.get_error())}")
         return matcher
 
 

@@ -32,6 +32,7 @@ from .metrics import Metrics
 from .middleware import ApiKeyAuth, ErrorGuard
 from .protocol import MAX_BODY_BYTES, error_body
 from .routes import chat, completions, misc
+from .sampling_policy import POLICIES
 from .state import ServerState
 
 
@@ -58,9 +59,14 @@ def build_app(
     retry_after_s: int = 1,
     media: MediaPolicy | None = None,
     image_processor: ImageProcessor | None = None,
+    sampling_policy: str = "open",
+    channel_guard: bool = False,
 ) -> FastAPI:
     """The FastAPI app over a started-or-not `AsyncEngine` (started on app start-up);
-    `max_waiting_requests=None` means no queue cap."""
+    `max_waiting_requests=None` means no queue cap; `sampling_policy` in `POLICIES`
+    (sampling_policy.py); `channel_guard` (K3) guards each reply's structure (channel_guard.py)."""
+    if sampling_policy not in POLICIES:
+        raise ValueError(f"unknown sampling policy {sampling_policy!r}; expected one of {POLICIES}")
     media = media or MediaPolicy()
     if image_processor is not None:
         if engine.family != "kimi_k3":
@@ -88,6 +94,8 @@ def build_app(
         retry_after_s,
         media,
         image_processor,
+        sampling_policy=sampling_policy,
+        channel_guard=channel_guard and engine.family == "kimi_k3",
     )
     for module in (completions, chat, misc):
         app.include_router(module.router)

@@ -25,10 +25,10 @@ import json
 from dataclasses import dataclass
 
 from ..chat.common import ChatFormatError, validate_tools
-from ..chat.k3 import compact_json
 from ..engine.structured import Special, StructuredOutput, StructuredOutputError, tool_call_schema
 from .errors import APIError
 from .parsers import ToolCall
+from .thinking import resolve_thinking
 
 K3_THINK_END = (Special("<|close|>"), "think", Special("<|sep|>"), Special("<|open|>"), "response", Special("<|sep|>"))
 
@@ -46,18 +46,47 @@ class ChatConstraint:
     thinking_budget: int | None = None
 
 
-def _tool_names(tools) -> list[str]:
+def _tool_names(tools, param: str = "tools") -> list[str]:
     try:
         return [t.get("function", t)["name"] for t in validate_tools(tools)]
     except ChatFormatError as e:
-        raise APIError(400, str(e), param="tools") from None
+        raise APIError(400, f"{param}: {e}", param=param) from None
+
+
+def all_tools(req) -> list[dict]:
+    """The request's global `tools` then every dynamic tool (a `system` message's `tools`, K3's
+    mid-conversation declaration). Only system messages may carry tools, such a message has
+    empty content, and names are unique across all of them; else `APIError(400)` naming the field."""
+    names = _tool_names(req.tools)
+    tools = list(req.tools or [])
+    seen = set()
+    for i, m in enumerate(req.messages):
+        if not isinstance(m, dict) or m.get("tools") is None:
+            continue
+        where = f"messages[{i}].tools"
+        if m.get("role") != "system":
+            raise APIError(400, f"{where}: only system messages may declare tools", param=where)
+        if m.get("content") not in (None, ""):
+            raise APIError(400, f"messages[{i}]: a system message declaring tools must have empty content", param=where)
+        names += _tool_names(m["tools"], where)
+        tools += m["tools"]
+    for name in names:
+        if name in seen:
+            raise APIError(
+                400,
+                f"tool name {name!r} is declared twice (global and dynamic tools share one namespace)",
+                param="tools",
+            )
+        seen.add(name)
+    return tools
 
 
 def chat_constraint(req, family: str, thinking: bool) -> ChatConstraint:
     """Validate and map the request's forcing fields; raises `APIError(400)` on bad combinations."""
     rf = req.response_format
     choice = req.tool_choice
-    names = _tool_names(req.tools)
+    tools = all_tools(req)
+    names = _tool_names(tools)
     forced = None
     if choice == "required":
         if not names:
@@ -74,7 +103,7 @@ def chat_constraint(req, family: str, thinking: bool) -> ChatConstraint:
     budget = _budget(req) if prefix else None
     try:
         if forced is not None:
-            schema = tool_call_schema(req.tools, forced or None)
+            schema = tool_call_schema(tools, forced or None)
             if forced == "" and req.parallel_tool_calls is False:
                 schema = {**schema, "maxItems": 1}
             structured = StructuredOutput.json(schema, prefix)
@@ -84,6 +113,12 @@ def chat_constraint(req, family: str, thinking: bool) -> ChatConstraint:
             if rf.json_schema is None:
                 raise APIError(
                     400, 'response_format "json_schema" needs a json_schema object', param="response_format.json_schema"
+                )
+            if rf.json_schema.schema_ is None:
+                raise APIError(
+                    400,
+                    'response_format "json_schema" needs json_schema.schema (a JSON Schema object)',
+                    param="response_format.json_schema.schema",
                 )
             structured = StructuredOutput.json(rf.json_schema.schema_, prefix)
         else:
@@ -113,20 +148,21 @@ def missing_forced_call(index: int) -> str:
 
 
 def _controls(req, thinking: bool) -> tuple:
-    """K3 control messages (spec/model.md §14.1), in the order effort, tool choice, format."""
+    """K3 control messages (`chat/k3.py` renders and places them): the effort (thinking on and
+    one given, `thinking.py`), tool choice "required" (also for a named function) / "none" when
+    tools are declared, and the response format."""
     out = []
-    effort = req.thinking_effort or req.reasoning_effort
+    effort = resolve_thinking(req).effort
     if effort is not None and thinking:
         out.append(("thinking_effort", effort))
     choice = req.tool_choice
-    if req.tools and choice is not None and choice != "auto":
+    if all_tools(req) and choice is not None and choice != "auto":
         out.append(("tool_choice", "none" if choice == "none" else "required"))
     rf = req.response_format
     if rf is not None and rf.type == "json_object":
         out.append(("response_format", "json_object"))
     elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
-        spec = rf.json_schema.model_dump(by_alias=True, exclude_none=True)
-        out.append(("response_format", "json_schema\n```json\n" + compact_json(spec) + "\n```"))
+        out.append(("response_format", rf.json_schema.schema_))
     return tuple(out)
 
 

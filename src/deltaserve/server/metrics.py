@@ -233,6 +233,13 @@ class Metrics:
         self.rejected = Counter(
             P + "request_rejected", "Requests refused because the waiting queue was full", registry=reg, **lab
         ).labels(model_name)
+        self.reasoning_omitted = Counter(
+            P + "k3_history_reasoning_omitted",
+            "K3 chat requests with thinking on whose history has an assistant turn without its "
+            "reasoning_content (preserved thinking lost: served as given)",
+            registry=reg,
+            **lab,
+        ).labels(model_name)
         self.engine = _EngineCollector(model_name)
         reg.register(self.engine)
 

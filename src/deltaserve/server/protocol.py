@@ -184,6 +184,15 @@ class NamedToolChoice(_Base):
 
 class ChatTemplateKwargs(_Base):
     thinking: Optional[StrictBool] = None
+    thinking_effort: Optional[Literal["low", "high", "max"]] = None
+
+
+class ThinkingConfig(_Base):
+    """Moonshot's `thinking` object: `{"type": "enabled"|"disabled", "keep": "all", "effort": ...}`."""
+
+    type: Literal["enabled", "disabled"]
+    keep: Optional[Literal["all"]] = None
+    effort: Optional[Literal["low", "high", "max"]] = None
 
 
 class ChatRequest(_Sampling):
@@ -196,9 +205,9 @@ class ChatRequest(_Sampling):
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[StrictBool] = None
     response_format: Optional[ResponseFormat] = None
-    thinking: Optional[StrictBool] = None
-    reasoning_effort: Optional[Literal["low", "medium", "high"]] = None
-    thinking_effort: Optional[Literal["low", "medium", "high", "max"]] = None
+    thinking: Union[StrictBool, ThinkingConfig, None] = None
+    reasoning_effort: Optional[Literal["low", "high", "max"]] = None
+    thinking_effort: Optional[Literal["low", "high", "max"]] = None
     chat_template_kwargs: Optional[ChatTemplateKwargs] = None
     thinking_token_budget: Optional[StrictInt] = Field(None, ge=0)
     max_reasoning_tokens: Optional[StrictInt] = Field(None, ge=0)  # alias of thinking_token_budget

@@ -118,6 +118,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="checkpoint directory (default: the embedded random-weight tiny K3)",
     )
+    p.add_argument(
+        "--sampling-policy",
+        choices=["open", "k3"],
+        default="open",
+        help="k3: Moonshot's immutable sampling (temperature 1.0 thinking / 0.6 not, top_p 0.95, penalties 0, "
+        "n 1; other values are a 400); open (default): as the request says",
+    )
+    p.add_argument(
+        "--channel-guard",
+        action="store_true",
+        help="K3: constrain every reply to the XTML message structure by grammar, so reasoning never "
+        "lands in content and no markup leaks into it (requests with their own constraint keep it)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the dir name)")
@@ -260,7 +273,15 @@ def serve(args: argparse.Namespace) -> int:
     engine = AsyncEngine(llm.engine, llm.model.config.family, load_chat_template(model_dir))
     cap = args.max_waiting_requests
     vision = vision_app_kwargs(engine, Path(model_dir), media_policy(args))
-    app = build_app(engine, name, api_key=args.api_key, max_waiting_requests=cap if cap >= 0 else None, **vision)
+    app = build_app(
+        engine,
+        name,
+        api_key=args.api_key,
+        max_waiting_requests=cap if cap >= 0 else None,
+        sampling_policy=args.sampling_policy,
+        channel_guard=args.channel_guard,
+        **vision,
+    )
     try:
         start_role(app, engine, args)
     except RoleStartError as e:

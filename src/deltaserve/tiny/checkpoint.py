@@ -11,6 +11,7 @@ the tokenizer files and (K3) `preprocessor_config.json` (§12.1). Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -23,7 +24,7 @@ from ..ops.mxfp4 import GROUP_SIZE, mxfp4_decode, mxfp4_encode
 from .hf_config import hf_config
 from .plan import Entry, tensor_plan
 from .presets import FAMILIES, MEDIA_PROC_CFG, PRESETS
-from .tokenizer import EOS_NAME, write_tokenizer
+from .tokenizer import EOS_NAME, NUM_RESERVED, ranks_file_size, write_tokenizer
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
 
@@ -41,10 +42,14 @@ def make_tiny(
     seed: int = 0,
     dtype: torch.dtype = torch.bfloat16,
     vision: bool | None = None,
+    tokenizer_ranks: str | Path | None = None,
 ) -> Path:
     """Write a random-weight checkpoint of `family` at `preset` size into `out_dir` and return
     it. `mxfp4=None` takes the preset's default (tiny: bf16 experts, K3 mini: MXFP4). `vision`
-    (K3 only; None: on for K3) adds the vision tower, its `vision_config` and the processor config."""
+    (K3 only; None: on for K3) adds the vision tower, its `vision_config` and the processor config.
+    `tokenizer_ranks` (a tiktoken base-rank file, e.g. Moonshot's Kimi ranks) replaces the default
+    cl100k_base prefix; the vocabulary (embedding, lm_head) grows to its size + 256 so prompt
+    token counts equal the real model's."""
     if (family, preset) not in PRESETS:
         raise ValueError(f"unknown family/preset {family!r}/{preset!r}; families {FAMILIES}, presets ('tiny', 'mini')")
     if dtype not in _DTYPE_NAMES:
@@ -53,10 +58,12 @@ def make_tiny(
     if vision and family != "kimi_k3":
         raise ValueError("only kimi_k3 has a vision tower")
     d = PRESETS[(family, preset)]
+    if tokenizer_ranks is not None:
+        d = dataclasses.replace(d, vocab=ranks_file_size(Path(tokenizer_ranks)) + NUM_RESERVED)
     mxfp4 = d.mxfp4 if mxfp4 is None else mxfp4
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ids = write_tokenizer(out, family, d.vocab, 1 << 20)
+    ids = write_tokenizer(out, family, d.vocab, 1 << 20, tokenizer_ranks)
     cfg = hf_config(family, d, ids, mxfp4, _DTYPE_NAMES[dtype], vision)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     gen_cfg = {"bos_token_id": ids["[BOS]"], "eos_token_id": ids[EOS_NAME[family]], "pad_token_id": ids["[PAD]"]}

@@ -133,13 +133,26 @@ def base_ranks_lines(n_base: int) -> list[str]:
     return lines
 
 
-def write_tokenizer(out: Path, family: str, vocab_size: int, model_max_length: int) -> dict[str, int]:
-    """Write `tiktoken.model`, `tokenizer_config.json` (and the Kimi-Linear chat template);
-    return the named special ids."""
+def ranks_file_size(path: Path) -> int:
+    """The number of `base64(token) rank` lines of a base-rank file (e.g. Moonshot's 163,584
+    Kimi ranks, ../shared/tokenizers/); a malformed file is refused when the tokenizer loads."""
+    with Path(path).open("rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def write_tokenizer(
+    out: Path, family: str, vocab_size: int, model_max_length: int, ranks: Path | None = None
+) -> dict[str, int]:
+    """Write `tiktoken.model` (cl100k_base's first ranks, or the file `ranks` verbatim, whose
+    size must be `vocab_size - 256`), `tokenizer_config.json` (and the Kimi-Linear chat
+    template); return the named special ids."""
     n_base = vocab_size - NUM_RESERVED
     if n_base < 256:
         raise ValueError(f"vocab_size {vocab_size} leaves fewer than 256 BPE ranks")
-    (out / "tiktoken.model").write_text("".join(base_ranks_lines(n_base)), encoding="ascii")
+    if ranks is not None:
+        (out / "tiktoken.model").write_bytes(Path(ranks).read_bytes())
+    else:
+        (out / "tiktoken.model").write_text("".join(base_ranks_lines(n_base)), encoding="ascii")
     specials = special_tokens(family, n_base)
     decoder = {
         str(i): {

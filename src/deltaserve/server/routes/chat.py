@@ -19,12 +19,16 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from ..constraints import ChatConstraint, chat_constraint, forced_tool_calls, missing_forced_call
+from ...chat.k3 import uncounted_prompt_tokens
+from ..channel_guard import channel_guard
+from ..constraints import ChatConstraint, all_tools, chat_constraint, forced_tool_calls, missing_forced_call
 from ..errors import APIError
 from ..parsers import StreamingParser, control_token_ids, parse_output
 from ..protocol import ChatRequest
 from ..request_stream import GenerationError
+from ..sampling_policy import apply_policy
 from ..state import State
+from ..thinking import resolve_thinking
 from .common import run_collect, sampling_kwargs, sse, sse_stream, usage
 
 router = APIRouter()
@@ -44,8 +48,16 @@ class ChatPlan:
 
 
 def _thinking(req: ChatRequest) -> bool:
-    tkw = req.chat_template_kwargs.thinking if req.chat_template_kwargs else None
-    return next((v for v in (req.thinking, tkw) if v is not None), True)
+    return resolve_thinking(req).on
+
+
+def _starts_in_think(req: ChatRequest, thinking: bool) -> bool:
+    """Whether the output continues a think element: thinking on, unless the last message is a
+    partial assistant turn whose response (content) already started."""
+    last = req.messages[-1]
+    if thinking and last.get("role") == "assistant" and last.get("partial") is True:
+        return not last.get("content")
+    return thinking
 
 
 def chat_logprobs(plan: ChatPlan, d) -> list[dict]:
@@ -74,15 +86,44 @@ def forced_finish(cons: ChatConstraint, finish: str | None, called: bool) -> str
     return "tool_calls" if finish == "stop" and called else finish
 
 
+def _reasoning_omitted(messages: list[dict]) -> bool:
+    """Whether an earlier (not prefilled) assistant turn comes without its reasoning."""
+    return any(
+        m.get("role") == "assistant"
+        and m.get("partial") is not True
+        and not (m.get("reasoning_content") or m.get("reasoning"))
+        for m in messages
+    )
+
+
+def _structured(state, plan: ChatPlan, req: ChatRequest):
+    """The request's own constraint, else (K3 with `--channel-guard`) the channel guard."""
+    if plan.cons.structured is not None or not state.channel_guard or plan.family != "kimi_k3":
+        return plan.cons.structured
+    names = [t.get("function", t)["name"] for t in all_tools(req)] if plan.declared else []
+    return channel_guard(plan.think, names)
+
+
 async def chat_prompt_ids(req: ChatRequest, state) -> tuple[list[int], ChatConstraint, bool, bool]:
     """The rendered prompt's ids (before images are expanded), the constraint, whether tool
-    calls are parsed, and whether thinking is on."""
+    calls are parsed, and whether the output starts in a think element."""
     thinking, family = _thinking(req), state.engine.family
-    cons = chat_constraint(req, family, thinking)
-    declared = bool(req.tools) and req.tool_choice != "none"
+    think = _starts_in_think(req, thinking)
+    cons = chat_constraint(req, family, think)
+    declared = bool(all_tools(req)) and req.tool_choice != "none"
     shown = req.tools if declared or (family == "kimi_k3" and req.tools) else None
     ids = await state.chat_prompt(req.messages, shown, thinking, cons.controls)
-    return ids, cons, declared, thinking
+    return ids, cons, declared, think
+
+
+def counted_prompt_tokens(req: ChatRequest, family: str, n_ids: int) -> int:
+    """`usage.prompt_tokens` for a prompt of `n_ids` ids (K3: Moonshot's accounting,
+    `chat.k3.uncounted_prompt_tokens`)."""
+    if family != "kimi_k3":
+        return n_ids
+    last = req.messages[-1]
+    partial = last.get("role") == "assistant" and last.get("partial") is True
+    return n_ids - uncounted_prompt_tokens(_thinking(req), partial)
 
 
 @router.post("/v1/chat/completions")
@@ -91,13 +132,15 @@ async def chat_completions(req: ChatRequest, request: Request, state: State):
     state.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    kw = sampling_kwargs(req)
-    ids, cons, declared, thinking = await chat_prompt_ids(req, state)
+    kw = apply_policy(state.sampling_policy, req, sampling_kwargs(req), _thinking(req))
+    ids, cons, declared, think = await chat_prompt_ids(req, state)
+    if state.engine.family == "kimi_k3" and _thinking(req) and _reasoning_omitted(req.messages):
+        state.metrics.reasoning_omitted.inc()
     plan = ChatPlan(
         state.engine.family,
         cons,
         declared,
-        thinking and state.engine.family == "kimi_k3",
+        think and state.engine.family == "kimi_k3",
         req.top_logprobs or 0,
         bool(req.logprobs),
         state.engine.tokenizer,
@@ -106,7 +149,7 @@ async def chat_completions(req: ChatRequest, request: Request, state: State):
         kw,
         max_tokens=req.max_completion_tokens or req.max_tokens,
         logprobs=plan.top_k if req.logprobs else None,
-        structured=cons.structured,
+        structured=_structured(state, plan, req),
         keep_special_token_ids=control_token_ids(plan.tok, plan.family),
         reasoning_end=cons.reasoning_end,
         thinking_token_budget=cons.thinking_budget,
@@ -114,9 +157,10 @@ async def chat_completions(req: ChatRequest, request: Request, state: State):
     ids, images = await state.chat_images(req.messages, ids)
     stream = await state.submit(ids, params, images)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
+    counted = counted_prompt_tokens(req, plan.family, len(ids))
     if req.stream:
-        return StreamingResponse(chat_events(req, plan, stream, len(ids), head), media_type="text/event-stream")
-    return await chat_response(req, plan, stream, len(ids), head, request)
+        return StreamingResponse(chat_events(req, plan, stream, counted, head), media_type="text/event-stream")
+    return await chat_response(req, plan, stream, counted, head, request)
 
 
 async def chat_response(

@@ -1,0 +1,168 @@
+"""The K3 API contract over raw HTTP and the official `openai` client, streamed and not: the
+thinking controls and their precedence, tool_choice rules, dynamic tools, assistant prefill,
+images in tool messages, and a 400 naming the field for each malformed shape. The prompt is
+checked through `usage.prompt_tokens` against `render_chat` with the settings the contract says."""
+
+import json
+
+import httpx
+import pytest
+
+from deltaserve.chat.render import render_chat
+from deltaserve.model.image_processor import ImageProcessor
+from deltaserve.tiny.presets import MEDIA_PROC_CFG
+from tests.server.live_server import KEY, MODEL, live_server
+
+openai = pytest.importorskip("openai")
+
+USER = [{"role": "user", "content": "Hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+TOOL_G = {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}
+PNG = (
+    "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAh"
+    "KmMIQAAAABJRU5ErkJggg=="
+)
+
+
+def post(server, body: dict, stream: bool = False):
+    body = {"model": MODEL, "max_tokens": 1, **body}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    url = server["url"] + "/v1/chat/completions"
+    if not stream:
+        return httpx.post(url, json=body, headers=headers, timeout=60)
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    return httpx.post(url, json=body, headers=headers, timeout=60)
+
+
+def tokens(server, body: dict) -> int:
+    """usage.prompt_tokens, non-streamed and streamed (equal)."""
+    r = post(server, body)
+    assert r.status_code == 200, r.text
+    s = post(server, body, stream=True)
+    usage = [json.loads(x[6:]).get("usage") for x in s.text.splitlines() if x.startswith("data: {")]
+    assert [u["prompt_tokens"] for u in usage if u] == [r.json()["usage"]["prompt_tokens"]]
+    return r.json()["usage"]["prompt_tokens"]
+
+
+def rendered(server, messages=USER, thinking=True, counted=True, **kw) -> int:
+    n = len(render_chat(server["tok"], "kimi_k3", messages, thinking=thinking, **kw))
+    return n - (3 if counted and not thinking else 0)
+
+
+def test_thinking_shapes_and_precedence(server):
+    on, off = rendered(server), rendered(server, thinking=False)
+    assert on != off
+    assert tokens(server, {"messages": USER}) == on
+    assert tokens(server, {"messages": USER, "thinking": {"type": "enabled", "keep": "all"}}) == on
+    assert tokens(server, {"messages": USER, "thinking": {"type": "disabled"}}) == off
+    assert tokens(server, {"messages": USER, "thinking": False}) == off
+    assert tokens(server, {"messages": USER, "chat_template_kwargs": {"thinking": False}}) == off
+    # chat_template_kwargs wins over the thinking object
+    both = {"chat_template_kwargs": {"thinking": True}, "thinking": {"type": "disabled"}}
+    assert tokens(server, {"messages": USER, **both}) == on
+
+
+def test_effort_precedence(server):
+    def effort(e):
+        return rendered(server, controls=(("thinking_effort", e),))
+
+    assert tokens(server, {"messages": USER, "reasoning_effort": "low"}) == effort("low")
+    assert tokens(server, {"messages": USER, "thinking": {"type": "enabled", "effort": "high"}}) == effort("high")
+    body = {"messages": USER, "reasoning_effort": "low", "thinking_effort": "high"}
+    assert tokens(server, body) == effort("high")
+    body = {
+        **body,
+        "thinking": {"type": "enabled", "effort": "low"},
+        "chat_template_kwargs": {"thinking_effort": "max"},
+    }
+    assert tokens(server, body) == effort("max")
+    # no effort with thinking off
+    assert tokens(server, {"messages": USER, "reasoning_effort": "low", "thinking": False}) == rendered(
+        server, thinking=False
+    )
+
+
+def test_named_tool_choice_turns_thinking_off(server):
+    named = {"type": "function", "function": {"name": "f"}}
+    body = {"messages": USER, "tools": [TOOL], "tool_choice": named, "max_tokens": 64}
+    want = rendered(server, thinking=False, tools=[TOOL], controls=(("tool_choice", "required"),))
+    assert tokens(server, body) == want
+
+
+@pytest.mark.parametrize("choice", ["none", "auto"])
+def test_tool_choice_without_tools_is_accepted(server, choice):
+    assert tokens(server, {"messages": USER, "tool_choice": choice}) == rendered(server)
+
+
+def test_dynamic_tools(server, client):
+    msgs = USER + [{"role": "system", "content": "", "tools": [TOOL]}]
+    assert tokens(server, {"messages": msgs}) == rendered(server, msgs)
+    # "required" satisfied by dynamic tools alone
+    body = {"messages": msgs, "tool_choice": "required", "max_tokens": 64, "thinking": False}
+    want = rendered(server, msgs, thinking=False, controls=(("tool_choice", "required"),))
+    assert tokens(server, body) == want
+    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=[TOOL_G], max_tokens=1)
+    assert r.usage.prompt_tokens == rendered(server, msgs, tools=[TOOL_G])
+
+
+def test_partial_prefill(server, client):
+    msgs = USER + [{"role": "assistant", "content": "Hel", "partial": True}]
+    want = rendered(server, msgs, counted=False)
+    assert tokens(server, {"messages": msgs}) == want
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1)
+    assert r.usage.prompt_tokens == want
+    text = server["tok"].decode(render_chat(server["tok"], "kimi_k3", msgs))
+    assert text.endswith("<|open|>response<|sep|>Hel")
+
+
+@pytest.fixture(scope="module")
+def vserver(tmp_path_factory):
+    """A tiny-K3 server that accepts images."""
+    kwargs = dict(api_key=KEY, image_processor=ImageProcessor(MEDIA_PROC_CFG))
+    with live_server(tmp_path_factory, MODEL, kwargs, max_model_len=512) as srv:
+        yield srv
+
+
+def test_image_in_tool_message(vserver):
+    server = vserver
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    image = [{"type": "text", "text": "shot:"}, {"type": "image_url", "image_url": {"url": PNG}}]
+    msgs = USER + [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c", "content": image},
+    ]
+    plain = msgs[:-1] + [{"role": "tool", "tool_call_id": "c", "content": "shot:"}]
+    with_image, without = (
+        tokens(server, {"messages": msgs, "tools": [TOOL]}),
+        tokens(server, {"messages": plain, "tools": [TOOL]}),
+    )
+    assert with_image > without + 2  # the image's media block is in the prompt
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"thinking": {"type": "on"}}, "thinking"),
+        ({"thinking": {"type": "enabled", "keep": "some"}}, "thinking"),
+        ({"thinking": {"type": "enabled", "effort": "medium"}}, "thinking"),
+        ({"reasoning_effort": "medium"}, "reasoning_effort"),
+        ({"thinking_effort": "extreme"}, "thinking_effort"),
+        ({"chat_template_kwargs": {"thinking": "yes"}}, "chat_template_kwargs"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "n"}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"messages": [{"role": "user", "content": "x", "tools": [TOOL]}]}, "messages[0].tools"),
+        ({"messages": [{"role": "system", "content": "x", "tools": [TOOL]}, *USER]}, "messages[0].tools"),
+        ({"messages": [{"role": "system", "tools": [TOOL]}, *USER], "tools": [TOOL]}, "tools"),
+        ({"messages": [{"role": "system", "tools": [{"function": {}}]}, *USER]}, "messages[0].tools"),
+        ({"messages": [{"role": "assistant", "content": "x", "partial": True}, *USER]}, "messages"),
+        ({"messages": USER + [{"role": "assistant", "content": "x", "partial": "yes"}]}, "messages"),
+    ],
+)
+def test_malformed_shapes_are_400_naming_the_field(server, body, param):
+    for stream in (False, True):
+        r = post(server, {"messages": USER, **body}, stream=stream)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] is not None and err["param"].startswith(param), err
