@@ -148,8 +148,10 @@ def survives_a_replica_death(proc, base: str, client, home: int, prefix: list, p
     assert proc.poll() is None
     _until(lambda: _metric(base, "dp_replicas_live") == 2, 120, "the killed replica did not come back")
     text = httpx.get(f"{base}/metrics", timeout=10).text
-    assert f'deltaserve:dp_replica_restarts_total{{replica="{home}"}} 1' in text
-    assert f'deltaserve:dp_replica_failures_total{{replica="{home}",reason="exited"}} 1' in text
+    restarts = re.search(rf'^deltaserve:dp_replica_restarts_total{{replica="{home}"}} (\d+)', text, re.M)
+    exited = re.search(rf'^deltaserve:dp_replica_failures_total{{replica="{home}",reason="exited"}} (\d+)', text, re.M)
+    # one restart per exit (a loaded machine may see a restarted replica fail once more)
+    assert int(restarts.group(1)) >= 1 and int(restarts.group(1)) == int(exited.group(1)), text
     assert pids[home] not in _children(proc) and len(_children(proc)) == 2
     routed = _routed(base)[home]
     back = client.chat.completions.create(model="k3", messages=body["messages"], max_tokens=2)
