@@ -25,7 +25,7 @@ from ..parsers import StreamingParser, control_token_ids, parse_output
 from ..protocol import ChatRequest
 from ..request_stream import GenerationError
 from ..state import State
-from .common import run_collect, sampling_kwargs, sse, sse_stream, usage
+from .common import check_request, run_collect, sampling_kwargs, sse, sse_stream, usage
 
 router = APIRouter()
 
@@ -112,7 +112,9 @@ async def chat_completions(req: ChatRequest, request: Request, state: State):
         thinking_token_budget=cons.thinking_budget,
     )
     ids, images = await state.chat_images(req.messages, ids)
-    stream = await state.submit(ids, params, images)
+    limit_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+    check_request(state, req, [len(ids)], params.max_tokens, limit_param)
+    stream = await state.submit(ids, params, images, req.cache_salt)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
     if req.stream:
         return StreamingResponse(chat_events(req, plan, stream, len(ids), head), media_type="text/event-stream")
