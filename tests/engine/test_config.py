@@ -85,7 +85,7 @@ def test_every_field_has_a_flag_that_round_trips():
     assert {f.name for f in dataclasses.fields(EngineConfig)} - set(NON_DEFAULT) == no_flag
     for f in cli_fields():
         flags, value = NON_DEFAULT[f.name]
-        assert flags[0] == flag_name(f) and value != f.default, f.name
+        assert flags[0] in (flag_name(f), "--no-" + flag_name(f)[2:]) and value != f.default, f.name
         got = EngineConfig.from_args(parse(flags), model="m", progress=False)
         cli_default = EngineConfig.from_args(parse([]), model="m", progress=False)
         assert got == dataclasses.replace(cli_default, **{f.name: value}), f.name
@@ -128,7 +128,8 @@ def test_llm_kwargs_and_from_config_agree(tmp_path):
         max_num_batched_tokens=19,
         page_size=4,
         max_model_len=64,
-        kv_cache_memory=budget_for(cfg, 3, 40, 4),
+        kv_cache_memory=budget_for(cfg, 3, 40, 4),  # exact pages and live slots: no checkpoints
+        enable_prefix_caching=False,
         progress=False,
     )
     prompts = random_prompts(cfg.vocab_size, [7, 23, 12], seed=4)

@@ -147,6 +147,7 @@ def plan_layout(
             f"kv_cache_memory={budget_bytes} B cannot hold {max_num_seqs} + {n_ckpt} KDA slots "
             f"({slot_bytes} B each) plus MLA pages for max_model_len={max_model_len} tokens "
             f"({need} pages of {page_bytes} B); raise kv_cache_memory or lower max_num_seqs/max_model_len"
+            + (" (or turn prefix caching off: --no-enable-prefix-caching)" if n_ckpt else "")
         )
     return CacheLayout(page_size, int(num_pages), max_num_seqs, page_bytes, slot_bytes, kv_dtype, state_dtype, n_ckpt)
 
