@@ -101,3 +101,16 @@ def test_on_cpu_the_budget_fits_the_ram_available_after_the_weights(cfg, monkeyp
             size_layout(cfg, given, 16, 8192, 16, BF16)
     monkeypatch.setattr(budget, "available_bytes", lambda: None)  # no /proc/meminfo: RAM as before
     assert size_layout(cfg, 0.5, 2, 64, 16, BF16) == plan_layout(cfg, 5 * 10**8, 2, 64, 16, BF16)
+
+
+def test_checkpoints_never_take_the_pages_max_model_len_needs(cfg):
+    """With prefix caching on by default, a budget that holds max_model_len tokens of pages but not
+    the full checkpoint share gets fewer checkpoints (at least one), not a start-up error."""
+    slot, page = unit_bytes(cfg, 16, BF16, F32)
+    need = 8192 // 16
+    budget_bytes = 16 * slot + need * page + 5 * slot + 100  # room for 5 checkpoints beside the pages
+    layout = plan_layout(cfg, budget_bytes, 16, 8192, 16, BF16, checkpoint_fraction=0.25)
+    assert (layout.num_checkpoint_slots, layout.num_pages) == (5, need)
+    assert layout.total_bytes <= budget_bytes
+    roomy = plan_layout(cfg, 10 * budget_bytes, 16, 8192, 16, BF16, checkpoint_fraction=0.25)
+    assert roomy.num_checkpoint_slots == int(0.25 * 10 * budget_bytes) // slot  # the share, uncapped

@@ -25,7 +25,7 @@ NON_DEFAULT = {
     "seed": (["--engine-seed", "9"], 9),
     "device": (["--device", "meta"], "meta"),
     "num_threads": (["--threads", "2"], 2),
-    "enable_prefix_caching": (["--enable-prefix-caching"], True),
+    "enable_prefix_caching": (["--no-enable-prefix-caching"], False),
     "prefix_match_unit": (["--prefix-match-unit", "32"], 32),
     "kda_checkpoint_policy": (["--kda-checkpoint-policy", "prompt-end,junction"], "prompt-end,junction"),
     "kda_checkpoint_interval": (["--kda-checkpoint-interval", "128"], 128),
@@ -52,7 +52,7 @@ CLI_DEFAULTS = dict(
     kv_cache_memory=None,
     threads=None,
     moe_weights="auto",
-    enable_prefix_caching=False,
+    enable_prefix_caching=True,
     prefix_match_unit=64,
     kda_checkpoint_policy="default",
     kda_checkpoint_interval=None,
@@ -85,7 +85,7 @@ def test_every_field_has_a_flag_that_round_trips():
     assert {f.name for f in dataclasses.fields(EngineConfig)} - set(NON_DEFAULT) == no_flag
     for f in cli_fields():
         flags, value = NON_DEFAULT[f.name]
-        assert flags[0] == flag_name(f) and value != f.default, f.name
+        assert flags[0] in (flag_name(f), "--no-" + flag_name(f)[2:]) and value != f.default, f.name
         got = EngineConfig.from_args(parse(flags), model="m", progress=False)
         cli_default = EngineConfig.from_args(parse([]), model="m", progress=False)
         assert got == dataclasses.replace(cli_default, **{f.name: value}), f.name
@@ -128,7 +128,8 @@ def test_llm_kwargs_and_from_config_agree(tmp_path):
         max_num_batched_tokens=19,
         page_size=4,
         max_model_len=64,
-        kv_cache_memory=budget_for(cfg, 3, 40, 4),
+        kv_cache_memory=budget_for(cfg, 3, 40, 4),  # exact pages and live slots: no checkpoints
+        enable_prefix_caching=False,
         progress=False,
     )
     prompts = random_prompts(cfg.vocab_size, [7, 23, 12], seed=4)

@@ -29,6 +29,7 @@ def make_llm(ckpt, num_pages=64, page_size=4, max_num_seqs=6, max_num_batched_to
     from deltaserve.model.config import ModelConfig
 
     cfg = ModelConfig.from_pretrained(ckpt)
+    kw.setdefault("enable_prefix_caching", False)  # the budget is exact pages and live slots, no checkpoints
     return LLM(
         ckpt,
         dtype="float32",

@@ -289,3 +289,15 @@ def test_penalized_logits_copy_only_when_something_changes_them():
         assert not torch.equal(got, logits)
     out = Sampler()(logits, plain)
     assert out.token_ids[0] == 1 and torch.equal(logits, before)
+
+
+def test_logit_bias_is_added_before_penalties_per_row():
+    """Exact: row 0's bias lifts token 3 over the argmax; row 1 (no bias) is untouched; logprobs
+    stay those of the raw logits."""
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0], [0.0, 5.0, 1.0, 2.0]])
+    biased = SP(temperature=0.0, logprobs=0, logit_bias={3: 4.0, 1: -1.5})
+    out = sampler(logits, [row(biased), row(SP(temperature=0.0))])
+    assert out.token_ids == [3, 1]
+    x = Sampler.penalized_logits(logits, [row(biased), row(SP())])
+    assert x[0].tolist() == [0.0, 3.5, 1.0, 6.0] and x[1].tolist() == logits[1].tolist()
+    assert out.logprobs[0].logprob == pytest.approx(torch.log_softmax(logits[0], 0)[3].item())

@@ -112,3 +112,10 @@ def test_accepts_edges():
         top_k=10**6,
     )
     SamplingParams(logprobs=MAX_LOGPROBS, seed=(1 << 64) - 1)
+
+
+def test_logit_bias():
+    assert SamplingParams(logit_bias={5: 1, 0: -100}).logit_bias == {5: 1.0, 0: -100.0}
+    for bad in ({-1: 1.0}, {"5": 1.0}, {True: 1.0}, {5: 101}, {5: math.nan}, [(5, 1.0)]):
+        with pytest.raises(SamplingParamsError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)

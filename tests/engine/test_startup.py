@@ -19,7 +19,7 @@ def ckpt(tmp_path_factory):
 
 
 def test_default_pools_are_what_the_workload_can_use(ckpt):
-    llm = LLM(ckpt, dtype="float32", max_num_seqs=3, max_model_len=200, progress=False)
+    llm = LLM(ckpt, dtype="float32", max_num_seqs=3, max_model_len=200, enable_prefix_caching=False, progress=False)
     cfg, lay = llm.model.config, llm.layout
     assert lay == workload_layout(cfg, 3, 200, 16, lay.kv_dtype)
     assert (llm.cache.mla.num_pages, llm.cache.kda.num_slots, llm.cache.ckpt_pool) == (3 * 13, 3, None)
@@ -43,7 +43,8 @@ def test_default_pools_are_what_the_workload_can_use(ckpt):
 
 def test_explicit_budget_is_honoured(ckpt):
     llm = LLM(ckpt, dtype="float32", max_num_seqs=3, max_model_len=200, kv_cache_memory=10**7, progress=False)
-    assert llm.layout == plan_layout(llm.model.config, 10**7, 3, 200, 16, llm.layout.kv_dtype)
+    assert llm.layout == plan_layout(llm.model.config, 10**7, 3, 200, 16, llm.layout.kv_dtype, checkpoint_fraction=0.25)
+    assert llm.layout.total_bytes <= 10**7 < llm.layout.total_bytes + llm.layout.page_bytes
     assert llm.cache.mla.num_pages > 3 * 13
 
 

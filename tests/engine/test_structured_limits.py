@@ -12,7 +12,7 @@ from deltaserve import LLM, SamplingParams
 from deltaserve.chat.render import render_chat
 from deltaserve.engine.reasoning import ReasoningBudget
 from deltaserve.engine.sampling_params import SamplingParamsError
-from deltaserve.engine.schema_check import no_finite_instance
+from deltaserve.engine.schema_check import no_finite_instance, pattern_size
 from deltaserve.engine.sequence import InvalidRequestError
 from deltaserve.engine.structured import (
     MAX_SCHEMA_BYTES,
@@ -297,3 +297,23 @@ def test_precompile_refuses_before_queueing(llm):
     for t in threads:
         t.join()
     assert not errors
+
+
+@pytest.mark.parametrize(
+    "pattern,size",
+    [("^a{3000000}$", 3_000_000), ("^(a{1000}b){1000}$", 1_001_000), ("^a{1000}{1000}$", 1_000_000)],
+)
+def test_counted_repetitions_too_large_are_refused_before_decoding(pattern, size):
+    """llguidance takes these and fails only once decoding enters the string (a 500 then)."""
+    assert pattern_size(pattern) == size
+    with pytest.raises(StructuredOutputError, match=f"too large for the grammar engine .*about {size} items"):
+        StructuredOutput.json({"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}})
+
+
+def test_patterns_within_bounds_and_data_are_kept():
+    for pattern, size in (("^[a-z]{1,64}@x\\.com$", 70), ("\\{3000000}", 9), ("[{]{5}", 5), ("(ab|cd){20}", 80)):
+        assert pattern_size(pattern) == size
+        StructuredOutput.json({"type": "string", "pattern": pattern})
+    long_alternation = "^(" + "|".join(f"w{i}x" for i in range(2000)) + ")$"  # long, but no repetition
+    StructuredOutput.json({"type": "string", "pattern": long_alternation})
+    StructuredOutput.json({"const": {"pattern": "^a{3000000}$"}})  # data, not a schema keyword

@@ -204,7 +204,7 @@ from pathlib import Path
 from deltaserve.engine.sampling_params import SamplingParams
 from tests.parallel.engine_fixtures import make_llm
 prompts = json.loads(sys.argv[2])
-llm = make_llm(sys.argv[1], tp=2, data_parallel_size=2)
+llm = make_llm(sys.argv[1], tp=2, data_parallel_size=2, enable_prefix_caching=False)  # routed by load
 outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
 replicas = [r.proc.pid for r in llm._dp.replicas]
 ranks = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p) in replicas]

@@ -68,7 +68,8 @@ def http(server, method, path, key=KEY, **kw):
 
 
 def idle_and_clean(engine, timeout=20.0):
-    """Wait until the engine holds no request, then check the cache invariants."""
+    """Wait until the engine holds no request, then check the cache invariants: no live slot is
+    held and every used page is a cached prefix's (prefix caching is on by default)."""
     deadline = time.time() + timeout
     while True:
         busy, stats = engine.call_sync(lambda c: (bool(c.requests), c.stats()))
@@ -76,7 +77,8 @@ def idle_and_clean(engine, timeout=20.0):
             break
         time.sleep(0.05)
     engine.call_sync(lambda c: c.cache.check_integrity())
-    assert not busy and stats["mla_pages_used"] == 0 and stats["kda_slots_used"] == 0, stats
+    cached = stats.get("prefix_cache", {}).get("cached_pages", 0)
+    assert not busy and stats["mla_pages_used"] == cached and stats["kda_slots_used"] == 0, stats
     return stats
 
 

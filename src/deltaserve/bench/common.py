@@ -2,9 +2,10 @@
 
 Every speed benchmark takes `--model DIR` (default: the embedded random-weight tiny K3 that
 `deltaserve serve` uses, generated once under the user cache directory), the engine flags of
-`engine.config.add_engine_args` (so `--dtype`, `--threads` and any engine flag reach `LLM`) and
-`--json`. Output is a table, or with `--json` exactly one JSON object on the last stdout line;
-every JSON object carries `meta` (date, machine, torch, threads, dtype, model).
+`engine.config.add_engine_args` (so `--dtype`, `--threads` and any engine flag reach `LLM`; the
+prefix cache is off unless `--enable-prefix-caching` is given, so repeated prompts measure the
+engine, not hits) and `--json`. Output is a table, or with `--json` exactly one JSON object on
+the last stdout line; every JSON object carries `meta` (date, machine, torch, threads, dtype, model).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def add_common(p: argparse.ArgumentParser, dtype: str | None = None) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     add_engine_args(p)
+    p.set_defaults(enable_prefix_caching=False)  # repeated prompts must not hit: --enable-prefix-caching
     if dtype is not None:
         p.set_defaults(dtype=dtype)
 

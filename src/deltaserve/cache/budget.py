@@ -1,8 +1,9 @@
 """Sizing the two pools from one memory budget (spec/serving.md §1.1: per-layer-type costs).
 
 A running sequence owns exactly one live KDA slot, so the live pool gets `max_num_seqs` slots;
-with prefix caching, `checkpoint_fraction` of the budget becomes checkpoint slots (at least one);
-every remaining byte goes to MLA pages. The budget must hold at least `max_model_len` tokens of MLA
+with prefix caching, `checkpoint_fraction` of the budget becomes checkpoint slots (at least one,
+and fewer where that share would leave less than `max_model_len` tokens of MLA pages); every
+remaining byte goes to MLA pages. The budget must hold at least `max_model_len` tokens of MLA
 pages, otherwise a lone long request could never run (it would re-prefill forever).
 
 `size_layout` picks the budget: an explicit `kv_cache_memory` as given (on CPU an error where it
@@ -134,15 +135,19 @@ def plan_layout(
     """Split `budget_bytes` as the module docstring says; `total_bytes <= budget_bytes`."""
     _check_sizes(page_size, max_num_seqs, checkpoint_fraction)
     slot_bytes, page_bytes = unit_bytes(cfg, page_size, kv_dtype, state_dtype, tp)
+    need = -(-max_model_len // page_size)
     n_ckpt = max(1, int(checkpoint_fraction * budget_bytes) // slot_bytes) if checkpoint_fraction else 0
+    if n_ckpt > 1:  # checkpoints never take the pages a lone max_model_len request needs
+        spare = budget_bytes - max_num_seqs * slot_bytes - need * page_bytes
+        n_ckpt = max(1, min(n_ckpt, spare // slot_bytes))
     left = budget_bytes - (max_num_seqs + n_ckpt) * slot_bytes
     num_pages = left // page_bytes if page_bytes and left > 0 else 0
-    need = -(-max_model_len // page_size)
     if num_pages < need:
         raise ValueError(
             f"kv_cache_memory={budget_bytes} B cannot hold {max_num_seqs} + {n_ckpt} KDA slots "
             f"({slot_bytes} B each) plus MLA pages for max_model_len={max_model_len} tokens "
             f"({need} pages of {page_bytes} B); raise kv_cache_memory or lower max_num_seqs/max_model_len"
+            + (" (or turn prefix caching off: --no-enable-prefix-caching)" if n_ckpt else "")
         )
     return CacheLayout(page_size, int(num_pages), max_num_seqs, page_bytes, slot_bytes, kv_dtype, state_dtype, n_ckpt)
 

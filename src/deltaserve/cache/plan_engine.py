@@ -31,7 +31,7 @@ class EngineSettings:
     """The engine flags that size memory beyond the layout (`EngineConfig`'s names)."""
 
     max_num_seqs: int = 16
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     checkpoint_fraction: float = 0.25
     encoder_cache_memory: int = 512 << 20
 

@@ -74,7 +74,9 @@ class EngineConfig:
     num_threads: int | None = _opt(None, "torch intra-op threads", type=int, flag="--threads")
     progress: bool = True
     enable_prefix_caching: bool = _opt(
-        False, "hybrid prefix cache: MLA pages + KDA checkpoints, both halves or nothing", action="store_true"
+        True,
+        "hybrid prefix cache: MLA pages + KDA checkpoints, both halves or nothing (on by default, as vLLM's)",
+        action=argparse.BooleanOptionalAction,
     )
     prefix_match_unit: int = _opt(64, "hit granularity in tokens (a multiple of --page-size)", type=int)
     kda_checkpoint_policy: str = _opt("default", "'default' or a comma list of prompt-end, junction, turn-end")
@@ -82,7 +84,7 @@ class EngineConfig:
         None, "also checkpoint every N prompt tokens (a multiple of the match unit)", type=int
     )
     checkpoint_fraction: float = _opt(
-        0.25, "share of the cache budget kept for KDA checkpoints (with --enable-prefix-caching)", type=float
+        0.25, "share of the cache budget kept for KDA checkpoints (with prefix caching)", type=float
     )
     moe_weights: str = _opt(
         "auto",

@@ -34,6 +34,9 @@ def check_request(
     bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
     if bad:
         raise InvalidRequestError(f"stop_token_ids outside [0, {vocab}): {bad}")
+    bad = sorted(t for t in params.logit_bias or () if t >= vocab)
+    if bad:
+        raise InvalidRequestError(f"logit_bias token ids outside [0, {vocab}): {bad[:8]}")
     if params.structured is not None and core.tokenizer is None:
         raise InvalidRequestError("structured outputs need a tokenizer (skip_tokenizer_init=True)")
     return core.image_prompts.prepare(prompt_ids, images) if images else None

@@ -1,6 +1,7 @@
 """Batched token sampler.
 
 One step, for logits `[B, V]` and one `SamplingRow` per row, in this order (vLLM v1's):
+0. `params.logit_bias` added (token id -> bias);
 1. penalties (from a `[B, V]` count tensor built by `scatter_add` over padded id tensors):
    repetition over prompt + output ids (positive logits divided, negative multiplied), then
    frequency (`- f * count`) and presence (`- p * [count > 0]`) over output ids only;
@@ -125,7 +126,7 @@ class Sampler:
 
     @classmethod
     def penalized_logits(cls, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Steps 1-2 (penalties, min_tokens bans, grammar masks) on a fp32 copy of `logits`; `logits`
+        """Steps 0-2 (logit bias, penalties, min_tokens bans, grammar masks) on a fp32 copy of `logits`; `logits`
         itself where it is fp32 and no row has any of them (callers never write to the result)."""
         ps = [r.params for r in rows]
         rep = any(p.repetition_penalty != 1.0 for p in ps)
@@ -133,9 +134,18 @@ class Sampler:
         bans = [r.banned_ids if len(r.output_ids) < r.params.min_tokens else () for r in rows]
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
         forced = [(i, r.forced) for i, r in enumerate(rows) if r.forced is not None]
-        if not (rep or freq_pres or any(bans) or constrained or forced):
+        biased = any(p.logit_bias for p in ps)
+        if not (rep or freq_pres or any(bans) or constrained or forced or biased):
             return logits.to(torch.float32)
         x = logits.to(torch.float32, copy=True)
+        if biased:
+            cells = [(i, t, b) for i, p in enumerate(ps) for t, b in (p.logit_bias or {}).items()]
+            rows_, cols, vals = zip(*cells)
+            x.index_put_(
+                (tensor_on(list(rows_), x.device), tensor_on(list(cols), x.device)),
+                tensor_on(list(vals), x.device, torch.float32),
+                accumulate=True,
+            )
         cls._penalize(x, rows, ps, rep, freq_pres)
         unbanned = x[constrained] if constrained else None
         cls._ban(x, bans)

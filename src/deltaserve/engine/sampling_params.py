@@ -9,7 +9,8 @@ are Python floats; `structured` is None or a `StructuredOutput` (engine/structur
 text although `skip_special_tokens` is set (the control markers a chat parser reads);
 `thinking_token_budget` is None or an int >= 0 and needs a reasoning end: `reasoning_end` (a tuple
 of `str` / `Special` pieces starting with a `Special`) or a `structured` output with a prefix
-(the same pieces when both are given); see engine/reasoning.py.
+(the same pieces when both are given); see engine/reasoning.py; `logit_bias` is None or a dict of
+token ids (ints >= 0) to float biases in [-100, 100], added to the logits before anything else.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class SamplingParams:
     keep_special_token_ids: frozenset[int] | list[int] | None = None
     thinking_token_budget: int | None = None
     reasoning_end: tuple = ()
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
         self.n = _int("n", self.n, 1, rng=">= 1")
@@ -114,6 +116,17 @@ class SamplingParams:
                 f"structured must be a StructuredOutput (or None), got {type(self.structured).__name__}"
             )
         self._check_reasoning()
+        self.logit_bias = self._bias(self.logit_bias)
+
+    @staticmethod
+    def _bias(bias) -> dict[int, float] | None:
+        if bias is None:
+            return None
+        if not isinstance(bias, dict) or not all(_is_int(t) and t >= 0 for t in bias):
+            raise SamplingParamsError(f"logit_bias must map token ids (ints >= 0) to biases (or be None), got {bias!r}")
+        return {
+            t: _float("logit_bias values", b, lambda v: -100 <= v <= 100, "in [-100, 100]") for t, b in bias.items()
+        }
 
     def _check_reasoning(self) -> None:
         end = self.reasoning_end

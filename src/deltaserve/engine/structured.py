@@ -22,7 +22,9 @@ Invariants:
 - The free text before a `prefix` is any run of non-control tokens (a token-level rule, so a
   character split across byte tokens never blocks the first marker: a reasoning budget can
   always close the think element).
-- Decided at request time, before anything is queued (`StructuredOutputError`): a schema over
+- Decided at request time, before anything is queued (`StructuredOutputError`): a `pattern`
+  whose counted repetitions expand it past `MAX_PATTERN_SIZE` items and its own length (in
+  `StructuredOutput.json`), a schema over
   `MAX_SCHEMA_BYTES`, one llguidance cannot compile within `GRAMMAR_LIMITS`, one that admits no
   finite JSON value (engine/schema_check.py), one whose grammar allows no first token.
   `GrammarCompiler.compile` is thread-safe and caches compiled grammars (LRU), so a server
@@ -42,10 +44,15 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.transfer import tensor_on
-from .schema_check import no_finite_instance
+from .schema_check import no_finite_instance, pattern_size, patterns, rebase_refs
 
 ANY_JSON_OBJECT: dict = {"type": "object"}
 MAX_SCHEMA_BYTES = 128 * 1024  # compact JSON text; bounds compile time (~0.5 s at the cap)
+# expanded size of a `pattern` (schema_check.pattern_size) beyond its own length (long literal
+# patterns are bounded by MAX_SCHEMA_BYTES and the lexer fuel): llguidance expands counted repeats
+# lazily, as decoding enters them (`^a{10000}$` ~0.1 s, `^(ab){5000}$` ~1.3 s of one engine step;
+# `^a{3000000}$` fails there with "too many expressions constructed")
+MAX_PATTERN_SIZE = 4096
 # llguidance's resource limits (LLParserLimits): grammar symbols, lexer fuel at build time and
 # per mask step (~14k fuel/ms), lexer states (~1-2 kB each)
 GRAMMAR_LIMITS = {
@@ -99,6 +106,12 @@ class StructuredOutput:
         schema = ANY_JSON_OBJECT if schema is None else schema
         if not isinstance(schema, dict):
             raise StructuredOutputError("a JSON schema must be a JSON object")
+        for pattern in patterns(schema):
+            if (size := pattern_size(pattern)) > max(MAX_PATTERN_SIZE, len(pattern)):
+                raise StructuredOutputError(
+                    f"the pattern {_short(pattern, 60)!r} is too large for the grammar engine (its counted "
+                    f"repetitions expand to about {size} items; at most {MAX_PATTERN_SIZE})"
+                )
         try:
             text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as e:
@@ -128,7 +141,9 @@ class StructuredOutput:
 
 def tool_call_schema(tools: list[dict], name: str | None = None) -> dict:
     """vLLM's forced-tool-choice schemas: with `name`, that function's parameters (an object);
-    without, a non-empty array of `{"name": one declared function, "parameters": its schema}`."""
+    without, a non-empty array of `{"name": one declared function, "parameters": its schema}`,
+    each schema's local `$ref`s rebased to where it sits in the array schema (`rebase_refs`), so
+    its `$defs` / `definitions` (and `#` itself) resolve as in the tool's own document."""
     fns = [t.get("function", t) for t in tools]
     params = {f["name"]: f.get("parameters") or {"type": "object"} for f in fns}
     if name is not None:
@@ -138,11 +153,14 @@ def tool_call_schema(tools: list[dict], name: str | None = None) -> dict:
     variants = [
         {
             "type": "object",
-            "properties": {"name": {"const": n}, "parameters": p},
+            "properties": {
+                "name": {"const": n},
+                "parameters": rebase_refs(p, f"#/items/anyOf/{i}/properties/parameters"),
+            },
             "required": ["name", "parameters"],
             "additionalProperties": False,
         }
-        for n, p in params.items()
+        for i, (n, p) in enumerate(params.items())
     ]
     return {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
 

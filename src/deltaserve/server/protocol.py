@@ -30,6 +30,7 @@ MAX_BATCH = 64  # completion prompts per request, and prompts * n
 MAX_STOP = 16
 MAX_STOP_LEN = 256
 MAX_BODY_BYTES = 8 * 2**20
+MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias
 
 Number = Union[StrictInt, StrictFloat]
 Stop = Union[StrictStr, list[StrictStr], None]
@@ -119,6 +120,22 @@ class _Sampling(_Base):
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[StrictStr] = None
+    logit_bias: Optional[dict[StrictStr, Number]] = Field(None, max_length=MAX_LOGIT_BIAS)
+    cache_salt: Optional[StrictStr] = Field(None, min_length=1, max_length=1024)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, v: dict | None) -> dict[int, float] | None:
+        """OpenAI's form: token ids (decimal strings, JSON object keys) -> a bias in [-100, 100]."""
+        if v is None:
+            return None
+        bad = next((k for k in v if not (k.isascii() and k.isdigit() and len(k) <= 10)), None)
+        if bad is not None:
+            raise ValueError(f"keys must be token ids (non-negative integers), got {bad!r}")
+        out = {int(k): float(b) for k, b in v.items()}
+        if any(not -100 <= b <= 100 for b in out.values()):
+            raise ValueError("biases must lie in [-100, 100]")
+        return out
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -138,6 +155,7 @@ class _Sampling(_Base):
             min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos,
             temperature=1.0 if self.temperature is None else float(self.temperature),
+            logit_bias=self.logit_bias,
         )
         for name in ("top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             v = getattr(self, name)

@@ -243,6 +243,8 @@ def replica_argv(args: argparse.Namespace, parser: argparse.ArgumentParser, mode
             continue
         if isinstance(action, argparse._StoreTrueAction):
             argv.append(action.option_strings[0])
+        elif isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x
+            argv.append(action.option_strings[0 if value else 1])
         elif isinstance(value, list):
             argv += [action.option_strings[0], *map(str, value)]
         else:

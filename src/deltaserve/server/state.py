@@ -83,12 +83,18 @@ class ServerState:
             raise APIError(400, str(e)) from None
 
     async def submit(
-        self, ids: list[int], params: SamplingParams, images: list[ImageInput] | None = None
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        images: list[ImageInput] | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
-        """Queue a request; on a decode instance its prompt may first arrive by handoff."""
-        if self.handoff is not None:
+        """Queue a request; on a decode instance its prompt may first arrive by handoff (not a
+        salted one: it runs here). `cache_salt` enters the first prefix hash (vLLM's): requests
+        with different salts share no cached prefix."""
+        if self.handoff is not None and cache_salt is None:
             return await self.handoff.submit(self, ids, params, images)
-        return await self.submit_local(ids, params, images)
+        return await self.submit_local(ids, params, images, **({"cache_salt": cache_salt} if cache_salt else {}))
 
     async def submit_local(
         self, ids: list[int], params: SamplingParams, images: list[ImageInput] | None = None, **options

@@ -29,7 +29,7 @@ from ..request_stream import GenerationError
 from ..sampling_policy import apply_policy
 from ..state import State
 from ..thinking import resolve_thinking
-from .common import run_collect, sampling_kwargs, sse, sse_stream, usage
+from .common import check_request, run_collect, sampling_kwargs, sse, sse_stream, usage
 
 router = APIRouter()
 
@@ -155,7 +155,9 @@ async def chat_completions(req: ChatRequest, request: Request, state: State):
         thinking_token_budget=cons.thinking_budget,
     )
     ids, images = await state.chat_images(req.messages, ids)
-    stream = await state.submit(ids, params, images)
+    limit_param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+    check_request(state, req, [len(ids)], params.max_tokens, limit_param)
+    stream = await state.submit(ids, params, images, req.cache_salt)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
     counted = counted_prompt_tokens(req, plan.family, len(ids))
     if req.stream:

@@ -1,6 +1,7 @@
 """What the generation routes share: SSE framing (`sse`, `sse_stream`: chunks, the usage
 chunk, an error event for a failure, then `[DONE]`), the collection of a non-streaming response
-(`run_collect`: aborted when the client disconnects), `usage` and `sampling_kwargs`.
+(`run_collect`: aborted when the client disconnects), `usage`, `sampling_kwargs` and
+`check_request` (the request-time 400s that need the prompt's length or the vocabulary).
 Non-streaming responses are assembled from the same delta stream as streaming ones, so the two
 agree for the same seed.
 """
@@ -30,6 +31,25 @@ def sampling_kwargs(req) -> dict:
         return req.sampling_kwargs()
     except ValueError as e:
         raise APIError(400, str(e), param="stop") from None
+
+
+def check_request(state, req, prompt_lens: list[int], max_tokens: int | None, max_tokens_param: str) -> None:
+    """400s the engine would not give with the field named: `max_tokens` beyond what
+    max_model_len leaves after a prompt (as vLLM; a prompt longer than max_model_len is the
+    engine's own refusal), `logit_bias` ids outside the model's vocabulary."""
+    limit = state.engine.max_model_len
+    n = max((p for p in prompt_lens if p <= limit), default=None)
+    if max_tokens is not None and n is not None and n + max_tokens > limit:
+        raise APIError(
+            400,
+            f"this model's maximum context length is {limit} tokens, but {n + max_tokens} were requested "
+            f"({n} in the prompt, {max_tokens} in the completion); lower {max_tokens_param} or shorten the prompt",
+            param=max_tokens_param,
+        )
+    vocab = state.engine.core.model.config.vocab_size
+    bad = sorted(t for t in req.logit_bias or () if t >= vocab)
+    if bad:
+        raise APIError(400, f"logit_bias token ids outside the vocabulary [0, {vocab}): {bad[:8]}", param="logit_bias")
 
 
 async def sse_stream(body, stream, head: dict, prompt_len: int, counts: list[int], include_usage: bool):

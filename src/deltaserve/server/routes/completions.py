@@ -29,7 +29,7 @@ from ...engine.structured import StructuredOutput, StructuredOutputError
 from ..errors import APIError
 from ..protocol import MAX_BATCH, CompletionRequest
 from ..state import ServerState, State
-from .common import run_collect, sampling_kwargs, sse, sse_stream, usage
+from .common import check_request, run_collect, sampling_kwargs, sse, sse_stream, usage
 
 router = APIRouter()
 
@@ -121,11 +121,11 @@ def completion_logprobs(tok, d, offset: int) -> dict:
     return out
 
 
-async def _submit_all(state: ServerState, batch: list[list[int]], params) -> StreamGroup:
+async def _submit_all(state: ServerState, batch: list[list[int]], params, cache_salt: str | None) -> StreamGroup:
     group = StreamGroup([])
     try:
         for ids in batch:
-            group.streams.append(await state.submit(ids, params))
+            group.streams.append(await state.submit(ids, params, cache_salt=cache_salt))
     except BaseException:
         group.abort()
         raise
@@ -148,7 +148,8 @@ async def completions(req: CompletionRequest, request: Request, state: State):
     params = state.make_params(
         kw, max_tokens=req.max_tokens, logprobs=req.logprobs, structured=_structured(req.response_format)
     )
-    group = await _submit_all(state, batch, params)
+    check_request(state, req, [len(ids) for ids in batch], req.max_tokens, "max_tokens")
+    group = await _submit_all(state, batch, params, req.cache_salt)
     head = {
         "id": f"cmpl-{uuid.uuid4().hex}",
         "object": "text_completion",
