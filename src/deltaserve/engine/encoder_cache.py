@@ -83,9 +83,8 @@ class EncoderCache:
                 self.bytes -= _size(stored)
                 self.pinned[digest] = stored
                 continue
-            device = self.vision.mm_projector.post_norm.weight.device
-            patches = im.image.pixel_values.to(device, non_blocking=True)
-            self.jobs.append((digest, TowerJob(self.vision, patches, im.image.grid_thw, self.chunk_rows)))
+            job = TowerJob(self.vision, im.image.pixel_values, im.image.grid_thw, self.chunk_rows)
+            self.jobs.append((digest, job))
             self.counters["misses"] += 1
 
     def gate(self, seq: Sequence, start: int) -> int | None:

@@ -74,7 +74,8 @@ class TowerJob:
 
     def _start(self, tower) -> None:
         _, h, w = self.grid
-        patches = self.patches.to(self.vision.mm_projector.post_norm.weight.dtype)
+        weight = self.vision.mm_projector.post_norm.weight
+        patches = self.patches.to(weight.device, weight.dtype)  # on the device only once it starts
         self.x = tower.patch_embed(patches, [(h, w)])
         rows, cols = vops.grid_positions([(h, w)], self.x.device)
         self.cos, self.sin = vops.rope2d_cos_sin(rows, cols, self.vision.cfg.head_dim, self.vision.cfg.rope_theta)
