@@ -1,7 +1,8 @@
 """Vision within a memory bound and off the critical path (issue 44): a large image is encoded a
 bounded share per step while a decoding request keeps getting a token every step, the text before
-the image runs first, and the rows equal an unbounded encode's; a request's patch total is refused
-before any pixel is decoded; an encode's peak memory is linear in its patches."""
+the image runs first, and the rows equal an unbounded encode's; the default budget is sized from
+memory; a request's patch total is refused before any pixel is decoded; an encode's peak memory is
+linear in its patches."""
 
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ from PIL import Image
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.engine.config import DEFAULT_MAX_IMAGE_PATCHES
+from deltaserve.engine.encoder_cache import REFERENCE_PATCHES, default_patches_per_step
 from deltaserve.engine.mm_inputs import ImagePatchLimitError
 from deltaserve.engine.multimodal import image_input
 from deltaserve.engine.sequence import InvalidRequestError
 from deltaserve.model.image_processor import ImageProcessor
 from deltaserve.model.tokenizer import Tokenizer
+from deltaserve.model.vision_weights import load_vision_model
 from deltaserve.tiny import make_tiny
 from deltaserve.tiny.presets import MEDIA_PROC_CFG
 
@@ -176,3 +179,14 @@ def test_encode_peak_memory_is_linear_in_patches(ckpt, how):
     per_patch = 4096  # bytes: the tiny tower's bound per patch (docs/performance.md)
     assert large - small <= (64 * 64 - 32 * 32) * per_patch + (8 << 20), (small, large)
     assert large <= 4 * small + (8 << 20), (small, large)
+
+
+def test_default_budget_is_sized_from_memory(ckpt):
+    """The default patches per step: one step's chunk working set (activations plus fp32 scores
+    against a 65536-patch image on every head) within 1/256 of the memory, clamped."""
+    vision = load_vision_model(ckpt, "bfloat16")
+    per_patch = vision.cfg.patch_bytes + 4 * REFERENCE_PATCHES * vision.cfg.num_heads
+    assert per_patch == 4 * (3 * 32 + 4 * 48 + 2 * 64) + 4 * 65536 * 2
+    assert default_patches_per_step(vision, 256 * per_patch * 300) == 300
+    assert default_patches_per_step(vision, 256 * per_patch * 300 - 1) == 299
+    assert default_patches_per_step(vision, 1 << 20) == 64 and default_patches_per_step(vision, 1 << 50) == 8192

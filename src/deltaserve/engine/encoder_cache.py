@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
 
@@ -110,7 +111,6 @@ class EncoderCache:
                 self.pinned[digest] = job.result
                 self.fresh.add(digest)
                 self.counters["encoded_tokens"] += job.result.shape[0]
-        self.counters["encoded_units"] += spent
         return spent
 
     def rows(self, images: Iterable[ImageInput]) -> dict[bytes, torch.Tensor]:
@@ -171,8 +171,6 @@ def device_memory(device: torch.device) -> int:
     """Total memory of `device` (a CUDA device's, else physical RAM)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
-    import os
-
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
