@@ -252,19 +252,31 @@ def test_prefix_hash_extra_keys_leave_text_chains_alone():
     assert keyed[0] == plain[0] == other[0] and all(x != y != z for x, y, z in zip(keyed[1:], other[1:], plain[1:]))
 
 
+def _encode_all(cache, images):
+    cache.want(images)
+    while cache.pending:
+        cache.advance()
+    return cache.rows(images)
+
+
 def test_encoder_cache_is_bounded_lru(ckpt, proc):
     vision = load_vision_model(ckpt, torch.float32)
     a, b = image_input(picture(51), proc), image_input(picture(52), proc)
     size = a.image.num_tokens * vision.cfg.text_hidden_size * 4
     cache = EncoderCache(vision, max_bytes=size)
-    both = cache.rows([a, b, a])  # one packed call, both returned, only one kept
+    both = _encode_all(cache, [a, b, a])  # both encoded and pinned while wanted
     with torch.inference_mode():
         alone = vision(a.image.pixel_values, [a.image.grid_thw])
     torch.testing.assert_close(both[a.digest], alone, rtol=1e-5, atol=1e-6)
-    assert cache.stats()["encoder_cache_misses"] == 2 and cache.bytes == size and len(cache.entries) == 1
-    cache.rows([b])
-    assert cache.stats()["encoder_cache_hits"] == 1
-    assert EncoderCache(vision, max_bytes=size - 1).rows([a])[a.digest].shape == alone.shape  # too big: used, not kept
+    assert cache.stats()["encoder_cache_misses"] == 2 and cache.stats()["encoder_cache_hits"] == 0
+    cache.want([])  # no longer wanted: unpinned into the LRU part, which holds one
+    assert cache.bytes == size and list(cache.entries) == [b.digest] and cache.stats()["encoder_cache_evictions"] == 1
+    cache.want([b])
+    assert not cache.pending and cache.rows([b]) and cache.stats()["encoder_cache_hits"] == 1
+    small = EncoderCache(vision, max_bytes=size - 1)
+    assert _encode_all(small, [a])[a.digest].shape == alone.shape  # too big: used, not kept
+    small.want([])
+    assert not small.entries and small.bytes == 0
 
 
 def test_step_carries_rows_as_typed_bytes():

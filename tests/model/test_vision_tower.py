@@ -155,14 +155,44 @@ def test_pos_emb_bilinear_matches_formula(hw):
     torch.testing.assert_close(vops.interp_pos_emb(table, *hw), ref.naive_bilinear(table, *hw))
 
 
-def test_varlen_attention_matches_per_image():
+def _dense_mask_attention(q, k, v, lengths):
+    """The old packed path: one SDPA call over all images with a block-diagonal [L, L] mask."""
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    mask = seg[:, None] == seg[None, :]
+    q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(0, 1)
+
+
+@pytest.mark.parametrize("max_bytes", [1, 4 * 6 * 3 * 2, vops.SCORE_BYTES], ids=["row", "2rows", "whole"])
+def test_per_image_attention_matches_dense_mask_and_oracle(max_bytes):
+    """Each image attends only to itself, in query chunks of `query_chunk` rows (one row, two, or
+    the whole image): equal to the dense-mask computation and to the per-image naive oracle."""
     g = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(10, 3, 8, dtype=torch.float64, generator=g) for _ in range(3))
-    mask = vops.varlen_mask(vops.cu_seqlens([4, 6]))
-    got = vops.varlen_attention(q, k, v, mask)
-    want = torch.cat([ref.naive_attention(q[:4], k[:4], v[:4]), ref.naive_attention(q[4:], k[4:], v[4:])])
+    lengths = [4, 6, 5]
+    q, k, v = (torch.randn(sum(lengths), 3, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    got = vops.packed_attention(q, k, v, lengths, max_bytes)
+    torch.testing.assert_close(got, _dense_mask_attention(q, k, v, lengths))
+    bounds = [0, 4, 10, 15]
+    want = torch.cat([ref.naive_attention(q[a:b], k[a:b], v[a:b]) for a, b in zip(bounds, bounds[1:])])
     torch.testing.assert_close(got, want)
-    assert vops.varlen_mask(vops.cu_seqlens([10])) is None
+    assert vops.query_chunk(6, 3, max_bytes) == {1: 1, 144: 2}.get(max_bytes, 466033)
+
+
+def test_no_attention_call_sees_more_than_the_score_bound(monkeypatch):
+    """The tower's attention never forms a cross-image or over-bound score matrix: every SDPA call
+    gets no mask and at most `query_chunk` query rows of one image's keys."""
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        calls.append((q.shape[-2], k.shape[-2], attn_mask))
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(vops.F, "scaled_dot_product_attention", spy)
+    q = torch.randn(16 + 12, 2, 4)
+    vops.packed_attention(q, q, q, [16, 12], 4 * 2 * 16 * 5)  # 5 rows of 16 keys, 6 of 12
+    assert all(m is None for *_, m in calls)
+    assert {(rows, keys) for rows, keys, _ in calls} == {(5, 16), (1, 16), (6, 12)}
 
 
 def test_norm_eps_is_what_pytorch_uses_when_unset():

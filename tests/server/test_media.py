@@ -29,6 +29,7 @@ POLICY = MediaPolicy(
     max_image_pixels=MAX_PIXELS,
     allowed_domains=("127.0.0.1",),
     fetch_timeout_s=1.0,
+    max_image_patches=2000,  # two 600x600 images (44x44 patches each) are over it
 )
 
 
@@ -208,3 +209,22 @@ def test_request_images_in_prompt_order():
 
 
 # ------------------------------------------------------------ remote fetches (a local HTTP server)
+
+
+def test_patch_total_is_checked_on_headers_before_any_decode(monkeypatch):
+    """The request's patch total comes from the images' sizes alone: two 600x600 bomb headers
+    (44x44 patches each, nothing decodable behind them) are refused on the total, and nothing is
+    decoded; one fits and is then decoded (and found truncated)."""
+    proc = ImageProcessor(MEDIA_PROC_CFG)
+    assert proc.num_patches(600, 600) == 44 * 44
+    decoded = []
+    real = media._prepare
+    monkeypatch.setattr(media, "_prepare", lambda *a: decoded.append(1) or real(*a))
+    bomb = part(data_url(png_header(600, 600)))
+    msgs = [{"role": "user", "content": [bomb, bomb]}]
+    with pytest.raises(MediaError, match=r"have 3872 vision patches; at most 2000 are allowed \(--max-image-patches"):
+        asyncio.run(media.request_images(msgs, POLICY, proc))
+    assert decoded == []
+    with pytest.raises(MediaError, match="truncated or corrupt"):
+        asyncio.run(media.request_images([{"role": "user", "content": [bomb]}], POLICY, proc))
+    assert decoded == [1]

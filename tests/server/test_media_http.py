@@ -159,6 +159,8 @@ HTTP_BAD = [
     ([part(data_url(encode(noise(), "BMP"), "image/bmp"))], "unsupported image type 'image/bmp'"),
     ([part(data_url(encode(noise(), "TIFF")))], "unsupported image format TIFF"),
     ([part(data_url(PNG))] * 3, "3 images in one prompt; at most 2 are allowed"),
+    # two bomb headers: refused on their sizes' patches (3872 > 2000), before a pixel is decoded
+    ([part(data_url(png_header(600, 600)))] * 2, "have 3872 vision patches; at most 2000 are allowed"),
     ([part(data_url(BIG_PNG))], f"over {MAX_BYTES} bytes"),
     ([part("https://example.com/cat.png")], "--allow-remote-media"),
     ([part("file:///etc/passwd")], "scheme 'file' is not supported"),
@@ -176,7 +178,8 @@ def test_bad_images_over_http(vserver, parts, message):
         err = r.json()["error"]
         assert r.status_code == 400 and err["type"] == "invalid_request_error", r.text
         assert message in err["message"] and err["param"] == "messages", err
-        assert err["message"].startswith("messages[0].content[") or "images in one prompt" in message
+        whole_request = "images in one prompt" in message or "patches" in message
+        assert err["message"].startswith("messages[0].content[") or whole_request
     assert vserver["engine"].call_sync(lambda c: c.stats()["requests_added"]) == before
     still_serving(vserver)
 

@@ -36,6 +36,7 @@ from ..parallel import SINGLE
 from .channel import ControlChannel
 from .config import EngineConfig
 from .core import EngineCore
+from .encoder_cache import EncoderCache
 from .messages import PROTOCOL_VERSION, Hello, Shutdown
 from .ranks import RankGroup, plan_ranks, rank_device
 from .worker import load_rank_model, run_worker
@@ -141,6 +142,15 @@ def served_shapes(cfg, layout: CacheLayout, dtype: torch.dtype, tp) -> ServedSha
     )
 
 
+def image_encoder(c: EngineConfig, vision: VisionModel | None) -> EncoderCache | None:
+    """The encoder cache of a vision model, its per-step patch budget given or sized from memory."""
+    if vision is None:
+        return None
+    enc = EncoderCache(vision, c.encoder_cache_memory, c.max_encoder_patches_per_step)
+    log.info("image encodes: at most %d patches of tower work per step", enc.patches_per_step)
+    return enc
+
+
 def _build_rank0(c: EngineConfig, dtype, ranks, tp, control) -> Engine:
     model, memory = load_rank_model(c, tp)
     vision = load_vision(c, model, dtype)
@@ -179,8 +189,8 @@ def _build_rank0(c: EngineConfig, dtype, ranks, tp, control) -> Engine:
         max_model_len=max_model_len,
         seed=c.seed,
         structured_thinking_budget=c.structured_thinking_budget,
-        vision=vision,
-        encoder_cache_bytes=c.encoder_cache_memory,
+        encoder=image_encoder(c, vision),
+        max_image_patches=c.max_image_patches_per_request,
     )
     channel = None
     if tp.world > 1:

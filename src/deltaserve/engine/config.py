@@ -21,6 +21,8 @@ from typing import Any
 # reasoning budget of a structured request that starts after reasoning and sets none (engine/reasoning.py)
 DEFAULT_STRUCTURED_THINKING_BUDGET = 1024
 DEFAULT_ENCODER_CACHE_BYTES = 512 << 20  # image projector rows kept (engine/encoder_cache.py)
+# patches of all a request's images: 4 images at K3's in_patch_limit (65536) with their padding
+DEFAULT_MAX_IMAGE_PATCHES = 270_000
 MOE_WEIGHTS = ("auto", "packed", "dequantized")
 NO_FLAG = ("model", "progress", "data_parallel_size")
 
@@ -106,6 +108,18 @@ class EngineConfig:
         "bytes of image projector rows kept for re-sent images (K3 with a vision tower)",
         type=int,
     )
+    max_encoder_patches_per_step: int | None = _opt(
+        None,
+        "image patches of vision-tower work per engine step (a large image is encoded over several "
+        "steps while the other requests keep stepping); default: sized from memory",
+        type=int,
+    )
+    max_image_patches_per_request: int = _opt(
+        DEFAULT_MAX_IMAGE_PATCHES,
+        "most vision patches of all the images of one request, computed from their sizes before "
+        "any pixel is decoded (over it: 400)",
+        type=int,
+    )
     tensor_parallel_size: int = _opt(1, "processes the model is split across (heads, widths, vocab)", type=int)
     enable_expert_parallel: bool = _opt(
         False, "split routed experts by expert across the tensor-parallel ranks", action="store_true"
@@ -156,6 +170,9 @@ class EngineConfig:
             raise ValueError("prefix_match_unit must be positive")
         if self.enable_prefix_caching and not 0.0 <= self.checkpoint_fraction < 1.0:
             raise ValueError(f"checkpoint_fraction must lie in [0, 1), got {self.checkpoint_fraction}")
+        budget = self.max_encoder_patches_per_step
+        if (budget is not None and budget < 1) or self.max_image_patches_per_request < 1:
+            raise ValueError("max_encoder_patches_per_step and max_image_patches_per_request must be positive")
         if self.moe_weights not in MOE_WEIGHTS:
             raise ValueError(f"moe_weights must be one of {MOE_WEIGHTS}, got {self.moe_weights!r}")
 

@@ -13,8 +13,9 @@ the reasoning and the request sets none (None: unlimited).
 Images (`add_request(..., images=...)`, engine/mm_inputs.py): the prompt's `<|media_pad|>` runs
 (and K3's `<|kimi_image_placeholder|>`, if the tokenizer has it, read as a lone pad) are matched
 to the images in order and lone pads expanded; the request's `prompt_token_ids`
-are the expanded ids. Only a model loaded with its vision tower (`vision`) accepts images; their
-projector rows come from the runner's encoder cache.
+are the expanded ids. Only a model loaded with its vision tower (`encoder`) accepts images (at most
+`max_image_patches` patches a request); the runner's encoder cache encodes them a bounded share
+per step (`encoder_patches_per_step`), so sequences that do not wait for them keep stepping.
 """
 
 from __future__ import annotations
@@ -28,9 +29,8 @@ import torch
 
 from ..cache.manager import CacheManager
 from ..model.kimi import KimiForCausalLM
-from ..model.vision import VisionModel
 from ..ops import fallbacks
-from .config import DEFAULT_ENCODER_CACHE_BYTES, DEFAULT_STRUCTURED_THINKING_BUDGET
+from .config import DEFAULT_MAX_IMAGE_PATCHES, DEFAULT_STRUCTURED_THINKING_BUDGET
 from .detokenizer import IncrementalDetokenizer
 from .encoder_cache import EncoderCache, encoder_stats
 from .mm_inputs import ImagePrompts, MmPrompt
@@ -83,8 +83,8 @@ class EngineCore:
         max_model_len: int,
         seed: int = 0,
         structured_thinking_budget: int | None = DEFAULT_STRUCTURED_THINKING_BUDGET,
-        vision: VisionModel | None = None,
-        encoder_cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES,
+        encoder: EncoderCache | None = None,  # a vision model's (engine/encoder_cache.py)
+        max_image_patches: int = DEFAULT_MAX_IMAGE_PATCHES,
     ):
         self.model, self.tokenizer, self.cache = model, tokenizer, cache
         self.max_model_len = max_model_len
@@ -105,11 +105,11 @@ class EngineCore:
         self.budgets: dict[int, ReasoningBudget] = {}  # seq_id -> reasoning budget state
         self.parked: dict[str, int] = {}  # request_id -> seq_id of a parked prefill (handoff.py)
         self.reserved: set[int] = set()  # seq_ids of handoff reservations no request has claimed yet
-        if vision is not None:
-            self.runner.encoder = EncoderCache(vision, encoder_cache_bytes)
-        self.image_prompts = ImagePrompts(
-            tokenizer, model.config.media_placeholder_token_id, self.runner.encoder, max_model_len
-        )
+        self.runner.encoder = encoder
+        if encoder is not None:
+            self.scheduler.gate = encoder.gate
+        pad = model.config.media_placeholder_token_id
+        self.image_prompts = ImagePrompts(tokenizer, pad, self.runner.encoder, max_model_len, max_image_patches)
 
     def validate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, images: list[ImageInput] | None = None
@@ -236,8 +236,10 @@ class EngineCore:
         return sorted(seq.params.stop_ids(self.eos_ids))
 
     def step(self) -> list[RequestOutput]:
-        """One scheduler step; returns the requests that finished in it."""
+        """One scheduler step and its share of image encodes; returns the finished requests."""
         scheduled = self.scheduler.schedule()
+        if self.runner.encoder is not None:
+            self.runner.encoder.step(self.scheduler.running)
         if not scheduled:
             return []
         rows = [
@@ -388,9 +390,8 @@ class EngineCore:
                 "generated_tokens",
             )
         }
-        out["preemptions"] = self.scheduler.num_preemptions
-        out["num_running"] = len(self.scheduler.running)
-        out["num_waiting"] = len(self.scheduler.waiting)
+        sched = self.scheduler
+        out.update(preemptions=sched.num_preemptions, num_running=len(sched.running), num_waiting=len(sched.waiting))
         out.update(self.cache.usage())
         out.update(encoder_stats(self.runner.encoder))
         if self.cache.prefix_enabled:

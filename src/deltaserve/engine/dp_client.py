@@ -176,7 +176,11 @@ class DPClient:
         self.rank_memory = None if None in memory else [m for ranks in memory for m in ranks]
         # client side only `expand_rendered` is used, which needs to know the replicas take images
         self.image_prompts = ImagePrompts(
-            tokenizer, first.media_pad_id, first.accepts_images or None, first.max_model_len
+            tokenizer,
+            first.media_pad_id,
+            first.accepts_images or None,
+            first.max_model_len,
+            config.max_image_patches_per_request,
         )
 
     def _lose(self, r: _Replica, reason: str) -> ReplicaFailure:

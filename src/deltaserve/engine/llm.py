@@ -19,6 +19,7 @@ from .builder import build_engine
 from .chat_inputs import chat_prompt
 from .config import EngineConfig
 from .dp_client import DPClient
+from .mm_inputs import check_patch_total
 from .multimodal import ImageInput, image_input
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -138,27 +139,29 @@ class LLM:
         raise InvalidRequestError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__}")
 
     def _images(self, data) -> list[ImageInput] | None:
-        """`multi_modal_data` -> preprocessed images (PIL images, or `ImageInput`s as they are)."""
+        """`multi_modal_data` -> preprocessed images (PIL images, or `ImageInput`s as they are).
+        The patches of all of them are counted from their sizes before any pixel is decoded
+        (`ImagePatchLimitError` over `max_image_patches_per_request`)."""
         if data is None:
             return None
         if not isinstance(data, dict) or set(data) - {"image"}:
             raise InvalidRequestError("multi_modal_data is a dict with one key, 'image'")
         items = data.get("image", [])
         items = items if isinstance(items, (list, tuple)) else [items]
-        out = []
-        for item in items:
-            if isinstance(item, ImageInput):
-                out.append(item)
-            elif isinstance(item, Image.Image):
-                try:
-                    if self._processor is None:
-                        self._processor = ImageProcessor.from_pretrained(self.config.model)
-                    out.append(image_input(item, self._processor))
-                except (ImageProcessorError, OSError) as e:  # OSError: PIL could not read the pixels
-                    raise InvalidRequestError(f"image: {e}") from None
-            else:
-                raise InvalidRequestError(f"an image is a PIL image, got {type(item).__name__}")
-        return out
+        bad = next((it for it in items if not isinstance(it, ImageInput | Image.Image)), None)
+        if bad is not None:
+            raise InvalidRequestError(f"an image is a PIL image, got {type(bad).__name__}")
+        try:
+            if self._processor is None and any(isinstance(it, Image.Image) for it in items):
+                self._processor = ImageProcessor.from_pretrained(self.config.model)
+            patches = sum(
+                it.image.pixel_values.shape[0] if isinstance(it, ImageInput) else self._processor.num_patches(*it.size)
+                for it in items
+            )
+            check_patch_total(patches, self.config.max_image_patches_per_request)
+            return [it if isinstance(it, ImageInput) else image_input(it, self._processor) for it in items]
+        except (ImageProcessorError, OSError) as e:  # OSError: PIL could not read the pixels
+            raise InvalidRequestError(f"image: {e}") from None
 
     def generate(
         self,

@@ -9,7 +9,8 @@ Invariants:
   the full block `<|media_begin|>image WxH<|media_content|>` + N_i pads + `<|media_end|>`
   (`image_prompt_ids`, needs the tokenizer). Runs must be separated by other tokens.
 - Chunked prefill may split a span anywhere (the rows are indexed per position): a chunk gets
-  exactly the rows of the pad positions it covers.
+  exactly the rows of the pad positions it covers, and may not reach past the first position of
+  an image whose rows are not encoded yet (`blocked_at`): the text before it may run.
 """
 
 from __future__ import annotations
@@ -25,6 +26,19 @@ from .multimodal import ImageInput
 from .sequence import InvalidRequestError
 
 IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"  # what K3's chat renderer writes per image (§12.6)
+
+
+class ImagePatchLimitError(InvalidRequestError):
+    """A request whose images together have more vision patches than the engine allows."""
+
+
+def check_patch_total(patches: int, limit: int) -> None:
+    """Raise `ImagePatchLimitError` if a request's images have more than `limit` patches."""
+    if patches > limit:
+        raise ImagePatchLimitError(
+            f"the request's images have {patches} vision patches; at most {limit} are allowed "
+            "(--max-image-patches-per-request)"
+        )
 
 
 @dataclass(frozen=True)
@@ -136,6 +150,22 @@ def chunk_rows(
     return out
 
 
+def pending_images(images: Sequence[ImageInput], starts: Sequence[int], computed: int) -> list[ImageInput]:
+    """The images whose span ends past position `computed` (still needed), in order."""
+    return [im for im, s in zip(images, starts) if s + im.image.num_tokens > computed]
+
+
+def blocked_at(
+    images: Sequence[ImageInput], starts: Sequence[int], start: int, ready: Callable[[bytes], bool]
+) -> int | None:
+    """The first position at or after `start` whose image rows are not `ready` (a sequence may
+    compute up to it), or None if every image it still needs is ready."""
+    for im, s in zip(images, starts):
+        if s + im.image.num_tokens > start and not ready(im.digest):
+            return max(s, start)
+    return None
+
+
 def gather_rows(
     needed: list[ChunkRows], rows_of: dict[bytes, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -150,11 +180,13 @@ def gather_rows(
 class ImagePrompts:
     """What the engine checks of a request's images (`prepare`): a vision tower to encode them
     (`encoder`), the pad id (the tokenizer's, else config.json's), runs matched and lone pads
-    expanded, every image fitting its grid, the expanded prompt within `max_model_len`."""
+    expanded, every image fitting its grid, at most `max_patches` patches in all, the expanded
+    prompt within `max_model_len`."""
 
-    def __init__(self, tokenizer, config_pad_id: int | None, encoder, max_model_len: int):
+    def __init__(self, tokenizer, config_pad_id: int | None, encoder, max_model_len: int, max_patches: int):
         special = tokenizer.special_tokens if tokenizer is not None else {}
         self.tokenizer, self.encoder, self.max_model_len = tokenizer, encoder, max_model_len
+        self.max_patches = max_patches
         self.pad_id = special.get(MEDIA_PAD, config_pad_id)
         self.placeholder_id = special.get(IMAGE_PLACEHOLDER)
 
@@ -187,6 +219,7 @@ class ImagePrompts:
                 self.encoder.check(im)
             except ValueError as e:
                 raise InvalidRequestError(f"image {i}: {e}") from None
+        check_patch_total(sum(im.image.pixel_values.shape[0] for im in mm.images), self.max_patches)
         if len(mm.ids) > self.max_model_len:
             raise InvalidRequestError(
                 f"prompt of {len(mm.ids)} tokens with its images is longer than max_model_len={self.max_model_len}"

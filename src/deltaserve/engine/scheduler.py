@@ -11,6 +11,12 @@ others, whatever its place (it may hold the slot the queue's head waits for). A 
 cannot be admitted for lack of cache stops admission (a short request never overtakes it). The
 oldest running sequence always makes progress, so no request starves.
 
+Images (`gate`): a sequence computes no position at or past the first image whose rows are not
+encoded yet; the text before it may run. A running sequence so blocked is skipped (it keeps its
+place and cache; others use the budget), a waiting one is admitted with no chunk, so the engine
+queues its images' encode (engine/encoder_cache.py), which advances every step by a bounded
+amount while the other sequences step.
+
 Prefix sharing within a step (holding, like SGLang's in-batch prefix caching): a waiting sequence
 whose prompt an older running sequence is still prefilling, at least one match unit past its own
 hit, is held (skipped, keeping its place) until that sequence has cached the shared span
@@ -25,6 +31,7 @@ left, so every running sequence is scheduled through its whole prefill in the st
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..cache.manager import CacheManager
@@ -52,6 +59,13 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # (seq, start) -> first position it may not compute yet (an image not encoded), or None
+        self.gate: Callable[[Sequence, int], int | None] | None = None
+
+    def _room(self, seq: Sequence, start: int) -> int:
+        """Tokens `seq` may compute from `start` as far as its images allow."""
+        stop = self.gate(seq, start) if self.gate is not None else None
+        return seq.num_tokens - start if stop is None else stop - start
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -96,7 +110,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_pending, budget)
+            n = min(seq.num_pending, budget, self._room(seq, seq.num_computed))
+            if n <= 0:  # waits for an image's encode; keeps its place and cache
+                i += 1
+                continue
             while not self.cache.grow(seq.seq_id, seq.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -139,7 +156,7 @@ class Scheduler:
                     i += 1
                     continue
             start = hit.length if hit is not None else 0
-            n = min(seq.num_tokens - start, budget)
+            n = max(0, min(seq.num_tokens - start, budget, self._room(seq, start)))
             if not self.cache.admit(seq.seq_id, start + n, hit, len(seq.prompt_ids)):
                 break
             seq.num_computed = start
@@ -147,7 +164,10 @@ class Scheduler:
             budget -= n
 
     def _run(self, i: int, seq: Sequence, n: int, out: list[ScheduledSeq]) -> None:
+        """Move waiting `seq` to running with a chunk of `n` tokens (0: admitted, but its next
+        position waits for an image's encode, so nothing is scheduled yet)."""
         del self.waiting[i]
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
-        out.append(ScheduledSeq(seq, n))
+        if n > 0:
+            out.append(ScheduledSeq(seq, n))

@@ -253,6 +253,11 @@ class ImageProcessor:
             )
         return ResizePlan(new_w, new_h, pad_w, pad_h, tok_h * m, tok_w * m, tok_h * tok_w)
 
+    def num_patches(self, width: int, height: int) -> int:
+        """Vision-tower patches (rows of its grid) of a `width × height` image: what its encode costs."""
+        plan = self.resize_plan(width, height)
+        return plan.grid_h * plan.grid_w
+
     def num_tokens(self, width: int, height: int) -> int:
         """LLM tokens (= `<|media_pad|>` count) of a `width × height` image."""
         return self.resize_plan(width, height).num_tokens

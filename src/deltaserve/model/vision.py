@@ -7,6 +7,8 @@ op's compute type (float32 for bf16/fp16 input: ~1.19e-7, not bf16's 2^-7 as OQ-
 checked on torch 2.13 CPU and 2.11 CUDA), so that is the default here unless the config pins
 one; the projector's `post_norm` uses `projector_ln_eps`. Linears and norms run on
 the bound op backend (`OpsModule`); attention, RoPE2D and the merge are `ops.vision` functions.
+Attention is per image in bounded query chunks (`ops.vision.image_attention`), so a forward
+pass needs memory linear in its patches; `model/vision_encode.py` runs one image in pieces.
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ class VisionConfig:
     @property
     def head_dim(self) -> int:
         return self.qkv_size // self.num_heads
+
+    @property
+    def patch_bytes(self) -> int:
+        """Upper bound on the fp32 activation bytes one patch row needs inside a block (input,
+        q/k/v, attention output, MLP hidden, output), the linear part of an encode's memory."""
+        return 4 * (3 * self.hidden_size + 4 * self.qkv_size + 2 * self.intermediate_size)
 
     @property
     def merged_size(self) -> int:
@@ -148,21 +156,33 @@ class VisionMlp(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    """Pre-norm block: `p += wo(Attn(RoPE2D(q), RoPE2D(k), v))`, `p += mlp(norm1(p))`."""
+    """Pre-norm block: `p += wo(Attn(RoPE2D(q), RoPE2D(k), v))`, `p += mlp(norm1(p))`. Split in
+    `qkv` (every row of an image) and `rows` (any subset of its rows, given the whole image's
+    k, v): everything but attention is row-wise, so a block may run a chunk of rows at a time."""
 
     def __init__(self, cfg: VisionConfig):
         super().__init__()
-        self.heads, self.qkv = cfg.num_heads, cfg.qkv_size
+        self.heads, self.qkv_size = cfg.num_heads, cfg.qkv_size
         self.norm0 = VisionRMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.wqkv = empty_linear(cfg.hidden_size, 3 * cfg.qkv_size)
         self.wo = empty_linear(cfg.qkv_size, cfg.hidden_size)
         self.norm1 = VisionRMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = VisionMlp(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """RoPE2D'd q, k and v `[L, H, D]` of rows `x [L, hidden]` (cos/sin of the same rows)."""
         q, k, v = self.wqkv(self.norm0(x)).unflatten(-1, (3, self.heads, -1)).unbind(1)
-        q, k = vops.apply_rope2d(q, cos, sin), vops.apply_rope2d(k, cos, sin)
-        x = x + self.wo(vops.varlen_attention(q, k, v, mask).flatten(1))
+        return vops.apply_rope2d(q, cos, sin), vops.apply_rope2d(k, cos, sin), v
+
+    def rows(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The block's output for rows `x` with queries `q`, against ONE image's whole `k, v`."""
+        x = x + self.wo(vops.image_attention(q, k, v).flatten(1))
+        return x + self.mlp(self.norm1(x))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """Packed images of `lengths` rows, each attending only to itself."""
+        q, k, v = self.qkv(x, cos, sin)
+        x = x + self.wo(vops.packed_attention(q, k, v, lengths).flatten(1))
         return x + self.mlp(self.norm1(x))
 
 
@@ -187,9 +207,9 @@ class MoonViT3d(nn.Module):
         x = self.patch_embed(patches, grid_hws)
         rows, cols = vops.grid_positions(grid_hws, x.device)
         cos, sin = vops.rope2d_cos_sin(rows, cols, self.cfg.head_dim, self.cfg.rope_theta)
-        mask = vops.varlen_mask(vops.cu_seqlens([h * w for h, w in grid_hws], x.device))
+        lengths = [h * w for h, w in grid_hws]
         for block in self.encoder.blocks:
-            x = block(x, cos, sin, mask)
+            x = block(x, cos, sin, lengths)
         return self.encoder.final_layernorm(x)
 
 

@@ -1,8 +1,10 @@
-"""Vision-tower ops (spec/model.md §12.2-12.5): RoPE2D, packed varlen attention, the learned
+"""Vision-tower ops (spec/model.md §12.2-12.5): RoPE2D, per-image attention, the learned
 position table's bilinear resize, the `sd2_tpool` merge and the two GELUs.
 
-Images are packed along the token dim: image i owns rows `cu_seqlens[i]:cu_seqlens[i+1]`, its
-patches row-major over its `(h, w)` grid. Nothing here loops over heads or tokens.
+Images are packed along the token dim: image i owns `lengths[i]` consecutive rows, its patches
+row-major over its `(h, w)` grid. Attention runs image by image in bounded query chunks, so no
+op here allocates more than linearly in the patches (`SCORE_BYTES` bounds the one quadratic
+term). Nothing here loops over heads.
 """
 
 from __future__ import annotations
@@ -12,16 +14,9 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from ..kernels.transfer import tensor_on
-
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
-
-
-def cu_seqlens(lengths: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
-    """`[0, l0, l0+l1, ...]` (int32) for packed images of `lengths` tokens."""
-    return tensor_on([0, *itertools.accumulate(lengths)], device, torch.int32)
 
 
 def grid_positions(
@@ -59,21 +54,36 @@ def apply_rope2d(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.stack([re * c - im * s, re * s + im * c], dim=-1).flatten(-2).to(x.dtype)
 
 
-def varlen_mask(cu: torch.Tensor) -> torch.Tensor | None:
-    """Block-diagonal `[L, L]` bool mask (True: may attend) letting each packed image see only
-    itself; None for a single image (no mask needed). Build once, share across blocks."""
-    lengths = (cu[1:] - cu[:-1]).long()
-    if lengths.numel() <= 1:
-        return None
-    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), lengths)
-    return seg[:, None] == seg[None, :]
+SCORE_BYTES = 32 << 20  # most bytes of one attention call's scores (fp32), were SDPA to form them
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Bidirectional attention of packed images: `q, k, v [L, H, D]` -> `[L, H, D]`, scale
-    `D^-1/2`, with `mask` from `varlen_mask` (None: one image). All heads in one SDPA call."""
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
-    return out.transpose(0, 1)
+def query_chunk(n_keys: int, heads: int, max_bytes: int = SCORE_BYTES) -> int:
+    """Query rows per attention call so that `rows x n_keys x heads` fp32 scores stay within
+    `max_bytes` (at least one row): the bound holds whichever SDPA backend runs."""
+    return max(1, max_bytes // (4 * max(1, n_keys) * heads))
+
+
+def image_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_bytes: int = SCORE_BYTES) -> torch.Tensor:
+    """Bidirectional attention of ONE image's rows: `q [M, H, D]` against `k, v [N, H, D]` ->
+    `[M, H, D]`, scale `D^-1/2`, no mask. Queries go in chunks of `query_chunk` rows, so the
+    memory is linear in `M + N` (scores at most `max_bytes` per call); each row is exact (a row's
+    softmax never sees another chunk). 4-D operands, so SDPA may pick its fused kernel."""
+    kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    step = query_chunk(k.shape[0], k.shape[1], max_bytes)
+    parts = [
+        F.scaled_dot_product_attention(q[a : a + step].transpose(0, 1)[None], kt, vt)[0].transpose(0, 1)
+        for a in range(0, q.shape[0], step)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def packed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], max_bytes: int = SCORE_BYTES
+) -> torch.Tensor:
+    """Attention of packed images (`[L, H, D]`, image i owns `lengths[i]` rows in order), each
+    image attending only to itself (block-diagonal, never a dense `[L, L]` mask)."""
+    bounds = [0, *itertools.accumulate(lengths)]
+    return torch.cat([image_attention(q[a:b], k[a:b], v[a:b], max_bytes) for a, b in itertools.pairwise(bounds)])
 
 
 def interp_pos_emb(table: torch.Tensor, h: int, w: int) -> torch.Tensor:

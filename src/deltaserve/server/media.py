@@ -11,8 +11,9 @@ Invariants:
   decoding; a download stops at the cap, the fetch at `fetch_timeout_s`, compressed transfer
   encodings are refused, redirects are followed only to the same host) -> the declared MIME type
   is an accepted one -> header only (only the accepted formats' PIL plugins are tried): the
-  actual format equals the declared one, `width * height <= max_pixels` -> the full decode
-  (`load()`, so truncated or corrupt data fails here) -> the first frame of an animation.
+  actual format equals the declared one, `width * height <= max_pixels` -> once every image's
+  header is read: the vision patches of all of them, from their sizes, `<= max_image_patches`
+  -> the full decode (`load()`, so truncated or corrupt data fails here) -> the first frame.
 - Every refusal is a `MediaError` whose message is for the client (a 400); decoding is CPU work
   that callers run off the event loop (`decode_image` is synchronous; `request_images` runs it
   and the preprocessing on worker threads, at most two images at a time server-wide).
@@ -39,6 +40,7 @@ from urllib.parse import urlsplit
 from PIL import Image, UnidentifiedImageError
 
 from ..chat.common import IMAGE_PART_TYPES
+from ..engine.config import DEFAULT_MAX_IMAGE_PATCHES
 from ..engine.multimodal import ImageInput, image_input
 from ..model.image_processor import ImageProcessor, ImageProcessorError
 
@@ -74,9 +76,10 @@ class MediaPolicy:
     allow_remote: bool = False
     allowed_domains: tuple[str, ...] = ()
     fetch_timeout_s: float = FETCH_TIMEOUT_S
+    max_image_patches: int = DEFAULT_MAX_IMAGE_PATCHES  # vision patches of all a request's images
 
     def __post_init__(self):
-        if self.max_images < 0 or self.max_image_bytes < 1 or self.max_image_pixels < 1:
+        if self.max_images < 0 or min(self.max_image_bytes, self.max_image_pixels, self.max_image_patches) < 1:
             raise ValueError("media limits must be positive (max_images >= 0)")
         object.__setattr__(self, "allowed_domains", tuple(d.strip().lower() for d in self.allowed_domains if d.strip()))
 
@@ -281,9 +284,9 @@ def _sniff(data: bytes) -> str | None:
     return next((name for magic, name in _SNIFF if data.startswith(magic)), None)
 
 
-def decode_image(data: bytes, mime: str | None, policy: MediaPolicy) -> Image.Image:
-    """The decoded image (the first frame of an animation, loaded: no copy of the pixels is made);
-    `MediaError` for anything else. Synchronous and CPU-bound: run it off the event loop."""
+def open_image(data: bytes, mime: str | None, policy: MediaPolicy) -> Image.Image:
+    """The image with only its header read (format, size): every check short of decoding pixels
+    (`MediaError` for a refusal)."""
     if len(data) > policy.max_image_bytes:
         raise MediaError(f"image over {policy.max_image_bytes} bytes (--max-image-bytes)")
     if mime is not None:
@@ -309,12 +312,35 @@ def decode_image(data: bytes, mime: str | None, policy: MediaPolicy) -> Image.Im
         raise MediaError(f"image size {w}x{h} is empty")
     if w * h > policy.max_image_pixels:
         raise MediaError(f"image of {w}x{h} pixels is over {policy.max_image_pixels} (--max-image-pixels)")
+    return img
+
+
+def decode_image(data: bytes, mime: str | None, policy: MediaPolicy) -> Image.Image:
+    """The decoded image (the first frame of an animation, loaded: no copy of the pixels is made);
+    `MediaError` for anything else. Synchronous and CPU-bound: run it off the event loop."""
+    img = open_image(data, mime, policy)
     try:
         img.seek(0)
         img.load()
     except Exception:
         raise MediaError("the image data is truncated or corrupt") from None
     return img
+
+
+def check_patches(sizes: list[tuple[str, tuple[int, int]]], policy: MediaPolicy, processor: ImageProcessor) -> None:
+    """`MediaError` unless the images of `(where, (width, height))` fit the processor and have at
+    most `policy.max_image_patches` vision patches together (counted from the sizes alone)."""
+    total = 0
+    for where, (w, h) in sizes:
+        try:
+            total += processor.num_patches(w, h)
+        except ImageProcessorError as e:
+            raise MediaError(f"{where}: {e}") from None
+    if total > policy.max_image_patches:
+        raise MediaError(
+            f"the request's images have {total} vision patches; at most {policy.max_image_patches} "
+            "are allowed (--max-image-patches-per-request)"
+        )
 
 
 _DECODE_SLOTS = threading.BoundedSemaphore(2)  # images decoded at once, server-wide (memory)
@@ -333,12 +359,20 @@ def _prepare(data: bytes, mime: str | None, policy: MediaPolicy, processor: Imag
 
 async def request_images(messages, policy: MediaPolicy, processor: ImageProcessor) -> list[ImageInput]:
     """Every image part of `messages`, in prompt order, fetched, decoded and preprocessed (the
-    CPU work on worker threads); `MediaError` naming the part for the first refusal."""
+    CPU work on worker threads); `MediaError` naming the part for the first refusal. Every image's
+    header is read, and the request's patch total checked, before any is decoded."""
     check_count(messages, policy)
-    out = []
+    fetched = []
     for where, part in image_parts(messages):
         try:
             data, mime = await image_bytes(part, policy)
+            fetched.append((where, data, mime, open_image(data, mime, policy).size))
+        except MediaError as e:
+            raise MediaError(f"{where}: {e}") from None
+    check_patches([(where, size) for where, _, _, size in fetched], policy, processor)
+    out = []
+    for where, data, mime, _ in fetched:
+        try:
             out.append(await asyncio.to_thread(_prepare, data, mime, policy, processor))
         except MediaError as e:
             raise MediaError(f"{where}: {e}") from None

@@ -91,6 +91,7 @@ def media_policy(args: argparse.Namespace):
         max_images=parse_limit_mm(args.limit_mm_per_prompt),
         max_image_bytes=args.max_image_bytes,
         max_image_pixels=args.max_image_pixels,
+        max_image_patches=args.max_image_patches_per_request,
         allow_remote=args.allow_remote_media,
         allowed_domains=tuple(domains),
     )
