@@ -205,16 +205,15 @@ def test_pool_split_and_requests_that_fit(k3, k3_vision):
 
 
 def test_prefix_caching_takes_its_checkpoint_share(k3):
-    on = plan(k3, Layout(tp=8), 288 * 10**9, 200_000, engine=EngineSettings(enable_prefix_caching=True))["cache"]
-    off = plan(k3, Layout(tp=8), 288 * 10**9, 200_000)["cache"]
+    on = plan(k3, Layout(tp=8), 288 * 10**9, 200_000)["cache"]  # the engine's default: on
+    no_cache = EngineSettings(enable_prefix_caching=False)
+    off = plan(k3, Layout(tp=8), 288 * 10**9, 200_000, engine=no_cache)["cache"]
     assert (
         off["checkpoint_slots"] == 0 and on["checkpoint_slots"] == int(0.25 * on["kv_cache_memory"]) // on["slot_bytes"]
     )
-    assert (
-        on["mla_pages"] < off["mla_pages"]
-        and "--enable-prefix-caching"
-        in plan(k3, Layout(), engine=EngineSettings(enable_prefix_caching=True))["engine_flags"]
-    )
+    assert on["mla_pages"] < off["mla_pages"]
+    assert "--no-enable-prefix-caching" in plan(k3, Layout(), engine=no_cache)["engine_flags"]
+    assert not any("prefix-caching" in f for f in plan(k3, Layout())["engine_flags"])
 
 
 def test_cli_json_carries_the_same_numbers(k3, k3_dir, capsys):
