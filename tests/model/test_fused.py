@@ -17,8 +17,8 @@ from deltaserve.kernels.cpu import library as cpu_kernels
 from deltaserve.model import load_model
 from deltaserve.model.fused import bound_ops, prepare_model
 from deltaserve.model.modules import OpsModule
-from deltaserve.ops.backend import REFERENCE
-from deltaserve.ops.cpu_native import CpuNativeOps
+from deltaserve.ops.backends.cpu import CpuNativeOps
+from deltaserve.ops.backends.torch import REFERENCE
 from deltaserve.tiny import make_tiny
 from tests.kernel_calls import count_kernel_calls
 

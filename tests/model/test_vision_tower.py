@@ -19,7 +19,7 @@ from deltaserve.model.vision import VisionConfig, VisionRMSNorm
 from deltaserve.model.vision_weights import PREFIXES, load_vision_model
 from deltaserve.model.weights import CheckpointError
 from deltaserve.ops import vision as vops
-from deltaserve.ops.backend import TorchOps
+from deltaserve.ops.backends.torch import TorchOps
 from deltaserve.ops.norms import rms_norm
 from deltaserve.ops.reference import vision as ref
 from deltaserve.tiny import make_tiny

@@ -12,8 +12,8 @@ pytest.importorskip("triton")
 from PIL import Image  # noqa: E402
 
 from deltaserve import LLM  # noqa: E402
-from deltaserve.ops.backend import TorchOps  # noqa: E402
-from deltaserve.ops.triton.backend import TritonOps  # noqa: E402
+from deltaserve.ops.backends.torch import TorchOps  # noqa: E402
+from deltaserve.ops.backends.triton import TritonOps  # noqa: E402
 from deltaserve.tiny import make_tiny  # noqa: E402
 
 from ..fake_device import FakeDevice, step_workload, watch_steps  # noqa: E402

@@ -30,7 +30,7 @@ from ..model.tokenizer import Tokenizer
 from ..model.vision import VisionModel
 from ..model.vision_weights import PREFIXES, load_vision_model
 from ..model.weights import checkpoint_files
-from ..ops.select import describe
+from ..ops.backends.select import describe
 from ..parallel import SINGLE
 from .channel import ControlChannel
 from .config import EngineConfig

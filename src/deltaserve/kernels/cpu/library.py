@@ -2,8 +2,8 @@
 built by `build.py` from `csrc/*.c` for the ISA `$DELTASERVE_ISA` names or the best the CPU has,
 with every binding), or None; `load(isa)` builds and loads one ISA's variant on its own (tests).
 
-`ops.select.select_ops` asks once per model, when it is prepared after loading, and binds the
-native backend (`ops.cpu_native`) or the pure-PyTorch reference; nothing asks per call. None
+`ops.backends.select.select_ops` asks once per model, when it is prepared after loading, and binds the
+native backend (`ops.backends.cpu`) or the pure-PyTorch reference; nothing asks per call. None
 means: no compiler, a failed build, a library that fails the ABI check of `abi.py`, a non-CPU
 device, `set_enabled(False)` or `DELTASERVE_NATIVE=0`; a missing compiler, a failed build or a
 refused library is logged as a warning, once per process. `is_loaded()` says whether the build

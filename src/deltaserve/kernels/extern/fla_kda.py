@@ -13,7 +13,7 @@ import inspect
 import torch
 
 from ...kernels.transfer import host_copy
-from . import optional_import
+from ..triton import optional_import
 
 
 @functools.cache

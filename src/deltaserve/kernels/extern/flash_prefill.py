@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from ...kernels.transfer import host_copy
-from ..mla import joined_keys
-from . import optional_import
+from ...ops.mla import joined_keys
+from ..triton import optional_import
 
 _MAX_WIDTH = 256
 

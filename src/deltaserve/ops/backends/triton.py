@@ -1,4 +1,4 @@
-"""`TritonOps`: the Triton backend, bound once per model by `ops.select.select_ops` on CUDA (or on
+"""`TritonOps`: the Triton backend, bound once per model by `ops.backends.select.select_ops` on CUDA (or on
 CPU under `TRITON_INTERPRET=1` with `DELTASERVE_TRITON=1`, how it is tested without a GPU).
 
 `TritonDenseOps` (`.dense`) holds the MLA, MoE, AttnRes and norm kernels; this class adds KDA:
@@ -15,13 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ...kernels.extern import fla_kda
+from ...kernels.triton import interpreted
+from ...kernels.triton.kda import GATE_SIGMOID, GATE_SOFTPLUS, chunk_kda, conv_step, recurrent_step
 from .. import kda as kda_ops
-from ..backend import TorchOps
 from ..norms import gated_rms_norm
 from ..operands import KdaSpec, KdaWeights
-from . import fla_kda, interpreted
-from .dense import TritonDenseOps
-from .kda import GATE_SIGMOID, GATE_SOFTPLUS, chunk_kda, conv_step, recurrent_step
+from .torch import TorchOps
+from .triton_dense import TritonDenseOps
 
 
 @dataclass

@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..operands import ExpertWeights, GluAct
-from .moe import situ
+from ...ops.operands import ExpertWeights, GluAct
+from ..triton.moe import situ
 
 WIDTH_MULTIPLE = 128  # D and I (conservative: TMA rows, Hopper's scale swizzle without K padding)
 

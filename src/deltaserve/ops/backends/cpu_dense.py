@@ -1,5 +1,5 @@
 """`CpuDenseOps`: the linear, norm, AttnRes, GLU and MoE families on the native CPU kernels
-(`kernels.cpu`); `ops.cpu_native.CpuNativeOps` adds the attention families.
+(`kernels.cpu`); `ops.backends.cpu.CpuNativeOps` adds the attention families.
 
 Each method runs its kernel where the operands fit it (bf16 activations, small batches for the
 GEMV kernels, tiles (AMX, or AVX512-BF16 register tiles) where the CPU has them) and otherwise the
@@ -12,12 +12,12 @@ import functools
 
 import torch
 
-from ..kernels.cpu import ACT_SILU, ACT_SITU, AMX_ROWS, MAX_ROWS, NativeKernels
-from ..kernels.cpu.blocks import MoeBlockWeights
-from .attn_res import ATTN_RES_EPS
-from .backend import TorchOps
-from .mxfp4 import mxfp4_decode
-from .operands import ExpertWeights, GluAct, MoeWeights, PackedExpertView, RouteSpec
+from ...kernels.cpu import ACT_SILU, ACT_SITU, AMX_ROWS, MAX_ROWS, NativeKernels
+from ...kernels.cpu.blocks import MoeBlockWeights
+from ..attn_res import ATTN_RES_EPS
+from ..mxfp4 import mxfp4_decode
+from ..operands import ExpertWeights, GluAct, MoeWeights, PackedExpertView, RouteSpec
+from .torch import TorchOps
 
 FUSED_MAX_TOKENS = 64  # above this many tokens, per-expert GEMMs (oneDNN) beat the fused GEMVs
 ROW_BUCKET = 32  # prefill expert GEMMs run on row counts rounded up to a multiple of this

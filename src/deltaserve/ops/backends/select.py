@@ -9,7 +9,7 @@ the reference everywhere anyway.
 no whole-stack plan), `DELTASERVE_FLASH_PREFILL=0` its MLA prefill attention on SDPA (the reference's
 rounding) instead of the native flash kernel; both for side-by-side comparisons.
 
-CUDA models get `TritonOps` (`ops.triton`, imported only then) when `triton` is importable.
+CUDA models get `TritonOps` (`ops.backends.triton`, imported only then) when `triton` is importable.
 `DELTASERVE_TRITON=0` never picks it; `DELTASERVE_TRITON=1` picks it on any device (on CPU the
 kernels then need `TRITON_INTERPRET=1`: how they are tested without a GPU), and fails loudly
 where it cannot run.
@@ -21,10 +21,10 @@ import os
 
 import torch
 
-from ..kernels.cpu import native
-from . import triton as triton_backend
-from .backend import REFERENCE, TorchOps
-from .cpu_native import CpuNativeOps
+from ...kernels import triton as triton_backend
+from ...kernels.cpu import native
+from .cpu import CpuNativeOps
+from .torch import REFERENCE, TorchOps
 
 
 def _wants_triton(device: torch.device) -> bool:
@@ -34,11 +34,24 @@ def _wants_triton(device: torch.device) -> bool:
     return device.type == "cuda" and triton_backend.available()
 
 
+def triton_ops(device: torch.device | str) -> TorchOps:
+    """A `TritonOps` for models on `device`. RuntimeError where its kernels cannot run there:
+    triton missing, or a non-CUDA device without the interpreter."""
+    device = torch.device(device)
+    if not triton_backend.available():
+        raise RuntimeError("the Triton backend needs `triton` (pip install 'deltaserve[gpu]')")
+    if device.type != "cuda" and not triton_backend.interpreted():
+        raise RuntimeError(f"Triton kernels run on CUDA, or on {device.type} only with TRITON_INTERPRET=1")
+    from ...kernels.triton import TritonOps
+
+    return TritonOps()
+
+
 def select_ops(device: torch.device | str, dtype: torch.dtype, fuse_blocks: bool = True) -> TorchOps:
     """The backend for a model whose weights live on `device` in `dtype`."""
     device = torch.device(device)
     if _wants_triton(device):
-        return triton_backend.triton_ops(device)
+        return triton_ops(device)
     if device.type == "cpu" and dtype == torch.bfloat16:
         kernels = native(device)
         if kernels is not None:

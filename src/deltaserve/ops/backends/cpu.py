@@ -1,6 +1,6 @@
 """`CpuNativeOps`: every op family on the native CPU kernels (`kernels.cpu`), for bf16 models.
 
-Bound once per model by `ops.select.select_ops` when the model is bf16 on CPU and the library
+Bound once per model by `ops.backends.select.select_ops` when the model is bf16 on CPU and the library
 loaded; `CpuDenseOps` holds the dense and MoE families, this class adds KDA and MLA: the fused
 decode steps over the pools in place, the whole-block plans, and the KDA prefill kernels (fused
 conv + q/k L2 norm, the sigmoid gate, chunked prefill, the gated output norm) and the MLA prefill
@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.cpu import GATE_SIGMOID, GATE_SOFTPLUS, MAX_ROWS, MLA_MAX_HEADS, MLA_MAX_RANK
-from ..kernels.cpu.blocks import KdaBlockWeights, MlaBlockWeights
+from ...kernels.cpu import GATE_SIGMOID, GATE_SOFTPLUS, MAX_ROWS, MLA_MAX_HEADS, MLA_MAX_RANK
+from ...kernels.cpu.blocks import KdaBlockWeights, MlaBlockWeights
+from ..norms import gated_rms_norm
+from ..operands import KdaSpec, KdaWeights, MlaWeights
 from .cpu_dense import CpuDenseOps
 from .cpu_stack import CpuStackOps
-from .norms import gated_rms_norm
-from .operands import KdaSpec, KdaWeights, MlaWeights
 
 
 @dataclass

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..mla import lse_combine
+from ...ops.mla import lse_combine
 from .sizes import dot_precision, pow2
 
 

@@ -1,7 +1,7 @@
-"""The op seam: one method per op family, bound once per model (`ops.select.select_ops`).
+"""The op seam: one method per op family, bound once per model (`ops.backends.select.select_ops`).
 
 `TorchOps` is the reference implementation of every family in pure PyTorch (the default for
-any device and dtype, and the oracle of the others); a backend (`ops.cpu_native.CpuNativeOps`,
+any device and dtype, and the oracle of the others); a backend (`ops.backends.cpu.CpuNativeOps`,
 later Triton) subclasses it and overrides what it runs faster. Model layers call only these
 methods on their bound backend and never choose kernels themselves.
 
@@ -17,19 +17,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import kda as kda_ops
-from .attn_res import attn_res_mix
-from .mla import (
+from .. import kda as kda_ops
+from ..attn_res import attn_res_mix
+from ..mla import (
     joined_keys,
     mla_absorbed_attention,
     mla_context_attention,
     mla_prefill_attention,
     unabsorbed_row_bytes,
 )
-from .moe import grouped_experts, route
-from .mxfp4 import mxfp4_decode
-from .norms import gated_rms_norm, rms_norm
-from .operands import ExpertWeights, GluAct, KdaSpec, KdaWeights, MlaWeights, MoeWeights, PackedExpertView, RouteSpec
+from ..moe import grouped_experts, route
+from ..mxfp4 import mxfp4_decode
+from ..norms import gated_rms_norm, rms_norm
+from ..operands import ExpertWeights, GluAct, KdaSpec, KdaWeights, MlaWeights, MoeWeights, PackedExpertView, RouteSpec
 
 
 class TorchOps:

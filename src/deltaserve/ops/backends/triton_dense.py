@@ -25,15 +25,16 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels.extern import flash_prefill, flashinfer_mla, ogs_moe
+from ...kernels.triton import interpreted
+from ...kernels.triton import mla as mla_kernels
+from ...kernels.triton import mla_prefill as mla_prefill_kernels
+from ...kernels.triton import moe as moe_kernels
+from ...kernels.triton.norm import mix_norm
+from ...kernels.triton.router import route_select
 from ..attn_res import ATTN_RES_EPS
-from ..backend import TorchOps
 from ..operands import ExpertWeights, GluAct, RouteSpec
-from . import flash_prefill, flashinfer_mla, interpreted, ogs_moe
-from . import mla as mla_kernels
-from . import mla_prefill as mla_prefill_kernels
-from . import moe as moe_kernels
-from .norm import mix_norm
-from .router import route_select
+from .torch import TorchOps
 
 _FLOATS = (torch.float32, torch.bfloat16)
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.cpu import NativeKernels
-from ..kernels.cpu.stack import StackLayerPlan, StackPlan
-from .attn_res import ATTN_RES_EPS
-from .backend import TorchOps
+from ...kernels.cpu import NativeKernels
+from ...kernels.cpu.stack import StackLayerPlan, StackPlan
+from ..attn_res import ATTN_RES_EPS
+from ..stack import StackOperands
 from .cpu_dense import act_spec
-from .stack import StackOperands
+from .torch import TorchOps
 
 
 def _act(act) -> tuple[int, float, float]:
