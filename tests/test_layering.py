@@ -1,5 +1,5 @@
 """The house's layering, read from the source: no import cycles between modules, and every
-floor imports only from the floors below it, lazy imports inside functions included. A module's
+floor imports only from the floors below it (LEVEL, bottom to top), lazy imports inside functions included. A module's
 floor is that of the longest dotted prefix of its name listed in LEVEL (kernels.triton before
 kernels), so a package can hold floors of its own: ops' reference functions sit below the GPU
 kernels that reuse them (an LSE merge, the operand bundles), and the backends above both."""
@@ -23,12 +23,26 @@ LEVEL = {
     "tiny": 5,
     "cache": 5,
     "chat": 5,
-    "engine": 6,
-    "server": 7,
-    "disagg": 7,
-    "bench": 8,
-    "cli": 8,
-    "__init__": 8,
+    # the engine's rooms, by lifecycle
+    "engine": 6,  # engine/__init__.py
+    "engine.config": 6,
+    "engine.request": 7,
+    "engine.sched": 8,
+    "engine.exec": 9,
+    "engine.spec": 10,
+    "engine.core": 11,
+    "engine.dp": 12,
+    "engine.llm": 13,
+    "server": 14,  # the HTTP layer
+    "disagg": 15,  # builds on server's engine thread and errors
+    # processes: the entry points beside cli.py, and the benches they run
+    "serve": 16,
+    "replica_front": 16,
+    "roles": 16,
+    "proxy": 16,
+    "bench": 17,
+    "cli": 18,
+    "__init__": 18,
 }
 
 

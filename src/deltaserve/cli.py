@@ -65,7 +65,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     from .engine.config import EngineConfig
     from .engine.llm import LLM
-    from .engine.sampling_params import SamplingParams
+    from .engine.request.sampling_params import SamplingParams
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
@@ -112,13 +112,13 @@ def _add_plan(sub) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .server.serve import serve
+    from .serve import serve
 
     return serve(args)
 
 
 def _add_serve(sub) -> None:
-    from .server.serve import add_arguments
+    from .serve import add_arguments
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the embedded tiny model)")
     add_arguments(p)
@@ -126,13 +126,13 @@ def _add_serve(sub) -> None:
 
 
 def _proxy(args: argparse.Namespace) -> int:
-    from .disagg.proxy import run_proxy
+    from .proxy import run_proxy
 
     return run_proxy(args)
 
 
 def _add_proxy(sub) -> None:
-    from .disagg.proxy import add_proxy_arguments
+    from .proxy import add_proxy_arguments
 
     p = sub.add_parser("proxy", help="OpenAI-compatible front of prefill and decode instances (serve --role)")
     add_proxy_arguments(p)

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from deltaserve import LLM, SamplingParams
-from deltaserve.engine.sampling_params import SamplingParamsError
-from deltaserve.engine.sequence import InvalidRequestError
-from deltaserve.engine.structured import (
+from deltaserve.engine.request.sampling_params import SamplingParamsError
+from deltaserve.engine.request.sequence import InvalidRequestError
+from deltaserve.engine.request.structured import (
     GrammarCompiler,
     Special,
     StructuredOutput,

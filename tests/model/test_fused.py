@@ -52,7 +52,7 @@ def test_fp32_models_bind_the_reference(k3):
 @needs_kernels
 def test_plans_built_at_load_never_per_step(k3, monkeypatch, caplog):
     plans = count_kernel_calls(monkeypatch, PLANS)
-    with caplog.at_level(logging.INFO, logger="deltaserve.engine.builder"):
+    with caplog.at_level(logging.INFO, logger="deltaserve.engine.core.builder"):
         llm = LLM(
             k3,
             dtype="bfloat16",

@@ -101,7 +101,7 @@ def test_engine_steps_do_not_stall_or_mix_devices(tmp_path, device, monkeypatch,
 
 def _on_cuda(ckpt, image, monkeypatch, dtype: str) -> None:
     """Torch's own check on CUDA: a synchronising call in a step, outside the sampler, raises."""
-    from deltaserve.engine.runner import ModelRunner
+    from deltaserve.engine.exec.runner import ModelRunner
 
     execute = ModelRunner.execute
 

@@ -13,14 +13,14 @@ from tqdm.auto import tqdm
 from ..chat.render import load_chat_template
 from ..model.image_processor import ImageProcessor, ImageProcessorError
 from ..model.tokenizer import Tokenizer
-from .builder import build_engine
-from .chat_inputs import chat_prompt
 from .config import EngineConfig
-from .dp_client import DPClient
-from .multimodal import ImageInput, image_input
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
-from .sequence import InvalidRequestError
+from .core.builder import build_engine
+from .dp.client import DPClient
+from .request.chat_inputs import chat_prompt
+from .request.multimodal import ImageInput, image_input
+from .request.outputs import RequestOutput
+from .request.sampling_params import SamplingParams
+from .request.sequence import InvalidRequestError
 
 log = logging.getLogger(__name__)
 

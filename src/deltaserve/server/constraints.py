@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from ..chat.common import ChatFormatError, validate_tools
 from ..chat.k3 import compact_json
-from ..engine.structured import Special, StructuredOutput, StructuredOutputError, tool_call_schema
+from ..engine.request.structured import Special, StructuredOutput, StructuredOutputError, tool_call_schema
 from .errors import APIError
 from .parsers import ToolCall
 

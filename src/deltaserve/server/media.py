@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 from PIL import Image, UnidentifiedImageError
 
 from ..chat.common import IMAGE_PART_TYPES
-from ..engine.multimodal import ImageInput, image_input
+from ..engine.request.multimodal import ImageInput, image_input
 from ..model.image_processor import ImageProcessor, ImageProcessorError
 
 MIB = 2**20

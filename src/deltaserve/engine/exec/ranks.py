@@ -2,7 +2,7 @@
 
 Launch modes (`plan_ranks`):
 - single node (default): this process is rank 0; it spawns ranks 1..W-1 as `python -m
-  deltaserve.engine.worker` subprocesses (the config travels as JSON in their environment) and
+  deltaserve.engine.exec.worker` subprocesses (the config travels as JSON in their environment) and
   tears them down with it;
 - several nodes: every node runs the same command with `--nnodes M --node-rank R
   --distributed-init-method tcp://HOST:PORT`; node R's process is rank R*W/M and spawns the other
@@ -43,8 +43,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..parallel import ParallelContext, init_tensor_parallel
-from .config import EngineConfig
+from ...parallel import ParallelContext, init_tensor_parallel
+from ..config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ class RankGroup:
         for r in self.plan.spawn:
             env = dict(os.environ)
             env[WORKER_ENV] = json.dumps({"config": spec, "rank": r, "init_method": self.plan.init_method})
-            self.procs[r] = subprocess.Popen([sys.executable, "-m", "deltaserve.engine.worker"], env=env)
+            self.procs[r] = subprocess.Popen([sys.executable, "-m", "deltaserve.engine.exec.worker"], env=env)
         atexit.register(self.kill)
         threading.Thread(target=self._watch, name="deltaserve-ranks", daemon=True).start()
 

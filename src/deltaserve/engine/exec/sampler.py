@@ -33,8 +33,8 @@ from itertools import chain
 
 import torch
 
-from deltaserve.engine.sampling_params import SAMPLING_EPS, SamplingParams
-from deltaserve.engine.structured import GrammarState, apply_bitmask
+from deltaserve.engine.request.sampling_params import SAMPLING_EPS, SamplingParams
+from deltaserve.engine.request.structured import GrammarState, apply_bitmask
 from deltaserve.kernels.transfer import tensor_on
 
 _Q_MIN = 1e-10  # floor for exponential noise, so probs / q is always finite

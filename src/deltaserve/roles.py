@@ -18,15 +18,15 @@ import os
 
 from pydantic import ValidationError
 
-from ..engine.rank_transfer import HOST_ENV
-from ..server.errors import APIError
-from ..server.protocol import ChatRequest, CompletionRequest
-from ..server.routes.chat import chat_prompt_ids
-from .decode import DecodeHandoff, PrefillTarget
-from .prefill import PrefillService
-from .protocol import load_secret
-from .ranks import InstanceRanks
-from .service import CounterCollector
+from .disagg.decode import DecodeHandoff, PrefillTarget
+from .disagg.prefill import PrefillService
+from .disagg.protocol import load_secret
+from .disagg.ranks import InstanceRanks
+from .disagg.service import CounterCollector
+from .engine.exec.rank_transfer import HOST_ENV
+from .server.errors import APIError
+from .server.protocol import ChatRequest, CompletionRequest
+from .server.routes.chat import chat_prompt_ids
 
 log = logging.getLogger("deltaserve.disagg")
 ROLES = ("both", "prefill", "decode")

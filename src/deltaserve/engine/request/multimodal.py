@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from PIL import Image
 
-from ..model.image_processor import ImageProcessor, ProcessedImage
+from ...model.image_processor import ImageProcessor, ProcessedImage
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,11 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from ..engine.routing import SPILL, rendezvous
-from .errors import APIError
-from .middleware import front_app
-from .protocol import MAX_BODY_BYTES
-from .relay import all_ready, passed_headers, stream_back
+from .engine.dp.routing import SPILL, rendezvous
+from .server.errors import APIError
+from .server.middleware import front_app
+from .server.protocol import MAX_BODY_BYTES
+from .server.relay import all_ready, passed_headers, stream_back
 
 log = logging.getLogger("deltaserve.replicas")
 

@@ -23,12 +23,12 @@ from typing import Any
 
 import msgspec
 
-from ..model.image_processor import ProcessedImage
-from .messages import TensorBytes
-from .multimodal import ImageInput
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
-from .structured import Special, StructuredOutput
+from ...model.image_processor import ProcessedImage
+from ..exec.messages import TensorBytes
+from ..request.multimodal import ImageInput
+from ..request.outputs import RequestOutput
+from ..request.sampling_params import SamplingParams
+from ..request.structured import Special, StructuredOutput
 
 DP_PROTOCOL_VERSION = 1
 HEARTBEAT = 1.0  # most seconds a busy replica stays silent between two steps

@@ -26,8 +26,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
 
-from ..cache.handoff import Region, pool_tensors, region_digests
-from ..parallel.kv_transfer import Connector, TransferError, make_connector
+from ...cache.handoff import Region, pool_tensors, region_digests
+from ...parallel.kv_transfer import Connector, TransferError, make_connector
 from .messages import Collect, Digest, Pull, TransferSetup
 from .ranks import RankFailure
 

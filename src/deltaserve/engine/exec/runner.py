@@ -18,18 +18,18 @@ import itertools
 import msgspec
 import torch
 
-from ..cache.manager import CacheManager
-from ..cache.slot_journal import SlotJournal
-from ..model.kimi import KimiForCausalLM
-from ..parallel import SINGLE
+from ...cache.manager import CacheManager
+from ...cache.slot_journal import SlotJournal
+from ...model.kimi import KimiForCausalLM
+from ...parallel import SINGLE
+from ..request.mm_inputs import chunk_rows, gather_rows
+from ..sched.scheduler import ScheduledSeq
 from .channel import ControlChannel
 from .encoder_cache import EncoderCache
 from .messages import EmbedRows, Snapshot, TensorBytes
-from .mm_inputs import chunk_rows, gather_rows
 from .pool_snapshot import pool_snapshot
 from .ranks import RankFailure, RankGroup
 from .sampler import Sampler, SamplerOutput, SamplingRow
-from .scheduler import ScheduledSeq
 from .step_batch import every_row, forward_batch, logit_hidden, step_of
 
 

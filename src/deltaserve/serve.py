@@ -34,9 +34,9 @@ def cache_dir() -> Path:
 
 def default_model_dir() -> Path:
     """The embedded default checkpoint, written atomically on first use."""
-    from ..model.image_processor import PROCESSOR_FILE
-    from ..tiny import make_tiny
-    from ..tiny.checkpoint import write_processor_config
+    from .model.image_processor import PROCESSOR_FILE
+    from .tiny import make_tiny
+    from .tiny.checkpoint import write_processor_config
 
     out = cache_dir() / DEFAULT_NAME
     if (out / "config.json").is_file():
@@ -73,7 +73,7 @@ def _positive_int(text: str) -> int:
 def _mm_limit(text: str) -> str:
     """Validated `--limit-mm-per-prompt`, normalised to `image=N` (a plain string, so replica
     servers get it back verbatim)."""
-    from .media import parse_limit_mm
+    from .server.media import parse_limit_mm
 
     try:
         return f"image={parse_limit_mm(text)}"
@@ -83,7 +83,7 @@ def _mm_limit(text: str) -> str:
 
 def media_policy(args: argparse.Namespace):
     """The `MediaPolicy` of the media flags."""
-    from .media import MediaPolicy, parse_limit_mm
+    from .server.media import MediaPolicy, parse_limit_mm
 
     domains = [d for item in args.allowed_media_domains or () for d in item.split(",")]
     return MediaPolicy(
@@ -107,8 +107,8 @@ def exit_cleanly_on_sigterm() -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..disagg.roles import add_role_arguments
-    from ..engine.config import add_engine_args
+    from .engine.config import add_engine_args
+    from .roles import add_role_arguments
 
     p.add_argument(
         "model",
@@ -151,7 +151,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _media_arguments(p: argparse.ArgumentParser) -> None:
-    from .media import DEFAULT_LIMIT_IMAGES, DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
+    from .server.media import DEFAULT_LIMIT_IMAGES, DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
 
     p.add_argument(
         "--allow-remote-media",
@@ -190,8 +190,8 @@ def _media_arguments(p: argparse.ArgumentParser) -> None:
 def vision_app_kwargs(engine, model_dir: Path, policy) -> dict:
     """`build_app` keywords for images: the processor (a K3 engine with a vision tower), the
     policy and a body cap grown by the images it allows; {} when images are not served."""
-    from ..model.image_processor import ImageProcessorError
-    from .media import vision_processor
+    from .model.image_processor import ImageProcessorError
+    from .server.media import vision_processor
 
     if not engine.accepts_images:
         return {}
@@ -213,7 +213,7 @@ def vision_app_kwargs(engine, model_dir: Path, policy) -> dict:
 
 def media_body_bytes(policy) -> int:
     """The request body cap when images are served: the text cap plus `max_images` base64 images."""
-    from .protocol import MAX_BODY_BYTES
+    from .server.protocol import MAX_BODY_BYTES
 
     return MAX_BODY_BYTES + policy.max_images * ((policy.max_image_bytes + 2) // 3 * 4 + 1024)
 
@@ -221,14 +221,14 @@ def media_body_bytes(policy) -> int:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from ..chat.render import load_chat_template
-    from ..disagg.roles import check_role_arguments, install_role
-    from ..engine.config import EngineConfig
-    from ..engine.llm import LLM
-    from ..engine.ranks import exit_with_parent
-    from .app import build_app
-    from .async_engine import AsyncEngine
+    from .chat.render import load_chat_template
+    from .engine.config import EngineConfig
+    from .engine.exec.ranks import exit_with_parent
+    from .engine.llm import LLM
     from .replica_front import EXIT_WITH_PARENT_ENV
+    from .roles import check_role_arguments, install_role
+    from .server.app import build_app
+    from .server.async_engine import AsyncEngine
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if os.environ.pop(EXIT_WITH_PARENT_ENV, None):  # a replica server of `--data-parallel-size`

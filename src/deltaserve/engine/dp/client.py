@@ -1,7 +1,7 @@
 """`DPClient`: the offline `LLM` with `data_parallel_size = N > 1`, a client of N engine
 replicas (engine/dp_replica.py), as vLLM's `EngineCoreClient` is of its engine-core processes.
 
-Each replica is a `python -m deltaserve.engine.dp_replica` subprocess with a whole engine (its
+Each replica is a `python -m deltaserve.engine.dp.replica` subprocess with a whole engine (its
 own scheduler, caches and, with `tensor_parallel_size > 1`, its own worker ranks on its own
 rendezvous port); they load in parallel. Each gets `num_threads` torch threads, by default the
 machine's cores split evenly over every process of every replica, and on CUDA with enough GPUs
@@ -41,8 +41,13 @@ import msgspec
 import torch
 from tqdm.auto import tqdm
 
-from .config import EngineConfig
-from .dp_protocol import (
+from ..config import EngineConfig
+from ..exec.ranks import TORCHRUN_ENV, config_json
+from ..request.mm_inputs import ImagePrompts
+from ..request.outputs import RequestOutput
+from ..request.sampling_params import SamplingParams
+from ..request.sequence import InvalidRequestError
+from .protocol import (
     DP_PROTOCOL_VERSION,
     Abort,
     Add,
@@ -59,13 +64,8 @@ from .dp_protocol import (
     image_to_wire,
     params_to_wire,
 )
-from .dp_replica import REPLICA_ENV
-from .mm_inputs import ImagePrompts
-from .outputs import RequestOutput
-from .ranks import TORCHRUN_ENV, config_json
+from .replica import REPLICA_ENV
 from .routing import SPILL, pick, token_key
-from .sampling_params import SamplingParams
-from .sequence import InvalidRequestError
 
 POLL = 0.2  # seconds between liveness checks while waiting
 STOP_TIMEOUT = 15.0  # seconds a replica gets to stop (its worker ranks too) before it is killed
@@ -139,7 +139,7 @@ def _spawn(index: int, c: EngineConfig, dp: int) -> _Replica:
         env["CUDA_VISIBLE_DEVICES"] = gpus
     env[REPLICA_ENV] = json.dumps({"config": config_json(c), "fd": theirs.fileno(), "index": index})
     try:
-        cmd = [sys.executable, "-m", "deltaserve.engine.dp_replica"]
+        cmd = [sys.executable, "-m", "deltaserve.engine.dp.replica"]
         proc = subprocess.Popen(cmd, env=env, pass_fds=[theirs.fileno()])
     except BaseException:
         mine.close()

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..model.image_processor import MEDIA_PAD, ImageProcessorError
+from ...model.image_processor import MEDIA_PAD, ImageProcessorError
 from .multimodal import ImageInput
 from .sequence import InvalidRequestError
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.forward_batch import ForwardBatch
-from ..cache.kda_pool import KdaStatePool
-from ..cache.manager import CacheManager
-from ..cache.mla_pool import MlaPagePool
-from ..parallel import SINGLE, ParallelContext
+from ...cache.forward_batch import ForwardBatch
+from ...cache.kda_pool import KdaStatePool
+from ...cache.manager import CacheManager
+from ...cache.mla_pool import MlaPagePool
+from ...parallel import SINGLE, ParallelContext
+from ..sched.scheduler import ScheduledSeq
 from .messages import Step
-from .scheduler import ScheduledSeq
 
 
 def step_of(scheduled: list[ScheduledSeq], cache: CacheManager, logit_rows: list[int], ops: list = ()) -> Step:

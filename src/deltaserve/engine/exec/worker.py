@@ -1,6 +1,6 @@
 """A tensor-parallel rank other than 0: load its shard, then run the forward passes rank 0
 sends (with the image rows rank 0's vision model made, `Step.embeds`) until `Shutdown`.
-`python -m deltaserve.engine.worker` is how a spawned rank starts (its config, rank and
+`python -m deltaserve.engine.exec.worker` is how a spawned rank starts (its config, rank and
 rendezvous in the `DELTASERVE_WORKER` environment variable, as JSON).
 
 The worker holds the same pools as rank 0 over its own heads (and, under DCP, positions), but no
@@ -19,13 +19,13 @@ import sys
 
 import torch
 
-from ..cache import CacheLayout, build_pools
-from ..cache.handoff import pool_tensors
-from ..cache.slot_journal import CHECKPOINT, LIVE, replay
-from ..model import KimiForCausalLM, load_model, resolve_dtype
-from ..parallel import ParallelContext
+from ...cache import CacheLayout, build_pools
+from ...cache.handoff import pool_tensors
+from ...cache.slot_journal import CHECKPOINT, LIVE, replay
+from ...model import KimiForCausalLM, load_model, resolve_dtype
+from ...parallel import ParallelContext
+from ..config import EngineConfig
 from .channel import ControlChannel
-from .config import EngineConfig
 from .messages import PROTOCOL_VERSION, Collect, Digest, Hello, Pull, Shutdown, Snapshot, Step, TransferSetup
 from .pool_snapshot import pool_snapshot
 from .rank_transfer import serve_transfer

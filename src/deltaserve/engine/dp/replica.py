@@ -1,4 +1,4 @@
-"""One data-parallel engine replica: `python -m deltaserve.engine.dp_replica`, spawned by the
+"""One data-parallel engine replica: `python -m deltaserve.engine.dp.replica`, spawned by the
 offline `LLM`'s client (engine/dp_client.py) with its config (JSON) and the descriptor of its
 end of a socket pair in the `DELTASERVE_DP_REPLICA` environment variable.
 
@@ -23,8 +23,10 @@ import time
 
 import msgspec
 
-from .builder import Engine, build_engine
-from .dp_protocol import (
+from ..core.builder import Engine, build_engine
+from ..exec.ranks import config_from_json, exit_with_parent
+from ..request.sequence import InvalidRequestError
+from .protocol import (
     DP_PROTOCOL_VERSION,
     HEARTBEAT,
     Abort,
@@ -41,8 +43,6 @@ from .dp_protocol import (
     image_from_wire,
     params_from_wire,
 )
-from .ranks import config_from_json, exit_with_parent
-from .sequence import InvalidRequestError
 
 log = logging.getLogger(__name__)
 

@@ -24,13 +24,13 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from ..engine.routing import rendezvous
-from ..server.errors import APIError
-from ..server.middleware import front_app
-from ..server.protocol import MAX_BODY_BYTES
-from ..server.relay import all_ready, passed_headers, stream_back
-from ..server.replica_front import routing_key
-from .protocol import MSGPACK, PREFILL_HEADER, SECRET_HEADER, MatchReply, MatchRequest, decode, encode
+from .disagg.protocol import MSGPACK, PREFILL_HEADER, SECRET_HEADER, MatchReply, MatchRequest, decode, encode
+from .engine.dp.routing import rendezvous
+from .replica_front import routing_key
+from .server.errors import APIError
+from .server.middleware import front_app
+from .server.protocol import MAX_BODY_BYTES
+from .server.relay import all_ready, passed_headers, stream_back
 
 log = logging.getLogger("deltaserve.proxy")
 GENERATION = ("/v1/chat/completions", "/v1/completions")
@@ -164,8 +164,8 @@ def add_proxy_arguments(p) -> None:
 def run_proxy(args) -> int:
     import uvicorn
 
-    from ..server.serve import exit_cleanly_on_sigterm
-    from .protocol import load_secret
+    from .disagg.protocol import load_secret
+    from .serve import exit_cleanly_on_sigterm
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     proxy = Proxy(args.prefill, args.decode, load_secret(args.disagg_secret))

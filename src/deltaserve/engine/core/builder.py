@@ -22,22 +22,22 @@ from pathlib import Path
 
 import torch
 
-from ..cache import CacheLayout, CacheManager, build_pools, size_layout
-from ..cache.checkpoint_policy import CheckpointPolicy
-from ..cache.slot_journal import SlotJournal
-from ..model import KimiForCausalLM, resolve_dtype
-from ..model.tokenizer import Tokenizer
-from ..model.vision import VisionModel
-from ..model.vision_weights import PREFIXES, load_vision_model
-from ..model.weights import checkpoint_files
-from ..ops.backends.select import describe
-from ..parallel import SINGLE
-from .channel import ControlChannel
-from .config import EngineConfig
-from .core import EngineCore
-from .messages import PROTOCOL_VERSION, Hello, Shutdown
-from .ranks import RankGroup, plan_ranks, rank_device
-from .worker import load_rank_model, run_worker
+from ...cache import CacheLayout, CacheManager, build_pools, size_layout
+from ...cache.checkpoint_policy import CheckpointPolicy
+from ...cache.slot_journal import SlotJournal
+from ...model import KimiForCausalLM, resolve_dtype
+from ...model.tokenizer import Tokenizer
+from ...model.vision import VisionModel
+from ...model.vision_weights import PREFIXES, load_vision_model
+from ...model.weights import checkpoint_files
+from ...ops.backends.select import describe
+from ...parallel import SINGLE
+from ..config import EngineConfig
+from ..exec.channel import ControlChannel
+from ..exec.messages import PROTOCOL_VERSION, Hello, Shutdown
+from ..exec.ranks import RankGroup, plan_ranks, rank_device
+from ..exec.worker import load_rank_model, run_worker
+from .loop import EngineCore
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..cache.handoff import Region, admit_received, handoff_regions
+from ...cache.handoff import Region, admit_received, handoff_regions
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import codecs
 
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.request.sampling_params import SamplingParams
 from deltaserve.model.tokenizer import Tokenizer
 
 

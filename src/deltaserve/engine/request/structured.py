@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.transfer import tensor_on
+from ...kernels.transfer import tensor_on
 from .schema_check import no_finite_instance
 
 ANY_JSON_OBJECT: dict = {"type": "object"}

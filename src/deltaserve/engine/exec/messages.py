@@ -17,7 +17,7 @@ from __future__ import annotations
 import msgspec
 import torch
 
-from ..cache.slot_journal import CopyOp, ZeroOp
+from ...cache.slot_journal import CopyOp, ZeroOp
 
 PROTOCOL_VERSION = 3
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -18,9 +18,9 @@ from collections.abc import Iterable
 
 import torch
 
-from ..model.vision import VisionModel
-from .config import DEFAULT_ENCODER_CACHE_BYTES
-from .multimodal import ImageInput
+from ...model.vision import VisionModel
+from ..config import DEFAULT_ENCODER_CACHE_BYTES
+from ..request.multimodal import ImageInput
 
 
 class EncoderCache:

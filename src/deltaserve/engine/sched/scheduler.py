@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from ..cache.manager import CacheManager
-from .sequence import SeqStatus, Sequence
+from ...cache.manager import CacheManager
+from ..request.sequence import SeqStatus, Sequence
 
 
 @dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..parallel import COMM
+from ...parallel import COMM
 from . import messages
 
 FRAME = 8192

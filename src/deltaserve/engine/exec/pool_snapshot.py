@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.kda_pool import KdaStatePool
-from ..cache.mla_pool import MlaPagePool
-from ..parallel import ParallelContext
+from ...cache.kda_pool import KdaStatePool
+from ...cache.mla_pool import MlaPagePool
+from ...parallel import ParallelContext
 
 
 def _tails(tp: ParallelContext, tails: torch.Tensor) -> torch.Tensor:

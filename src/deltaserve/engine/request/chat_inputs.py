@@ -15,8 +15,8 @@ import io
 
 from PIL import Image
 
-from ..chat.common import ChatFormatError
-from ..chat.render import render_chat
+from ...chat.common import ChatFormatError
+from ...chat.render import render_chat
 from .sequence import InvalidRequestError
 
 

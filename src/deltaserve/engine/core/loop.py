@@ -26,23 +26,23 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.manager import CacheManager
-from ..model.kimi import KimiForCausalLM
-from ..model.vision import VisionModel
-from .config import DEFAULT_ENCODER_CACHE_BYTES, DEFAULT_STRUCTURED_THINKING_BUDGET
-from .detokenizer import IncrementalDetokenizer
-from .encoder_cache import EncoderCache, encoder_stats
-from .mm_inputs import ImagePrompts, MmPrompt
-from .multimodal import ImageInput
-from .outputs import CompletionOutput, Logprob, RequestOutput
-from .reasoning import ReasoningBudget, piece_ids
-from .request_check import check_request
-from .runner import ModelRunner
-from .sampler import SamplingRow
-from .sampling_params import SamplingParams
-from .scheduler import Scheduler
-from .sequence import InvalidRequestError, SeqStatus, Sequence
-from .structured import GrammarCompiler, GrammarState, StructuredOutputError
+from ...cache.manager import CacheManager
+from ...model.kimi import KimiForCausalLM
+from ...model.vision import VisionModel
+from ..config import DEFAULT_ENCODER_CACHE_BYTES, DEFAULT_STRUCTURED_THINKING_BUDGET
+from ..exec.encoder_cache import EncoderCache, encoder_stats
+from ..exec.runner import ModelRunner
+from ..exec.sampler import SamplingRow
+from ..request.detokenizer import IncrementalDetokenizer
+from ..request.mm_inputs import ImagePrompts, MmPrompt
+from ..request.multimodal import ImageInput
+from ..request.outputs import CompletionOutput, Logprob, RequestOutput
+from ..request.reasoning import ReasoningBudget, piece_ids
+from ..request.request_check import check_request
+from ..request.sampling_params import SamplingParams
+from ..request.sequence import InvalidRequestError, SeqStatus, Sequence
+from ..request.structured import GrammarCompiler, GrammarState, StructuredOutputError
+from ..sched.scheduler import Scheduler
 
 
 @dataclass
