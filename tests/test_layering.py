@@ -13,6 +13,7 @@ import deltaserve
 
 ROOT = Path(deltaserve.__file__).parent
 LEVEL = {
+    "env": -1,  # the DELTASERVE_* variables, read by every floor
     "kernels": 0,  # cpu/, transfer, chunking
     "parallel": 0,
     "ops": 1,  # the pure-PyTorch reference ops and operand bundles

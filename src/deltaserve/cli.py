@@ -139,12 +139,24 @@ def _add_proxy(sub) -> None:
     p.set_defaults(func=_proxy)
 
 
+def _env(args: argparse.Namespace) -> int:
+    from .env import listing
+
+    print(listing())
+    return 0
+
+
+def _add_env(sub) -> None:
+    p = sub.add_parser("env", help="the DELTASERVE_* environment variables: kind, default, meaning, value if set")
+    p.set_defaults(func=_env)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="deltaserve", description="deltaserve: a serving engine for Kimi K3 / Kimi-Linear"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_make_tiny, _add_generate, _add_bench, _add_plan, _add_serve, _add_proxy):
+    for add in (_add_make_tiny, _add_generate, _add_bench, _add_plan, _add_serve, _add_proxy, _add_env):
         add(sub)
     return parser
 

@@ -24,6 +24,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from . import env
 from .disagg.protocol import MSGPACK, PREFILL_HEADER, SECRET_HEADER, MatchReply, MatchRequest, decode, encode
 from .engine.dp.routing import rendezvous
 from .replica_front import routing_key
@@ -151,13 +152,12 @@ def build_proxy_app(proxy: Proxy, api_key: str | None = None, max_body_bytes: in
 
 
 def add_proxy_arguments(p) -> None:
-    import os
 
     p.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill instances")
     p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("DELTASERVE_API_KEY"), help="required of clients")
+    p.add_argument("--api-key", default=env.API_KEY.get(), help="required of clients")
     p.add_argument("--disagg-secret", default=None, help="the instances' shared secret (see serve --help)")
 
 

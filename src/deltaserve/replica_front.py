@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from .engine.dp.routing import SPILL, rendezvous
+from .env import EXIT_WITH_PARENT
 from .server.errors import APIError
 from .server.middleware import front_app
 from .server.protocol import MAX_BODY_BYTES
@@ -171,7 +172,7 @@ def replica_argv(args: argparse.Namespace, parser: argparse.ArgumentParser, mode
     return argv
 
 
-EXIT_WITH_PARENT_ENV = "DELTASERVE_EXIT_WITH_PARENT"
+EXIT_WITH_PARENT_ENV = EXIT_WITH_PARENT.name
 
 
 def start_replicas(n: int, argv: list[str]) -> list[Replica]:

@@ -21,6 +21,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from . import env
+
 log = logging.getLogger("deltaserve.serve")
 
 DEFAULT_NAME = "default-kimi_k3-tiny-seed0"
@@ -122,7 +124,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the dir name)")
     p.add_argument(
         "--api-key",
-        default=os.environ.get("DELTASERVE_API_KEY"),
+        default=env.API_KEY.get(),
         help="require 'Authorization: Bearer KEY' on every route but /health",
     )
     add_engine_args(p)
@@ -225,13 +227,12 @@ def serve(args: argparse.Namespace) -> int:
     from .engine.config import EngineConfig
     from .engine.exec.ranks import exit_with_parent
     from .engine.llm import LLM
-    from .replica_front import EXIT_WITH_PARENT_ENV
     from .roles import check_role_arguments, install_role
     from .server.app import build_app
     from .server.async_engine import AsyncEngine
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if os.environ.pop(EXIT_WITH_PARENT_ENV, None):  # a replica server of `--data-parallel-size`
+    if env.EXIT_WITH_PARENT.pop():  # a replica server of `--data-parallel-size`
         exit_with_parent()
     if args.data_parallel_size < 1:
         raise SystemExit("--data-parallel-size must be >= 1")

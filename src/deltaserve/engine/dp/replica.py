@@ -23,6 +23,7 @@ import time
 
 import msgspec
 
+from ... import env
 from ..core.builder import Engine, build_engine
 from ..exec.ranks import config_from_json, exit_with_parent
 from ..request.sequence import InvalidRequestError
@@ -46,7 +47,7 @@ from .protocol import (
 
 log = logging.getLogger(__name__)
 
-REPLICA_ENV = "DELTASERVE_DP_REPLICA"
+REPLICA_ENV = env.DP_REPLICA.name
 
 
 class Replica:

@@ -21,18 +21,18 @@ given back, and the caller stops the instance instead.
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
 
+from ... import env
 from ...cache.handoff import Region, pool_tensors, region_digests
 from ...parallel.kv_transfer import Connector, TransferError, make_connector
 from .messages import Collect, Digest, Pull, TransferSetup
 from .ranks import RankFailure
 
 Spans = list[tuple[str, int, int, int]]  # regions as (tensor, layer, offset, length)
-HOST_ENV = "DELTASERVE_KV_TRANSFER_HOST"  # the address this node's ranks advertise (serve --kv-transfer-host)
+HOST_ENV = env.KV_TRANSFER_HOST.name  # the address this node's ranks advertise (serve --kv-transfer-host)
 
 
 class RankEndpoint(msgspec.Struct, frozen=True):
@@ -123,7 +123,7 @@ def serve_transfer(msg, channel, tensors: dict, ops, transfer: RankTransfer | No
     """A worker's side of the transfer messages (`ops(list)` replays slot writes); returns the
     rank's transfer (started by `TransferSetup`)."""
     if isinstance(msg, TransferSetup):  # a rank on another node advertises that node's own address
-        transfer, endpoint = RankTransfer.start(msg.engine, os.environ.get(HOST_ENV) or msg.host, tensors)
+        transfer, endpoint = RankTransfer.start(msg.engine, env.KV_TRANSFER_HOST.get() or msg.host, tensors)
         _answer(channel, endpoint)
         return transfer
     if transfer is None:

@@ -43,12 +43,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ...env import WORKER
 from ...parallel import ParallelContext, init_tensor_parallel
 from ..config import EngineConfig
 
 log = logging.getLogger(__name__)
 
-WORKER_ENV = "DELTASERVE_WORKER"
+WORKER_ENV = WORKER.name
 CONTROL_TIMEOUT = datetime.timedelta(days=30)
 SHM_SLOT_BYTES = 16 << 20  # largest tensor a shared-memory collective takes (larger: gloo)
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -16,13 +16,13 @@ import contextlib
 import ctypes
 import functools
 import logging
-import os
 import subprocess
 import time
 from pathlib import Path
 
 import torch
 
+from ... import env
 from .abi import (
     ACT_SILU,
     ACT_SITU,
@@ -86,7 +86,7 @@ class NativeKernels(
         lib.ds_init()
         self.avx512_bf16 = bool(lib.ds_has_avx512bf16())
         self.amx = self.tiles = False
-        self.set_amx(os.environ.get("DELTASERVE_AMX", "1") != "0")
+        self.set_amx(env.AMX.on())
         lowest = "generic" if built_for == "generic" else "avx2"
         self.isa = "amx" if self.amx else ("avx512" if self.avx512_bf16 else lowest)
         if self.isa != built_for:
@@ -133,7 +133,7 @@ def load(isa: str | None = None, compiler: str | None = None, csrc: Path | None 
     compiler = compiler or find_compiler()
     if compiler is None:
         raise OSError("no C compiler found")
-    chosen = choose_isa(os.environ.get("DELTASERVE_ISA") if isa is None else isa)
+    chosen = choose_isa(env.ISA.get() if isa is None else isa)
     path = _build(compiler, chosen, csrc or CSRC)
     try:
         return NativeKernels(ctypes.CDLL(str(path)), chosen)
@@ -143,7 +143,7 @@ def load(isa: str | None = None, compiler: str | None = None, csrc: Path | None 
 
 @functools.lru_cache(maxsize=1)
 def _load() -> NativeKernels | None:
-    if os.environ.get("DELTASERVE_NATIVE", "1") == "0":
+    if not env.NATIVE.on():
         return None
     compiler = find_compiler()
     if compiler is None:

@@ -12,13 +12,14 @@ import inspect
 
 import torch
 
+from ... import env
 from ...kernels.transfer import host_copy
 from ..triton import optional_import
 
 
 @functools.cache
 def _chunk_kda():
-    return optional_import("fla.ops.kda", "chunk_kda", "DELTASERVE_FLA")
+    return optional_import("fla.ops.kda", "chunk_kda", env.FLA)
 
 
 @functools.cache

@@ -15,6 +15,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from ... import env
 from ...kernels.transfer import host_copy
 from ...ops.mla import joined_keys
 from ..triton import optional_import
@@ -24,7 +25,7 @@ _MAX_WIDTH = 256
 
 @functools.cache
 def _varlen_attn():
-    return optional_import("torch.nn.attention.varlen", "varlen_attn", "DELTASERVE_TORCH_FLASH")
+    return optional_import("torch.nn.attention.varlen", "varlen_attn", env.TORCH_FLASH)
 
 
 def available() -> bool:

@@ -23,11 +23,11 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-import os
 import weakref
 
 import torch
 
+from ... import env
 from ...kernels.transfer import host_copy
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace
@@ -37,7 +37,7 @@ _WIDTHS = (512, 64)  # (kv_lora_rank, rope width) that every FlashInfer MLA buil
 @functools.cache
 def _mla():
     """`flashinfer.mla`, or None where it does not import (any error: it loads CUDA libraries)."""
-    if os.environ.get("DELTASERVE_FLASHINFER", "1") == "0":
+    if not env.FLASHINFER.on():
         return None
     try:
         mod = importlib.import_module("flashinfer.mla")

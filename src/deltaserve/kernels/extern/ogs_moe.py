@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import os
 import types
 import weakref
 
@@ -36,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ... import env
 from ...ops.operands import ExpertWeights, GluAct
 from ..triton.moe import situ
 
@@ -64,7 +64,7 @@ def _deltaserve_silu(acc):
 def _lib():
     """The library's entry points, or None where it does not import, is another API generation, or
     is disabled (any import error: it touches the GPU driver)."""
-    if os.environ.get("DELTASERVE_TRITON_KERNELS", "0") != "1":
+    if not env.TRITON_KERNELS.on():
         return None
     try:
         mm, routing, tensor, layout, flags = (

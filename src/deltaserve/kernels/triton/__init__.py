@@ -12,16 +12,18 @@ import importlib
 import importlib.util
 import os
 
+from ...env import Switch
+
 
 def available() -> bool:
     """Whether `triton` is importable (checked without importing it)."""
     return importlib.util.find_spec("triton") is not None
 
 
-def optional_import(module: str, attr: str, switch: str):
-    """`module.attr` where it imports and the environment variable `switch` is not "0" (the
-    optional libraries: fla-core, torch's flash varlen); None otherwise."""
-    if os.environ.get(switch, "1") == "0":
+def optional_import(module: str, attr: str, switch: Switch):
+    """`module.attr` where it imports and `switch` is on (the optional libraries: fla-core,
+    torch's flash varlen); None otherwise."""
+    if not switch.on():
         return None
     try:
         return getattr(importlib.import_module(module), attr)

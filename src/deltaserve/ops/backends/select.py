@@ -17,10 +17,9 @@ where it cannot run.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ... import env
 from ...kernels import triton as triton_backend
 from ...kernels.cpu import native
 from .cpu import CpuNativeOps
@@ -28,7 +27,7 @@ from .torch import REFERENCE, TorchOps
 
 
 def _wants_triton(device: torch.device) -> bool:
-    flag = os.environ.get("DELTASERVE_TRITON", "")
+    flag = env.TRITON.get()
     if flag in ("0", "1"):
         return flag == "1"
     return device.type == "cuda" and triton_backend.available()
@@ -55,8 +54,8 @@ def select_ops(device: torch.device | str, dtype: torch.dtype, fuse_blocks: bool
     if device.type == "cpu" and dtype == torch.bfloat16:
         kernels = native(device)
         if kernels is not None:
-            stack = os.environ.get("DELTASERVE_DECODE_STACK", "1") != "0"
-            flash = os.environ.get("DELTASERVE_FLASH_PREFILL", "1") != "0"
+            stack = env.DECODE_STACK.on()
+            flash = env.FLASH_PREFILL.on()
             return CpuNativeOps(kernels, fuse_blocks=fuse_blocks, fuse_stack=stack, flash_prefill=flash)
     return REFERENCE
 
