@@ -209,6 +209,29 @@ def test_linears_and_norms_go_through_the_ops_seam(models):
     assert ops.calls == {"linear": 1 + 4 * n + 2, "rms_norm": 2 * n + 2}
 
 
+def test_attention_goes_through_the_ops_seam(models):
+    class Counting(TorchOps):
+        calls = 0
+
+        def vision_attention(self, q, k, v, mask):
+            Counting.calls += 1
+            return super().vision_attention(q, k, v, mask)
+
+    model = models[torch.float32]
+    with torch.no_grad():
+        want = model(_patches(TWO), TWO)
+    bound = [m for m in model.modules() if isinstance(m, OpsModule)]
+    for m in bound:
+        m.ops = Counting()
+    try:
+        with torch.no_grad():
+            got = model(_patches(TWO), TWO)
+    finally:
+        for m in bound:
+            del m.ops
+    assert Counting.calls == model.cfg.num_layers and torch.equal(got, want)
+
+
 def test_bad_grids_are_rejected(models):
     model = models[torch.float32]
     with pytest.raises(ValueError, match="t = 1"):

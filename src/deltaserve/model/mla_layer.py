@@ -182,8 +182,8 @@ class DcpMlaAttention(MlaAttention):
     queries over the DCP group (its D ranks' heads), attends with every gathered head over its
     local rows (`ops.mla.mla_absorbed_partial`, causal by global position; a decode step, where each
     query sees all its rows, through `ops.mla_decode_partial` over the pool in place where the backend
-    has it), all-gathers the (partial output, LSE) pairs, merges its own heads' parts
-    (`ops.mla.lse_combine`), then W_UV, gate and the row-parallel o_proj as under TP. The whole-context
+    has it; both behind `ops.mla_dcp_partial`), all-gathers the (partial output, LSE) pairs, merges its own heads' parts
+    (`ops.lse_merge`), then W_UV, gate and the row-parallel o_proj as under TP. The whole-context
     native decode kernels are not called and there is no prepared plan (`native_kernels`). Without a
     cache (`forward_full`) every position is local and the plain TP attention runs."""
 
@@ -198,22 +198,13 @@ class DcpMlaAttention(MlaAttention):
         cache = ctx.cache
         if cache is None:
             return self._plain(q, latent, ctx.cu_seqlens), gate
-        view = getattr(cache, "mla_dcp_context", None)
-        if view is None:
+        if not hasattr(cache, "mla_dcp_context"):
             raise TypeError(f"{type(cache).__name__} has no mla_dcp_context: it cannot serve a DCP MLA layer")
         cache.store_mla(self.layer_id, latent)
         q_all = self.tp.dcp_all_gather(self._latent_queries(q), dim=1)
-        part = None
-        if cache.decode_only and hasattr(cache, "mla_dcp_rows_view"):  # each query sees all its rows
-            part = self.ops.mla_decode_partial(q_all, cache.mla_dcp_rows_view(self.layer_id), self.rank, self.scale)
-        if part is None:
-            rows, kv_pos, cu_kv, q_pos = view(self.layer_id)
-            part = mla_ops.mla_absorbed_partial(
-                q_all, rows, q_pos, kv_pos, ctx.cu_seqlens, cu_kv, self.rank, self.scale
-            )
-        o, lse = part
+        o, lse = self.ops.mla_dcp_partial(q_all, cache, self.layer_id, ctx.cu_seqlens, self.rank, self.scale)
         h, d = self.num_heads, self.tp.dcp_rank
         parts = self.tp.dcp_all_gather(torch.cat([o, lse[..., None]], dim=-1)[None], dim=0)
         parts = parts[:, :, d * h : (d + 1) * h]
-        o_lat, _ = mla_ops.lse_combine(parts[..., : self.rank], parts[..., self.rank])
+        o_lat, _ = self.ops.lse_merge(parts[..., : self.rank], parts[..., self.rank])
         return self._values(o_lat.to(q.dtype)), gate

@@ -6,7 +6,8 @@ Tower norms are `nn.RMSNorm` with eps unset upstream. PyTorch then takes the eps
 op's compute type (float32 for bf16/fp16 input: ~1.19e-7, not bf16's 2^-7 as OQ-5 assumed;
 checked on torch 2.13 CPU and 2.11 CUDA), so that is the default here unless the config pins
 one; the projector's `post_norm` uses `projector_ln_eps`. Linears and norms run on
-the bound op backend (`OpsModule`); attention, RoPE2D and the merge are `ops.vision` functions.
+the bound op backend (`OpsModule`), attention too (`vision_attention`); RoPE2D and the merge are
+`ops.vision` functions.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ class VisionMlp(nn.Module):
         return self.fc1(vops.gelu_tanh(self.fc0(x)))
 
 
-class VisionBlock(nn.Module):
+class VisionBlock(OpsModule):
     """Pre-norm block: `p += wo(Attn(RoPE2D(q), RoPE2D(k), v))`, `p += mlp(norm1(p))`."""
 
     def __init__(self, cfg: VisionConfig):
@@ -162,7 +163,7 @@ class VisionBlock(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         q, k, v = self.wqkv(self.norm0(x)).unflatten(-1, (3, self.heads, -1)).unbind(1)
         q, k = vops.apply_rope2d(q, cos, sin), vops.apply_rope2d(k, cos, sin)
-        x = x + self.wo(vops.varlen_attention(q, k, v, mask).flatten(1))
+        x = x + self.wo(self.ops.vision_attention(q, k, v, mask).flatten(1))
         return x + self.mlp(self.norm1(x))
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kda as kda_ops
+from .. import mla as mla_fns
 from ..attn_res import attn_res_mix
 from ..mla import (
     joined_keys,
@@ -30,6 +31,7 @@ from ..moe import grouped_experts, route
 from ..mxfp4 import mxfp4_decode
 from ..norms import gated_rms_norm, rms_norm
 from ..operands import ExpertWeights, GluAct, KdaSpec, KdaWeights, MlaWeights, MoeWeights, PackedExpertView, RouteSpec
+from ..vision import varlen_attention
 
 
 class TorchOps:
@@ -215,6 +217,28 @@ class TorchOps:
         cu_kv), as `ops.mla.mla_absorbed_partial` gives them for queries that see every row; or None
         (the layer gathers the rows and runs that)."""
         return None
+
+    def mla_dcp_partial(self, q_all: torch.Tensor, cache, layer_id: int, cu_q: torch.Tensor, rank: int, scale: float):
+        """Decode context parallelism: (o fp32 [N, H, R], lse fp32 [N, H]) of the gathered latent
+        queries over this rank's rows of their contexts, causal by global position. A decode step,
+        where each query sees all its rows, reads the pool in place where the backend can
+        (`mla_decode_partial`); otherwise the rows the cache gathers (`mla_dcp_context`) go to
+        `mla.mla_absorbed_partial`."""
+        if cache.decode_only and hasattr(cache, "mla_dcp_rows_view"):
+            part = self.mla_decode_partial(q_all, cache.mla_dcp_rows_view(layer_id), rank, scale)
+            if part is not None:
+                return part
+        rows, kv_pos, cu_kv, q_pos = cache.mla_dcp_context(layer_id)
+        return mla_fns.mla_absorbed_partial(q_all, rows, q_pos, kv_pos, cu_q, cu_kv, rank, scale)
+
+    def lse_merge(self, o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(merged output, total lse) of partial attentions [P, ...] over disjoint rows (`mla.lse_combine`)."""
+        return mla_fns.lse_combine(o, lse)
+
+    # vision ------------------------------------------------------------------------------------
+    def vision_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
+        """The vision tower's bidirectional attention within each image (`vision.varlen_attention`)."""
+        return varlen_attention(q, k, v, mask)
 
     def mla_decode(
         self, q: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, rows_view, rank: int, scale: float, prepared=None
