@@ -1,4 +1,4 @@
-"""Structured outputs (engine/structured.py): the bitmask op against a loop oracle, grammar masks
+"""Structured outputs (engine/request/structured.py): the bitmask op against a loop oracle, grammar masks
 against the tokenizer's own bytes, and constrained generation on a tiny random K3."""
 
 import json

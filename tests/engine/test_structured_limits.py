@@ -1,6 +1,6 @@
 """Structured outputs decided at request time (schemas with no finite value, size and llguidance
 limits), grammar failures while decoding ("error", never "stop"), and reasoning budgets
-(engine/schema_check.py, engine/structured.py, engine/reasoning.py) on a tiny random K3."""
+(engine/request/schema_check.py, engine/request/structured.py, engine/request/reasoning.py) on a tiny random K3."""
 
 import json
 import threading

@@ -30,11 +30,11 @@ class LLM:
 
     `LLM(model, dtype, **kwargs)` takes the fields of `EngineConfig` (engine/config.py documents
     them and their defaults) as keyword arguments; `LLM.from_config(config)` takes the config.
-    Both start the engine with `build_engine` (engine/builder.py): in bfloat16 the native CPU
+    Both start the engine with `build_engine` (engine/core/builder.py): in bfloat16 the native CPU
     kernels are built and loaded there, so no request pays for the compile. With
     `tensor_parallel_size > 1` it also starts the worker processes; `shutdown()` (or leaving a
     `with LLM(...)` block) stops them. With `data_parallel_size = N > 1` it is a client of N
-    engine replica processes (engine/dp_client.py: requests routed by prefix, outputs exactly
+    engine replica processes (engine/dp/client.py: requests routed by prefix, outputs exactly
     one engine's); `model`, `cache`, `engine` and `layout` are then None (they live in the
     replicas), `stats()` sums the replicas' figures and `pool_snapshot()` is refused. With
     `skip_tokenizer_init=True` no tokenizer is loaded: prompts must be token ids and outputs
@@ -224,7 +224,7 @@ class LLM:
         (self._dp or self.cache).check_integrity()
 
     def pool_snapshot(self) -> dict[str, torch.Tensor]:
-        """The pools of every rank gathered in the one-process layout (see engine/pool_snapshot.py)."""
+        """The pools of every rank gathered in the one-process layout (see engine/exec/pool_snapshot.py)."""
         if self._dp is not None:
             raise NotImplementedError("pool_snapshot reads one engine's pools: not with data_parallel_size > 1")
         return self.engine.runner.pool_snapshot()

@@ -6,11 +6,11 @@ no trace; finished and aborted sequences free their cache in the same call. A re
 accepted token; a sequence finishes with "stop" as soon as its grammar is complete (no step is
 spent on the EOS that is all a complete grammar allows), and with "error" (`stop_reason` = the
 message) if its grammar rejects a token or fails. A request whose output starts inside a
-reasoning section gets a `ReasoningBudget` per sequence (engine/reasoning.py): its
+reasoning section gets a `ReasoningBudget` per sequence (engine/request/reasoning.py): its
 `thinking_token_budget`, or `structured_thinking_budget` when a structured output starts after
 the reasoning and the request sets none (None: unlimited).
 
-Images (`add_request(..., images=...)`, engine/mm_inputs.py): the prompt's `<|media_pad|>` runs
+Images (`add_request(..., images=...)`, engine/request/mm_inputs.py): the prompt's `<|media_pad|>` runs
 (and K3's `<|kimi_image_placeholder|>`, if the tokenizer has it, read as a lone pad) are matched
 to the images in order and lone pads expanded; the request's `prompt_token_ids`
 are the expanded ids. Only a model loaded with its vision tower (`vision`) accepts images; their
@@ -165,7 +165,7 @@ class EngineCore:
         prefill_only: bool = False,
         received: int | None = None,
     ) -> None:
-        """`prefill_only`: compute the prompt and park its cache (`engine/handoff.py`), sampling
+        """`prefill_only`: compute the prompt and park its cache (`engine/sched/handoff.py`), sampling
         nothing. `received`: the sequence id of a handoff reservation holding the cache of every
         prompt token but the last (`handoff.reserve`); the request runs from there (n must be 1)."""
         mm = self._check(request_id, prompt_ids, params, images)

@@ -1,5 +1,5 @@
 """`DPClient`: the offline `LLM` with `data_parallel_size = N > 1`, a client of N engine
-replicas (engine/dp_replica.py), as vLLM's `EngineCoreClient` is of its engine-core processes.
+replicas (engine/dp/replica.py), as vLLM's `EngineCoreClient` is of its engine-core processes.
 
 Each replica is a `python -m deltaserve.engine.dp.replica` subprocess with a whole engine (its
 own scheduler, caches and, with `tensor_parallel_size > 1`, its own worker ranks on its own

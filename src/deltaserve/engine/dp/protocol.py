@@ -1,5 +1,5 @@
-"""The data-parallel protocol: what the offline `LLM` (the client, engine/dp_client.py) and its
-engine replicas (engine/dp_replica.py) say to each other over one socket per replica.
+"""The data-parallel protocol: what the offline `LLM` (the client, engine/dp/client.py) and its
+engine replicas (engine/dp/replica.py) say to each other over one socket per replica.
 
 Typed, versioned msgspec structs encoded as msgpack, each frame an 8-byte little-endian length
 and the message; nothing is pickled. Sampling params travel as their fields (`params_to_wire`),

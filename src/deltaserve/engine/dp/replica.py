@@ -1,5 +1,5 @@
 """One data-parallel engine replica: `python -m deltaserve.engine.dp.replica`, spawned by the
-offline `LLM`'s client (engine/dp_client.py) with its config (JSON) and the descriptor of its
+offline `LLM`'s client (engine/dp/client.py) with its config (JSON) and the descriptor of its
 end of a socket pair in the `DELTASERVE_DP_REPLICA` environment variable.
 
 It builds a whole engine with `build_engine` (its own scheduler, caches and, with

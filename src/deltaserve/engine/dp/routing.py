@@ -1,5 +1,5 @@
 """Prefix-affine, load-bounded routing over engine replicas, shared by the offline `LLM`'s
-data-parallel client (engine/dp_client.py) and `deltaserve serve --data-parallel-size`'s front.
+data-parallel client (engine/dp/client.py) and `deltaserve serve --data-parallel-size`'s front.
 
 Invariants: `rendezvous(key, n)` depends only on `key` and `n` (the same key always lands on
 the same replica, so requests sharing a prefix meet their cached prefix); `pick` keeps that

@@ -8,7 +8,7 @@ One step, for logits `[B, V]` and one `SamplingRow` per row, in this order (vLLM
    `grammar` (structured outputs), every token the grammar disallows set to -inf (if that
    leaves nothing, the grammar mask alone is applied to the step-1 logits: see
    `structured.apply_bitmask`); rows with a `forced` token (a reasoning budget closing the
-   think element, engine/reasoning.py) keep that token alone, at logit 0;
+   think element, engine/request/reasoning.py) keep that token alone, at logit 0;
 3. greedy rows (`params.greedy`): argmax, first index on ties;
 4. other rows: divide by temperature; min_p (keep `prob >= min_p * max_prob`); top-k (keep
    logits >= the k-th largest); top-p on the renormalised top-k distribution (keep the

@@ -4,12 +4,12 @@ Invariants after `__post_init__` (any violation raises `SamplingParamsError` nam
 and its allowed range): numeric fields have the right type (a bool is not a number), are
 finite and in range; `stop` is a list of non-empty strings; `stop_token_ids` is a list of
 non-negative ints; `top_k` is 0 (disabled, `-1` is normalised to 0) or >= 1; float fields
-are Python floats; `structured` is None or a `StructuredOutput` (engine/structured.py);
+are Python floats; `structured` is None or a `StructuredOutput` (engine/request/structured.py);
 `keep_special_token_ids` is a frozenset of non-negative ints: the special tokens that stay in the
 text although `skip_special_tokens` is set (the control markers a chat parser reads);
 `thinking_token_budget` is None or an int >= 0 and needs a reasoning end: `reasoning_end` (a tuple
 of `str` / `Special` pieces starting with a `Special`) or a `structured` output with a prefix
-(the same pieces when both are given); see engine/reasoning.py.
+(the same pieces when both are given); see engine/request/reasoning.py.
 """
 
 from __future__ import annotations

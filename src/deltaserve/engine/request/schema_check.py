@@ -1,4 +1,4 @@
-"""Request-time check that a JSON schema admits a finite JSON value (engine/structured.py).
+"""Request-time check that a JSON schema admits a finite JSON value (engine/request/structured.py).
 
 llguidance compiles schemas whose only instances are infinitely deep (a required property that
 `$ref`s its own object, a `$ref` cycle), and decoding then runs until max_tokens without ever

@@ -6,7 +6,7 @@ the scheduler feeds `all_ids[num_computed:]` next. Preemption by recompute reset
 outputs and carries on with the same tokens (its generator is not reset).
 
 Image i of `images` owns the prompt's pad positions `[image_starts[i], image_starts[i] + N_i)`
-(engine/mm_inputs.py); `image_spans` are those ranges with each image's digest, the extra keys of
+(engine/request/mm_inputs.py); `image_spans` are those ranges with each image's digest, the extra keys of
 the sequence's prefix hash chain.
 """
 

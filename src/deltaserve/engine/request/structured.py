@@ -24,7 +24,7 @@ Invariants:
   always close the think element).
 - Decided at request time, before anything is queued (`StructuredOutputError`): a schema over
   `MAX_SCHEMA_BYTES`, one llguidance cannot compile within `GRAMMAR_LIMITS`, one that admits no
-  finite JSON value (engine/schema_check.py), one whose grammar allows no first token.
+  finite JSON value (engine/request/schema_check.py), one whose grammar allows no first token.
   `GrammarCompiler.compile` is thread-safe and caches compiled grammars (LRU), so a server
   compiles off its event loop and the engine thread then only copies the cached matcher.
 - A grammar that rejects a token or errors while decoding reports `GrammarState.failure`; the

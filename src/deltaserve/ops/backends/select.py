@@ -41,7 +41,7 @@ def triton_ops(device: torch.device | str) -> TorchOps:
         raise RuntimeError("the Triton backend needs `triton` (pip install 'deltaserve[gpu]')")
     if device.type != "cuda" and not triton_backend.interpreted():
         raise RuntimeError(f"Triton kernels run on CUDA, or on {device.type} only with TRITON_INTERPRET=1")
-    from ...kernels.triton import TritonOps
+    from .triton import TritonOps
 
     return TritonOps()
 
