@@ -84,7 +84,7 @@ def test_engine_steps_do_not_stall_or_mix_devices(tmp_path, device, monkeypatch,
     if device.type == "cuda":
         _on_cuda(ckpt, image, monkeypatch, dtype)
         return
-    mode = FakeDevice(allow_sync=("/engine/sampler.py",))
+    mode = FakeDevice(allow_sync=("/engine/exec/sampler.py",))
     with mode:
         watch_steps(mode, monkeypatch)
         llm = _llm(ckpt, "cpu:0", dtype=dtype)
