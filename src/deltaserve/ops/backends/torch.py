@@ -32,6 +32,7 @@ from ..mxfp4 import mxfp4_decode
 from ..norms import gated_rms_norm, rms_norm
 from ..operands import ExpertWeights, GluAct, KdaSpec, KdaWeights, MlaWeights, MoeWeights, PackedExpertView, RouteSpec
 from ..vision import varlen_attention
+from . import mla_attend
 
 
 class TorchOps:
@@ -217,6 +218,14 @@ class TorchOps:
         cu_kv), as `ops.mla.mla_absorbed_partial` gives them for queries that see every row; or None
         (the layer gathers the rows and runs that)."""
         return None
+
+    def mla_attend(
+        self, q, latent, w_kv, cache, layer_id: int, cu_seqlens, rank: int, scale: float, prepared=None
+    ) -> torch.Tensor:
+        """o [N, H, v] of an MLA layer's step: the in-place kernels where they fit, else the gathered
+        context in the cheaper form per sequence, or causal within the step without a cache
+        (`mla_attend.attend`, composed from this backend's ops)."""
+        return mla_attend.attend(self, q, latent, w_kv, cache, layer_id, cu_seqlens, rank, scale, prepared)
 
     def mla_dcp_partial(self, q_all: torch.Tensor, cache, layer_id: int, cu_q: torch.Tensor, rank: int, scale: float):
         """Decode context parallelism: (o fp32 [N, H, R], lse fp32 [N, H]) of the gathered latent
