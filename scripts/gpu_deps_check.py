@@ -17,7 +17,7 @@ import tomllib
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).parents[1]
-MODULES = ("deltaserve.engine.llm", "deltaserve.server.app", "deltaserve.ops.triton")
+MODULES = ("deltaserve.engine.llm", "deltaserve.server.app", "deltaserve.kernels.triton")
 
 
 def verdict(req: Requirement) -> tuple[bool, str]:

@@ -1,4 +1,4 @@
-"""KDA prefill kernel bench: ours (`ops.triton.kda.chunk_kda`, with and without state exports)
+"""KDA prefill kernel bench: ours (`kernels.triton.kda.chunk_kda`, with and without state exports)
 against fla-core's `chunk_kda` (where it imports) and the PyTorch path, one sequence of T tokens,
 each figure beside the rooflines this script measures on the same device:
 
@@ -80,8 +80,8 @@ def inputs(t: int, h: int, dk: int, dv: int, device: torch.device):
 
 
 def candidates(args, device: torch.device) -> dict:
-    from deltaserve.ops.triton import fla_kda
-    from deltaserve.ops.triton.kda import chunk_kda
+    from deltaserve.kernels.extern import fla_kda
+    from deltaserve.kernels.triton.kda import chunk_kda
 
     prec = "ieee" if device.type == "cpu" else "tf32"
     out = {

@@ -1,8 +1,8 @@
 """MLA attention kernel bench at K3's geometry, each figure beside the rooflines measured on the same
 device (`kda_bench.rooflines`: HBM copy bandwidth, bf16 matmul throughput):
 
-- prefill of one fresh sequence of T tokens (unabsorbed, causal): ours (`ops.triton.mla_prefill`),
-  torch's FlashAttention varlen kernel (`ops.triton.flash_prefill`, where it fits) and the padded
+- prefill of one fresh sequence of T tokens (unabsorbed, causal): ours (`kernels.triton.mla_prefill`),
+  torch's FlashAttention varlen kernel (`kernels.extern.flash_prefill`, where it fits) and the padded
   SDPA path (`TorchOps.mla_prefill`, what the reference backend runs);
 - extend: a chunk of C queries after a cached prefix (context T in pages of 16), absorbed: ours
   through the block table against the reference's gather + SDPA (`ops.mla.mla_absorbed_attention`),
@@ -25,12 +25,12 @@ import torch
 from kda_bench import _timer, report, rooflines
 
 from deltaserve.ops import mla as mla_ops
-from deltaserve.ops.backend import REFERENCE
+from deltaserve.ops.backends.torch import REFERENCE
 
 
 def prefill_candidates(device: torch.device) -> dict:
-    from deltaserve.ops.triton import flash_prefill
-    from deltaserve.ops.triton.mla_prefill import mla_prefill_attention
+    from deltaserve.kernels.extern import flash_prefill
+    from deltaserve.kernels.triton.mla_prefill import mla_prefill_attention
 
     out = {"ours": mla_prefill_attention, "sdpa": REFERENCE.mla_prefill}
     if device.type == "cuda" and flash_prefill.available():
@@ -97,7 +97,7 @@ def main() -> int:
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     roof = rooflines(device, a.bandwidth_mib, a.gemm, a.reps)
     print(f"rooflines on {device}: HBM {roof['hbm_gb_s']:.0f} GB/s, bf16 matmul {roof['bf16_tflops']:.1f} TFLOP/s")
-    from deltaserve.ops.triton.mla_prefill import mla_extend_attention
+    from deltaserve.kernels.triton.mla_prefill import mla_extend_attention
 
     size = torch.finfo(dtype).bits // 8
     with torch.inference_mode():

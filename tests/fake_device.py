@@ -151,7 +151,7 @@ class FakeDevice(TorchFunctionMode):
 def watch_steps(mode: FakeDevice, monkeypatch) -> None:
     """Check every engine step under `mode`: `ModelRunner.execute` (the step's layout, the vision
     encoder's rows, the forward pass, logits and the sampler) runs with `mode.active` set."""
-    from deltaserve.engine.runner import ModelRunner
+    from deltaserve.engine.exec.runner import ModelRunner
 
     execute = ModelRunner.execute
 
@@ -171,7 +171,7 @@ def step_workload(llm, image=None) -> list[list[int]]:
     and logprobs, a JSON-constrained request with banned ids (`min_tokens`), and with `image` (a
     PIL image; K3) a chat turn that runs the vision encoder."""
     from deltaserve import SamplingParams
-    from deltaserve.engine.structured import StructuredOutput
+    from deltaserve.engine.request.structured import StructuredOutput
 
     params = SamplingParams(
         max_tokens=5, temperature=0.7, top_p=0.9, top_k=20, repetition_penalty=1.1, presence_penalty=0.2,

@@ -11,7 +11,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from .engine.sampling_params import SamplingParams
+        from .engine.request.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'deltaserve' has no attribute {name!r}")

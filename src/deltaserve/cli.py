@@ -73,7 +73,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     from .engine.config import EngineConfig
     from .engine.llm import LLM
-    from .engine.sampling_params import SamplingParams
+    from .engine.request.sampling_params import SamplingParams
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
@@ -131,13 +131,13 @@ def _add_plan(sub) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .server.serve import serve
+    from .serve import serve
 
     return serve(args)
 
 
 def _add_serve(sub) -> None:
-    from .server.serve import add_arguments
+    from .serve import add_arguments
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the embedded tiny model)")
     add_arguments(p)
@@ -145,17 +145,29 @@ def _add_serve(sub) -> None:
 
 
 def _proxy(args: argparse.Namespace) -> int:
-    from .disagg.proxy import run_proxy
+    from .proxy import run_proxy
 
     return run_proxy(args)
 
 
 def _add_proxy(sub) -> None:
-    from .disagg.proxy import add_proxy_arguments
+    from .proxy import add_proxy_arguments
 
     p = sub.add_parser("proxy", help="OpenAI-compatible front of prefill and decode instances (serve --role)")
     add_proxy_arguments(p)
     p.set_defaults(func=_proxy)
+
+
+def _env(args: argparse.Namespace) -> int:
+    from .env import listing
+
+    print(listing())
+    return 0
+
+
+def _add_env(sub) -> None:
+    p = sub.add_parser("env", help="the DELTASERVE_* environment variables: kind, default, meaning, value if set")
+    p.set_defaults(func=_env)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="deltaserve", description="deltaserve: a serving engine for Kimi K3 / Kimi-Linear"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_make_tiny, _add_generate, _add_bench, _add_plan, _add_serve, _add_proxy):
+    for add in (_add_make_tiny, _add_generate, _add_bench, _add_plan, _add_serve, _add_proxy, _add_env):
         add(sub)
     return parser
 

@@ -100,3 +100,39 @@ def test_pinned_checkpoints_survive_eviction():
     assert not idx.pinned and idx.evict_checkpoint() and not idx.ckpts
     idx.evict_pages(4)
     assert not idx.units and mla.num_free == 4 and ck.num_free == 2
+
+
+class _Recorder:
+    """A lower tier that copies what it is handed (the rows of a unit's pages, a checkpoint's state)."""
+
+    def __init__(self):
+        self.units, self.checkpoints = [], []
+
+    def take_unit(self, h, parent, pages, pool):
+        rows = pool.storage[0, torch.tensor(pages)].clone()
+        self.units.append((h, parent, rows))
+
+    def take_checkpoint(self, h, slot, pool):
+        self.checkpoints.append((h, pool.read(1, torch.tensor([slot]))[1].clone()))
+
+
+def test_eviction_hands_units_and_checkpoints_to_the_lower_tier():
+    mla = MlaPagePool([0], num_pages=4, page_size=2, row_dim=3, dtype=torch.float32)
+    ck = KdaStatePool([1], num_slots=1, tail_shape=(1, 2), state_shape=(1, 2, 2), tail_dtype=torch.float32)
+    tier = _Recorder()
+    idx = PrefixIndex(mla, ck, tier)
+    hs = extend_hashes([], root_hash("m"), list(range(4)), 2)
+    pages = mla.allocate(4)
+    mla.storage.copy_(torch.arange(24, dtype=torch.float32).view_as(mla.storage))
+    idx.add_unit(hs[0], None, pages[:2])
+    idx.add_unit(hs[1], hs[0], pages[2:])
+    mla.release(pages)
+    slot = ck.allocate()
+    ck.states[:, slot].fill_(7.0)
+    idx.add_checkpoint(hs[1], slot)
+    idx.evict_pages(4)
+    assert [(h, parent) for h, parent, _ in tier.units] == [(hs[1], hs[0]), (hs[0], None)], "leaf first"
+    expected = torch.arange(24, dtype=torch.float32).view(4, 2, 3)
+    assert torch.equal(tier.units[0][2], expected[pages[2:]]) and torch.equal(tier.units[1][2], expected[pages[:2]])
+    assert [h for h, _ in tier.checkpoints] == [hs[1]] and bool((tier.checkpoints[0][1] == 7.0).all())
+    assert mla.num_free == 4 and ck.num_free == 1

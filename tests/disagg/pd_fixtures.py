@@ -18,8 +18,8 @@ import pytest
 
 from deltaserve import LLM
 from deltaserve.chat.render import load_chat_template
-from deltaserve.disagg.proxy import Proxy, build_proxy_app
-from deltaserve.disagg.roles import add_role_arguments, install_role
+from deltaserve.proxy import Proxy, build_proxy_app
+from deltaserve.roles import add_role_arguments, install_role
 from deltaserve.server.app import build_app
 from deltaserve.server.async_engine import AsyncEngine
 from deltaserve.tiny import PRESETS, make_tiny

@@ -13,9 +13,9 @@ import torch
 
 from deltaserve.cache.handoff import digest, expected_bytes, mla_regions, pool_tensors, region_digests
 from deltaserve.cache.mla_pool import MlaPagePool
-from deltaserve.engine import handoff
-from deltaserve.engine.sampling_params import SamplingParams
-from deltaserve.engine.sequence import InvalidRequestError
+from deltaserve.engine.request.sampling_params import SamplingParams
+from deltaserve.engine.request.sequence import InvalidRequestError
+from deltaserve.engine.sched import handoff
 from deltaserve.tiny import make_tiny
 
 from .pd_fixtures import make_llm

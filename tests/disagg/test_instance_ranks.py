@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from deltaserve.disagg.ranks import InstanceRanks
-from deltaserve.engine.rank_transfer import RankTransfer
+from deltaserve.engine.exec.rank_transfer import RankTransfer
 from deltaserve.parallel.kv_transfer import Connector, TransferError
 
 
@@ -121,7 +121,7 @@ def test_a_hung_read_stops_the_instance_instead_of_hanging():
 def test_the_engine_keeps_stepping_while_a_read_runs(tmp_path):
     """A read is a job beside the engine thread: a request submitted after it finishes first."""
     from deltaserve.cache.handoff import pool_tensors
-    from deltaserve.engine.sampling_params import SamplingParams
+    from deltaserve.engine.request.sampling_params import SamplingParams
     from tests.server.tiny_engine import tiny_async_engine
 
     with tiny_async_engine(tmp_path) as engine:

@@ -14,9 +14,9 @@ import pytest
 
 from deltaserve.chat.render import load_chat_template
 from deltaserve.disagg.decode import bypass_reason
-from deltaserve.disagg.roles import install_role
 from deltaserve.disagg.service import BYPASS_REASONS
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.request.sampling_params import SamplingParams
+from deltaserve.roles import install_role
 from deltaserve.server.app import build_app
 from deltaserve.server.async_engine import AsyncEngine
 from deltaserve.tiny import make_tiny

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import torch
 
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.request.sampling_params import SamplingParams
 from deltaserve.tiny import make_tiny
 from tests.server.live_server import wait_healthy
 

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.request.sampling_params import SamplingParams
 from deltaserve.tiny import make_tiny
 
 from .pd_fixtures import ENGINE, UNIT, idle_and_clean, instance, make_llm, need_mooncake, proxy, state

@@ -16,7 +16,7 @@ import httpx
 import msgspec
 import pytest
 
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.request.sampling_params import SamplingParams
 from tests.server.live_server import wait_healthy
 
 from .pd_fixtures import SECRET, free_port, idle_and_clean, instance, make_llm, need_mooncake, spawn, tp_checkpoint

@@ -4,8 +4,8 @@ endpoints, and the instance goes on stepping (the control group's gather is alwa
 
 from __future__ import annotations
 
-from deltaserve.engine import rank_transfer
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.exec import rank_transfer
+from deltaserve.engine.request.sampling_params import SamplingParams
 
 from .pd_fixtures import make_llm, need_mooncake, tp_checkpoint
 

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from deltaserve.engine.detokenizer import IncrementalDetokenizer
-from deltaserve.engine.sampling_params import SamplingParams as SP
+from deltaserve.engine.request.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.request.sampling_params import SamplingParams as SP
 from deltaserve.model.tokenizer import Tokenizer
 from deltaserve.tiny import make_tiny
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from deltaserve import LLM
-from deltaserve.engine.builder import resolve_device
+from deltaserve.engine.core.builder import resolve_device
 from deltaserve.tiny import make_tiny
 
 

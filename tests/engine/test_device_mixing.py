@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from deltaserve import LLM
-from deltaserve.ops.backend import REFERENCE
+from deltaserve.ops.backends.torch import REFERENCE
 from deltaserve.tiny import make_tiny
 
 from ..fake_device import FakeDevice, step_workload, watch_steps

@@ -232,7 +232,7 @@ def test_bf16_model_and_bf16_state_pool(ckpt):
 def test_logit_hidden_skips_the_gather_only_for_every_row_in_order():
     from types import SimpleNamespace
 
-    from deltaserve.engine.step_batch import every_row, logit_hidden
+    from deltaserve.engine.exec.step_batch import every_row, logit_hidden
 
     hidden = torch.arange(12.0).view(4, 3)
     for rows, same in (([0, 1, 2, 3], True), ([0, 1, 3], False), ([1, 0, 2, 3], False), ([3], False)):

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from deltaserve.ops import select
-from deltaserve.ops.backend import TorchOps
+from deltaserve.ops.backends import select
+from deltaserve.ops.backends.torch import TorchOps
 from deltaserve.tiny import make_tiny
 
 ROOT = Path(__file__).parents[2]

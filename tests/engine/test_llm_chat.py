@@ -13,7 +13,7 @@ from PIL import Image
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.chat.render import load_chat_template, render_chat
-from deltaserve.engine.sequence import InvalidRequestError
+from deltaserve.engine.request.sequence import InvalidRequestError
 from deltaserve.model.image_processor import ImageProcessor
 from deltaserve.tiny import make_tiny
 

@@ -18,11 +18,11 @@ from safetensors.torch import load_file
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.cache.hashing import extend_hashes
-from deltaserve.engine.encoder_cache import EncoderCache
-from deltaserve.engine.messages import EmbedRows, Step, TensorBytes, decode, encode
-from deltaserve.engine.mm_inputs import pad_runs, placeholders_to_pads
-from deltaserve.engine.multimodal import image_input
-from deltaserve.engine.sequence import InvalidRequestError
+from deltaserve.engine.exec.encoder_cache import EncoderCache
+from deltaserve.engine.exec.messages import EmbedRows, Step, TensorBytes, decode, encode
+from deltaserve.engine.request.mm_inputs import pad_runs, placeholders_to_pads
+from deltaserve.engine.request.multimodal import image_input
+from deltaserve.engine.request.sequence import InvalidRequestError
 from deltaserve.model.context import ForwardContext
 from deltaserve.model.image_processor import ImageProcessor
 from deltaserve.model.tokenizer import Tokenizer

@@ -17,8 +17,8 @@ from deltaserve import LLM, SamplingParams
 from deltaserve.kernels.cpu import library as cpu_kernels
 from deltaserve.model import fused
 from deltaserve.model.fused import bound_ops
-from deltaserve.ops.backend import REFERENCE
-from deltaserve.ops.cpu_native import CpuNativeOps
+from deltaserve.ops.backends.cpu import CpuNativeOps
+from deltaserve.ops.backends.torch import REFERENCE
 from deltaserve.tiny import make_tiny
 from tests.kernel_calls import count_kernel_calls
 

@@ -11,11 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deltaserve import LLM, SamplingParams
+from deltaserve import LLM, SamplingParams, serve
 from deltaserve.cli import _add_generate, main
 from deltaserve.engine.config import EngineConfig
-from deltaserve.server import serve
-from deltaserve.server.replica_front import replica_argv
+from deltaserve.replica_front import replica_argv
 from deltaserve.tiny import make_tiny
 from tests.server.live_server import wait_healthy
 

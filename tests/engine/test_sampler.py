@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from deltaserve.engine.sampler import Sampler, SamplingRow
-from deltaserve.engine.sampling_params import SamplingParams as SP
+from deltaserve.engine.exec.sampler import Sampler, SamplingRow
+from deltaserve.engine.request.sampling_params import SamplingParams as SP
 
 sampler = Sampler()
 

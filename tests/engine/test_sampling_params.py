@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from deltaserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+from deltaserve.engine.request.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 
 
 def test_defaults():

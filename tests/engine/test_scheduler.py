@@ -11,8 +11,8 @@ import torch
 from deltaserve import SamplingParams
 from deltaserve.cache import CacheManager, KdaStatePool, MlaPagePool
 from deltaserve.cache.checkpoint_policy import CheckpointPolicy
-from deltaserve.engine.scheduler import Scheduler
-from deltaserve.engine.sequence import SeqStatus, Sequence
+from deltaserve.engine.request.sequence import SeqStatus, Sequence
+from deltaserve.engine.sched.scheduler import Scheduler
 
 
 def _slots(n: int) -> KdaStatePool:

@@ -1,4 +1,4 @@
-"""Structured outputs (engine/structured.py): the bitmask op against a loop oracle, grammar masks
+"""Structured outputs (engine/request/structured.py): the bitmask op against a loop oracle, grammar masks
 against the tokenizer's own bytes, and constrained generation on a tiny random K3."""
 
 import json
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from deltaserve import LLM, SamplingParams
-from deltaserve.engine.sampling_params import SamplingParamsError
-from deltaserve.engine.sequence import InvalidRequestError
-from deltaserve.engine.structured import (
+from deltaserve.engine.request.sampling_params import SamplingParamsError
+from deltaserve.engine.request.sequence import InvalidRequestError
+from deltaserve.engine.request.structured import (
     GrammarCompiler,
     Special,
     StructuredOutput,

@@ -1,6 +1,6 @@
 """Structured outputs decided at request time (schemas with no finite value, size and llguidance
 limits), grammar failures while decoding ("error", never "stop"), and reasoning budgets
-(engine/schema_check.py, engine/structured.py, engine/reasoning.py) on a tiny random K3."""
+(engine/request/schema_check.py, engine/request/structured.py, engine/request/reasoning.py) on a tiny random K3."""
 
 import json
 import threading
@@ -10,11 +10,11 @@ import pytest
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.chat.render import render_chat
-from deltaserve.engine.reasoning import ReasoningBudget
-from deltaserve.engine.sampling_params import SamplingParamsError
-from deltaserve.engine.schema_check import no_finite_instance, pattern_size
-from deltaserve.engine.sequence import InvalidRequestError
-from deltaserve.engine.structured import (
+from deltaserve.engine.request.reasoning import ReasoningBudget
+from deltaserve.engine.request.sampling_params import SamplingParamsError
+from deltaserve.engine.request.schema_check import no_finite_instance, pattern_size
+from deltaserve.engine.request.sequence import InvalidRequestError
+from deltaserve.engine.request.structured import (
     MAX_SCHEMA_BYTES,
     GrammarCompiler,
     Special,

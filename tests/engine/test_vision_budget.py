@@ -18,10 +18,10 @@ from PIL import Image
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.engine.config import DEFAULT_MAX_IMAGE_PATCHES
-from deltaserve.engine.encoder_cache import REFERENCE_PATCHES, default_patches_per_step
-from deltaserve.engine.mm_inputs import ImagePatchLimitError
-from deltaserve.engine.multimodal import image_input
-from deltaserve.engine.sequence import InvalidRequestError
+from deltaserve.engine.exec.encoder_cache import REFERENCE_PATCHES, default_patches_per_step
+from deltaserve.engine.request.mm_inputs import ImagePatchLimitError
+from deltaserve.engine.request.multimodal import image_input
+from deltaserve.engine.request.sequence import InvalidRequestError
 from deltaserve.model.image_processor import ImageProcessor
 from deltaserve.model.tokenizer import Tokenizer
 from deltaserve.model.vision_weights import load_vision_model
@@ -126,8 +126,8 @@ def test_patch_total_is_refused_before_pixels_are_decoded(ckpt, tok, monkeypatch
 _PEAK = textwrap.dedent(
     """
     import json, sys, torch
-    from deltaserve.engine.encoder_cache import EncoderCache
-    from deltaserve.engine.multimodal import ImageInput
+    from deltaserve.engine.exec.encoder_cache import EncoderCache
+    from deltaserve.engine.request.multimodal import ImageInput
     from deltaserve.model.image_processor import ProcessedImage
     from deltaserve.model.vision_weights import load_vision_model
 

@@ -226,7 +226,7 @@ import json, logging, sys, torch
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 from deltaserve import LLM, SamplingParams
 from deltaserve.tiny import make_tiny
-from deltaserve.ops.select import describe
+from deltaserve.ops.backends.select import describe
 from tests.engine.test_native_decode import gaps_to_oracle
 llm = LLM(make_tiny(sys.argv[1], "kimi_k3", mxfp4=True, seed=4), dtype="bfloat16", max_num_seqs=2, page_size=4,
           kv_cache_memory=32 * 2**20, max_model_len=128, progress=False)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve.model.context import ForwardContext
-from deltaserve.ops import backend as ops_backend
+from deltaserve.ops.backends import torch as ops_backend
 from deltaserve.ops.norms import rms_norm
 from deltaserve.ops.reference import dense as RD
 from deltaserve.ops.reference import kda as RK

@@ -8,8 +8,8 @@ from deltaserve.kernels.cpu import library as cpu_kernels
 from deltaserve.model.experts import StackedExperts
 from deltaserve.model.fused import prepare_model
 from deltaserve.ops.activations import situ_and_mul
-from deltaserve.ops.cpu_dense import FUSED_MAX_TOKENS
-from deltaserve.ops.cpu_native import CpuNativeOps
+from deltaserve.ops.backends.cpu import CpuNativeOps
+from deltaserve.ops.backends.cpu_dense import FUSED_MAX_TOKENS
 from deltaserve.ops.moe import grouped_experts
 from deltaserve.ops.mxfp4 import mxfp4_decode, mxfp4_encode
 from deltaserve.ops.operands import GluAct

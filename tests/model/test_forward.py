@@ -7,7 +7,7 @@ import torch
 
 from deltaserve.model import load_model
 from deltaserve.model.context import DenseCache
-from deltaserve.ops.backend import TorchOps
+from deltaserve.ops.backends.torch import TorchOps
 from deltaserve.tiny import make_tiny
 
 CASES = [("kimi_k3", False), ("kimi_k3", True), ("kimi_linear", False)]

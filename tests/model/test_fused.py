@@ -17,8 +17,8 @@ from deltaserve.kernels.cpu import library as cpu_kernels
 from deltaserve.model import load_model
 from deltaserve.model.fused import bound_ops, prepare_model
 from deltaserve.model.modules import OpsModule
-from deltaserve.ops.backend import REFERENCE
-from deltaserve.ops.cpu_native import CpuNativeOps
+from deltaserve.ops.backends.cpu import CpuNativeOps
+from deltaserve.ops.backends.torch import REFERENCE
 from deltaserve.tiny import make_tiny
 from tests.kernel_calls import count_kernel_calls
 
@@ -52,7 +52,7 @@ def test_fp32_models_bind_the_reference(k3):
 @needs_kernels
 def test_plans_built_at_load_never_per_step(k3, monkeypatch, caplog):
     plans = count_kernel_calls(monkeypatch, PLANS)
-    with caplog.at_level(logging.INFO, logger="deltaserve.engine.builder"):
+    with caplog.at_level(logging.INFO, logger="deltaserve.engine.core.builder"):
         llm = LLM(
             k3,
             dtype="bfloat16",

@@ -8,7 +8,7 @@ from torch import nn
 from deltaserve.kernels.cpu import library as cpu_kernels
 from deltaserve.model.fused import prepare_model
 from deltaserve.model.modules import empty_linear, project
-from deltaserve.ops.cpu_native import CpuNativeOps
+from deltaserve.ops.backends.cpu import CpuNativeOps
 
 NK = cpu_kernels.native()
 pytestmark = pytest.mark.skipif(NK is None, reason="native CPU kernels unavailable")

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.cli import main
-from deltaserve.engine.sequence import InvalidRequestError
+from deltaserve.engine.request.sequence import InvalidRequestError
 from deltaserve.model.image_processor import PROCESSOR_FILE
 
 

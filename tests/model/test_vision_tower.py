@@ -19,7 +19,7 @@ from deltaserve.model.vision import VisionConfig, VisionRMSNorm
 from deltaserve.model.vision_weights import PREFIXES, load_vision_model
 from deltaserve.model.weights import CheckpointError
 from deltaserve.ops import vision as vops
-from deltaserve.ops.backend import TorchOps
+from deltaserve.ops.backends.torch import TorchOps
 from deltaserve.ops.norms import rms_norm
 from deltaserve.ops.reference import vision as ref
 from deltaserve.tiny import make_tiny
@@ -237,6 +237,29 @@ def test_linears_and_norms_go_through_the_ops_seam(models):
             del m.ops
     n = model.cfg.num_layers
     assert ops.calls == {"linear": 1 + 4 * n + 2, "rms_norm": 2 * n + 2}
+
+
+def test_attention_goes_through_the_ops_seam(models):
+    class Counting(TorchOps):
+        calls = 0
+
+        def vision_attention(self, q, k, v, mask):
+            Counting.calls += 1
+            return super().vision_attention(q, k, v, mask)
+
+    model = models[torch.float32]
+    with torch.no_grad():
+        want = model(_patches(TWO), TWO)
+    bound = [m for m in model.modules() if isinstance(m, OpsModule)]
+    for m in bound:
+        m.ops = Counting()
+    try:
+        with torch.no_grad():
+            got = model(_patches(TWO), TWO)
+    finally:
+        for m in bound:
+            del m.ops
+    assert Counting.calls == model.cfg.num_layers and torch.equal(got, want)
 
 
 def test_bad_grids_are_rejected(models):

@@ -16,7 +16,7 @@ from deltaserve.kernels.cpu import library as cpu_kernels
 from deltaserve.model.fused import bound_ops, prepare_model
 from deltaserve.model.moe_layer import GluMlp
 from deltaserve.ops.activations import silu_and_mul, situ_and_mul
-from deltaserve.ops.backend import REFERENCE
+from deltaserve.ops.backends.torch import REFERENCE
 from deltaserve.ops.moe import grouped_experts
 
 from .test_cpu_kernels import check_linear_multi, linear, routed_case, ulps

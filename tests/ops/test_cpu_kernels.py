@@ -15,13 +15,13 @@ import torch.nn.functional as F
 from deltaserve.kernels.cpu import library as cpu_kernels
 from deltaserve.ops import kda as kda_ops
 from deltaserve.ops.activations import silu_and_mul, situ_and_mul
-from deltaserve.ops.backend import REFERENCE
-from deltaserve.ops.cpu_native import CpuNativeOps
+from deltaserve.ops.backends.cpu import CpuNativeOps
+from deltaserve.ops.backends.select import select_ops
+from deltaserve.ops.backends.torch import REFERENCE
 from deltaserve.ops.mla import lse_combine, mla_absorbed_attention, mla_absorbed_partial
 from deltaserve.ops.moe import grouped_experts
 from deltaserve.ops.mxfp4 import mxfp4_decode, mxfp4_encode
 from deltaserve.ops.norms import gated_rms_norm
-from deltaserve.ops.select import select_ops
 
 NK = cpu_kernels.native()
 needs_kernels = pytest.mark.skipif(NK is None, reason="native CPU kernels unavailable (no C compiler)")

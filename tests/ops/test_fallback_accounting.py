@@ -12,10 +12,10 @@ import torch
 
 from deltaserve.kernels.cpu import MLA_MAX_HEADS, library
 from deltaserve.ops import fallbacks
-from deltaserve.ops.backend import REFERENCE
-from deltaserve.ops.cpu_native import CpuNativeOps
+from deltaserve.ops.backends.cpu import CpuNativeOps
+from deltaserve.ops.backends.select import describe
+from deltaserve.ops.backends.torch import REFERENCE
 from deltaserve.ops.operands import RouteSpec, ServedShapes
-from deltaserve.ops.select import describe
 
 NK = library.native()
 pytestmark = pytest.mark.skipif(NK is None, reason="native CPU kernels unavailable")

@@ -1,12 +1,12 @@
-"""How `ops.triton.fla_kda` calls fla-core's `chunk_kda` (a stand-in here: fla-core is never
+"""How `kernels.extern.fla_kda` calls fla-core's `chunk_kda` (a stand-in here: fla-core is never
 installed where the tests run): packed inputs as one batch row, and the host copy of
 `cu_seqlens` as `cu_seqlens_cpu` exactly when the installed release accepts it."""
 
 import pytest
 import torch
 
+from deltaserve.kernels.extern import fla_kda
 from deltaserve.kernels.transfer import to_device
-from deltaserve.ops.triton import fla_kda
 
 
 def _stand_in(calls, takes_host_cu: bool):

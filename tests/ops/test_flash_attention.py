@@ -9,7 +9,7 @@ import torch
 
 from deltaserve.kernels.cpu import library as cpu_kernels
 from deltaserve.ops import mla
-from deltaserve.ops.cpu_native import CpuNativeOps
+from deltaserve.ops.backends.cpu import CpuNativeOps
 from deltaserve.ops.reference.dense import naive_mla_absorbed_attention
 
 NK = cpu_kernels.native()
@@ -134,7 +134,7 @@ def test_native_ops_take_the_kernel_for_both_prefill_forms(monkeypatch):
 def test_decompressed_rows_hold_less_on_the_kernel():
     """What the unabsorbed cap counts a context row: the kv_b output alone on the kernel (4 KiB at 8 of
     K3's heads), SDPA's joined keys and padded values too (10 KiB) where the kernel is off."""
-    from deltaserve.ops.backend import REFERENCE
+    from deltaserve.ops.backends.torch import REFERENCE
 
     sizes = dict(heads=8, rope=64, nope=128, v=128)
     assert CpuNativeOps(NK).unabsorbed_row_bytes(**sizes) == 8 * 2 * 256
@@ -148,7 +148,7 @@ def test_decompressed_rows_hold_less_on_the_kernel():
 @needs_flash
 def test_flash_prefill_switch(monkeypatch):
     """`DELTASERVE_FLASH_PREFILL=0` keeps the native backend's MLA prefill on SDPA."""
-    from deltaserve.ops.select import select_ops
+    from deltaserve.ops.backends.select import select_ops
 
     q, k_nope, k_rot, v, cu_q, cu_kv = case([8], [8], 2, 16, 8, 16)
     assert select_ops("cpu", BF)._flash(q, k_nope, k_rot, v, cu_q, cu_kv, 0.2) is not None

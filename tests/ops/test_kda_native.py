@@ -16,7 +16,7 @@ from deltaserve.model import load_model
 from deltaserve.model.context import DenseCache
 from deltaserve.model.fused import bound_ops
 from deltaserve.ops import kda as K
-from deltaserve.ops.backend import REFERENCE
+from deltaserve.ops.backends.torch import REFERENCE
 from deltaserve.ops.reference import kda as R
 from deltaserve.tiny import make_tiny
 from tests.kernel_calls import count_kernel_calls

@@ -15,8 +15,8 @@ import torch
 from deltaserve.kernels.cpu import build
 from deltaserve.kernels.cpu import library as cpu_kernels
 from deltaserve.ops.activations import silu_and_mul, situ_and_mul
-from deltaserve.ops.backend import TorchOps
-from deltaserve.ops.cpu_dense import FUSED_MAX_TOKENS, CpuDenseOps
+from deltaserve.ops.backends.cpu_dense import FUSED_MAX_TOKENS, CpuDenseOps
+from deltaserve.ops.backends.torch import TorchOps
 from deltaserve.ops.moe import grouped_experts
 from deltaserve.ops.operands import ExpertWeights, GluAct
 

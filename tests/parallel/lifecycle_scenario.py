@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.request.sampling_params import SamplingParams
 from deltaserve.parallel import ProcessGroupTaken
 
 from .engine_fixtures import make_llm, write_checkpoints

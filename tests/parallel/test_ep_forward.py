@@ -22,9 +22,9 @@ from deltaserve.model.fused import bound_ops, prepare_model
 from deltaserve.model.kimi import KimiForCausalLM
 from deltaserve.model.moe_layer import MoeBlock
 from deltaserve.model.weights import load_model
-from deltaserve.ops.backend import REFERENCE, TorchOps
+from deltaserve.ops.backends.select import select_ops
+from deltaserve.ops.backends.torch import REFERENCE, TorchOps
 from deltaserve.ops.operands import ExpertWeights, GluAct
-from deltaserve.ops.select import select_ops
 from deltaserve.parallel import ParallelContext, init_tensor_parallel
 from deltaserve.parallel.loading import ShardReader
 from tests.kernel_calls import count_kernel_calls

@@ -26,8 +26,8 @@ from PIL import Image
 
 from deltaserve.cli import build_parser
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.dp_client import ReplicaFailure, replica_configs, visible_gpus
-from deltaserve.engine.dp_protocol import (
+from deltaserve.engine.dp.client import ReplicaFailure, replica_configs, visible_gpus
+from deltaserve.engine.dp.protocol import (
     Link,
     Outputs,
     ToClient,
@@ -36,12 +36,12 @@ from deltaserve.engine.dp_protocol import (
     params_from_wire,
     params_to_wire,
 )
-from deltaserve.engine.multimodal import image_input
-from deltaserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from deltaserve.engine.routing import pick, rendezvous, token_key
-from deltaserve.engine.sampling_params import SamplingParams
-from deltaserve.engine.sequence import InvalidRequestError
-from deltaserve.engine.structured import Special, StructuredOutput
+from deltaserve.engine.dp.routing import pick, rendezvous, token_key
+from deltaserve.engine.request.multimodal import image_input
+from deltaserve.engine.request.outputs import CompletionOutput, Logprob, RequestOutput
+from deltaserve.engine.request.sampling_params import SamplingParams
+from deltaserve.engine.request.sequence import InvalidRequestError
+from deltaserve.engine.request.structured import Special, StructuredOutput
 from deltaserve.model.image_processor import ImageProcessor
 from deltaserve.model.tokenizer import Tokenizer
 from deltaserve.tiny import PRESETS, make_tiny
@@ -201,7 +201,7 @@ def _alive(pid: int) -> bool:
 CLIENT = """
 import json, os, sys
 from pathlib import Path
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.request.sampling_params import SamplingParams
 from tests.parallel.engine_fixtures import make_llm
 prompts = json.loads(sys.argv[2])
 llm = make_llm(sys.argv[1], tp=2, data_parallel_size=2, enable_prefix_caching=False)  # routed by load

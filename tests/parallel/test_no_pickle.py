@@ -62,7 +62,7 @@ def test_the_data_parallel_protocol_is_among_the_checked_files():
     """The offline LLM's replicas are subprocesses over a socket of msgspec frames: no
     multiprocessing (its spawn arguments and queues pickle) in any of its modules."""
     engine = Path(deltaserve.__file__).parent / "engine"
-    for name in ("dp_client.py", "dp_replica.py", "dp_protocol.py", "routing.py", "llm.py"):
+    for name in ("dp/client.py", "dp/replica.py", "dp/protocol.py", "dp/routing.py", "llm.py"):
         source = (engine / name).read_text()
         assert violations(source, name) == []
         assert "send_object" not in source and "Queue(" not in source

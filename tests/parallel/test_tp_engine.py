@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.request.sampling_params import SamplingParams
 from deltaserve.kernels.cpu.library import NativeKernels
 
 from .engine_fixtures import make_llm, write_checkpoints

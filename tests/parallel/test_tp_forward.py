@@ -18,7 +18,7 @@ from deltaserve.model.context import DenseCache
 from deltaserve.model.fused import bound_ops
 from deltaserve.model.kimi import KimiForCausalLM
 from deltaserve.model.weights import load_model
-from deltaserve.ops.backend import REFERENCE
+from deltaserve.ops.backends.torch import REFERENCE
 from deltaserve.parallel import ParallelContext, init_tensor_parallel
 from deltaserve.tiny import PRESETS, make_tiny
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from deltaserve.engine.config import EngineConfig
-from deltaserve.engine.ranks import WORKER_ENV, plan_ranks, rank_device
+from deltaserve.engine.exec.ranks import WORKER_ENV, plan_ranks, rank_device
 from deltaserve.parallel.context import process_group_backend
 from tests.server.live_server import ready_codes_until_exit, wait_healthy
 

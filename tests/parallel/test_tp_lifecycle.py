@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.request.sampling_params import SamplingParams
 from deltaserve.model.experts import StackedExperts
 from deltaserve.parallel import ParallelContext
 from deltaserve.parallel.loading import read_padded_shard

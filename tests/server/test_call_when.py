@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.request.sampling_params import SamplingParams
 from deltaserve.server.request_stream import EngineDeadError
 
 from .tiny_engine import tiny_async_engine

@@ -7,7 +7,7 @@ import pytest
 
 from deltaserve.chat.common import ChatFormatError
 from deltaserve.chat.render import render_chat
-from deltaserve.engine.structured import StructuredOutput
+from deltaserve.engine.request.structured import StructuredOutput
 from deltaserve.model.tokenizer import Tokenizer
 from deltaserve.server.constraints import K3_THINK_END, chat_constraint, forced_tool_calls
 from deltaserve.server.errors import APIError

@@ -3,8 +3,8 @@ the next start (the rest of the checkpoint is kept as it is)."""
 
 import json
 
+from deltaserve import serve
 from deltaserve.model.image_processor import PROCESSOR_FILE, ImageProcessor
-from deltaserve.server import serve
 
 
 def test_a_stale_default_model_gets_its_processor_config(tmp_path, monkeypatch):

@@ -14,10 +14,11 @@ import zlib
 import pytest
 from PIL import Image
 
+from deltaserve import serve
 from deltaserve.model.image_processor import ImageProcessor
-from deltaserve.server import media, serve
+from deltaserve.replica_front import replica_argv
+from deltaserve.server import media
 from deltaserve.server.media import MediaError, MediaPolicy, decode_image, parse_limit_mm
-from deltaserve.server.replica_front import replica_argv
 from deltaserve.tiny.presets import MEDIA_PROC_CFG
 
 pytestmark = pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")

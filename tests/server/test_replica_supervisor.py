@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from deltaserve.engine.routing import rendezvous
+from deltaserve.engine.dp.routing import rendezvous
+from deltaserve.replica_front import Front, routing_key
 from deltaserve.server import replica_supervisor as rs
 from deltaserve.server.errors import APIError
-from deltaserve.server.replica_front import Front, routing_key
 from deltaserve.server.replica_supervisor import Replica, Supervisor, backoff
 
 HEALTHY = """

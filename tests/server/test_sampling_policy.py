@@ -5,10 +5,10 @@ the engine samples with the fixed values; off by default; an unknown policy is r
 import httpx
 import pytest
 
+from deltaserve.serve import add_arguments
 from deltaserve.server.app import build_app
 from deltaserve.server.protocol import ChatRequest
 from deltaserve.server.sampling_policy import apply_policy, k3_fixed
-from deltaserve.server.serve import add_arguments
 from tests.server.live_server import KEY, MODEL, live_server
 
 openai = pytest.importorskip("openai")

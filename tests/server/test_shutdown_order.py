@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import threading
 
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.request.sampling_params import SamplingParams
+from deltaserve.serve import stop_engine
 from deltaserve.server.async_engine import AsyncEngine
-from deltaserve.server.serve import stop_engine
 
 from .tiny_engine import tiny_async_engine
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from deltaserve.engine.detokenizer import IncrementalDetokenizer
-from deltaserve.engine.sampling_params import SamplingParams
+from deltaserve.engine.request.detokenizer import IncrementalDetokenizer
+from deltaserve.engine.request.sampling_params import SamplingParams
 from deltaserve.model.tokenizer import Tokenizer
 from deltaserve.server.parsers import StreamingParser, collect, control_token_ids
 from deltaserve.tiny import make_tiny

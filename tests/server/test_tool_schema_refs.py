@@ -16,7 +16,7 @@ jsonschema = pytest.importorskip("jsonschema")
 openai = pytest.importorskip("openai")
 pydantic = pytest.importorskip("pydantic")
 
-from deltaserve.engine.structured import tool_call_schema  # noqa: E402
+from deltaserve.engine.request.structured import tool_call_schema  # noqa: E402
 from tests.server.live_server import KEY, MODEL, idle_and_clean, live_server  # noqa: E402
 
 CLOSED = pydantic.ConfigDict(extra="forbid")  # additionalProperties false: calls end

@@ -1,4 +1,4 @@
-"""The dense Triton kernels (`ops.triton.dense.TritonDenseOps`) against the reference ops, in fp32 on
+"""The dense Triton kernels (`ops.backends.triton_dense.TritonDenseOps`) against the reference ops, in fp32 on
 tiny shapes: under TRITON_INTERPRET=1 on CPU, or on CUDA where a GPU is present."""
 
 import pytest
@@ -10,7 +10,10 @@ triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
 from deltaserve.cache.forward_batch import MlaRowsView  # noqa: E402
-from deltaserve.ops.backend import REFERENCE  # noqa: E402
+from deltaserve.kernels.triton.mla import mla_decode_attention  # noqa: E402
+from deltaserve.kernels.triton.moe import _tanh  # noqa: E402
+from deltaserve.ops.backends.torch import REFERENCE  # noqa: E402
+from deltaserve.ops.backends.triton_dense import TritonDenseOps, runs_here  # noqa: E402
 from deltaserve.ops.mla import mla_absorbed_attention  # noqa: E402
 from deltaserve.ops.mxfp4 import mxfp4_decode  # noqa: E402
 from deltaserve.ops.operands import ExpertWeights, GluAct, RouteSpec  # noqa: E402
@@ -21,9 +24,6 @@ from deltaserve.ops.reference.dense import (  # noqa: E402
     naive_rms_norm,
     naive_route,
 )
-from deltaserve.ops.triton.dense import TritonDenseOps, runs_here  # noqa: E402
-from deltaserve.ops.triton.mla import mla_decode_attention  # noqa: E402
-from deltaserve.ops.triton.moe import _tanh  # noqa: E402
 
 pytestmark = KERNEL_MARKS
 OPS = TritonDenseOps()

@@ -12,8 +12,8 @@ pytest.importorskip("triton")
 from PIL import Image  # noqa: E402
 
 from deltaserve import LLM  # noqa: E402
-from deltaserve.ops.backend import TorchOps  # noqa: E402
-from deltaserve.ops.triton.backend import TritonOps  # noqa: E402
+from deltaserve.ops.backends.torch import TorchOps  # noqa: E402
+from deltaserve.ops.backends.triton import TritonOps  # noqa: E402
 from deltaserve.tiny import make_tiny  # noqa: E402
 
 from ..fake_device import FakeDevice, step_workload, watch_steps  # noqa: E402
@@ -84,7 +84,7 @@ def test_engine_steps_do_not_stall_or_mix_devices(tmp_path, device, monkeypatch,
     if device.type == "cuda":
         _on_cuda(ckpt, image, monkeypatch, dtype)
         return
-    mode = FakeDevice(allow_sync=("/engine/sampler.py",))
+    mode = FakeDevice(allow_sync=("/engine/exec/sampler.py",))
     with mode:
         watch_steps(mode, monkeypatch)
         llm = _llm(ckpt, "cpu:0", dtype=dtype)
@@ -101,7 +101,7 @@ def test_engine_steps_do_not_stall_or_mix_devices(tmp_path, device, monkeypatch,
 
 def _on_cuda(ckpt, image, monkeypatch, dtype: str) -> None:
     """Torch's own check on CUDA: a synchronising call in a step, outside the sampler, raises."""
-    from deltaserve.engine.runner import ModelRunner
+    from deltaserve.engine.exec.runner import ModelRunner
 
     execute = ModelRunner.execute
 

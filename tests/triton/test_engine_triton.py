@@ -9,9 +9,10 @@ import torch
 pytest.importorskip("triton")
 
 from deltaserve import LLM, SamplingParams  # noqa: E402
-from deltaserve.ops.backend import REFERENCE  # noqa: E402
-from deltaserve.ops.triton import backend, mla, mla_prefill  # noqa: E402
-from deltaserve.ops.triton.backend import TritonOps  # noqa: E402
+from deltaserve.kernels.triton import mla, mla_prefill  # noqa: E402
+from deltaserve.ops.backends import triton as backend  # noqa: E402
+from deltaserve.ops.backends.torch import REFERENCE  # noqa: E402
+from deltaserve.ops.backends.triton import TritonOps  # noqa: E402
 from deltaserve.tiny import make_tiny  # noqa: E402
 
 pytestmark = pytest.mark.triton

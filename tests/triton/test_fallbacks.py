@@ -11,10 +11,10 @@ from .common import DEVICE, KERNEL_MARKS
 triton = pytest.importorskip("triton")
 
 from deltaserve.ops import fallbacks  # noqa: E402
-from deltaserve.ops.backend import REFERENCE  # noqa: E402
+from deltaserve.ops.backends.select import describe  # noqa: E402
+from deltaserve.ops.backends.torch import REFERENCE  # noqa: E402
+from deltaserve.ops.backends.triton import TritonOps  # noqa: E402
 from deltaserve.ops.operands import ServedShapes  # noqa: E402
-from deltaserve.ops.select import describe  # noqa: E402
-from deltaserve.ops.triton.backend import TritonOps  # noqa: E402
 
 pytestmark = KERNEL_MARKS
 OPS = TritonOps()
@@ -40,7 +40,7 @@ def test_float64_norm_runs_the_reference_and_counts_dtype():
 
 
 def test_startup_line_lists_only_the_libraries_whose_windows_admit_the_model(monkeypatch):
-    from deltaserve.ops.triton import fla_kda, flash_prefill, flashinfer_mla
+    from deltaserve.kernels.extern import fla_kda, flash_prefill, flashinfer_mla
 
     for lib in (fla_kda, flash_prefill, flashinfer_mla):
         monkeypatch.setattr(lib, "available", lambda: True)
@@ -55,7 +55,7 @@ def test_startup_line_lists_only_the_libraries_whose_windows_admit_the_model(mon
 
 def test_engine_over_bf16_states_counts_every_kda_decode(tmp_path, monkeypatch):
     from deltaserve import LLM
-    from deltaserve.engine.sampling_params import SamplingParams
+    from deltaserve.engine.request.sampling_params import SamplingParams
     from deltaserve.tiny import make_tiny
 
     monkeypatch.setenv("DELTASERVE_TRITON", "1")

@@ -1,4 +1,4 @@
-"""The FlashInfer MLA decode adapter (`ops.triton.flashinfer_mla`) against the reference
+"""The FlashInfer MLA decode adapter (`kernels.extern.flashinfer_mla`) against the reference
 `mla_absorbed_attention`.
 
 Without a GPU a FAKE `flashinfer.mla` (put in `sys.modules`) stands in: its wrapper enforces the
@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from deltaserve.cache.forward_batch import MlaRowsView
+from deltaserve.kernels.extern import flashinfer_mla as FI
 from deltaserve.kernels.transfer import host_copy, to_device
 from deltaserve.ops.mla import mla_absorbed_attention
-from deltaserve.ops.triton import flashinfer_mla as FI
 
 pytestmark = pytest.mark.triton
 R, DR, PAGE = 512, 64, 8

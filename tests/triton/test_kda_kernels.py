@@ -1,4 +1,4 @@
-"""The Triton KDA kernels (`ops.triton.kda`) and `TritonOps`' KDA methods against the float64
+"""The Triton KDA kernels (`kernels.triton.kda`) and `TritonOps`' KDA methods against the float64
 oracles of `ops.reference.kda` and the reference `TorchOps`, in fp32 on tiny shapes (CPU
 interpreter, or CUDA where present). Bar: max error <= 1e-5 of the largest magnitude."""
 
@@ -7,13 +7,13 @@ import torch
 
 pytest.importorskip("triton")
 
+from deltaserve.kernels.triton import kda as T  # noqa: E402
 from deltaserve.ops import kda as K  # noqa: E402
-from deltaserve.ops import select  # noqa: E402
-from deltaserve.ops.backend import REFERENCE  # noqa: E402
+from deltaserve.ops.backends import select  # noqa: E402
+from deltaserve.ops.backends.torch import REFERENCE  # noqa: E402
+from deltaserve.ops.backends.triton import TritonOps  # noqa: E402
 from deltaserve.ops.operands import KdaSpec, KdaWeights  # noqa: E402
 from deltaserve.ops.reference import kda as R  # noqa: E402
-from deltaserve.ops.triton import kda as T  # noqa: E402
-from deltaserve.ops.triton.backend import TritonOps  # noqa: E402
 
 pytestmark = pytest.mark.triton
 F64 = torch.float64
@@ -246,7 +246,7 @@ def test_selection_is_explicit_and_reported(monkeypatch):
 def test_tf32_prefill_and_fla_where_it_imports_stay_close():
     """On CUDA: our kernel with TF32 dots and, where fla-core imports, its prefill with bf16 inputs,
     against the fp32 PyTorch path (half-precision bars)."""
-    from deltaserve.ops.triton import fla_kda
+    from deltaserve.kernels.extern import fla_kda
 
     lens = [300, 77]
     q, k, v, g, beta, s0 = (t.cuda() for t in _inputs(lens, 4, 64, 64, -1.0, seed=5))

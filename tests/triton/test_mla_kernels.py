@@ -1,4 +1,4 @@
-"""The MLA prefill and extend kernels (`ops.triton.mla_prefill`, through `TritonDenseOps`) against the
+"""The MLA prefill and extend kernels (`kernels.triton.mla_prefill`, through `TritonDenseOps`) against the
 naive per-query references: fp32 under TRITON_INTERPRET=1 on CPU (or CUDA), bf16 on CUDA only."""
 
 import pytest
@@ -9,12 +9,12 @@ from .common import DEVICE, KERNEL_MARKS, close, cuda_only
 pytest.importorskip("triton")
 
 from deltaserve.cache.forward_batch import MlaRowsView  # noqa: E402
-from deltaserve.ops.backend import REFERENCE  # noqa: E402
+from deltaserve.kernels.extern import flash_prefill, flashinfer_mla  # noqa: E402
+from deltaserve.kernels.triton.mla import mla_decode_attention  # noqa: E402
+from deltaserve.kernels.triton.mla_prefill import mla_extend_attention, mla_prefill_attention  # noqa: E402
+from deltaserve.ops.backends.torch import REFERENCE  # noqa: E402
+from deltaserve.ops.backends.triton_dense import TritonDenseOps  # noqa: E402
 from deltaserve.ops.reference.dense import naive_mla_absorbed_attention, naive_mla_prefill_attention  # noqa: E402
-from deltaserve.ops.triton import flash_prefill, flashinfer_mla  # noqa: E402
-from deltaserve.ops.triton.dense import TritonDenseOps  # noqa: E402
-from deltaserve.ops.triton.mla import mla_decode_attention  # noqa: E402
-from deltaserve.ops.triton.mla_prefill import mla_extend_attention, mla_prefill_attention  # noqa: E402
 
 pytestmark = KERNEL_MARKS
 OPS = TritonDenseOps()
@@ -104,7 +104,7 @@ def test_extend_over_pages_matches_the_per_query_reference(ctx_lens, new_lens, h
 
 def test_a_steps_layers_plan_their_tiles_once(monkeypatch):
     """Every MLA layer of a step passes the same boundaries: the tile plan is made (and sent) once."""
-    from deltaserve.ops.triton import mla_prefill as kernels
+    from deltaserve.kernels.triton import mla_prefill as kernels
 
     sent, real = [], kernels.to_device
 

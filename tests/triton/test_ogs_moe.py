@@ -1,4 +1,4 @@
-"""The `triton_kernels` MXFP4 MoE adapter (`ops.triton.ogs_moe`) against the reference experts.
+"""The `triton_kernels` MXFP4 MoE adapter (`kernels.extern.ogs_moe`) against the reference experts.
 
 Without the library a FAKE `triton_kernels` (put in `sys.modules`) stands in. It enforces the
 contract read in the copy vLLM 0.34.0 vendors (`vllm/third_party/triton_kernels`, the triton v3.5
@@ -28,11 +28,11 @@ from .common import DEVICE, KERNEL_MARKS, close
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-from deltaserve.ops.backend import REFERENCE  # noqa: E402
+from deltaserve.kernels.extern import ogs_moe as OGS  # noqa: E402
+from deltaserve.ops.backends.torch import REFERENCE  # noqa: E402
 from deltaserve.ops.mxfp4 import mxfp4_decode  # noqa: E402
 from deltaserve.ops.operands import ExpertWeights, GluAct  # noqa: E402
 from deltaserve.ops.reference.dense import naive_grouped_experts  # noqa: E402
-from deltaserve.ops.triton import ogs_moe as OGS  # noqa: E402
 
 from .fake_triton_kernels import fake_library, run_fn  # noqa: E402
 

@@ -49,7 +49,7 @@ def add_common(p: argparse.ArgumentParser, dtype: str | None = None) -> None:
 def model_dir(args: argparse.Namespace) -> Path:
     if args.model is not None:
         return Path(args.model)
-    from ..server.serve import default_model_dir
+    from ..serve import default_model_dir
 
     return default_model_dir()
 
@@ -117,7 +117,7 @@ def random_prompts(n: int, length: int, vocab: int, avoid: set[int], seed: int) 
 
 
 def greedy(max_tokens: int):
-    from ..engine.sampling_params import SamplingParams
+    from ..engine.request.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 
 import httpx
 
+from ..env import DISAGG_SECRET
 from .workload import WorkloadSpec, build_sessions
 
 SECRET = "bench-pd-secret"
@@ -38,7 +39,7 @@ def _port() -> int:
 
 @contextmanager
 def _processes(cmds: list[list[str]], ports: list[int]):
-    env = dict(os.environ, DELTASERVE_DISAGG_SECRET=SECRET)
+    env = dict(os.environ, **{DISAGG_SECRET.name: SECRET})
     procs = [
         subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
         for c in cmds

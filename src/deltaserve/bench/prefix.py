@@ -33,7 +33,7 @@ def replay(
     model: str, run: PolicyRun, spec: WorkloadSpec, answer_tokens: int, kv_cache_memory: int, dtype: str
 ) -> dict:
     from ..engine.llm import LLM
-    from ..engine.sampling_params import SamplingParams
+    from ..engine.request.sampling_params import SamplingParams
 
     llm = LLM(
         model,

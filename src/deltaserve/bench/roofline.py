@@ -34,7 +34,7 @@ def bench_device(args: argparse.Namespace):
     """The device the run's figures are for (`--device`, `auto` resolved)."""
     import torch
 
-    from ..engine.builder import resolve_device
+    from ..engine.core.builder import resolve_device
 
     return torch.device(resolve_device(getattr(args, "device", None) or "cpu"))
 

@@ -11,7 +11,7 @@ positions in runs that stay inside a page; then per KDA layer the tail, then the
 sender and a receiver with equal layouts (`layout_fingerprint`) list the same ranges, each
 side over its own pages and slot. `region_digests` hashes them per layer, in that order. Under
 tensor parallelism every rank's pools have rank 0's shapes (heads split evenly), so every rank
-lists the same ranges over its own bytes (`engine.rank_transfer`).
+lists the same ranges over its own bytes (`engine.exec.rank_transfer`).
 """
 
 from __future__ import annotations

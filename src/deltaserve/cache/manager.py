@@ -35,6 +35,7 @@ from .kda_pool import KdaStatePool
 from .mla_pool import MlaPagePool
 from .prefix_index import PrefixIndex
 from .slot_journal import SlotJournal
+from .tiers import DROP, LowerTier
 
 
 @dataclass
@@ -70,16 +71,17 @@ class CacheManager:
         policy: CheckpointPolicy | None = None,
         model_id: str = "",
         kernel: str = "torch",
+        tier: LowerTier = DROP,
     ):
         """`model_id` and `kernel` (the KDA kernel path computing states) enter the fingerprint
-        that tags every checkpoint."""
+        that tags every checkpoint; `tier` takes what the prefix index evicts (`tiers.py`)."""
         self.mla, self.kda, self.ckpt_pool = mla, kda, checkpoints
         self.page_size = mla.page_size
         self.seqs: dict[int, SeqCache] = {}
         self.policy = policy or CheckpointPolicy()
         if checkpoints is not None and self.policy.unit % self.page_size:
             raise ValueError(f"prefix_match_unit={self.policy.unit} must be a multiple of page_size={self.page_size}")
-        self.index = PrefixIndex(mla, checkpoints) if checkpoints is not None else None
+        self.index = PrefixIndex(mla, checkpoints, tier) if checkpoints is not None else None
         self.model_id = model_id
         self.fingerprint = state_fingerprint(model_id, kda.tails, kda.states, kernel)
         self.counters: Counter[str] = Counter()

@@ -5,7 +5,8 @@ Invariants: the units form a forest (a unit's parent is the previous unit of its
 leaf units that no checkpoint pins and no sequence shares (every page's refcount is the index's
 own 1) are evicted, so a checkpoint's MLA pages live at least as long as the checkpoint. A
 checkpoint that an admission is about to copy is pinned (`pin_checkpoint`) and never evicted
-until unpinned. LRU order: `OrderedDict`s, most recently used last.
+until unpinned. LRU order: `OrderedDict`s, most recently used last. What eviction takes is handed
+to the index's lower tier (`tiers.LowerTier`; `tiers.DROP` keeps nothing) before it is freed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 from .kda_pool import KdaStatePool
 from .mla_pool import MlaPagePool
+from .tiers import DROP, LowerTier
 
 
 @dataclass
@@ -27,8 +29,8 @@ class UnitEntry:
 
 
 class PrefixIndex:
-    def __init__(self, mla: MlaPagePool, checkpoints: KdaStatePool):
-        self.mla, self.ckpt_pool = mla, checkpoints
+    def __init__(self, mla: MlaPagePool, checkpoints: KdaStatePool, tier: LowerTier = DROP):
+        self.mla, self.ckpt_pool, self.tier = mla, checkpoints, tier
         self.units: OrderedDict[bytes, UnitEntry] = OrderedDict()
         self.ckpts: OrderedDict[bytes, int] = OrderedDict()
         self.evicted_units = 0
@@ -142,6 +144,7 @@ class PrefixIndex:
         return progress
 
     def _drop_unit(self, h: bytes, e: UnitEntry) -> None:
+        self.tier.take_unit(h, e.parent, e.pages, self.mla)
         del self.units[h]
         if e.parent is not None:
             self.units[e.parent].children -= 1
@@ -153,6 +156,7 @@ class PrefixIndex:
         h = next((h for h in self.ckpts if h not in self.pinned), None)
         if h is None:
             return False
+        self.tier.take_checkpoint(h, self.ckpts[h], self.ckpt_pool)
         self.drop_checkpoint(h)
         self.evicted_checkpoints += 1
         return True

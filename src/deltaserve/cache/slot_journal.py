@@ -8,7 +8,7 @@ the forward pass. Replaying the journal on another rank's pools, in order, befor
 pass that follows, leaves them holding exactly what rank 0's pools hold, head for head.
 
 Pools are named: `LIVE` (one slot per running sequence) and `CHECKPOINT`. The ops are msgspec
-structs, so the worker protocol (`engine.messages`) carries them as they are.
+structs, so the worker protocol (`engine.exec.messages`) carries them as they are.
 """
 
 from __future__ import annotations

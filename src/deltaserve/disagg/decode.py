@@ -4,7 +4,7 @@
 (`PREFILL_HEADER`, accepted only with the shared secret). In order:
 1. On the engine thread: if this instance's own joint hit (MLA pages and a KDA checkpoint)
    leaves at most `local_prefill_tokens` to compute, run the request here (no transfer); else
-   reserve cache (`engine.handoff.reserve`): pages its prefix cache holds are shared, the
+   reserve cache (`engine.sched.handoff.reserve`): pages its prefix cache holds are shared, the
    transfer starts after them. While the pools are short the reservation waits on the engine
    thread (`AsyncEngine.call_when`: FIFO, retried as slots and pages free), as a queued request
    would, behind the requests queued here before it (`reserve_behind`), never falling back to
@@ -38,9 +38,9 @@ import msgspec
 from fastapi import APIRouter, Request
 
 from ..cache.handoff import layout_fingerprint, prompt_hash
-from ..engine.handoff import Reservation, cancel, reserve
-from ..engine.rank_transfer import spans
-from ..engine.sequence import InvalidRequestError
+from ..engine.exec.rank_transfer import spans
+from ..engine.request.sequence import InvalidRequestError
+from ..engine.sched.handoff import Reservation, cancel, reserve
 from ..parallel.kv_transfer import TransferError
 from ..server.async_engine import AsyncEngine
 from ..server.errors import APIError

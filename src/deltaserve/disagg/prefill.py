@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 
 from ..cache.handoff import layout_fingerprint, prompt_hash
-from ..engine.handoff import parked_regions, release_parked
-from ..engine.rank_transfer import spans
-from ..engine.sampling_params import SamplingParams
-from ..engine.sequence import InvalidRequestError
+from ..engine.exec.rank_transfer import spans
+from ..engine.request.sampling_params import SamplingParams
+from ..engine.request.sequence import InvalidRequestError
+from ..engine.sched.handoff import parked_regions, release_parked
 from ..server.async_engine import AsyncEngine
 from ..server.errors import APIError
 from ..server.request_stream import EngineDeadError

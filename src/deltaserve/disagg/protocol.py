@@ -19,9 +19,11 @@ from pathlib import Path
 
 import msgspec
 
+from .. import env
+
 SECRET_HEADER = "X-Deltaserve-Secret"
 PREFILL_HEADER = "X-Deltaserve-Prefill"  # the proxy's choice of prefill instance, for a decode instance
-SECRET_ENV = "DELTASERVE_DISAGG_SECRET"
+SECRET_ENV = env.DISAGG_SECRET.name
 MSGPACK = "application/msgpack"
 
 
@@ -89,8 +91,8 @@ def load_secret(explicit: str | None = None) -> str:
     (created 0600 on first use), so instances on one machine agree with no flags."""
     if explicit:
         return explicit
-    if os.environ.get(SECRET_ENV):
-        return os.environ[SECRET_ENV]
+    if env.DISAGG_SECRET.get():
+        return env.DISAGG_SECRET.get()
     path = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "deltaserve" / "disagg_secret"
     path.parent.mkdir(parents=True, exist_ok=True)
     try:

@@ -1,6 +1,6 @@
 """`InstanceRanks`: this instance's ranks' KV transfer engines, as the serving loop sees them.
 
-Every hash and read is a job on each rank (`engine.rank_transfer`): started and collected by
+Every hash and read is a job on each rank (`engine.exec.rank_transfer`): started and collected by
 two brief calls on the engine thread, run beside the steps in between (the regions are parked
 or reserved: no step writes them), with one process or several alike.
 
@@ -17,8 +17,8 @@ import asyncio
 import itertools
 import time
 
-from ..engine.messages import Digest, Pull
-from ..engine.rank_transfer import RankEndpoint, RankReceipt, Spans, collect_job, setup_transfer, start_job
+from ..engine.exec.messages import Digest, Pull
+from ..engine.exec.rank_transfer import RankEndpoint, RankReceipt, Spans, collect_job, setup_transfer, start_job
 from ..parallel.kv_transfer import TransferError
 from ..server.async_engine import AsyncEngine
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# reasoning budget of a structured request that starts after reasoning and sets none (engine/reasoning.py)
+# reasoning budget of a structured request that starts after reasoning and sets none (engine/request/reasoning.py)
 DEFAULT_STRUCTURED_THINKING_BUDGET = 1024
-DEFAULT_ENCODER_CACHE_BYTES = 512 << 20  # image projector rows kept (engine/encoder_cache.py)
+DEFAULT_ENCODER_CACHE_BYTES = 512 << 20  # image projector rows kept (engine/exec/encoder_cache.py)
 # patches of all a request's images: 4 images at K3's in_patch_limit (65536) with their padding
 DEFAULT_MAX_IMAGE_PATCHES = 270_000
 MOE_WEIGHTS = ("auto", "packed", "dequantized")
@@ -51,7 +51,7 @@ class EngineConfig:
     use, at most 10 % of RAM (on CUDA: the device memory free after the weights, less 10 %).
     `max_model_len` None (or 0) means the checkpoint's `max_position_embeddings`.
     `structured_thinking_budget` None is unlimited. `data_parallel_size` N > 1: the offline `LLM`
-    runs N replicas of this engine (engine/dp_client.py); `build_engine` builds one. Values are
+    runs N replicas of this engine (engine/dp/client.py); `build_engine` builds one. Values are
     checked here where that needs no model (the same errors the builder would raise later)."""
 
     model: str | Path
@@ -138,7 +138,7 @@ class EngineConfig:
         "silent) before the engine is declared failed",
         type=float,
     )
-    data_parallel_size: int = 1  # engine replicas the offline LLM spreads requests over (engine/dp_client.py)
+    data_parallel_size: int = 1  # engine replicas the offline LLM spreads requests over (engine/dp/client.py)
 
     def check_parallel(self) -> None:
         """The parallel fields fit together (checked when the engine starts, since single flags

@@ -15,15 +15,15 @@ from tqdm.auto import tqdm
 from ..chat.render import load_chat_template
 from ..model.image_processor import ImageProcessor, ImageProcessorError
 from ..model.tokenizer import Tokenizer
-from .builder import build_engine
-from .chat_inputs import chat_prompt
 from .config import EngineConfig
-from .dp_client import DPClient
-from .mm_inputs import check_patch_total
-from .multimodal import ImageInput, image_input
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
-from .sequence import InvalidRequestError
+from .core.builder import build_engine
+from .dp.client import DPClient
+from .request.chat_inputs import chat_prompt
+from .request.mm_inputs import check_patch_total
+from .request.multimodal import ImageInput, image_input
+from .request.outputs import RequestOutput
+from .request.sampling_params import SamplingParams
+from .request.sequence import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +33,14 @@ class LLM:
 
     `LLM(model, dtype, **kwargs)` takes the fields of `EngineConfig` (engine/config.py documents
     them and their defaults) as keyword arguments; `LLM.from_config(config)` takes the config.
-    Both start the engine with `build_engine` (engine/builder.py): in bfloat16 the native CPU
+    Both start the engine with `build_engine` (engine/core/builder.py): in bfloat16 the native CPU
     kernels are built and loaded there, so no request pays for the compile. With
     `tensor_parallel_size > 1` it also starts the worker processes and creates the process group
     (refused if this process has one already: `parallel.ProcessGroupTaken`); `shutdown()` /
     `close()`, leaving a `with LLM(...)` block, or the `LLM` being collected stops them and leaves
     the group (a start that fails does so before raising), so engines can follow one another in
     one process. With `data_parallel_size = N > 1` it is a client of N
-    engine replica processes (engine/dp_client.py: requests routed by prefix, outputs exactly
+    engine replica processes (engine/dp/client.py: requests routed by prefix, outputs exactly
     one engine's); `model`, `cache`, `engine` and `layout` are then None (they live in the
     replicas), `stats()` sums the replicas' figures and `pool_snapshot()` is refused. With
     `skip_tokenizer_init=True` no tokenizer is loaded: prompts must be token ids and outputs
@@ -246,7 +246,7 @@ class LLM:
         (self._dp or self.cache).check_integrity()
 
     def pool_snapshot(self) -> dict[str, torch.Tensor]:
-        """The pools of every rank gathered in the one-process layout (see engine/pool_snapshot.py)."""
+        """The pools of every rank gathered in the one-process layout (see engine/exec/pool_snapshot.py)."""
         if self._dp is not None:
             raise NotImplementedError("pool_snapshot reads one engine's pools: not with data_parallel_size > 1")
         return self.engine.runner.pool_snapshot()

@@ -175,16 +175,7 @@ def _eos(v: Any) -> int | None:
     return v
 
 
-def _parse_text(t: dict, family: str, top: dict, overrides: dict) -> ModelConfig:
-    where = "text_config" if family == "kimi_k3" else "config"
-    n_layers = _field(t, "num_hidden_layers", int, where)
-    hidden = _field(t, "hidden_size", int, where)
-    lin = _field(t, "linear_attn_config", dict, where)
-    lwhere = f"{where}.linear_attn_config"
-    layer_types = _layer_types(lin, n_layers, lwhere)
-    if not _field(t, "mla_use_nope", bool, where, default=True):
-        raise ConfigError(f"{where}: 'mla_use_nope' is false; only NoPE MLA exists in this family")
-
+def _kda_config(lin: dict, lwhere: str) -> KdaConfig:
     lower_bound = _field(lin, "gate_lower_bound", float, lwhere, optional=True)
     full_rank = _field(lin, "use_full_rank_gate", bool, lwhere, default=False)
     kda = KdaConfig(
@@ -196,14 +187,17 @@ def _parse_text(t: dict, family: str, top: dict, overrides: dict) -> ModelConfig
     )
     if lower_bound is not None and lower_bound >= 0:
         raise ConfigError(f"{lwhere}: 'gate_lower_bound' must be negative, got {lower_bound}")
+    return kda
 
+
+def _mla_config(t: dict, where: str) -> MlaConfig:
     n_heads = _field(t, "num_attention_heads", int, where)
     n_kv = _field(t, "num_key_value_heads", int, where, default=n_heads)
     if n_kv != n_heads:
         raise ConfigError(
             f"{where}: 'num_key_value_heads' ({n_kv}) must equal 'num_attention_heads' ({n_heads}) for MLA"
         )
-    mla = MlaConfig(
+    return MlaConfig(
         num_heads=n_heads,
         q_lora_rank=_field(t, "q_lora_rank", int, where, optional=True),
         kv_lora_rank=_field(t, "kv_lora_rank", int, where),
@@ -213,10 +207,9 @@ def _parse_text(t: dict, family: str, top: dict, overrides: dict) -> ModelConfig
         output_gate=_field(t, "mla_use_output_gate", bool, where, default=False),
     )
 
-    first_dense = _field(t, "first_k_dense_replace", int, where, default=0, minimum=0)
-    freq = _field(t, "moe_layer_freq", int, where, default=1)
-    moe_layers = tuple(i >= first_dense and i % freq == 0 for i in range(n_layers))
 
+def _moe_config(t: dict, where: str, overrides: dict) -> tuple[MoeConfig, str]:
+    """(the MoE config, the experts' activation)."""
     n_experts = _field(t, "num_experts", int, where)
     top_k = _field(t, "num_experts_per_token", int, where)
     if top_k > n_experts:
@@ -247,6 +240,36 @@ def _parse_text(t: dict, family: str, top: dict, overrides: dict) -> ModelConfig
         routed_scaling_factor=_field(t, "routed_scaling_factor", float, where, default=1.0),
         bias_in_weights=bool(overrides.pop("router_bias_in_weights", False)),
     )
+    return moe, act
+
+
+def _quantization(t: dict, top: dict, where: str) -> str | None:
+    qc = t.get("quantization_config") or top.get("quantization_config")
+    if qc is None:
+        return None
+    fmt = qc.get("format") if isinstance(qc, dict) else None
+    if fmt != "mxfp4-pack-quantized":
+        raise ConfigError(
+            f"{where}: unsupported 'quantization_config.format' {fmt!r} (expected 'mxfp4-pack-quantized')"
+        )
+    return "mxfp4"
+
+
+def _parse_text(t: dict, family: str, top: dict, overrides: dict) -> ModelConfig:
+    where = "text_config" if family == "kimi_k3" else "config"
+    n_layers = _field(t, "num_hidden_layers", int, where)
+    hidden = _field(t, "hidden_size", int, where)
+    lin = _field(t, "linear_attn_config", dict, where)
+    lwhere = f"{where}.linear_attn_config"
+    layer_types = _layer_types(lin, n_layers, lwhere)
+    if not _field(t, "mla_use_nope", bool, where, default=True):
+        raise ConfigError(f"{where}: 'mla_use_nope' is false; only NoPE MLA exists in this family")
+    kda = _kda_config(lin, lwhere)
+    mla = _mla_config(t, where)
+    first_dense = _field(t, "first_k_dense_replace", int, where, default=0, minimum=0)
+    freq = _field(t, "moe_layer_freq", int, where, default=1)
+    moe_layers = tuple(i >= first_dense and i % freq == 0 for i in range(n_layers))
+    moe, act = _moe_config(t, where, overrides)
 
     situ_beta = situ_lin = None
     if act == "situ":
@@ -255,17 +278,7 @@ def _parse_text(t: dict, family: str, top: dict, overrides: dict) -> ModelConfig
     block = _field(t, "attn_res_block_size", int, where, optional=True)
     if family == "kimi_k3" and block is None:
         raise ConfigError(f"{where}: kimi_k3 requires 'attn_res_block_size'")
-
-    quant = None
-    qc = t.get("quantization_config") or top.get("quantization_config")
-    if qc is not None:
-        fmt = qc.get("format") if isinstance(qc, dict) else None
-        if fmt != "mxfp4-pack-quantized":
-            raise ConfigError(
-                f"{where}: unsupported 'quantization_config.format' {fmt!r} (expected 'mxfp4-pack-quantized')"
-            )
-        quant = "mxfp4"
-
+    quant = _quantization(t, top, where)
     max_pos = t.get("max_position_embeddings") or t.get("model_max_length") or 1 << 20
     if overrides:
         raise ConfigError(f"unknown config overrides: {sorted(overrides)}")

@@ -4,7 +4,7 @@ Dense: `w1` (gate), `w3` (up) `[E, I, Din]` and `w2` `[E, Din, I]` parameters. P
 (`--moe-weights packed`, the default for MXFP4 checkpoints in bf16): the checkpoint's `weight_packed`
 `[E, O, I/2]` and `weight_scale` `[E, O, I/32]` uint8 tensors kept as they are, about 4.25 bits
 per weight; each GEMM decodes its expert on the fly (exactly, so both modes compute the same
-products). Execution is the backend's `experts` op (`ops.backend.TorchOps.experts`), or
+products). Execution is the backend's `experts` op (`ops.backends.torch.TorchOps.experts`), or
 `local_experts` on a rank holding a slice of the experts.
 """
 

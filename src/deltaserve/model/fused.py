@@ -14,9 +14,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..ops.backend import TorchOps
+from ..ops.backends.select import select_ops
+from ..ops.backends.torch import TorchOps
 from ..ops.operands import KdaWeights, MlaWeights, MoeWeights
-from ..ops.select import select_ops
 from ..ops.stack import NormOperands, StackLayerOperands, StackOperands
 from .decoder import DecoderLayer, DecoderStack
 from .kda_layer import KdaAttention

@@ -21,6 +21,8 @@ import os
 
 import torch
 
+from .. import env
+
 log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
@@ -31,7 +33,7 @@ THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 def huge_pages_enabled() -> bool:
     """Not turned off, and a kernel with transparent huge pages (without them `MADV_HUGEPAGE` fails)."""
-    off = os.environ.get("DELTASERVE_HUGE_PAGES", "1") == "0"
+    off = not env.HUGE_PAGES.on()
     return not off and hasattr(mmap, "MADV_HUGEPAGE") and os.path.exists(THP_SETTING)
 
 

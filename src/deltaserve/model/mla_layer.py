@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import mla as mla_ops
 from ..parallel import SINGLE, ParallelContext, shard
 from .config import ModelConfig
 from .context import ForwardContext
@@ -103,57 +102,17 @@ class MlaAttention(OpsModule):
         return self.queries(q_first), self.latents(kv), gate
 
     def _attend(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(o [N, H, v], gate or None): projections, the cache write and attention, module by module."""
+        """(o [N, H, v], gate or None): projections, the cache write and the backend's attention."""
         q, latent, gate = self._project(x)
-        cache = ctx.cache
-        if cache is None:
-            o = self._plain(q, latent, ctx.cu_seqlens)
-        else:
-            cache.store_mla(self.layer_id, latent)
-            o, view = None, self._view(cache, "mla_rows_view")
-            if view is not None and cache.decode_only:
-                o = self.ops.mla_decode(q, *self.kv_b_split(), view, self.rank, self.scale, self.prepared)
-            elif view is not None:
-                o = self.ops.mla_extend(q, *self.kv_b_split(), view, ctx.cu_seqlens, self.rank, self.scale)
-            if o is None:
-                context = cache.mla_context(self.layer_id)
-                o = (
-                    self._plain(q, latent, ctx.cu_seqlens)
-                    if context is None
-                    else self._cached(q, *context, ctx.cu_seqlens)
-                )
-        return o, gate
+        if ctx.cache is not None:
+            ctx.cache.store_mla(self.layer_id, latent)
+        return self._attention(q, latent, ctx.cache, ctx.cu_seqlens), gate
 
-    def _keys_values(self, c_hat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k_nope [N, H, nope], v [N, H, v]) of latent rows' c_hat [N, rank]."""
-        kv = self.kv_b_proj(c_hat).view(c_hat.shape[0], self.num_heads, self.nope + self.v_dim)
-        return kv[..., : self.nope], kv[..., self.nope :]
-
-    def _plain(self, q, latent, cu_seqlens):
-        k_nope, v = self._keys_values(latent[:, : self.rank])
-        return self.ops.mla_prefill(q, k_nope, latent[:, self.rank :], v, cu_seqlens, self.scale)
-
-    def _cached(self, q, rows, cu_kv, cu_q):
-        """Attention over cached contexts: unabsorbed, the rows' keys and values decompressed, for the
-        sequences where that costs fewer multiply-adds (`unabsorbed_sequences`: prefill chunks), the
-        absorbed form for the rest (decode); a step with both runs each on its sequences."""
-        h, rope, nope, v = self.num_heads, self.rope, self.nope, self.v_dim
-        row_bytes = self.ops.unabsorbed_row_bytes(h, rope, nope, v)
-        wide = mla_ops.unabsorbed_sequences(cu_q, cu_kv, h, self.rank, rope, nope, v, row_bytes)
-        num_seqs = cu_q.numel() - 1
-        if len(wide) in (0, num_seqs):
-            return (self._unabsorbed if wide else self._absorbed)(q, rows, cu_kv, cu_q)
-        out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
-        q_rows, kv_rows, sub_q, sub_kv = (t.to(q.device) for t in mla_ops.sequence_subset(cu_q, cu_kv, wide))
-        out[q_rows] = self._unabsorbed(q[q_rows], rows[kv_rows], sub_kv, sub_q)
-        narrow = sorted(set(range(num_seqs)) - set(wide))
-        q_rows, narrow_q = (t.to(q.device) for t in mla_ops.queries_of(cu_q, narrow))
-        out[q_rows] = self._absorbed(q[q_rows], rows, cu_kv, narrow_q)  # the others' rows skipped, not copied
-        return out
-
-    def _unabsorbed(self, q, rows, cu_kv, cu_q):
-        k_nope, v = self._keys_values(rows[:, : self.rank])
-        return self.ops.mla_context_prefill(q, k_nope, rows[:, self.rank :], v, cu_q, cu_kv, self.scale)
+    def _attention(self, q, latent, cache, cu_seqlens):
+        w_kv = self.kv_b_proj.weight
+        return self.ops.mla_attend(
+            q, latent, w_kv, cache, self.layer_id, cu_seqlens, self.rank, self.scale, self.prepared
+        )
 
     def _latent_queries(self, q):
         w_uk, _ = self.kv_b_split()
@@ -162,10 +121,6 @@ class MlaAttention(OpsModule):
 
     def _values(self, o_lat):
         return torch.einsum("nhr,hvr->nhv", o_lat, self.kv_b_split()[1])
-
-    def _absorbed(self, q, rows, cu_kv, cu_q):
-        o_lat = self.ops.mla_absorbed(self._latent_queries(q), rows, cu_q, cu_kv, self.rank, self.scale)
-        return self._values(o_lat)
 
     def _view(self, cache, name: str):
         """The pool view `name` of this layer (`context.LayerCache`), or None where the cache has none."""
@@ -182,8 +137,8 @@ class DcpMlaAttention(MlaAttention):
     queries over the DCP group (its D ranks' heads), attends with every gathered head over its
     local rows (`ops.mla.mla_absorbed_partial`, causal by global position; a decode step, where each
     query sees all its rows, through `ops.mla_decode_partial` over the pool in place where the backend
-    has it), all-gathers the (partial output, LSE) pairs, merges its own heads' parts
-    (`ops.mla.lse_combine`), then W_UV, gate and the row-parallel o_proj as under TP. The whole-context
+    has it; both behind `ops.mla_dcp_partial`), all-gathers the (partial output, LSE) pairs, merges its own heads' parts
+    (`ops.lse_merge`), then W_UV, gate and the row-parallel o_proj as under TP. The whole-context
     native decode kernels are not called and there is no prepared plan (`native_kernels`). Without a
     cache (`forward_full`) every position is local and the plain TP attention runs."""
 
@@ -197,23 +152,14 @@ class DcpMlaAttention(MlaAttention):
         q, latent, gate = self._project(x)
         cache = ctx.cache
         if cache is None:
-            return self._plain(q, latent, ctx.cu_seqlens), gate
-        view = getattr(cache, "mla_dcp_context", None)
-        if view is None:
+            return self._attention(q, latent, None, ctx.cu_seqlens), gate
+        if not hasattr(cache, "mla_dcp_context"):
             raise TypeError(f"{type(cache).__name__} has no mla_dcp_context: it cannot serve a DCP MLA layer")
         cache.store_mla(self.layer_id, latent)
         q_all = self.tp.dcp_all_gather(self._latent_queries(q), dim=1)
-        part = None
-        if cache.decode_only and hasattr(cache, "mla_dcp_rows_view"):  # each query sees all its rows
-            part = self.ops.mla_decode_partial(q_all, cache.mla_dcp_rows_view(self.layer_id), self.rank, self.scale)
-        if part is None:
-            rows, kv_pos, cu_kv, q_pos = view(self.layer_id)
-            part = mla_ops.mla_absorbed_partial(
-                q_all, rows, q_pos, kv_pos, ctx.cu_seqlens, cu_kv, self.rank, self.scale
-            )
-        o, lse = part
+        o, lse = self.ops.mla_dcp_partial(q_all, cache, self.layer_id, ctx.cu_seqlens, self.rank, self.scale)
         h, d = self.num_heads, self.tp.dcp_rank
         parts = self.tp.dcp_all_gather(torch.cat([o, lse[..., None]], dim=-1)[None], dim=0)
         parts = parts[:, :, d * h : (d + 1) * h]
-        o_lat, _ = mla_ops.lse_combine(parts[..., : self.rank], parts[..., self.rank])
+        o_lat, _ = self.ops.lse_merge(parts[..., : self.rank], parts[..., self.rank])
         return self._values(o_lat.to(q.dtype)), gate

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.backend import REFERENCE, TorchOps
+from ..ops.backends.torch import REFERENCE, TorchOps
 
 
 class OpsModule(nn.Module):

@@ -6,9 +6,10 @@ Tower norms are `nn.RMSNorm` with eps unset upstream. PyTorch then takes the eps
 op's compute type (float32 for bf16/fp16 input: ~1.19e-7, not bf16's 2^-7 as OQ-5 assumed;
 checked on torch 2.13 CPU and 2.11 CUDA), so that is the default here unless the config pins
 one; the projector's `post_norm` uses `projector_ln_eps`. Linears and norms run on
-the bound op backend (`OpsModule`); attention, RoPE2D and the merge are `ops.vision` functions.
-Attention is per image in bounded query chunks (`ops.vision.image_attention`), so a forward
-pass needs memory linear in its patches; `model/vision_encode.py` runs one image in pieces.
+the bound op backend (`OpsModule`), attention too (`vision_attention`, `vision_image_attention`);
+RoPE2D and the merge are `ops.vision` functions. Attention is per image in bounded query chunks
+(`ops.vision.image_attention` behind the backend), so a forward pass needs memory linear in its
+patches; `model/vision_encode.py` runs one image in pieces.
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ class VisionMlp(nn.Module):
         return self.fc1(vops.gelu_tanh(self.fc0(x)))
 
 
-class VisionBlock(nn.Module):
+class VisionBlock(OpsModule):
     """Pre-norm block: `p += wo(Attn(RoPE2D(q), RoPE2D(k), v))`, `p += mlp(norm1(p))`. Split in
     `qkv` (every row of an image) and `rows` (any subset of its rows, given the whole image's
     k, v): everything but attention is row-wise, so a block may run a chunk of rows at a time."""
@@ -176,13 +177,13 @@ class VisionBlock(nn.Module):
 
     def rows(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The block's output for rows `x` with queries `q`, against ONE image's whole `k, v`."""
-        x = x + self.wo(vops.image_attention(q, k, v).flatten(1))
+        x = x + self.wo(self.ops.vision_image_attention(q, k, v).flatten(1))
         return x + self.mlp(self.norm1(x))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """Packed images of `lengths` rows, each attending only to itself."""
         q, k, v = self.qkv(x, cos, sin)
-        x = x + self.wo(vops.packed_attention(q, k, v, lengths).flatten(1))
+        x = x + self.wo(self.ops.vision_attention(q, k, v, lengths).flatten(1))
         return x + self.mlp(self.norm1(x))
 
 

@@ -1,5 +1,5 @@
 """`TowerJob`: one image through the vision model in pieces, so an engine can spread a large
-image's encode over several steps (engine/encoder_cache.py).
+image's encode over several steps (engine/exec/encoder_cache.py).
 
 Invariants:
 - A job is the image's tower, block by block; within a block, rows in order. Every block first

@@ -192,13 +192,7 @@ def kda_chunked(
         )
         none = None if export_offsets is None else final.new_empty(0, h, dk, dv)
         return torch.zeros(n, h, dv, device=dev), final, none
-    # step-major chunk order: step p holds chunk p of every sequence with > p chunks, in the
-    # order of sequences sorted by chunk count (descending), so active states form a prefix
-    order = torch.argsort(n_chunks, descending=True, stable=True)
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(nseq)
-    perm = torch.argsort(pos * max(nseq, 1) + rank[seq_of])
-    steps = torch.bincount(pos).tolist()
+    order, perm, steps = _step_major(n_chunks, pos, seq_of, nseq)
     width = 1 << (chunk_size - 1).bit_length()  # chunks padded to a power of two
     i = torch.arange(width)
     tok = torch.where(i < length[perm, None], start[perm, None] + i, n).reshape(-1).to(dev)
@@ -221,15 +215,49 @@ def kda_chunked(
         state = torch.zeros(nseq * h, dk, dv, device=dev)
     else:
         state = initial_state.to(device=dev, dtype=torch.float32)[order.to(dev)].reshape(-1, dk, dv)
+    slot, saved, inverse = _export_slots(ex_chunk, perm, state, h)
+    out = _scan(state, steps, h, slot, saved, (w_, u_, aqk, qg, kdt, egc), width)
+    state = state.view(nseq, h, dk, dv)
+    final = torch.empty_like(state)
+    final[order.to(dev)] = state
+    o = torch.empty(n + 1, h, dv, device=dev)
+    o[tok] = out.view(nc, h, width, dv).transpose(1, 2).reshape(nc * width, h, dv)
+    exported = None if saved is None else saved[inverse.to(dev)]
+    return o[:n], final, exported
+
+
+def _step_major(n_chunks: torch.Tensor, pos: torch.Tensor, seq_of: torch.Tensor, nseq: int):
+    """(order, perm, steps): step-major chunk order. Step p holds chunk p of every sequence with
+    > p chunks, in the order of sequences sorted by chunk count (descending, `order`), so the
+    active states form a prefix; `perm` puts the chunks in that order, `steps` counts each step's."""
+    order = torch.argsort(n_chunks, descending=True, stable=True)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(nseq)
+    perm = torch.argsort(pos * max(nseq, 1) + rank[seq_of])
+    return order, perm, torch.bincount(pos).tolist()
+
+
+def _export_slots(ex_chunk: torch.Tensor | None, perm: torch.Tensor, state: torch.Tensor, h: int):
+    """(slot of each step-ordered chunk in `saved` (-1: none), saved [E, H, K, V] or None, the
+    inverse mapping exports to saved rows or None)."""
+    nc = perm.numel()
     slot = torch.full((nc,), -1, dtype=torch.long)
-    uniq = inverse = None
-    if ex_chunk is not None:
-        uniq, inverse = torch.unique(ex_chunk, return_inverse=True)
-        inv_perm = torch.empty_like(perm)
-        inv_perm[perm] = torch.arange(nc)
-        slot[inv_perm[uniq]] = torch.arange(uniq.numel())
-        saved = state.new_empty(uniq.numel(), h, dk, dv)
-    out = torch.empty(nc * h, width, dv, device=dev)
+    if ex_chunk is None:
+        return slot, None, None
+    uniq, inverse = torch.unique(ex_chunk, return_inverse=True)
+    inv_perm = torch.empty_like(perm)
+    inv_perm[perm] = torch.arange(nc)
+    slot[inv_perm[uniq]] = torch.arange(uniq.numel())
+    return slot, state.new_empty(uniq.numel(), h, *state.shape[1:]), inverse
+
+
+def _scan(state, steps, h, slot, saved, intra, width):
+    """The inter-chunk recurrence over the step-major chunks, `state` [B*H, K, V] updated in
+    place; the states after export chunks go to `saved`. Returns out [C*H, width, V]."""
+    w_, u_, aqk, qg, kdt, egc = intra
+    dk, dv = state.shape[1:]
+    dev = state.device
+    out = torch.empty(slot.numel() * h, width, dv, device=dev)
     c0 = 0
     for na in steps:  # heads and active sequences batched; rows = chunk*H + head
         sl, s = slice(c0 * h, (c0 + na) * h), state[: na * h]
@@ -237,18 +265,12 @@ def kda_chunked(
         out[sl] = torch.baddbmm(torch.bmm(aqk[sl], delta), qg[sl], s)
         s = torch.baddbmm(egc[sl].unsqueeze(-1) * s, kdt[sl], delta)
         state[: na * h] = s
-        if uniq is not None:
+        if saved is not None:
             hit = torch.nonzero(slot[c0 : c0 + na] >= 0).squeeze(1)
             if hit.numel():
                 saved[slot[c0 : c0 + na][hit].to(dev)] = s.view(na, h, dk, dv)[hit.to(dev)]
         c0 += na
-    state = state.view(nseq, h, dk, dv)
-    final = torch.empty_like(state)
-    final[order.to(dev)] = state
-    o = torch.empty(n + 1, h, dv, device=dev)
-    o[tok] = out.view(nc, h, width, dv).transpose(1, 2).reshape(nc * width, h, dv)
-    exported = None if uniq is None else saved[inverse.to(dev)]
-    return o[:n], final, exported
+    return out
 
 
 def kda_recurrent_step(

@@ -1,4 +1,4 @@
-"""The operand bundles of the op seam (`ops.backend.TorchOps`): layer constants (GLU activation,
+"""The operand bundles of the op seam (`ops.backends.torch.TorchOps`): layer constants (GLU activation,
 router, KDA) and the weight bundles `prepare_*` reads, as the layers hold them after loading."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """KV transfer engines (prefill/decode handoffs) behind one small interface: register pool
 tensors, read peers' bytes in place. One per process: under tensor parallelism every rank runs
-its own and moves its own pools' bytes (`engine.rank_transfer`).
+its own and moves its own pools' bytes (`engine.exec.rank_transfer`).
 
 `Connector.read` moves each remote region into the matching local one (same lengths, one batch)
 and returns the byte count; it raises `TransferError` when the peer is gone or refuses. Memory is

@@ -33,11 +33,11 @@ import uuid
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from ..engine.core import EngineCore
-from ..engine.multimodal import ImageInput
-from ..engine.ranks import RankFailure
-from ..engine.sampling_params import SamplingParams
-from ..engine.sequence import InvalidRequestError
+from ..engine.core.loop import EngineCore
+from ..engine.exec.ranks import RankFailure
+from ..engine.request.multimodal import ImageInput
+from ..engine.request.sampling_params import SamplingParams
+from ..engine.request.sequence import InvalidRequestError
 from .engine_messages import AbortRequest, AddRequest, Call, Fatal, Shutdown, StartWaiting, StopWaiting, Waiter
 from .request_stream import EngineDeadError, RequestStream
 

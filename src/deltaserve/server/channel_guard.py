@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 
-from ..engine.structured import StructuredOutput
+from ..engine.request.structured import StructuredOutput
 
 TEXT = r"/([^<]|<[^|])*<?/"
 ARG_TYPES = ("string", "number", "boolean", "null", "object", "array")

@@ -12,7 +12,7 @@ On K3 with thinking on, reasoning is free and the constraint starts after the th
 the grammar is "text without control tokens, `<|close|>think<|sep|><|open|>response<|sep|>`,
 then JSON", so the reasoning parser splits it as usual and the JSON is the response content.
 The request's `thinking_token_budget` (alias `max_reasoning_tokens`) bounds that reasoning (the
-engine then forces the think-close, engine/reasoning.py); it applies whenever the output starts
+engine then forces the think-close, engine/request/reasoning.py); it applies whenever the output starts
 in a think element (K3, thinking on), constrained or not, and is ignored otherwise.
 
 A forced tool choice whose output ended ("stop") without the complete JSON call is an error
@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass
 
 from ..chat.common import ChatFormatError, validate_tools
-from ..engine.structured import Special, StructuredOutput, StructuredOutputError, tool_call_schema
+from ..engine.request.structured import Special, StructuredOutput, StructuredOutputError, tool_call_schema
 from .errors import APIError
 from .parsers import ToolCall
 from .thinking import resolve_thinking

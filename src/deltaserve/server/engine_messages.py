@@ -7,9 +7,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..engine.core import EngineCore, SeqDelta
-from ..engine.multimodal import ImageInput
-from ..engine.sampling_params import SamplingParams
+from ..engine.core.loop import EngineCore, SeqDelta
+from ..engine.request.multimodal import ImageInput
+from ..engine.request.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

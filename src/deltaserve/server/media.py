@@ -41,7 +41,7 @@ from PIL import Image, UnidentifiedImageError
 
 from ..chat.common import IMAGE_PART_TYPES
 from ..engine.config import DEFAULT_MAX_IMAGE_PATCHES
-from ..engine.multimodal import ImageInput, image_input
+from ..engine.request.multimodal import ImageInput, image_input
 from ..model.image_processor import ImageProcessor, ImageProcessorError
 
 MIB = 2**20

@@ -110,7 +110,7 @@ ENGINE_GAUGES = {
     "kda_slots_used": ("kda_slots_used", "KDA recurrent-state slots in use"),
     "kda_slots_total": ("kda_slots_total", "KDA recurrent-state slots in the pool"),
 }
-# stats() key -> (metric name without prefix, help): the image encoder cache (engine/encoder_cache.py)
+# stats() key -> (metric name without prefix, help): the image encoder cache (engine/exec/encoder_cache.py)
 ENCODER_COUNTERS = {
     "encoder_cache_hits": ("encoder_cache_hits", "Images whose projector rows came from the encoder cache"),
     "encoder_cache_misses": ("encoder_cache_misses", "Images the vision tower encoded"),

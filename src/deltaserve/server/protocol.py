@@ -23,7 +23,7 @@ from pydantic import (
     field_validator,
 )
 
-from ..engine.sampling_params import MAX_LOGPROBS
+from ..engine.request.sampling_params import MAX_LOGPROBS
 
 MAX_N = 16
 MAX_BATCH = 64  # completion prompts per request, and prompts * n

@@ -28,9 +28,11 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from ..env import EXIT_WITH_PARENT
+
 log = logging.getLogger("deltaserve.replicas")
 
-EXIT_WITH_PARENT_ENV = "DELTASERVE_EXIT_WITH_PARENT"
+EXIT_WITH_PARENT_ENV = EXIT_WITH_PARENT.name
 BACKOFF_S = 1.0  # the first restart's delay
 BACKOFF_CAP_S = 60.0  # the longest delay between restarts
 STABLE_S = 60.0  # a replica live this long has its consecutive-failure count reset

@@ -8,7 +8,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.core import SeqDelta
+from ..engine.core.loop import SeqDelta
 
 
 class EngineDeadError(RuntimeError):

@@ -20,9 +20,9 @@ from fastapi import Depends, Request
 
 from ..chat.common import ChatFormatError
 from ..chat.render import render_chat
-from ..engine.multimodal import ImageInput
-from ..engine.sampling_params import SamplingParams, SamplingParamsError
-from ..engine.sequence import InvalidRequestError
+from ..engine.request.multimodal import ImageInput
+from ..engine.request.sampling_params import SamplingParams, SamplingParamsError
+from ..engine.request.sequence import InvalidRequestError
 from ..model.image_processor import ImageProcessor
 from ..model.tokenizer import TokenizerError
 from .async_engine import AsyncEngine

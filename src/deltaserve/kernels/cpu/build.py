@@ -22,6 +22,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from ... import env
+
 __all__ = ["CSRC", "ISAS", "build", "choose_isa", "cpu_isas", "find_compiler", "isa_flags"]
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,7 @@ def find_compiler() -> str | None:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("DELTASERVE_CACHE") or Path.home() / ".cache" / "deltaserve"
+    root = env.CACHE.get() or Path.home() / ".cache" / "deltaserve"
     return Path(root) / "native"
 
 

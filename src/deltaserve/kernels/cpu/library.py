@@ -2,8 +2,8 @@
 built by `build.py` from `csrc/*.c` for the ISA `$DELTASERVE_ISA` names or the best the CPU has,
 with every binding), or None; `load(isa)` builds and loads one ISA's variant on its own (tests).
 
-`ops.select.select_ops` asks once per model, when it is prepared after loading, and binds the
-native backend (`ops.cpu_native`) or the pure-PyTorch reference; nothing asks per call. None
+`ops.backends.select.select_ops` asks once per model, when it is prepared after loading, and binds the
+native backend (`ops.backends.cpu`) or the pure-PyTorch reference; nothing asks per call. None
 means: no compiler, a failed build, a library that fails the ABI check of `abi.py`, a non-CPU
 device, `set_enabled(False)` or `DELTASERVE_NATIVE=0`; a missing compiler, a failed build or a
 refused library is logged as a warning, once per process. `is_loaded()` says whether the build
@@ -16,13 +16,13 @@ import contextlib
 import ctypes
 import functools
 import logging
-import os
 import subprocess
 import time
 from pathlib import Path
 
 import torch
 
+from ... import env
 from .abi import (
     ACT_SILU,
     ACT_SITU,
@@ -86,7 +86,7 @@ class NativeKernels(
         lib.ds_init()
         self.avx512_bf16 = bool(lib.ds_has_avx512bf16())
         self.amx = self.tiles = False
-        self.set_amx(os.environ.get("DELTASERVE_AMX", "1") != "0")
+        self.set_amx(env.AMX.on())
         lowest = "generic" if built_for == "generic" else "avx2"
         self.isa = "amx" if self.amx else ("avx512" if self.avx512_bf16 else lowest)
         if self.isa != built_for:
@@ -133,7 +133,7 @@ def load(isa: str | None = None, compiler: str | None = None, csrc: Path | None 
     compiler = compiler or find_compiler()
     if compiler is None:
         raise OSError("no C compiler found")
-    chosen = choose_isa(os.environ.get("DELTASERVE_ISA") if isa is None else isa)
+    chosen = choose_isa(env.ISA.get() if isa is None else isa)
     path = _build(compiler, chosen, csrc or CSRC)
     try:
         return NativeKernels(ctypes.CDLL(str(path)), chosen)
@@ -143,7 +143,7 @@ def load(isa: str | None = None, compiler: str | None = None, csrc: Path | None 
 
 @functools.lru_cache(maxsize=1)
 def _load() -> NativeKernels | None:
-    if os.environ.get("DELTASERVE_NATIVE", "1") == "0":
+    if not env.NATIVE.on():
         return None
     compiler = find_compiler()
     if compiler is None:

@@ -149,34 +149,13 @@ class StackBindings:
             mla = isinstance(y.attn, MlaBlockPlan)
             if callable(y.attn):
                 attends[i] = y.attn
-            elif not isinstance(y.attn, (KdaBlockPlan, MlaBlockPlan)) or y.attn.D != d:
-                return None
-            if mla and not _bf16(y.o_proj, (d, y.attn.H * y.attn.v)):
-                return None
-            if (y.moe is None) == (y.mlp is None) or (y.moe is not None and y.moe.D != d):
-                return None
-            if y.mlp is not None:
-                width = y.mlp[0].shape[0]
-                if not all(_bf16(w, s) for w, s in zip(y.mlp, ((width, d), (width, d), (d, width)))):
-                    return None
-            qs = (y.attn_q, y.mlp_q)
-            if not all(_f32(t, d) for t in (*qs, y.attn_norm[0], y.mlp_norm[0])) or any(
-                (t is None) != (block_size is None) for t in qs
-            ):
+            if not _layer_fits(y, d, block_size):
                 return None
             if i not in attends:
                 (mla_layers if mla else kda_layers).append(i)
                 s.kda = None if mla else ctypes.pointer(y.attn)
                 s.mla = ctypes.pointer(y.attn) if mla else None
-            s.o_proj = _ptr(y.o_proj)
-            s.moe = None if y.moe is None else ctypes.pointer(y.moe)
-            s.mlp_gate, s.mlp_up, s.mlp_down = (None,) * 3 if y.mlp is None else (w.data_ptr() for w in y.mlp)
-            s.mlp_width = 0 if y.mlp is None else y.mlp[0].shape[0]
-            s.act, s.beta, s.lbeta = y.act
-            s.attn_q, s.mlp_q = _ptr(y.attn_q), _ptr(y.mlp_q)
-            (s.attn_norm, s.attn_eps), (s.mlp_norm, s.mlp_eps) = (
-                (n.data_ptr(), e) for n, e in (y.attn_norm, y.mlp_norm)
-            )
+            _fill_layer(s, y)
         struct = StackStruct(
             d,
             len(layers),
@@ -199,13 +178,8 @@ class StackBindings:
         if logits:
             struct.vocab, struct.embed, struct.lm_head = head[1].shape[0], head[0].data_ptr(), head[1].data_ptr()
             keep.append(head)
-        widths = [d]
-        for y in layers:
-            a = y.attn
-            if isinstance(a, (KdaBlockPlan, MlaBlockPlan)):
-                widths += [a.q_rank or d, a.H * a.v] if isinstance(a, MlaBlockPlan) else [a.K, a.H * a.K]
-            widths += [y.moe.L] if y.moe is not None and y.moe.down else []
-        return StackPlan(struct, kda_layers, mla_layers, min(self.multi_rows(k) for k in widths), keep, logits=logits)
+        rows = min(self.multi_rows(k) for k in _widths(layers, d))
+        return StackPlan(struct, kda_layers, mla_layers, rows, keep, logits=logits)
 
     def decode_stack(self, plan: StackPlan, x: torch.Tensor, kda_views: list, mla_views: list) -> torch.Tensor | None:
         """The final-normed hidden states [N, D] of one decode step of the embeddings x [N <=
@@ -307,3 +281,44 @@ class StackBindings:
         out = torch.empty_like(o)
         self.lib.ds_sigmoid_mul_bf16(o.data_ptr(), gate.data_ptr(), o.numel(), out.data_ptr(), torch.get_num_threads())
         return out
+
+
+def _layer_fits(y: StackLayerPlan, d: int, block_size: int | None) -> bool:
+    """Whether a layer's plan fits `ds_decode_stack` (a callable attention is called back)."""
+    mla = isinstance(y.attn, MlaBlockPlan)
+    if not callable(y.attn) and (not isinstance(y.attn, (KdaBlockPlan, MlaBlockPlan)) or y.attn.D != d):
+        return False
+    if mla and not _bf16(y.o_proj, (d, y.attn.H * y.attn.v)):
+        return False
+    if (y.moe is None) == (y.mlp is None) or (y.moe is not None and y.moe.D != d):
+        return False
+    if y.mlp is not None:
+        width = y.mlp[0].shape[0]
+        if not all(_bf16(w, s) for w, s in zip(y.mlp, ((width, d), (width, d), (d, width)))):
+            return False
+    qs = (y.attn_q, y.mlp_q)
+    return all(_f32(t, d) for t in (*qs, y.attn_norm[0], y.mlp_norm[0])) and not any(
+        (t is None) != (block_size is None) for t in qs
+    )
+
+
+def _fill_layer(s: StackLayerStruct, y: StackLayerPlan) -> None:
+    """A layer's struct from its plan (its attention pointer set by the caller)."""
+    s.o_proj = _ptr(y.o_proj)
+    s.moe = None if y.moe is None else ctypes.pointer(y.moe)
+    s.mlp_gate, s.mlp_up, s.mlp_down = (None,) * 3 if y.mlp is None else (w.data_ptr() for w in y.mlp)
+    s.mlp_width = 0 if y.mlp is None else y.mlp[0].shape[0]
+    s.act, s.beta, s.lbeta = y.act
+    s.attn_q, s.mlp_q = _ptr(y.attn_q), _ptr(y.mlp_q)
+    (s.attn_norm, s.attn_eps), (s.mlp_norm, s.mlp_eps) = ((n.data_ptr(), e) for n, e in (y.attn_norm, y.mlp_norm))
+
+
+def _widths(layers: list[StackLayerPlan], d: int) -> list[int]:
+    """The input widths of the step's GEMVs (the rows a multi-row kernel can take depend on them)."""
+    widths = [d]
+    for y in layers:
+        a = y.attn
+        if isinstance(a, (KdaBlockPlan, MlaBlockPlan)):
+            widths += [a.q_rank or d, a.H * a.v] if isinstance(a, MlaBlockPlan) else [a.K, a.H * a.K]
+        widths += [y.moe.L] if y.moe is not None and y.moe.down else []
+    return widths

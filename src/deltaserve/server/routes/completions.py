@@ -25,7 +25,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from ...engine.structured import StructuredOutput, StructuredOutputError
+from ...engine.request.structured import StructuredOutput, StructuredOutputError
 from ..errors import APIError
 from ..protocol import MAX_BATCH, CompletionRequest
 from ..state import ServerState, State

@@ -1,0 +1,400 @@
+"""`EngineCore`: requests in, finished `RequestOutput`s out, one scheduler step at a time.
+
+All validation happens in `add_request` before anything is queued, so a rejected request leaves
+no trace; finished and aborted sequences free their cache in the same call. A request with
+`params.structured` gets one grammar state per sequence (compiled at add time), advanced by each
+accepted token; a sequence finishes with "stop" as soon as its grammar is complete (no step is
+spent on the EOS that is all a complete grammar allows), and with "error" (`stop_reason` = the
+message) if its grammar rejects a token or fails. A request whose output starts inside a
+reasoning section gets a `ReasoningBudget` per sequence (engine/request/reasoning.py): its
+`thinking_token_budget`, or `structured_thinking_budget` when a structured output starts after
+the reasoning and the request sets none (None: unlimited).
+
+Images (`add_request(..., images=...)`, engine/request/mm_inputs.py): the prompt's `<|media_pad|>` runs
+(and K3's `<|kimi_image_placeholder|>`, if the tokenizer has it, read as a lone pad) are matched
+to the images in order and lone pads expanded; the request's `prompt_token_ids`
+are the expanded ids. Only a model loaded with its vision tower (`encoder`) accepts images (at most
+`max_image_patches` patches a request); the runner's encoder cache encodes them a bounded share
+per step (`encoder_patches_per_step`), so sequences that do not wait for them keep stepping.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from ...cache.manager import CacheManager
+from ...model.kimi import KimiForCausalLM
+from ...ops import fallbacks
+from ..config import DEFAULT_MAX_IMAGE_PATCHES, DEFAULT_STRUCTURED_THINKING_BUDGET
+from ..exec.encoder_cache import EncoderCache, encoder_stats
+from ..exec.runner import ModelRunner
+from ..exec.sampler import SamplingRow
+from ..request.detokenizer import IncrementalDetokenizer
+from ..request.mm_inputs import ImagePrompts, MmPrompt
+from ..request.multimodal import ImageInput
+from ..request.outputs import CompletionOutput, Logprob, RequestOutput
+from ..request.reasoning import ReasoningBudget, piece_ids
+from ..request.request_check import check_request
+from ..request.sampling_params import SamplingParams
+from ..request.sequence import InvalidRequestError, SeqStatus, Sequence
+from ..request.structured import GrammarCompiler, GrammarState, StructuredOutputError
+from ..sched.scheduler import Scheduler
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    seqs: list[Sequence]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+
+@dataclass
+class SeqDelta:
+    """What one sequence gained in one step (see `EngineCore.step_deltas`)."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+    stop_reason: str | int | None
+
+
+class EngineCore:
+    def __init__(
+        self,
+        model: KimiForCausalLM,
+        tokenizer,
+        cache: CacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        seed: int = 0,
+        structured_thinking_budget: int | None = DEFAULT_STRUCTURED_THINKING_BUDGET,
+        encoder: EncoderCache | None = None,  # a vision model's (engine/exec/encoder_cache.py)
+        max_image_patches: int = DEFAULT_MAX_IMAGE_PATCHES,
+    ):
+        self.model, self.tokenizer, self.cache = model, tokenizer, cache
+        self.max_model_len = max_model_len
+        self.scheduler = Scheduler(cache, max_num_seqs, max_num_batched_tokens)
+        self.runner = ModelRunner(model, cache)
+        self.requests: dict[str, _Request] = {}
+        self.counters: Counter[str] = Counter()
+        self._rng = torch.Generator().manual_seed(seed)
+        self._next_seq = 0
+        eos = set(tokenizer.stop_token_ids) if tokenizer is not None else set()
+        if model.config.eos_token_id is not None:
+            eos.add(model.config.eos_token_id)
+        self.eos_ids = frozenset(eos)
+        self.grammars: dict[int, GrammarState] = {}  # seq_id -> structured-output state
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
+        self.structured_thinking_budget = structured_thinking_budget
+        self.budgets: dict[int, ReasoningBudget] = {}  # seq_id -> reasoning budget state
+        self.parked: dict[str, int] = {}  # request_id -> seq_id of a parked prefill (handoff.py)
+        self.reserved: set[int] = set()  # seq_ids of handoff reservations no request has claimed yet
+        self.runner.encoder = encoder
+        if encoder is not None:
+            self.scheduler.gate = encoder.gate
+        pad = model.config.media_placeholder_token_id
+        self.image_prompts = ImagePrompts(tokenizer, pad, self.runner.encoder, max_model_len, max_image_patches)
+
+    def validate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, images: list[ImageInput] | None = None
+    ) -> None:
+        """Raise `InvalidRequestError` if `add_request` would refuse the request."""
+        self._check(request_id, prompt_ids, params, images)
+
+    def _check(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, images: list[ImageInput] | None
+    ) -> MmPrompt | None:
+        return check_request(self, request_id, prompt_ids, params, images)
+
+    def precompile(self, params: SamplingParams) -> None:
+        """Compile (and cache) `params.structured`, raising `InvalidRequestError` if it is refused.
+        Thread-safe: it touches only the grammar compiler, so a server runs it off its event
+        loop and the engine thread's `add_request` then finds the grammar cached."""
+        if params.structured is not None and self.tokenizer is not None:
+            self._compile(params)
+
+    def _compile(self, params: SamplingParams) -> GrammarState | None:
+        if params.structured is None:
+            return None
+        try:
+            with self._compiler_lock:
+                if self._grammar_compiler is None:
+                    self._grammar_compiler = GrammarCompiler(
+                        self.tokenizer, self.model.config.vocab_size, sorted(self.eos_ids)
+                    )
+            return self._grammar_compiler.compile(params.structured)
+        except StructuredOutputError as e:
+            raise InvalidRequestError(str(e)) from None
+
+    def _budget(self, params: SamplingParams) -> ReasoningBudget | None:
+        budget = params.thinking_token_budget
+        if budget is None and params.structured is not None and params.structured.prefix:
+            budget = self.structured_thinking_budget
+        if budget is None or self.tokenizer is None:
+            return None
+        try:
+            end = piece_ids(self.tokenizer, params.reasoning_close)
+        except StructuredOutputError as e:
+            raise InvalidRequestError(str(e)) from None
+        return ReasoningBudget(budget, end, self.tokenizer.special_ids)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        cache_salt: str | None = None,
+        images: list[ImageInput] | None = None,
+        *,
+        prefill_only: bool = False,
+        received: int | None = None,
+    ) -> None:
+        """`prefill_only`: compute the prompt and park its cache (`engine/sched/handoff.py`), sampling
+        nothing. `received`: the sequence id of a handoff reservation holding the cache of every
+        prompt token but the last (`handoff.reserve`); the request runs from there (n must be 1)."""
+        mm = self._check(request_id, prompt_ids, params, images)
+        if (prefill_only or received is not None) and (mm is not None or params.n != 1):
+            raise InvalidRequestError("a handoff takes one sample of a text-only prompt")
+        if received is not None and (
+            received not in self.reserved or getattr(self.cache.seqs.get(received), "prompt_len", -1) != len(prompt_ids)
+        ):
+            raise InvalidRequestError(f"no unclaimed handoff reservation {received} for this prompt")
+        if mm is not None:
+            prompt_ids = mm.ids
+        grammar = self._compile(params)
+        budget = self._budget(params)
+        seqs = []
+        for i in range(params.n):
+            gen = torch.Generator().manual_seed((params.seed + i) % 2**64) if params.seed is not None else self._rng
+            detok = IncrementalDetokenizer(self.tokenizer, params) if self.tokenizer is not None else None
+            seqs.append(
+                Sequence(
+                    self._next_seq if received is None else received,
+                    request_id,
+                    i,
+                    list(prompt_ids),
+                    params,
+                    gen,
+                    detok,
+                    logprobs=[] if params.logprobs is not None else None,
+                    cache_salt=cache_salt,
+                    images=mm.images if mm is not None else (),
+                    image_starts=mm.starts if mm is not None else (),
+                    prefill_only=prefill_only,
+                    preadmitted=received is not None,
+                    num_computed=len(prompt_ids) - 1 if received is not None else 0,
+                )
+            )
+            if grammar is not None:
+                self.grammars[seqs[-1].seq_id] = grammar.copy()
+            if budget is not None:
+                self.budgets[seqs[-1].seq_id] = copy.copy(budget)
+            self._next_seq += received is None
+        self.requests[request_id] = _Request(request_id, prompt, list(prompt_ids), seqs)
+        self.reserved.discard(received)  # claimed: from now on the request owns the reservation
+        for s in seqs:
+            self.scheduler.add(s)
+        self.counters["requests_added"] += 1
+        self.counters["prompt_tokens"] += len(prompt_ids) * params.n
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for s in req.seqs:
+            if not s.finished:
+                self.scheduler.remove(s)
+                self._finish(s, "abort")
+            self.grammars.pop(s.seq_id, None)
+            self.budgets.pop(s.seq_id, None)
+        self.counters["requests_aborted"] += 1
+        return self._output(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def _banned(self, seq: Sequence) -> list[int]:
+        if len(seq.output_ids) >= seq.params.min_tokens:
+            return []
+        return sorted(seq.params.stop_ids(self.eos_ids))
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step and its share of image encodes; returns the finished requests."""
+        scheduled = self.scheduler.schedule()
+        if self.runner.encoder is not None:
+            self.runner.encoder.step(self.scheduler.running)
+        if not scheduled:
+            return []
+        rows = [
+            SamplingRow(
+                s.seq.params,
+                s.seq.generator,
+                s.seq.prompt_ids,
+                s.seq.output_ids,
+                banned_ids=self._banned(s.seq),
+                grammar=self.grammars.get(s.seq.seq_id),
+                forced=self._forced(s.seq.seq_id),
+            )
+            if s.completes and not s.seq.prefill_only
+            else None
+            for s in scheduled
+        ]
+        sampled = self.runner.execute(scheduled, rows)
+        self.counters["steps"] += 1
+        self.counters["computed_tokens"] += sum(s.num_new for s in scheduled)
+        done: list[RequestOutput] = []
+        j = 0
+        for s, row in zip(scheduled, rows):
+            s.seq.num_computed += s.num_new
+            if self.cache.prefix_enabled:
+                self.cache.commit(s.seq.seq_id, s.seq.all_ids(), s.seq.num_computed, s.seq.image_spans)
+            if s.seq.prefill_only and s.seq.num_pending == 0:
+                done += self._park(s.seq)
+            if row is None:
+                continue
+            self._append(s.seq, sampled.token_ids[j], sampled.logprobs[j])
+            j += 1
+            if s.seq.finished:
+                self.scheduler.remove(s.seq)
+                self.grammars.pop(s.seq.seq_id, None)
+                self.budgets.pop(s.seq.seq_id, None)
+                req = self.requests[s.seq.request_id]
+                if req.finished:
+                    del self.requests[req.request_id]
+                    self.counters["requests_finished"] += 1
+                    done.append(self._output(req))
+        return done
+
+    def _park(self, seq: Sequence) -> list[RequestOutput]:
+        """A prefill-only sequence is computed: detach it with its cache (freed by
+        `handoff.release_parked`) and finish its request with reason "prefilled"."""
+        self.scheduler.detach(seq)
+        self.parked[seq.request_id] = seq.seq_id
+        self._finish(seq, "prefilled")
+        req = self.requests.pop(seq.request_id)
+        self.counters["requests_finished"] += 1
+        return [self._output(req)]
+
+    def _forced(self, seq_id: int) -> int | None:
+        budget = self.budgets.get(seq_id)
+        return budget.forced() if budget is not None else None
+
+    def step_deltas(self) -> list[SeqDelta]:
+        """`step()`, reported per sequence for streaming: one `SeqDelta` for each sequence that
+        got tokens or finished in this step. Its text is `IncrementalDetokenizer.delta()` (on
+        finish the flushed `final_delta`), so a sequence's deltas concatenate to its `text`."""
+        before = [(s, len(s.output_ids)) for r in self.requests.values() for s in r.seqs if not s.finished]
+        self.step()
+        out = []
+        for s, n in before:
+            if len(s.output_ids) == n and not s.finished:
+                continue
+            if s.detokenizer is None:
+                text = ""
+            else:
+                text = s.final_delta if s.finished else s.detokenizer.delta()
+            out.append(
+                SeqDelta(
+                    s.request_id,
+                    s.index,
+                    s.output_ids[n:],
+                    text,
+                    s.logprobs[n:] if s.logprobs is not None else None,
+                    s.finish_reason,
+                    s.stop_reason,
+                )
+            )
+        return out
+
+    def _append(self, seq: Sequence, token: int, lp) -> None:
+        seq.output_ids.append(token)
+        self.counters["generated_tokens"] += 1
+        if lp is not None and seq.logprobs is not None:
+            entry = {t: Logprob(v, None, self._piece(t)) for t, v in lp.top.items()}
+            entry[token] = Logprob(lp.logprob, lp.rank, self._piece(token))
+            seq.logprobs.append(entry)
+            seq.cumulative_logprob += lp.logprob
+        p = seq.params
+        grammar = self.grammars.get(seq.seq_id)
+        grammar_done = grammar is not None and grammar.advance(token)
+        budget = self.budgets.get(seq.seq_id)
+        if budget is not None:
+            budget.advance(token)
+        failure = grammar.failure if grammar_done else None
+        if failure is not None:
+            self._finish(seq, "error", failure)
+        elif len(seq.output_ids) >= p.min_tokens and token in p.stop_ids(self.eos_ids):
+            self._finish(seq, "stop", token if token in p.stop_token_ids else None)
+        elif seq.detokenizer is not None and seq.detokenizer.append(token):
+            self._finish(seq, "stop", seq.detokenizer.stop_reason)
+        elif grammar_done:
+            self._finish(seq, "stop")
+        elif (p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+            self._finish(seq, "length")
+
+    def _piece(self, token: int) -> str | None:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else None
+
+    @staticmethod
+    def _finish(seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        """Mark finished; the detokenizer's last delta flushes a dangling UTF-8 tail as U+FFFD so
+        `text == decode(token_ids)`. The flushed piece is kept for streaming consumers."""
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        if seq.detokenizer is not None:
+            seq.final_delta = seq.detokenizer.delta(final=True)
+
+    @staticmethod
+    def _output(req: _Request) -> RequestOutput:
+        outs = [
+            CompletionOutput(
+                s.index,
+                s.text,
+                list(s.output_ids),
+                s.cumulative_logprob if s.logprobs is not None else None,
+                s.logprobs,
+                s.finish_reason,
+                s.stop_reason,
+            )
+            for s in req.seqs
+        ]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, req.finished)
+
+    def stats(self) -> dict:
+        out = {
+            k: self.counters[k]
+            for k in (
+                "steps",
+                "requests_added",
+                "requests_finished",
+                "requests_aborted",
+                "prompt_tokens",
+                "computed_tokens",
+                "generated_tokens",
+            )
+        }
+        sched = self.scheduler
+        out.update(preemptions=sched.num_preemptions, num_running=len(sched.running), num_waiting=len(sched.waiting))
+        out.update(self.cache.usage())
+        out.update(encoder_stats(self.runner.encoder))
+        if self.cache.prefix_enabled:
+            out["prefix_cache"] = self.cache.prefix_stats()
+        out["kernel_fallbacks"] = fallbacks.table()  # this process's: rank 0's under TP
+        return out

@@ -1,0 +1,149 @@
+"""The worker protocol: what rank 0 (the scheduler) tells the other tensor-parallel ranks.
+
+Typed, versioned msgspec structs encoded as msgpack; nothing is pickled. `Hello` opens a session
+(protocol version, pool sizes, the start-up memory each rank reports back through a tensor
+collective); then one `Step` per forward pass: the slot writes the cache manager made since the
+last step (`cache.slot_journal`), the packed batch layout and which rows need logits (the
+vocab-parallel lm_head's all-gather needs every rank) and the image embedding rows rank 0's
+vision model made for the step (`EmbedRows`, raw tensor bytes with explicit dtype and shape);
+`Snapshot` gathers every rank's pools (a
+check); `TransferSetup`, `Digest`, `Pull` and `Collect` move a prefill/decode handoff's bytes on
+every rank (`rank_transfer`: jobs that run beside the steps, each rank answering through
+`ControlChannel.gather`); `Shutdown` ends it.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+from ...cache.slot_journal import CopyOp, ZeroOp
+
+PROTOCOL_VERSION = 3
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Hello(msgspec.Struct, tag="hello", frozen=True):
+    version: int
+    num_pages: int
+    page_size: int
+    num_slots: int
+    num_checkpoint_slots: int
+    kv_dtype: str
+    state_dtype: str
+
+
+class TensorBytes(msgspec.Struct, frozen=True):
+    """A tensor as raw little-endian bytes: `dtype` (a name in `_DTYPES`), `shape`, row-major `data`."""
+
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "TensorBytes":
+        name = str(t.dtype).removeprefix("torch.")
+        if name not in _DTYPES:
+            raise ValueError(f"cannot send a {t.dtype} tensor")
+        raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        return cls(name, list(t.shape), raw.numpy().tobytes())
+
+    def tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The tensor; raises `ValueError` on an unknown dtype or a size that does not match."""
+        dtype = _DTYPES.get(self.dtype)
+        if dtype is None:
+            raise ValueError(f"unknown tensor dtype {self.dtype!r}")
+        numel = 1
+        for n in self.shape:
+            numel *= n
+        if len(self.data) != numel * dtype.itemsize:
+            raise ValueError(f"{len(self.data)} bytes for a {self.dtype} tensor of shape {self.shape}")
+        flat = (
+            torch.frombuffer(bytearray(self.data), dtype=torch.uint8)
+            if self.data
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        return flat.view(dtype).reshape(self.shape).to(device)
+
+
+class EmbedRows(msgspec.Struct, frozen=True):
+    """Input embeddings that replace the token embeddings at packed positions `index`
+    (`KimiForCausalLM.forward`'s `embeds`): `rows` is `[len(index), hidden]`."""
+
+    index: list[int]
+    rows: TensorBytes
+
+
+class Step(msgspec.Struct, tag="step", frozen=True):
+    """One forward pass: `ForwardBatch`'s arguments, the slot writes to replay before it, the
+    packed rows whose logits are computed after it, and the image rows it injects (if any)."""
+
+    ops: list[ZeroOp | CopyOp]
+    input_ids: list[int]
+    context_lens: list[int]
+    new_lens: list[int]
+    page_tables: list[list[int]]
+    slots: list[int]
+    export_offsets: list[list[int]] | None
+    export_slots: list[int]
+    logit_rows: list[int]
+    embeds: EmbedRows | None = None
+
+
+class Snapshot(msgspec.Struct, tag="snapshot", frozen=True):
+    """Every rank joins `pool_snapshot` (a check of the pools, between steps)."""
+
+
+class TransferSetup(msgspec.Struct, tag="transfer_setup", frozen=True):
+    """Every rank starts a KV transfer engine (`engine` at `host`) over its own pools and answers
+    its `RankEndpoint`."""
+
+    engine: str
+    host: str
+
+
+class Digest(msgspec.Struct, tag="digest", frozen=True):
+    """Every rank starts hashing `regions` of its pools (`cache.handoff.region_digests`) as
+    transfer job `job`."""
+
+    job: int
+    regions: list[tuple[str, int, int, int]]  # (tensor, layer, offset, length)
+
+
+class Pull(msgspec.Struct, tag="pull", frozen=True):
+    """Every rank r replays `ops` (the reservation's slot zeroing must precede the bytes), then
+    starts reading `remote[r]` (address, length) from `sessions[r]` into `regions` of its own
+    pools as transfer job `job`."""
+
+    job: int
+    ops: list[ZeroOp | CopyOp]
+    sessions: list[str]
+    remote: list[list[tuple[int, int]]]
+    regions: list[tuple[str, int, int, int]]
+
+
+class Collect(msgspec.Struct, tag="collect", frozen=True):
+    """Every rank waits up to `wait_s` for its transfer job `job` and answers its `RankReceipt`
+    (one still running then is `stuck`)."""
+
+    job: int
+    wait_s: float
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
+    reason: str = ""
+
+
+Message = Hello | Step | Snapshot | TransferSetup | Digest | Pull | Collect | Shutdown
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    """The message in `data`; raises `msgspec.ValidationError` on anything but a `Message`."""
+    return _decoder.decode(data)

@@ -1,0 +1,111 @@
+"""`ModelRunner`: turns a schedule into one packed forward pass over the paged cache and samples
+the sequences whose cached prefix became complete in this step.
+
+Under tensor parallelism (`attach`) the step is first broadcast to the other ranks as a `Step`
+message carrying the slot writes the cache manager journaled since the last one; every rank
+then runs the same forward pass (and, for the vocab-parallel lm_head, the same logits rows).
+Any failure there is fatal: the group is marked failed and `RankFailure` raised.
+
+With a vision model (`encoder`), a step whose chunks cover `<|media_pad|>` positions gets those
+images' projector rows from the encoder cache (misses encoded in one packed call, on rank 0 only)
+and injects the rows of exactly the covered positions; other ranks receive them in the `Step`.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import msgspec
+import torch
+
+from ...cache.manager import CacheManager
+from ...cache.slot_journal import SlotJournal
+from ...model.kimi import KimiForCausalLM
+from ...parallel import SINGLE
+from ..request.mm_inputs import chunk_rows, gather_rows
+from ..sched.scheduler import ScheduledSeq
+from .channel import ControlChannel
+from .encoder_cache import EncoderCache
+from .messages import EmbedRows, Snapshot, TensorBytes
+from .pool_snapshot import pool_snapshot
+from .ranks import RankFailure, RankGroup
+from .sampler import Sampler, SamplerOutput, SamplingRow
+from .step_batch import every_row, forward_batch, logit_hidden, step_of
+
+
+class ModelRunner:
+    def __init__(self, model: KimiForCausalLM, cache: CacheManager, sampler: Sampler | None = None):
+        self.model, self.cache = model, cache
+        self.sampler = sampler or Sampler()
+        self.tp = getattr(model, "tp", SINGLE)
+        self.channel: ControlChannel | None = None
+        self.journal: SlotJournal | None = None
+        self.ranks: RankGroup | None = None
+        self.encoder: EncoderCache | None = None
+        self.transfer = None  # this rank's KV transfer engine (`rank_transfer`), once a role starts it
+
+    def attach(self, channel: ControlChannel, journal: SlotJournal, ranks: RankGroup | None) -> None:
+        """Drive the other ranks: send each step on `channel` with `journal`'s slot writes."""
+        self.channel, self.journal, self.ranks = channel, journal, ranks
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq], rows: list[SamplingRow | None]) -> SamplerOutput | None:
+        """Run the step; `rows[i]` is the sampling state of `scheduled[i]` if it completes, else
+        None. Returns the sampler's output for the completing sequences, in order."""
+        ends = list(itertools.accumulate(s.num_new for s in scheduled))
+        pick = [i for i, r in enumerate(rows) if r is not None]
+        step = step_of(scheduled, self.cache, [ends[i] - 1 for i in pick])
+        embeds = self._image_rows(scheduled, ends)
+        if self.channel is None:
+            return self._run(step, rows, pick, embeds)
+        # taken after step_of: its checkpoint slots' zeroing must replay before this forward pass
+        sent = None if embeds is None else EmbedRows(embeds[0].tolist(), TensorBytes.of(embeds[1]))
+        step = msgspec.structs.replace(step, ops=self.journal.take(), embeds=sent)
+        try:
+            self.channel.send(step)
+            return self._run(step, rows, pick, embeds)
+        except Exception as e:
+            message = f"a tensor-parallel step failed: {type(e).__name__}: {e}"
+            if self.ranks is not None:
+                self.ranks.fail(message)
+            raise RankFailure(message) from e
+
+    def _image_rows(self, scheduled: list[ScheduledSeq], ends: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(packed positions, projector rows) of the image pad positions this step covers."""
+        if self.encoder is None:
+            return None
+        needed = [
+            c
+            for s, end in zip(scheduled, ends)
+            if s.seq.images
+            for c in chunk_rows(
+                s.seq.images, s.seq.image_starts, s.seq.num_computed, s.seq.num_computed + s.num_new, end - s.num_new
+            )
+        ]
+        if not needed:
+            return None
+        return gather_rows(needed, self.encoder.rows(c.image for c in needed))
+
+    def pool_snapshot(self) -> dict[str, torch.Tensor]:
+        """Every rank's pools in the one-process layout (`pool_snapshot`), between steps."""
+        if self.channel is not None:
+            self.channel.send(Snapshot())
+        return pool_snapshot(self.tp, self.cache.mla, self.cache.kda, self.cache.ckpt_pool)
+
+    def _run(self, step, rows: list[SamplingRow | None], pick: list[int], embeds=None) -> SamplerOutput | None:
+        batch = forward_batch(step, self.cache.mla, self.cache.kda, self.cache.ckpt_pool, self.model.device, self.tp)
+        ctx = batch.context()
+        if embeds is None and every_row(step, batch.input_ids.shape[0]):
+            logits = self.model.decode_logits(batch.input_ids, ctx)
+            if logits is not None:
+                return self._sample(logits, [rows[i] for i in pick])
+        hidden = self.model(batch.input_ids, ctx) if embeds is None else self.model(batch.input_ids, ctx, embeds)
+        if not pick:
+            return None
+        logits = self.model.compute_logits(logit_hidden(hidden, step, batch))
+        return self._sample(logits, [rows[i] for i in pick])
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """The sampler, its greedy choice on the model's bound backend (`model.ops`, as it is now)."""
+        ops = getattr(self.model, "ops", None)
+        return self.sampler(logits, rows, None if ops is None else ops.argmax_rows)
