@@ -5,8 +5,8 @@ Each replica is a `python -m deltaserve.engine.dp.replica` subprocess with a who
 own scheduler, caches and, with `tensor_parallel_size > 1`, its own worker ranks on its own
 rendezvous port); they load in parallel. Each gets `num_threads` torch threads, by default the
 machine's cores split evenly over every process of every replica, and on CUDA with enough GPUs
-its own `tensor_parallel_size` of them (`visible_gpus`). The client and a replica
-talk over a socket pair in `dp_protocol` messages (msgspec, never pickle).
+its own `tensor_parallel_size` of them (`visible_gpus`). The client and a replica talk over a
+socket pair in `dp.protocol` messages (msgspec, never pickle).
 
 Invariants:
 - a batch is routed by `routing.pick` on the request's salt and first `prefix_match_unit` prompt
@@ -21,8 +21,7 @@ Invariants:
   seconds is lost (killed if it still runs) and fails only its own requests: the call raises
   `ReplicaFailure` once the other replicas' requests are done, with their outputs in its
   `outputs`; later calls go to the replicas left (with none left they raise the failure);
-- `shutdown` stops every replica; a replica exits when the client's process does.
-"""
+- `shutdown` stops every replica; a replica exits when the client's process does."""
 
 from __future__ import annotations
 
