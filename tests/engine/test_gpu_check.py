@@ -56,8 +56,9 @@ def ckpt(tmp_path_factory):
 
 @pytest.mark.parametrize("ops, dtypes", [(TorchOps, ["bfloat16"]), (BrokenBf16, ["float32", "bfloat16"])])
 def test_bf16_divergence_fails_the_check(check, ckpt, monkeypatch, capsys, ops, dtypes):
-    monkeypatch.setattr(select.triton_backend, "triton_ops", lambda device: ops())
-    monkeypatch.delenv("DELTASERVE_TRITON", raising=False)
+    monkeypatch.setattr(select, "triton_ops", lambda device: ops())
+    monkeypatch.setenv("DELTASERVE_TRITON", "")  # the script sets it: restored (unset) after the test
+    monkeypatch.delenv("DELTASERVE_TRITON")
     failures = check.check_family(ckpt, "kimi_k3", dtypes, "cpu", "triton", 1)
     out = capsys.readouterr().out
     assert ("bfloat16 cache=off: " + ops.name) in out

@@ -124,7 +124,7 @@ def survives_a_replica_death(proc, base: str, client, home: int, prefix: list, p
     """SIGKILL replica `home` with a plain and a streamed request in flight on it (`prefix` routes
     there): both fail naming its death, the next requests succeed on the other replica, the killed
     one comes back (a new process) and serves again; with none live the front answers 503."""
-    body = {"model": "k3", "max_tokens": 900, "ignore_eos": True, "temperature": 0}
+    body = {"model": "k3", "max_tokens": 600, "ignore_eos": True, "temperature": 0}
     body["messages"] = [*prefix, {"role": "user", "content": "go on"}]
     plain: dict = {}
     url = f"{base}/v1/chat/completions"
