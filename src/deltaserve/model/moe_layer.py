@@ -92,9 +92,10 @@ class MoeBlock(OpsModule):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = self.ops.moe_block(x, self.prepared)
-        if fused is not None:
-            return self.tp.all_reduce(fused)
+        return self.ops.moe_block(x, self.prepared, lambda: self._op_by_op(x), self.tp.all_reduce)
+
+    def _op_by_op(self, x: torch.Tensor) -> torch.Tensor:
+        """The block op by op (route, experts, shared experts), reduced over the TP group."""
         latent = hasattr(self, "routed_expert_down_proj")
         weights, ids, z = self.ops.route(
             x,
