@@ -66,8 +66,8 @@ class MoeBlock(OpsModule):
     only the (token, expert) pairs routed to its own experts (`ops.local_experts`) and the combine
     is the same all-reduce as above (before the latent norm); a reduce-scatter / all-to-all
     would only pay with data-parallel attention. The native whole-block plan does the same: the
-    pairs of other ranks' experts skipped, its partial output reduced as above (by the layer, or by
-    the whole-stack step before the latent norm)."""
+    pairs of other ranks' experts skipped, its partial output reduced as above (by the backend with
+    the layer's `reduce`, or by the whole-stack step before the latent norm)."""
 
     def __init__(self, cfg: ModelConfig, tp: ParallelContext = SINGLE):
         super().__init__()

@@ -285,7 +285,7 @@ class TorchOps:
     def mla_decode(
         self, q: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, rows_view, rank: int, scale: float, prepared=None
     ) -> torch.Tensor | None:
-        """Absorbed decode attention reading the pool's rows in place ([N, H, v]), or None (the layer
+        """Absorbed decode attention reading the pool's rows in place ([N, H, v]), or None (`mla_attend`
         gathers its context and runs `ops.mla`)."""
         return None
 
@@ -300,7 +300,7 @@ class TorchOps:
         scale: float,
     ) -> torch.Tensor | None:
         """Absorbed attention of a step with several queries per sequence (cu_q) over the contexts in
-        the pool, read in place ([N, H, v]), or None (the layer gathers its context)."""
+        the pool, read in place ([N, H, v]), or None (`mla_attend` gathers its context)."""
         return None
 
     def mla_absorbed(
