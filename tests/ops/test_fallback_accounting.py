@@ -21,6 +21,7 @@ NK = library.native()
 pytestmark = pytest.mark.skipif(NK is None, reason="native CPU kernels unavailable")
 BF16 = torch.bfloat16
 PREPARED = object()  # the methods read no field of their plan before the window check
+DECLINED = object()  # what `otherwise` answers: the backend declined its plan
 
 
 @pytest.fixture
@@ -43,7 +44,7 @@ def test_kda_decode_over_bf16_states_counts_cache_dtype(ops):
     tails = torch.zeros(4, width - 1, 3 * h * d, dtype=BF16)
     view = (tails, torch.zeros(4, h, d, d, dtype=BF16), torch.arange(n))
     before = fallbacks.snapshot()
-    assert ops.kda_decode(torch.randn(n, 32, dtype=BF16), PREPARED, view) is None
+    assert ops.kda_decode(torch.randn(n, 32, dtype=BF16), PREPARED, view, lambda: DECLINED) is DECLINED
     assert fallbacks.since(before) == {("kda_decode", "cache_dtype"): 1}
 
 

@@ -19,6 +19,7 @@ from deltaserve.ops.operands import ServedShapes  # noqa: E402
 pytestmark = KERNEL_MARKS
 OPS = TritonOps()
 PREPARED = object()  # kda_decode reads no field of its plan before the pool check
+DECLINED = object()  # what `otherwise` answers: the backend declined its plan
 
 
 def test_kda_decode_over_bf16_states_counts_cache_dtype():
@@ -26,7 +27,8 @@ def test_kda_decode_over_bf16_states_counts_cache_dtype():
     tails = torch.zeros(4, 3, 3 * h * d, dtype=torch.bfloat16, device=DEVICE)
     view = (tails, torch.zeros(4, h, d, d, dtype=torch.bfloat16, device=DEVICE), torch.arange(n, device=DEVICE))
     before = fallbacks.snapshot()
-    assert OPS.kda_decode(torch.randn(n, 32, dtype=torch.bfloat16, device=DEVICE), PREPARED, view) is None
+    x = torch.randn(n, 32, dtype=torch.bfloat16, device=DEVICE)
+    assert OPS.kda_decode(x, PREPARED, view, lambda: DECLINED) is DECLINED
     assert fallbacks.since(before) == {("kda_decode", "cache_dtype"): 1}
     line = describe(OPS, ServedShapes(torch.bfloat16, torch.bfloat16, torch.bfloat16, 8, 512, 64, 192, "sigmoid"))
     assert "decode on torch: the recurrent kernel keeps fp32 states, not bfloat16" in line

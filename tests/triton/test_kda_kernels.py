@@ -15,6 +15,8 @@ from deltaserve.ops.backends.triton import TritonOps  # noqa: E402
 from deltaserve.ops.operands import KdaSpec, KdaWeights  # noqa: E402
 from deltaserve.ops.reference import kda as R  # noqa: E402
 
+DECLINED = object()  # what `otherwise` answers: the backend declined its plan
+
 pytestmark = pytest.mark.triton
 F64 = torch.float64
 
@@ -219,12 +221,12 @@ def test_backend_prefill_then_pool_decode_match_the_reference(device, lower_boun
     tails, states = torch.zeros(4, 3, 3 * h * dk), torch.zeros(4, h, dk, dv)
     tails[slots], states[slots] = ref[1], ref[2]
     pool = (tails.to(device), states.to(device), slots.to(device))
-    out = ops.kda_decode(step_x.to(device), ops.prepare_kda(wd, spec), pool)
+    out = ops.kda_decode(step_x.to(device), ops.prepare_kda(wd, spec), pool, lambda: DECLINED)
     _close(out, REFERENCE.linear(ref_step[0].reshape(2, h * dk), w.o))
     _close(pool[0][pool[2]], ref_step[1])
     _close(pool[1][pool[2]], ref_step[2])
     assert not pool[1][torch.tensor([0, 2]).to(device)].any()
-    assert ops.kda_decode(step_x.to(device), None, pool) is None
+    assert ops.kda_decode(step_x.to(device), None, pool, lambda: DECLINED) is DECLINED
 
 
 def test_selection_is_explicit_and_reported(monkeypatch):

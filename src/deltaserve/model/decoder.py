@@ -88,11 +88,13 @@ class DecoderStack(OpsModule):
     ) -> torch.Tensor:
         """Final-normed hidden states [N, D] of the packed tokens."""
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        if self._whole_step(ctx):
-            with self._stepping(ctx):
-                out = self.ops.decode_stack(h, self.prepared, ctx.cache)
-            if out is not None:
-                return out
+        if not self._whole_step(ctx):
+            return self._layers(h, ctx)
+        with self._stepping(ctx):
+            return self.ops.decode_stack(h, self.prepared, ctx.cache, lambda: self._layers(h, ctx))
+
+    def _layers(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The layers one by one over the input embeddings h, then the final norm."""
         block = self.cfg.attn_res_block_size
         if block is None:
             for layer in self.layers:
@@ -104,23 +106,28 @@ class DecoderStack(OpsModule):
             h = attn_res(h, bank, self.output_attn_res_proj, self.output_attn_res_norm)
         return self.norm(h)
 
-    def decode_logits(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
-        """fp32 logits [N, vocab] of a decode step of `input_ids`, the embedding lookup, the layers
-        and the model's output head in one call (`ops.decode_logits`), or None (run `forward` and
-        the head)."""
+    def decode_logits(self, input_ids: torch.Tensor, ctx: ForwardContext, head) -> torch.Tensor:
+        """fp32 logits [N, vocab] of the step of `input_ids`: `head(forward(input_ids, ctx))`, in one
+        backend call (`ops.decode_logits`: the embedding lookup, the layers and the output head) where
+        the step is a decode step and the backend's plan holds them."""
         if not self._whole_step(ctx):
-            return None
+            return head(self.forward(input_ids, ctx))
         with self._stepping(ctx):
-            return self.ops.decode_logits(input_ids, self.prepared, ctx.cache)
+            return self.ops.decode_logits(
+                input_ids, self.prepared, ctx.cache, lambda: head(self.forward(input_ids, ctx))
+            )
 
-    def _whole_step(self, ctx: ForwardContext) -> bool:
-        return self.prepared is not None and ctx.cache is not None and ctx.cache.decode_only
+    @staticmethod
+    def _whole_step(ctx: ForwardContext) -> bool:
+        """A decode step over a cache: one the backend may run as a whole (`ops.decode_stack`)."""
+        return ctx.cache is not None and ctx.cache.decode_only
 
     @contextmanager
     def _stepping(self, ctx: ForwardContext):
-        """`step_context` is `ctx` inside the block (the whole-stack plan's callbacks read it)."""
-        self.step_context = ctx
+        """`step_context` is `ctx` inside the block (the whole-stack plan's callbacks read it), then
+        what it was before (the blocks nest where `decode_logits` falls back to `forward`)."""
+        before, self.step_context = self.step_context, ctx
         try:
             yield
         finally:
-            self.step_context = None
+            self.step_context = before

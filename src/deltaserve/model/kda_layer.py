@@ -67,13 +67,19 @@ class KdaAttention(OpsModule):
         return self.g_b_proj(self.g_a_proj(x))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        n = x.shape[0]
         cache = ctx.cache
         if cache is not None and cache.decode_only:
             view = getattr(cache, "kda_slot_view", None)
-            fast = self.ops.kda_decode(x, self.prepared, None if view is None else view(self.layer_id))
-            if fast is not None:
-                return self.tp.all_reduce(fast)
+            slot_view = None if view is None else view(self.layer_id)
+            y = self.ops.kda_decode(x, self.prepared, slot_view, lambda: self._attend(x, ctx))
+        else:
+            y = self._attend(x, ctx)
+        return self.tp.all_reduce(y)
+
+    def _attend(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """o_proj of the layer's attention op by op (`ops.kda_attend`), the cache updated; not reduced."""
+        n = x.shape[0]
+        cache = ctx.cache
         prior = cache.kda_state(self.layer_id) if cache is not None else None
         pre = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         f = self.f_b_proj(self.f_a_proj(x))
@@ -99,7 +105,7 @@ class KdaAttention(OpsModule):
         )
         if cache is not None:
             cache.store_kda(self.layer_id, tail, state, exported)
-        return self.tp.all_reduce(self.o_proj(o.reshape(n, self.num_heads * self.head_dim)))
+        return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
 
 
 __all__ = ["KdaAttention"]

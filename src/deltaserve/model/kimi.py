@@ -51,10 +51,10 @@ class KimiForCausalLM(nn.Module):
         h = h.index_copy(0, index.to(h.device, non_blocking=True), rows.to(device=h.device, dtype=h.dtype))
         return self.model(input_ids, ctx, inputs_embeds=h)
 
-    def decode_logits(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
-        """`compute_logits(forward(input_ids, ctx))` of a decode step in one backend call where the
-        backend has one (the same values), else None."""
-        return self.model.decode_logits(input_ids, ctx)
+    def decode_logits(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """`compute_logits(forward(input_ids, ctx))`: of a decode step in one backend call where the
+        backend has one (the same values)."""
+        return self.model.decode_logits(input_ids, ctx, self.compute_logits)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits (no soft-cap, no scale: spec §2)."""

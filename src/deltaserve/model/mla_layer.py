@@ -77,18 +77,13 @@ class MlaAttention(OpsModule):
         return w[:, : self.nope], w[:, self.nope :]
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        n, h = x.shape[0], self.num_heads
         cache = ctx.cache
-        fast = (
-            self.ops.mla_block(x, self.prepared, self._view(cache, "mla_pool_view"))
-            if cache is not None and cache.decode_only
-            else None
-        )
-        if fast is not None:
-            o, gate = fast
+        if cache is not None and cache.decode_only:
+            pool_view = self._view(cache, "mla_pool_view")
+            o, gate = self.ops.mla_block(x, self.prepared, pool_view, lambda: self._attend(x, ctx))
         else:
             o, gate = self._attend(x, ctx)
-        return self._output(o.reshape(n, h * self.v_dim), gate)
+        return self._output(o.reshape(x.shape[0], self.num_heads * self.v_dim), gate)
 
     def _output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """o_proj(o * sigmoid(gate)) of o [N, H * v], all-reduced over the TP group."""

@@ -66,8 +66,8 @@ class MoeBlock(OpsModule):
     only the (token, expert) pairs routed to its own experts (`ops.local_experts`) and the combine
     is the same all-reduce as above (before the latent norm); a reduce-scatter / all-to-all
     would only pay with data-parallel attention. The native whole-block plan does the same: the
-    pairs of other ranks' experts skipped, its partial output reduced as above (by the layer, or by
-    the whole-stack step before the latent norm)."""
+    pairs of other ranks' experts skipped, its partial output reduced as above (by the backend with
+    the layer's `reduce`, or by the whole-stack step before the latent norm)."""
 
     def __init__(self, cfg: ModelConfig, tp: ParallelContext = SINGLE):
         super().__init__()
@@ -92,9 +92,10 @@ class MoeBlock(OpsModule):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = self.ops.moe_block(x, self.prepared)
-        if fused is not None:
-            return self.tp.all_reduce(fused)
+        return self.ops.moe_block(x, self.prepared, lambda: self._op_by_op(x), self.tp.all_reduce)
+
+    def _op_by_op(self, x: torch.Tensor) -> torch.Tensor:
+        """The block op by op (route, experts, shared experts), reduced over the TP group."""
         latent = hasattr(self, "routed_expert_down_proj")
         weights, ids, z = self.ops.route(
             x,

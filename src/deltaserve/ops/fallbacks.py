@@ -1,7 +1,7 @@
 """Per-call fallbacks of the op backends: counted by (op, reason) and logged once per pair.
 
 A fallback is a call where a backend's kernel for an op does not run and the PyTorch reference
-(or, for a `*_decode` method that declines, the layer's module-by-module path) runs instead:
+(or, for a `*_decode` method that declines, the layer's module-by-module path, its `otherwise`) runs instead:
 operands outside the kernel's dtype or shape window, a cache pool of another dtype, a CPU without
 the instruction set. A backend's designed dispatch between its own kernels (GEMV, tiles, oneDNN
 GEMMs by batch size; a whole-block or whole-stack plan declined for the per-layer kernels) and

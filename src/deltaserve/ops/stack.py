@@ -4,7 +4,7 @@ from: each decoder layer's prepared operands, in the order `model.decoder.Decode
 `model.fused.prepare_model` fills these from the modules after every module is prepared, only
 where every layer has its decode plans (or, decode-context-parallel MLA, a callback to its module;
 under tensor and expert parallelism each rank's shards, with the rank's `reduce`); the backend may
-still decline (None) and the modules run one by one.
+still decline it and run the modules one by one (the `otherwise` of `decode_stack`).
 """
 
 from __future__ import annotations

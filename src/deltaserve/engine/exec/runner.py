@@ -95,10 +95,8 @@ class ModelRunner:
     def _run(self, step, rows: list[SamplingRow | None], pick: list[int], embeds=None) -> SamplerOutput | None:
         batch = forward_batch(step, self.cache.mla, self.cache.kda, self.cache.ckpt_pool, self.model.device, self.tp)
         ctx = batch.context()
-        if embeds is None and every_row(step, batch.input_ids.shape[0]):
-            logits = self.model.decode_logits(batch.input_ids, ctx)
-            if logits is not None:
-                return self._sample(logits, [rows[i] for i in pick])
+        if embeds is None and pick and every_row(step, batch.input_ids.shape[0]):
+            return self._sample(self.model.decode_logits(batch.input_ids, ctx), [rows[i] for i in pick])
         hidden = self.model(batch.input_ids, ctx) if embeds is None else self.model(batch.input_ids, ctx, embeds)
         if not pick:
             return None

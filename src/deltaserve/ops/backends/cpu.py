@@ -116,15 +116,15 @@ class CpuNativeOps(CpuStackOps, CpuDenseOps):
             p.plan = self.k.kda_block_plan(p.block, spec.heads, *p.gate_args(), spec.eps, spec.scale)
         return p
 
-    def kda_decode(self, x, prepared: KdaPrepared | None, slot_view):
+    def kda_decode(self, x, prepared: KdaPrepared | None, slot_view, otherwise):
         """The whole step in one call (the block plan) where it fits, else the fused decode kernel
-        between the native projections; None for non-bf16 activations or pools."""
+        between the native projections; `otherwise()` for non-bf16 activations or pools."""
         if prepared is None or slot_view is None:
-            return None
+            return otherwise()
         tails, states, slots = slot_view
         if x.dtype != torch.bfloat16 or tails.dtype != torch.bfloat16 or states.dtype != torch.float32:
             fallback("kda_decode", "dtype" if x.dtype != torch.bfloat16 else "cache_dtype")
-            return None
+            return otherwise()
         if prepared.plan is not None and x.shape[0] <= self.k.kda_block_rows(prepared.plan):
             return self.k.kda_block(prepared.plan, x, tails, states, slots)
         w, spec = prepared.w, prepared.spec
@@ -230,7 +230,9 @@ class CpuNativeOps(CpuStackOps, CpuDenseOps):
             p.plan = self.k.mla_block_plan(p.block, w.heads, w.nope, w.rope, w.q_eps, w.kv_eps, w.scale)
         return p
 
-    def mla_block(self, x, prepared: MlaPrepared | None, pool_view):
+    def mla_block(self, x, prepared: MlaPrepared | None, pool_view, otherwise):
+        """The block plan over bf16 activations and pool within its rows, else `otherwise()` (not a
+        fallback: the layer's path runs the per-op kernels)."""
         if (
             prepared is None
             or prepared.plan is None
@@ -239,7 +241,7 @@ class CpuNativeOps(CpuStackOps, CpuDenseOps):
             or x.shape[0] > self.k.mla_block_rows(prepared.plan)
             or pool_view[0].dtype != torch.bfloat16
         ):
-            return None
+            return otherwise()
         return self.k.mla_block(prepared.plan, x, *pool_view)
 
     def mla_prefill(self, q, k_nope, k_rot, v, cu_seqlens, scale):

@@ -216,7 +216,9 @@ class CpuDenseOps(TorchOps):
             torch.mm(self.k.glu_rows(gate, up, *kind), down.t(), out=ys[rows])
         return self.k.moe_combine(ys[: n * k], positions.view(n, k), weights)
 
-    def moe_block(self, x, prepared):
+    def moe_block(self, x, prepared, otherwise, reduce):
+        """The block plan over bf16 rows within its window, its partial output reduced; else, or where
+        the router's limits decline the step, `otherwise()` (not a fallback: per-op kernels run)."""
         if (
             prepared is None
             or prepared[2]
@@ -224,8 +226,9 @@ class CpuDenseOps(TorchOps):
             or x.dim() != 2
             or not 0 < x.shape[0] <= self.k.moe_block_rows(prepared[0])
         ):
-            return None
-        return self.k.moe_block(prepared[0], x)
+            return otherwise()
+        out = self.k.moe_block(prepared[0], x)
+        return otherwise() if out is None else reduce(out)
 
     def prepare_norm(self, w):
         return w.detach().float().contiguous()

@@ -64,15 +64,16 @@ class CpuStackOps(TorchOps):
             stack.hidden, layers, stack.block_size, ATTN_RES_EPS, stack.out_mix, final, stack.head, stack.reduce
         )
 
-    def decode_stack(self, x, prepared: StackPlan | None, cache):
+    def decode_stack(self, x, prepared: StackPlan | None, cache, otherwise):
         """One native call for up to `prepared.max_rows` bf16 rows over bf16 pools (fp32 KDA states)
-        the cache addresses in place; None otherwise."""
+        the cache addresses in place; else, or where the kernel declines the step, `otherwise()`."""
         if prepared is None or x.dtype != torch.bfloat16 or not 0 < x.shape[0] <= prepared.max_rows:
-            return None
+            return otherwise()
         views = self._pool_views(prepared, cache)
-        return None if views is None else self.k.decode_stack(prepared, x, *views)
+        out = None if views is None else self.k.decode_stack(prepared, x, *views)
+        return otherwise() if out is None else out
 
-    def decode_logits(self, ids, prepared: StackPlan | None, cache):
+    def decode_logits(self, ids, prepared: StackPlan | None, cache, otherwise):
         """As `decode_stack`, from the token ids to the logits, where the plan holds the embeddings
         and the output head."""
         if (
@@ -81,9 +82,10 @@ class CpuStackOps(TorchOps):
             or ids.device.type != "cpu"
             or not 0 < ids.numel() <= prepared.max_rows
         ):
-            return None
+            return otherwise()
         views = self._pool_views(prepared, cache)
-        return None if views is None else self.k.decode_logits(prepared, ids, *views)
+        out = None if views is None else self.k.decode_logits(prepared, ids, *views)
+        return otherwise() if out is None else out
 
     def _pool_views(self, prepared: StackPlan, cache) -> tuple[list, list] | None:
         """Each KDA and MLA layer's pool view as the stack reads them, or None where the cache has

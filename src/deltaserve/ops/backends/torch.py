@@ -8,11 +8,16 @@ methods on their bound backend and never choose kernels themselves.
 Whole-block decode plans are built once after loading (`prepare_*`, called by
 `model.fused.prepare_model`) from the weight bundles of `ops.operands`; the reference builds none. A
 method that takes `prepared` accepts None (nothing prepared) and must then give the reference
-result. A `*_block` or `*_decode` method returns None where it does not apply, and the layer
-runs its module-by-module math instead.
+result. Every method answers: a whole-plan method (`moe_block`, `kda_decode`, `mla_block`,
+`decode_stack`, `decode_logits`) takes `otherwise`, the layer's module-by-module path as a callable,
+and returns its result where the plan does not apply (the reference calls it always). Only the
+in-place MLA hooks (`mla_decode`, `mla_extend`, `mla_decode_partial`) return None, to this class's
+own composition (`mla_attend`, `mla_dcp_partial`), never to a layer.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -138,15 +143,24 @@ class TorchOps:
             out.index_add_(0, tok, weights[tok, slot, None].to(acc) * ys.to(acc))
         return out.to(x.dtype)
 
-    def moe_block(self, x: torch.Tensor, prepared) -> torch.Tensor | None:
-        """A whole MoE block in one call, or None (the layer runs route, experts, shared)."""
-        return None
+    def moe_block(
+        self,
+        x: torch.Tensor,
+        prepared,
+        otherwise: Callable[[], torch.Tensor],
+        reduce: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """A MoE block's output: the whole block in one call, its partial sum reduced by `reduce`, where
+        the backend's plan applies; else `otherwise()` (the layer's route, experts and shared experts,
+        reduced by the layer)."""
+        return otherwise()
 
     # KDA ---------------------------------------------------------------------------------------
-    def kda_decode(self, x: torch.Tensor, prepared, slot_view) -> torch.Tensor | None:
-        """A decode step of a KDA layer over the pool's slots in place (its output after o_proj),
-        or None (the layer runs `kda_attend`)."""
-        return None
+    def kda_decode(self, x: torch.Tensor, prepared, slot_view, otherwise: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A decode step of a KDA layer (its output after o_proj, before the TP reduce): over the pool's
+        slots in place where the backend's kernels apply, else `otherwise()` (the layer's `kda_attend`
+        path)."""
+        return otherwise()
 
     def kda_attend(
         self,
@@ -208,21 +222,23 @@ class TorchOps:
         """MLA's output gate `o * sigmoid(gate)`."""
         return o * torch.sigmoid(gate)
 
-    def decode_stack(self, x: torch.Tensor, prepared, cache) -> torch.Tensor | None:
-        """The final-normed hidden states of a whole decode step of the embeddings x, every layer
-        in one call (`prepare_stack`), or None (the layers run one by one)."""
-        return None
+    def decode_stack(self, x: torch.Tensor, prepared, cache, otherwise: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The final-normed hidden states of a whole decode step of the embeddings x: every layer in
+        one call (`prepare_stack`) where the plan applies, else `otherwise()` (the layers one by one)."""
+        return otherwise()
 
-    def decode_logits(self, ids: torch.Tensor, prepared, cache) -> torch.Tensor | None:
-        """fp32 logits of a whole decode step of the token ids (`decode_stack` with the embedding
-        lookup before it and the output head after, in one call), or None (the caller runs them)."""
-        return None
+    def decode_logits(self, ids: torch.Tensor, prepared, cache, otherwise: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """fp32 logits of a whole decode step of the token ids: `decode_stack` with the embedding lookup
+        before it and the output head after, in one call, where the plan holds them; else `otherwise()`
+        (the model's forward and head)."""
+        return otherwise()
 
-    def mla_block(self, x: torch.Tensor, prepared, pool_view) -> tuple | None:
-        """(o [N, H, v], gate or None) of an MLA decode step in one call (projections, norms, the pool
-        write, absorbed attention), or None (the layer runs its modules). Reads whole contexts: not
-        DCP-aware (a `DcpMlaAttention` layer never calls it, nor `mla_decode`, nor `prepare_mla`)."""
-        return None
+    def mla_block(self, x: torch.Tensor, prepared, pool_view, otherwise: Callable[[], tuple]) -> tuple:
+        """(o [N, H, v], gate or None) of an MLA decode step: in one call (projections, norms, the pool
+        write, absorbed attention) where the block plan applies, else `otherwise()` (the layer's
+        modules). Reads whole contexts: not DCP-aware (a `DcpMlaAttention` layer never calls it, nor
+        `mla_decode`, nor `prepare_mla`)."""
+        return otherwise()
 
     def mla_decode_partial(self, q_latent: torch.Tensor, rows_view, rank: int, scale: float) -> tuple | None:
         """Decode context parallelism: (o fp32 [B, H, R], lse fp32 [B, H]) of one latent query per
@@ -269,7 +285,7 @@ class TorchOps:
     def mla_decode(
         self, q: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, rows_view, rank: int, scale: float, prepared=None
     ) -> torch.Tensor | None:
-        """Absorbed decode attention reading the pool's rows in place ([N, H, v]), or None (the layer
+        """Absorbed decode attention reading the pool's rows in place ([N, H, v]), or None (`mla_attend`
         gathers its context and runs `ops.mla`)."""
         return None
 
@@ -284,7 +300,7 @@ class TorchOps:
         scale: float,
     ) -> torch.Tensor | None:
         """Absorbed attention of a step with several queries per sequence (cu_q) over the contexts in
-        the pool, read in place ([N, H, v]), or None (the layer gathers its context)."""
+        the pool, read in place ([N, H, v]), or None (`mla_attend` gathers its context)."""
         return None
 
     def mla_absorbed(

@@ -86,19 +86,19 @@ class TritonOps(TritonDenseOps, TorchOps):
     def prepare_kda(self, w: KdaWeights, spec: KdaSpec) -> KdaPrepared:
         return KdaPrepared(w, spec, _f32(w.conv), _f32(w.a_log), _f32(w.dt_bias))
 
-    def kda_decode(self, x: torch.Tensor, prepared: KdaPrepared | None, slot_view):
+    def kda_decode(self, x: torch.Tensor, prepared: KdaPrepared | None, slot_view, otherwise):
         """The decode step over the pool's slots in place: projections, conv step kernel (tails
-        shift), recurrent kernel (L2 norm, gate, state update), output norm, o_proj. None where
-        the pool is not contiguous with fp32 states."""
+        shift), recurrent kernel (L2 norm, gate, state update), output norm, o_proj. `otherwise()`
+        where the pool is not contiguous with fp32 states."""
         if prepared is None or slot_view is None:
-            return None
+            return otherwise()
         tails, states, slots = slot_view
         if not _runs_here(x, tails, states) or states.dtype != torch.float32 or not states.is_contiguous():
             fallback("kda_decode", _state_reason(x, tails, states))
-            return None
+            return otherwise()
         if not tails.is_contiguous():
             fallback("kda_decode", "layout")
-            return None
+            return otherwise()
         w, spec = prepared.w, prepared.spec
         n, h, dk = x.shape[0], spec.heads, spec.head_dim
         q, k, v, f_a, b, g = self.linears(x, [w.q, w.k, w.v, w.f_a, w.b, w.g])
