@@ -79,6 +79,7 @@ def test_two_replicas_behind_one_front(model):
     replicas: list[int] = []
     try:
         wait_healthy(proc, port, 180)
+        output = _drain(proc)  # the front's and its replicas' log: a full pipe would block their writes
         base = f"http://127.0.0.1:{port}"
         assert httpx.get(f"{base}/ready", timeout=10).status_code == 200
         replicas = _children(proc)
@@ -102,7 +103,7 @@ def test_two_replicas_behind_one_front(model):
         assert sorted(moved) == [0, 3], moved
         home = moved.index(3)
         assert _hits(base, home) > 0 and _hits(base, 1 - home) == 0
-        survives_a_replica_death(proc, base, client, home, [system, first], replicas)
+        survives_a_replica_death(proc, base, client, home, [system, first], replicas, output)
     finally:
         _kill_all(proc, replicas + _children(proc))
 
@@ -120,7 +121,14 @@ def _until(check, timeout: float, what: str):
     return got
 
 
-def survives_a_replica_death(proc, base: str, client, home: int, prefix: list, pids: list) -> None:
+def _drain(proc: subprocess.Popen) -> list[str]:
+    """The lines `proc` writes, read on a daemon thread as they come."""
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    return lines
+
+
+def survives_a_replica_death(proc, base: str, client, home: int, prefix: list, pids: list, output: list) -> None:
     """SIGKILL replica `home` with a plain and a streamed request in flight on it (`prefix` routes
     there): both fail naming its death, the next requests succeed on the other replica, the killed
     one comes back (a new process) and serves again; with none live the front answers 503."""
@@ -138,6 +146,8 @@ def survives_a_replica_death(proc, base: str, client, home: int, prefix: list, p
         os.kill(pids[home], signal.SIGKILL)
         events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
     assert httpx.get(f"{base}/ready", timeout=10).json()["live"] == 1
+    exited = f'deltaserve:dp_replica_failures_total{{replica="{home}",reason="exited"}} 1'
+    _until(lambda: exited in httpx.get(f"{base}/metrics", timeout=10).text, 30, "".join(output[-40:]))
     error = json.loads(events[-2])["error"]
     assert events[-1] == "[DONE]" and f"replica {home} died (killed by SIGKILL)" in error["message"], events[-3:]
     thread.join(60)
