@@ -192,7 +192,7 @@ def _read_tensors(
                     yield raw_name, name, shards.reader(f, raw_name, name)
     bar.close()
     if skipped:
-        log.info("skipped %d vision tensors (the vision tower is not served yet)", skipped)
+        log.info("skipped %d vision tensors (the vision tower loads them: model/vision_weights.py)", skipped)
 
 
 # --- phase 2: map --------------------------------------------------------------------------------

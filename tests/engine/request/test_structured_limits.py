@@ -21,7 +21,7 @@ from deltaserve.engine.request.structured import (
     StructuredOutput,
     StructuredOutputError,
 )
-from tests.engine.test_structured import BOUNDED, THINK_END, check_bounded, ckpt, compiler, tok  # noqa: F401 (fixtures)
+from tests.engine.request.test_structured import BOUNDED, THINK_END, check_bounded, ckpt, compiler, tok  # noqa: F401 (fixtures)
 
 SELF = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
 LOOP = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}

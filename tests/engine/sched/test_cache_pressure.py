@@ -11,7 +11,7 @@ from deltaserve import LLM, SamplingParams
 from deltaserve.model.config import ModelConfig
 from deltaserve.tiny import make_tiny
 
-from .test_engine import budget_for
+from ..test_engine import budget_for
 
 
 @pytest.fixture(scope="module")

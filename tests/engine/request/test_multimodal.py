@@ -30,7 +30,7 @@ from deltaserve.model.vision_weights import PREFIXES, load_vision_model
 from deltaserve.ops.reference.vision import naive_vision
 from deltaserve.tiny import PRESETS, make_tiny
 
-from ..parallel.engine_fixtures import WIDE, make_llm
+from ...parallel.engine_fixtures import WIDE, make_llm
 
 FP32_EPS = torch.finfo(torch.float32).eps
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)

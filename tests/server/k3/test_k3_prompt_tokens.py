@@ -24,10 +24,10 @@ from deltaserve.chat.render import render_chat
 from deltaserve.server.app import build_app
 from deltaserve.server.async_engine import AsyncEngine
 from deltaserve.tiny import make_tiny
+from tests.server.k3.test_chat import k3_segment_ids
 from tests.server.live_server import run_app
-from tests.server.test_chat import k3_segment_ids
 
-RANKS = Path(__file__).resolve().parents[3] / "shared" / "tokenizers" / "kimi-base-ranks.tiktoken"
+RANKS = Path(__file__).resolve().parents[4] / "shared" / "tokenizers" / "kimi-base-ranks.tiktoken"
 if not RANKS.is_file():
     RANKS = Path("/work/shared/tokenizers/kimi-base-ranks.tiktoken")
 MODEL = "k3-ranks"

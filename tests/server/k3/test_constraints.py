@@ -13,7 +13,7 @@ from deltaserve.server.constraints import K3_THINK_END, chat_constraint, forced_
 from deltaserve.server.errors import APIError
 from deltaserve.server.protocol import ChatRequest
 from deltaserve.tiny import make_tiny
-from tests.server.test_chat import K3_SPECIALS, check
+from tests.server.k3.test_chat import K3_SPECIALS, check
 
 USER = [{"role": "user", "content": "Hi"}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
