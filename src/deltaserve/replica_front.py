@@ -35,10 +35,10 @@ from .engine.dp.routing import SPILL, rendezvous_among
 from .server.errors import APIError
 from .server.middleware import front_app
 from .server.protocol import MAX_BODY_BYTES
-from .server.relay import passed_headers, stream_back
-from .server.replica_supervisor import EXIT_WITH_PARENT_ENV, Replica
+from .server.relay import passed_headers, ready_flags, stream_back
+from .server.replica_supervisor import Replica
 
-__all__ = ["EXIT_WITH_PARENT_ENV", "Front", "Replica", "build_front_app", "replica_argv", "routing_key"]
+__all__ = ["Front", "Replica", "build_front_app", "replica_argv", "routing_key"]
 
 KEY_BYTES = 2048  # prompt bytes the routing key hashes
 FORWARDED = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
@@ -111,18 +111,24 @@ class Front:
             body = json.loads(raw) if raw else {}
         except ValueError:
             body = {}
-        key, tried = routing_key(body if isinstance(body, dict) else {}), set()
+        return await self.send(routing_key(body if isinstance(body, dict) else {}), request, request.url.path, raw)
+
+    async def send(self, key: bytes, request: Request, path: str, raw: bytes = b"", count: bool = True) -> Response:
+        """Relay to the live replica `pick` chooses for `key`; one that cannot be reached hands the
+        request to the next. `count`: the request counts in the replica's `routed`."""
+        tried: set[int] = set()
         while True:
             replica = self.pick(key, tried)
             try:
-                answer = await self.relay(replica, request, request.url.path, raw)
-                replica.routed += 1
-                return answer
+                answer = await self.relay(replica, request, path, raw)
             except Unreached:
                 tried.add(replica.index)
+                continue
             except APIError:
-                replica.routed += 1
+                replica.routed += count
                 raise
+            replica.routed += count
+            return answer
 
     async def relay(self, replica: Replica, request: Request, path: str, raw: bytes = b"") -> Response:
         """`request` (method, body, authorization) sent to `replica` at `path`, its answer streamed
@@ -158,14 +164,7 @@ class Front:
 
     async def ready_count(self) -> int:
         """How many live replicas answer `/ready` with 200 (within 5 s)."""
-
-        async def one(r: Replica) -> bool:
-            try:
-                return (await self.client.get(r.url + "/ready", timeout=5.0)).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        return sum(await asyncio.gather(*(one(r) for r in self.live())))
+        return sum(await ready_flags(self.client, [r.url for r in self.live()]))
 
     def metrics(self) -> str:
         rs = self.replicas
@@ -204,13 +203,7 @@ def build_front_app(front: Front, api_key: str | None = None, max_body_bytes: in
 
     @app.get("/v1/models")
     async def models(request: Request):
-        tried = set()
-        while True:
-            replica = front.pick(b"", tried)
-            try:
-                return await front.relay(replica, request, "/v1/models")
-            except Unreached:
-                tried.add(replica.index)
+        return await front.send(b"", request, "/v1/models", count=False)
 
     @app.get("/ready")
     async def ready():

@@ -52,10 +52,18 @@ def stream_back(
     return StreamingResponse(chunks(), status_code=resp.status_code, headers=kept)
 
 
+async def ready_flags(client: httpx.AsyncClient, urls: list[str]) -> list[bool]:
+    """For each server, whether it answers `/ready` with 200 (within 5 s)."""
+
+    async def one(url: str) -> bool:
+        try:
+            return (await client.get(url + "/ready", timeout=5.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    return list(await asyncio.gather(*(one(u) for u in urls)))
+
+
 async def all_ready(client: httpx.AsyncClient, urls: list[str]) -> bool:
     """Whether every server answers `/ready` with 200 (within 5 s)."""
-    try:
-        answers = await asyncio.gather(*(client.get(u + "/ready", timeout=5.0) for u in urls))
-    except httpx.HTTPError:
-        return False
-    return all(a.status_code == 200 for a in answers)
+    return all(await ready_flags(client, urls))

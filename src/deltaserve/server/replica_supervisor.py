@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -28,21 +27,15 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from ..engine.exec.ranks import free_port
 from ..env import EXIT_WITH_PARENT
 
 log = logging.getLogger("deltaserve.replicas")
 
-EXIT_WITH_PARENT_ENV = EXIT_WITH_PARENT.name
 BACKOFF_S = 1.0  # the first restart's delay
 BACKOFF_CAP_S = 60.0  # the longest delay between restarts
 STABLE_S = 60.0  # a replica live this long has its consecutive-failure count reset
 POLL_S = 0.2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_command(argv: list[str], port: int) -> list[str]:
@@ -68,8 +61,8 @@ class Replica:
     last_failure: str = ""  # what its last failure was, for the log
 
     def spawn(self, start_timeout: float) -> None:
-        port = _free_port()
-        env = dict(os.environ, **{EXIT_WITH_PARENT_ENV: "1"})  # a killed front takes its replicas along
+        port = free_port()
+        env = dict(os.environ, **{EXIT_WITH_PARENT.name: "1"})  # a killed front takes its replicas along
         self.proc = subprocess.Popen(self.command(port), env=env)
         self.url, self.retry_at = f"http://127.0.0.1:{port}", None
         self.deadline = time.monotonic() + start_timeout

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from deltaserve import LLM, SamplingParams
+from deltaserve import SamplingParams
 from deltaserve.chat.render import render_chat
 from deltaserve.engine.request.reasoning import ReasoningBudget
 from deltaserve.engine.request.sampling_params import SamplingParamsError
@@ -21,7 +21,15 @@ from deltaserve.engine.request.structured import (
     StructuredOutput,
     StructuredOutputError,
 )
-from tests.engine.request.test_structured import BOUNDED, THINK_END, check_bounded, ckpt, compiler, tok  # noqa: F401 (fixtures)
+from tests.engine.request.test_structured import (  # noqa: F401 (fixtures)
+    BOUNDED,
+    THINK_END,
+    check_bounded,
+    ckpt,
+    compiler,
+    llm,
+    tok,
+)
 
 SELF = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
 LOOP = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}
@@ -163,20 +171,6 @@ def test_sampling_params_reasoning_fields():
     ]:
         with pytest.raises(SamplingParamsError, match=match):
             SamplingParams(**kw)
-
-
-@pytest.fixture(scope="module")
-def llm(ckpt):
-    return LLM(
-        ckpt,
-        dtype="float32",
-        max_num_seqs=4,
-        max_num_batched_tokens=256,
-        page_size=16,
-        kv_cache_memory=32 * 2**20,
-        max_model_len=256,
-        progress=False,
-    )
 
 
 @pytest.fixture(scope="module")

@@ -80,7 +80,7 @@ class RankPlan:
     spawn: tuple[int, ...]  # ranks this process starts as local subprocesses
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -104,7 +104,7 @@ def plan_ranks(config: EngineConfig, env: dict | None = None) -> RankPlan | None
     if config.nnodes > 1 and not init:
         raise ValueError("--nnodes > 1 needs --distributed-init-method tcp://HOST:PORT (node 0's address)")
     first = config.node_rank * per_node
-    return RankPlan(world, first, init or f"tcp://127.0.0.1:{_free_port()}", tuple(range(first + 1, first + per_node)))
+    return RankPlan(world, first, init or f"tcp://127.0.0.1:{free_port()}", tuple(range(first + 1, first + per_node)))
 
 
 def rank_device(config: EngineConfig, rank: int, env: dict | None = None) -> str:
