@@ -51,12 +51,17 @@ def _thinking(req: ChatRequest) -> bool:
     return resolve_thinking(req).on
 
 
+def _prefilled(req: ChatRequest) -> bool:
+    """Whether the last message is a prefilled (`"partial": true`) assistant turn."""
+    last = req.messages[-1]
+    return last.get("role") == "assistant" and last.get("partial") is True
+
+
 def _starts_in_think(req: ChatRequest, thinking: bool) -> bool:
     """Whether the output continues a think element: thinking on, unless the last message is a
     partial assistant turn whose response (content) already started."""
-    last = req.messages[-1]
-    if thinking and last.get("role") == "assistant" and last.get("partial") is True:
-        return not last.get("content")
+    if thinking and _prefilled(req):
+        return not req.messages[-1].get("content")
     return thinking
 
 
@@ -104,10 +109,14 @@ def _structured(state, plan: ChatPlan, req: ChatRequest):
     return channel_guard(plan.think, names)
 
 
-async def chat_prompt_ids(req: ChatRequest, state) -> tuple[list[int], ChatConstraint, bool, bool]:
+async def chat_prompt_ids(
+    req: ChatRequest, state, thinking: bool | None = None
+) -> tuple[list[int], ChatConstraint, bool, bool]:
     """The rendered prompt's ids (before images are expanded), the constraint, whether tool
-    calls are parsed, and whether the output starts in a think element."""
-    thinking, family = _thinking(req), state.engine.family
+    calls are parsed, and whether the output starts in a think element. `thinking`: the request's
+    resolved thinking mode, if the caller has it (`_thinking`)."""
+    thinking = _thinking(req) if thinking is None else thinking
+    family = state.engine.family
     think = _starts_in_think(req, thinking)
     cons = chat_constraint(req, family, think)
     declared = bool(all_tools(req)) and req.tool_choice != "none"
@@ -116,14 +125,12 @@ async def chat_prompt_ids(req: ChatRequest, state) -> tuple[list[int], ChatConst
     return ids, cons, declared, think
 
 
-def counted_prompt_tokens(req: ChatRequest, family: str, n_ids: int) -> int:
+def counted_prompt_tokens(req: ChatRequest, family: str, n_ids: int, thinking: bool) -> int:
     """`usage.prompt_tokens` for a prompt of `n_ids` ids (K3: Moonshot's accounting,
     `chat.k3.uncounted_prompt_tokens`)."""
     if family != "kimi_k3":
         return n_ids
-    last = req.messages[-1]
-    partial = last.get("role") == "assistant" and last.get("partial") is True
-    return n_ids - uncounted_prompt_tokens(_thinking(req), partial)
+    return n_ids - uncounted_prompt_tokens(thinking, _prefilled(req))
 
 
 @router.post("/v1/chat/completions")
@@ -132,9 +139,10 @@ async def chat_completions(req: ChatRequest, request: Request, state: State):
     state.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    kw = apply_policy(state.sampling_policy, req, sampling_kwargs(req), _thinking(req))
-    ids, cons, declared, think = await chat_prompt_ids(req, state)
-    if state.engine.family == "kimi_k3" and _thinking(req) and _reasoning_omitted(req.messages):
+    thinking = _thinking(req)
+    kw = apply_policy(state.sampling_policy, req, sampling_kwargs(req), thinking)
+    ids, cons, declared, think = await chat_prompt_ids(req, state, thinking)
+    if state.engine.family == "kimi_k3" and thinking and _reasoning_omitted(req.messages):
         state.metrics.reasoning_omitted.inc()
     plan = ChatPlan(
         state.engine.family,
@@ -159,7 +167,7 @@ async def chat_completions(req: ChatRequest, request: Request, state: State):
     check_request(state, req, [len(ids)], params.max_tokens, limit_param)
     stream = await state.submit(ids, params, images, req.cache_salt)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
-    counted = counted_prompt_tokens(req, plan.family, len(ids))
+    counted = counted_prompt_tokens(req, plan.family, len(ids), thinking)
     if req.stream:
         return StreamingResponse(chat_events(req, plan, stream, counted, head), media_type="text/event-stream")
     return await chat_response(req, plan, stream, counted, head, request)
