@@ -24,6 +24,7 @@ LEVEL = {
     "tiny": 5,
     "cache": 5,
     "chat": 5,
+    "train": 5,  # the curriculum and trainer: model, tiny and chat, no engine
     # the engine's rooms, by lifecycle
     "engine": 6,  # engine/__init__.py
     "engine.config": 6,
@@ -42,6 +43,7 @@ LEVEL = {
     "roles": 16,
     "proxy": 16,
     "bench": 17,
+    "evals": 17,  # `deltaserve eval`: the engine or a server on curriculum tasks
     "cli": 18,
     "__init__": 18,
 }

@@ -170,12 +170,34 @@ def _add_env(sub) -> None:
     p.set_defaults(func=_env)
 
 
+def _add_train(sub) -> None:
+    from .train import command
+
+    command.add_parser(sub)
+
+
+def _add_eval(sub) -> None:
+    from .evals import command
+
+    command.add_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="deltaserve", description="deltaserve: a serving engine for Kimi K3 / Kimi-Linear"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_make_tiny, _add_generate, _add_bench, _add_plan, _add_serve, _add_proxy, _add_env):
+    for add in (
+        _add_make_tiny,
+        _add_generate,
+        _add_bench,
+        _add_plan,
+        _add_serve,
+        _add_proxy,
+        _add_env,
+        _add_train,
+        _add_eval,
+    ):
         add(sub)
     return parser
 

