@@ -169,9 +169,7 @@ _K3_SMALL = Dims(
     mxfp4=True,
     single_digits=True,
 )
-_KL_SMALL = dataclasses.replace(
-    _K3_SMALL, q_lora_rank=None, top_k=4, latent=None, attn_res_block=None, mxfp4=False
-)
+_KL_SMALL = dataclasses.replace(_K3_SMALL, q_lora_rank=None, top_k=4, latent=None, attn_res_block=None, mxfp4=False)
 PRESETS = {
     ("kimi_k3", "tiny"): _K3_TINY,
     ("kimi_linear", "tiny"): _KL_TINY,
