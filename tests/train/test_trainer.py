@@ -4,6 +4,7 @@ through their MXFP4 rounding, and exports a checkpoint the engine loads to the s
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -75,4 +76,6 @@ def test_export_loads_to_the_trained_logits(tmp_path, family):
     torch.testing.assert_close(served.forward_full(ids), want, rtol=1e-4, atol=1e-4)
     fresh = load_model(t.init_dir, dtype=torch.float32, progress=False)
     assert not torch.allclose(fresh.forward_full(ids), want, atol=1e-3)  # the weights did change
-    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in t.init_dir.iterdir())
+    assert sorted(p.name for p in out.iterdir()) == sorted([p.name for p in t.init_dir.iterdir()] + ["training.json"])
+    record = json.loads((out / "training.json").read_text())
+    assert record["steps"] == 2 and [s for s, _ in record["loss"]] == [2] and record["config"]["family"] == family

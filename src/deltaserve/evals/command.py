@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..train.curriculum import eval_set
 from ..train.tasks import TASKS
-from .runner import EvalPath, OfflineRunner, ServerRunner
+from .runner import MAX_TOKENS, EvalPath, OfflineRunner, ServerRunner
 from .score import score
 
 
@@ -28,6 +28,7 @@ def add_parser(sub) -> None:
     p.add_argument("--preempt", action="store_true", help="a KV budget small enough to force preemptions")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="longest answer (tokens)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=run)
 
@@ -38,10 +39,17 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"deltaserve eval: unknown task(s) {unknown}; choose from {list(TASKS)}")
     if args.url:
-        runner = ServerRunner(args.url, api_key=args.api_key)
+        runner = ServerRunner(args.url, api_key=args.api_key, max_tokens=args.max_tokens)
         family = None
     else:
-        path = EvalPath(args.prefix_cache, args.chunk_size, args.preempt, args.tensor_parallel_size, args.dtype)
+        path = EvalPath(
+            prefix_cache=args.prefix_cache,
+            chunk_size=args.chunk_size,
+            preempt=args.preempt,
+            tensor_parallel_size=args.tensor_parallel_size,
+            dtype=args.dtype,
+            max_tokens=args.max_tokens,
+        )
         runner = OfflineRunner(args.model or _default_model(), path)
         family = runner.family
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.thinking]

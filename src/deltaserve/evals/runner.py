@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import httpx
@@ -17,12 +16,12 @@ import httpx
 from ..chat.render import load_chat_template
 from ..engine.llm import LLM
 from ..engine.request.sampling_params import SamplingParams
-from ..server.parsers import parse_output
+from ..server.parsers import control_token_ids, parse_output
 from ..train.curriculum import render
 from ..train.tasks import Sample
 from .score import Answer
 
-MAX_TOKENS = 192
+MAX_TOKENS = 192  # room for the longest answer (a thought and a copied passage)
 
 
 @dataclass
@@ -35,9 +34,12 @@ class EvalPath:
     tensor_parallel_size: int = 1
     dtype: str = "bfloat16"
     max_num_seqs: int = 16
+    threads: int | None = None  # torch threads per rank (1 for TP2 on two cores)
+    max_tokens: int = MAX_TOKENS
 
     def engine_kwargs(self) -> dict:
         kw = dict(
+            num_threads=self.threads,
             dtype=self.dtype,
             enable_prefix_caching=self.prefix_cache,
             tensor_parallel_size=self.tensor_parallel_size,
@@ -52,7 +54,7 @@ class EvalPath:
         return kw
 
 
-PREEMPT_KV_BYTES = 6 << 20  # the small model's MLA pages for a few long requests at once
+PREEMPT_KV_BYTES = 3 << 20  # the small models' MLA pages for ~4k tokens: long prompts preempt each other
 
 
 class OfflineRunner:
@@ -68,16 +70,21 @@ class OfflineRunner:
     def run(self, samples: list[Sample], thinking: bool) -> list[Answer]:
         rendered = [render(self.llm.tokenizer, self.family, s, thinking, self.template) for s in samples]
         prompts = [r.prompt for r in rendered]
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, skip_special_tokens=False)
+        keep = control_token_ids(self.llm.tokenizer, self.family)  # decoded as the server decodes
+        params = SamplingParams(
+            temperature=0.0, max_tokens=self.path.max_tokens, keep_special_token_ids=keep, logprobs=0
+        )
         if self.path.prefix_cache:
             self.llm.generate(prompts, params, use_tqdm=False)
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         answers = []
         for s, r, o in zip(samples, rendered, outs):
-            text = self.llm.tokenizer.decode(o.outputs[0].token_ids, skip_special_tokens=False)
-            parsed = parse_output(text, self.family, bool(s.tools), r.thinking)
+            parsed = parse_output(o.outputs[0].text, self.family, bool(s.tools), r.thinking)
             calls = [(c.name, c.arguments_json) for c in parsed.tool_calls]
-            answers.append(Answer(parsed.content, parsed.reasoning_content, calls, o.outputs[0].finish_reason))
+            out = o.outputs[0]
+            answers.append(
+                Answer(parsed.content, parsed.reasoning_content, calls, out.finish_reason, out.cumulative_logprob)
+            )
         return answers
 
     def stats(self) -> dict:
@@ -85,10 +92,11 @@ class OfflineRunner:
 
 
 class ServerRunner:
-    def __init__(self, url: str, model: str | None = None, api_key: str | None = None, timeout: float = 600.0):
+    def __init__(self, url: str, api_key: str | None = None, max_tokens: int = MAX_TOKENS, timeout: float = 600.0):
+        self.max_tokens = max_tokens
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
-        self.model = model or self.client.get("/v1/models").json()["data"][0]["id"]
+        self.model = self.client.get("/v1/models").json()["data"][0]["id"]
 
     def close(self) -> None:
         self.client.close()
@@ -101,13 +109,14 @@ class ServerRunner:
             "model": self.model,
             "messages": s.messages,
             "temperature": 0.0,
-            "max_tokens": MAX_TOKENS,
+            "max_tokens": self.max_tokens,
             "chat_template_kwargs": {"thinking": thinking},
         }
         if s.tools:
             body["tools"] = s.tools
-        r = self.client.post("/v1/chat/completions", content=json.dumps(body))
-        r.raise_for_status()
+        r = self.client.post("/v1/chat/completions", json=body)
+        if r.status_code != 200:
+            raise RuntimeError(f"{self.client.base_url} answered {r.status_code}: {r.text[:500]}")
         choice = r.json()["choices"][0]
         msg = choice["message"]
         calls = [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls") or []]

@@ -16,6 +16,7 @@ class Answer:
     reasoning: str = ""
     tool_calls: list[tuple[str, str]] = field(default_factory=list)  # (name, arguments JSON)
     finish_reason: str | None = None
+    logprob: float | None = None  # the answer's cumulative log-probability (offline runs)
 
     def key(self) -> tuple:
         """What two runs must agree on for "the same answer"."""

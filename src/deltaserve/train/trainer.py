@@ -10,7 +10,8 @@ run (state every `checkpoint_every` steps, safetensors + JSON, no pickle) contin
 trajectory.
 
 Layout of the output directory: `work/init` (the random starting checkpoint), `work/state.*`
-(weights, optimiser moments, step, loss history), and the final checkpoint in `model/`.
+(weights, optimiser moments, step, loss history), and the final checkpoint in `model/` with its
+`training.json` (`record.write_record`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ..model.tokenizer import Tokenizer
 from ..tiny import make_tiny
 from .curriculum import Batch, batches
 from .export import expert_params, export, mxfp4_roundtrip, trainable_model
+from .record import write_record
 
 
 @dataclass
@@ -192,4 +194,6 @@ class Trainer:
             with torch.no_grad():
                 for p in self.experts:
                     p.copy_(mxfp4_roundtrip(p))
-        return export(self.model, self.init_dir, self.out / "model", self.cfg.family)
+        out = export(self.model, self.init_dir, self.out / "model", self.cfg.family)
+        write_record(out, self.cfg, self.step, self.seconds, self.history)
+        return out
