@@ -164,6 +164,8 @@ class EngineConfig:
             raise ValueError("data_parallel_size > 1 runs on one machine: it cannot be combined with nnodes > 1")
         if tp > 1 and (self.kv_offload_memory is not None or self.kv_disk_path is not None):
             raise ValueError("cache tiers (--kv-offload-memory, --kv-disk-path) need tensor_parallel_size 1")
+        if self.data_parallel_size > 1 and self.kv_disk_path is not None:
+            raise ValueError("one engine per --kv-disk-path: data-parallel replicas cannot share it yet")
         if tp % self.nnodes or self.node_rank >= self.nnodes:
             raise ValueError(
                 f"{self.nnodes} nodes must split tensor_parallel_size={tp} evenly "
