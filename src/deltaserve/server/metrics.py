@@ -145,13 +145,16 @@ TIER_GAUGES = {
 }
 
 
-def tier_metrics(tiers: dict, model: str):
+def tier_metrics(tiers: dict, model: str, hits: int):
     """Per-tier families from the tier store's stats: counters, gauges, the restore latency (a
-    summary: count = hits, sum = seconds) and verification misses by reason (never restored)."""
+    summary: count = hits, sum = seconds) and verification misses by reason (never restored).
+    `hits` (all prefix hits) gives the device's share of the hits: those no tier lengthened."""
     names = [t for t, v in sorted(tiers.items()) if isinstance(v, dict)]
     for family, table in ((CounterMetricFamily, TIER_COUNTERS), (GaugeMetricFamily, TIER_GAUGES)):
         for key, (name, doc) in table.items():
             m = family(P + name, doc, labels=["model_name", "tier"])
+            if key == "hits":
+                m.add_metric([model, "device"], hits - sum(tiers[t].get("hits", 0) for t in names))
             for t in names:
                 m.add_metric([model, t], tiers[t].get(key, 0))
             yield m
@@ -199,7 +202,7 @@ class _EngineCollector:
                     m.add_metric([self.model_name], values[key])
                     yield m
         if pc.get("tiers"):
-            yield from tier_metrics(pc["tiers"], self.model_name)
+            yield from tier_metrics(pc["tiers"], self.model_name, pc.get("hits", 0))
         if "kernel_fallbacks" in s:
             yield self._fallbacks(s["kernel_fallbacks"])
 

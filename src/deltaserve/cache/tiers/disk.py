@@ -70,7 +70,8 @@ class DiskTier:
         return self.dir / (key.hex() + SUFFIX)
 
     def _scan(self) -> None:
-        """Rebuild the index from the files' headers, oldest first (their mtime is their LRU time)."""
+        """Rebuild the index from the files' headers, oldest first (their mtime is their LRU time),
+        each object's ancestors after it (so eviction takes children before their parents)."""
         for tmp in self.dir.glob("*.tmp"):
             tmp.unlink(missing_ok=True)
         found = []
@@ -91,6 +92,10 @@ class DiskTier:
         for _, meta in sorted(found, key=lambda x: x[0]):
             self.index[meta.key] = meta
             self.used += meta.nbytes
+        for key in list(self.index):  # parents after their children, as the store keeps them
+            while (m := self.index.get(key)) is not None and m.parent in self.index:
+                self.index.move_to_end(m.parent)
+                key = m.parent
         self.counters["objects_found"] = len(self.index)
         self._evict()
         log.info("disk tier %s: %d objects, %d bytes of %d", self.dir, len(self.index), self.used, self.limit)
