@@ -16,6 +16,7 @@ from .sched.test_cache_pressure import assert_all_free
 from .test_prefix_cache import make
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
 SMALL = dict(num_pages=30, num_ckpt_slots=3, max_num_seqs=2, max_num_batched_tokens=24)
 
 
@@ -81,6 +82,39 @@ def test_tiers_on_equal_cache_off_and_restore_from_both(ckpt, tmp_path):
     assert pc["checkpoints_evicted"] > 0 and pc["restore_refused"] == 0, pc
     assert t["disk"]["bytes_read"] > 0 and t["host"]["evicted"] > 0, t
     assert not any(k.startswith("verify_miss") for k in t["disk"]), t
+    assert t["restore_waits"] > 0, "disk objects were read ahead while the engine stepped"
+    assert_all_free(on)
+
+
+def test_a_running_request_steps_while_a_restore_reads(ckpt, tmp_path):
+    """B's prefix is on disk only: the step that looks B up starts the read and holds B, and A
+    (running) gets its token in that step; B is then admitted with the restored prefix."""
+    on = make(ckpt, True, **SMALL, kv_disk_path=str(tmp_path), kv_disk_size="64MiB")
+    off = make(ckpt, False, **SMALL)
+    rng = random.Random(6)
+    vocab = on.model.config.vocab_size
+    p = [rng.randrange(vocab) for _ in range(44)]
+    b = p + [rng.randrange(vocab) for _ in range(9)]
+    a = [rng.randrange(vocab) for _ in range(10)]
+    on.generate([p], GREEDY, use_tqdm=False)
+    on.cache.tier.flush()
+    assert on.reset_prefix_cache() and tiers(on)["disk"]["objects"] > 0
+    core = on.engine
+    core.add_request("A", a, LONG)
+    core.step()
+    core.add_request("B", b, GREEDY)
+    seq_a = core.requests["A"].seqs[0]
+    before = len(seq_a.output_ids)
+    core.step()
+    assert len(seq_a.output_ids) == before + 1 and core.requests["B"].seqs[0].num_computed == 0
+    assert tiers(on)["restore_waits"] == 1
+    done = {}
+    while core.has_unfinished():
+        done.update({o.request_id: o.outputs[0].token_ids for o in core.step()})
+    want = [o.outputs[0].token_ids for o in off.generate([a, b], [LONG, GREEDY], use_tqdm=False)]
+    assert [done["A"], done["B"]] == want
+    disk = tiers(on)["disk"]
+    assert disk["hits"] == 1 and disk["hit_tokens"] == 40, disk
     assert_all_free(on)
 
 

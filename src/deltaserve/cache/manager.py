@@ -37,6 +37,11 @@ from .prefix_index import PrefixIndex
 from .slot_journal import SlotJournal
 from .tiers import DROP, LowerTier
 
+# the prefix_stats() keys counted by the manager itself
+_COUNTED = (
+    "queries hits hit_tokens retention_misses retention_miss_tokens checkpoints_stored restore_refused inflight_waits"
+).split()
+
 
 @dataclass
 class SeqCache:
@@ -60,6 +65,7 @@ class PrefixHit:
     k_hit: int = 0
     hashes: tuple[bytes, ...] = ()
     root: bytes = b""
+    reading: bool = False  # the tier is reading a longer prefix: wait (`inflight_hit`)
 
 
 class CacheManager:
@@ -120,11 +126,12 @@ class CacheManager:
         limit = (len(tokens) - 1) // u
         hashes = extend_hashes(memo if memo is not None else [], root, tokens[: limit * u], u, spans)[:limit]
         k_mla, k_hit = self.index.match(hashes)
-        if restore and self.tier.restore(self, hashes, k_mla, k_hit):
+        done = self.tier.restore(self, hashes, k_mla, k_hit) if restore else False
+        if done:
             k_mla, k_hit = self.index.match(hashes)
         while k_hit and not self._restorable(hashes, k_hit):
             k_mla, k_hit = self.index.match(hashes)
-        return PrefixHit(k_hit * u, k_mla, k_hit, tuple(hashes), root)
+        return PrefixHit(k_hit * u, k_mla, k_hit, tuple(hashes), root, done is None)
 
     def tag(self, prefix_hash: bytes, num_tokens: int) -> CheckpointTag:
         """The tag a state at `num_tokens` ending the prefix `prefix_hash` gets from this manager."""
@@ -189,7 +196,10 @@ class CacheManager:
         least one match unit. The boundary lies within the span the two hash chains share and past
         what that sequence has computed: under the junction policy the end of the span, which the
         sequence is made to checkpoint, else the last boundary it checkpoints anyway. Each
-        positive answer (one request held one step) counts as an `inflight_wait`."""
+        positive answer (one request held one step) counts as an `inflight_wait`. A hit whose
+        longer prefix the tier is reading waits for it too (`reading`; counted by the tier)."""
+        if hit.reading:
+            return hit.length + self.policy.unit
         if self.index is None or not hit.hashes:
             return 0
         u, best, owner = self.policy.unit, 0, None
@@ -373,19 +383,7 @@ class CacheManager:
     def prefix_stats(self) -> dict[str, int]:
         if self.index is None:
             return {}
-        out = {
-            k: self.counters[k]
-            for k in (
-                "queries",
-                "hits",
-                "hit_tokens",
-                "retention_misses",
-                "retention_miss_tokens",
-                "checkpoints_stored",
-                "restore_refused",
-                "inflight_waits",
-            )
-        }
+        out = {k: self.counters[k] for k in _COUNTED}
         out["checkpoints_evicted"] = self.index.evicted_checkpoints
         out["units_evicted"] = self.index.evicted_units
         out["cached_units"] = len(self.index.units)

@@ -6,7 +6,8 @@ The manager tells its tier three things, all on the engine thread:
   `[0, k)` are in the index);
 - `restore`: a lookup whose device hit ends at `k_hit` (MLA units cached up to `k_mla`) may be
   lengthened: the tier may install a longer prefix (MLA pages and the checkpoint at its end)
-  into the device index, and says whether it did;
+  into the device index and says whether it did (True), or that it is reading one (None: the
+  request waits a step and looks up again);
 - `take_unit` / `take_checkpoint`: eviction from the device hands over what it drops (valid
   during the call; a tier must not keep page ids or slots). With write-through they keep
   nothing: the object is below already. A checkpoint dropped for a refused restore is not
@@ -33,7 +34,7 @@ class LowerTier(Protocol):
     def stored(self, cache: Any, hashes: list[bytes], k: int, slot: int) -> None:
         """A checkpoint (`slot`, tagged) was registered at unit boundary `k` of chain `hashes`."""
 
-    def restore(self, cache: Any, hashes: list[bytes], k_mla: int, k_hit: int) -> bool:
+    def restore(self, cache: Any, hashes: list[bytes], k_mla: int, k_hit: int) -> bool | None:
         """Install a prefix longer than `k_hit` units of `hashes` into the device index, if held."""
 
 
@@ -49,7 +50,7 @@ class Drop:
     def stored(self, cache: Any, hashes: list[bytes], k: int, slot: int) -> None:
         return None
 
-    def restore(self, cache: Any, hashes: list[bytes], k_mla: int, k_hit: int) -> bool:
+    def restore(self, cache: Any, hashes: list[bytes], k_mla: int, k_hit: int) -> bool | None:
         return False
 
 

@@ -15,9 +15,12 @@ its sizes equal the file's); on every read the bytes are checked against the man
 and the manifest against what the index expects. A file failing any check is a counted miss
 (`verify_misses` by reason), removed from the index and deleted, never restored.
 
-Threads: the engine thread calls `meta`, `touch`, `read`, `submit`; the writer thread adds
-written files and evicts over the size limit (least recently used first). `lock` guards the
-index and the counters.
+Reads are asynchronous too: `prefetch` hands a key to the reader thread, which reads and
+verifies it into `staged`, where the engine thread `take`s it; meanwhile the engine steps.
+
+Threads: the engine thread calls `meta`, `touch`, `read`, `submit`, `prefetch`, `take`; the
+writer thread adds written files and evicts over the size limit (least recently used first); the
+reader thread reads. `lock` guards the index, the staging area and the counters.
 """
 
 from __future__ import annotations
@@ -62,9 +65,15 @@ class DiskTier:
         self.counters: Counter[str] = Counter()
         self.lock = threading.Lock()
         self._queue: queue.Queue[TierObject | None] = queue.Queue()
+        self.reading: set[bytes] = set()
+        self.staged: OrderedDict[bytes, TierObject] = OrderedDict()
+        self.staged_bytes = 0
+        self._reads: queue.Queue[bytes | None] = queue.Queue()
         self._scan()
         self._thread = threading.Thread(target=self._writer, name="deltaserve-disk-tier", daemon=True)
         self._thread.start()
+        self._reader = threading.Thread(target=self._read_ahead, name="deltaserve-disk-reads", daemon=True)
+        self._reader.start()
 
     def path(self, key: bytes) -> Path:
         return self.dir / (key.hex() + SUFFIX)
@@ -184,8 +193,8 @@ class DiskTier:
         try:
             try:
                 data = path.read_bytes()
-            except FileNotFoundError:
-                raise ObjectError("missing", "the file is gone") from None
+            except OSError as e:
+                raise ObjectError("missing" if isinstance(e, FileNotFoundError) else "io", str(e)) from None
             obj = decode(data, self.fingerprint, want)
         except ObjectError as e:
             with self.lock:
@@ -203,6 +212,38 @@ class DiskTier:
             pass
         return obj
 
+    def prefetch(self, key: bytes) -> None:
+        """Read and verify the object at `key` on the reader thread, into `staged` (`take`)."""
+        with self.lock:
+            if key in self.reading or key in self.staged or key not in self.index:
+                return
+            self.reading.add(key)
+        self._reads.put(key)
+
+    def in_flight(self, key: bytes) -> bool:
+        with self.lock:
+            return key in self.reading
+
+    def take(self, key: bytes) -> TierObject | None:
+        """The staged (read and verified) object at `key`, or None."""
+        with self.lock:
+            obj = self.staged.pop(key, None)
+            if obj is not None:
+                self.staged_bytes -= obj.meta.nbytes
+            return obj
+
+    def _read_ahead(self) -> None:
+        """Staged objects are dropped oldest first past `max_pending` bytes (their reader left)."""
+        while (key := self._reads.get()) is not None:
+            obj = self.read(key)
+            with self.lock:
+                self.reading.discard(key)
+                if obj is not None:
+                    self.staged[key] = obj
+                    self.staged_bytes += obj.meta.nbytes
+                while self.staged_bytes > self.max_pending and len(self.staged) > 1:
+                    self.staged_bytes -= self.staged.popitem(last=False)[1].meta.nbytes
+
     def flush(self) -> None:
         """Wait until every queued object is written (or failed)."""
         self._queue.join()
@@ -212,7 +253,9 @@ class DiskTier:
         if self._lockfile.closed:
             return
         self._queue.put(None)
+        self._reads.put(None)
         self._thread.join()
+        self._reader.join()
         fcntl.flock(self._lockfile, fcntl.LOCK_UN)
         self._lockfile.close()
 

@@ -8,7 +8,9 @@ use or a new child makes the whole parent chain most recently used, so parents o
 
 Restore (`restore`, from `CacheManager.lookup`): the longest prefix of the request's chain whose
 checkpoint object is held in a tier and whose MLA units are held on the device or by the object's
-ancestors (host first, then disk; a disk read is verified and promoted to the host tier); it is
+ancestors (host first, then disk). Disk objects are first read and verified by the disk tier's
+reader thread while the engine keeps stepping (the lookup answers "pending" and the scheduler
+holds the request), then promoted to the host tier; once every object is in memory the prefix is
 installed into fresh device pages and a checkpoint slot, registered in the device index and tagged
 as a local checkpoint would be, before the admission that uses it. The device units the restore
 chains onto are pinned while it takes pages. A verification failure is a counted miss and a
@@ -35,6 +37,7 @@ class TieredStore:
         self.host, self.disk = host, disk
         self.tiers = [t for t in (host, disk) if t is not None]
         self.counters: Counter[str] = Counter()
+        self.read_ahead = True  # disk objects are read off the engine thread (False: in the lookup)
 
     def take_unit(self, h, parent, pages, pool) -> None:
         return None  # written through when its checkpoint was stored
@@ -90,7 +93,10 @@ class TieredStore:
     def _fetch(self, plan: list[tuple[Meta, HostTier | DiskTier]]) -> list[TierObject] | None:
         objs = []
         for m, tier in plan:
-            obj = tier.get(m.key) if tier is self.host else self.disk.read(m.key)
+            if tier is self.host:
+                obj = self.host.get(m.key)
+            else:
+                obj = self.disk.take(m.key) or self.disk.read(m.key)
             if obj is None:
                 return None
             if tier is self.disk and self.host is not None:
@@ -98,7 +104,9 @@ class TieredStore:
             objs.append(obj)
         return objs
 
-    def restore(self, cache, hashes: list[bytes], k_mla: int, k_hit: int) -> bool:
+    def restore(self, cache, hashes: list[bytes], k_mla: int, k_hit: int) -> bool | None:
+        """True: a longer prefix is in the device index now; None: the disk objects it needs are
+        being read (the caller holds the request and asks again); False: nothing to restore."""
         for k in range(len(hashes), k_hit, -1):
             if self._find(hashes[k - 1]) is None:
                 continue
@@ -106,6 +114,12 @@ class TieredStore:
             plan = self._plan(hashes, k, k_dev)
             if plan is None:
                 continue
+            unread = [m.key for m, t in plan if t is self.disk and m.key not in self.disk.staged]
+            if unread and self.read_ahead:
+                for key in unread:
+                    self.disk.prefetch(key)
+                self.counters["restore_waits"] += 1
+                return None
             t0 = time.perf_counter()
             held = cache.index.pages_of(hashes, k_dev)
             cache.mla.incref(held)  # the device units the restore chains onto stay while it takes pages
@@ -166,7 +180,7 @@ class TieredStore:
     def stats(self) -> dict:
         """Per tier: its own counters and usage, plus the restores served from it (`hits`,
         `hit_tokens` beyond the device hit, `restore_seconds` summed)."""
-        out: dict = {"restore_no_room": self.counters["restore_no_room"]}
+        out: dict = {k: self.counters[k] for k in ("restore_no_room", "restore_waits")}
         for t in self.tiers:
             s = t.stats()
             for c in ("hits", "hit_tokens", "restore_seconds"):
