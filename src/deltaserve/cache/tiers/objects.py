@@ -94,10 +94,10 @@ def snapshot(cache, hashes: list[bytes], start: int, end: int, slot: int) -> Tie
     mla, kda = cache.mla, cache.ckpt_pool
     pages = [p for h in hashes[start:end] for p in cache.index.units[h].pages]
     idx = torch.tensor(pages, dtype=torch.long, device=mla.storage.device)
-    rows = mla.storage.index_select(1, idx).flatten(1, 2)
+    rows = mla.storage.index_select(1, idx).flatten(1, 2)  # a fresh tensor: no second copy on the host
     obj = TierObject(
         Meta(hashes[end - 1], hashes[start - 1] if start else b"", start, end, 0),
-        _host(rows),
+        rows if rows.device.type == "cpu" else _host(rows),
         _host(kda.tails[:, slot]),
         _host(kda.states[:, slot]),
     )
