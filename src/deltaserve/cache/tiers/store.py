@@ -38,6 +38,7 @@ class TieredStore:
         self.tiers = [t for t in (host, disk) if t is not None]
         self.counters: Counter[str] = Counter()
         self.read_ahead = True  # disk objects are read off the engine thread (False: in the lookup)
+        self._since: dict[bytes, float] = {}  # restore target -> when its first read began
 
     def take_unit(self, h, parent, pages, pool) -> None:
         return None  # written through when its checkpoint was stored
@@ -119,8 +120,11 @@ class TieredStore:
                 for key in unread:
                     self.disk.prefetch(key)
                 self.counters["restore_waits"] += 1
+                if len(self._since) > 4096:  # targets whose requests left before their restore
+                    self._since.clear()
+                self._since.setdefault(hashes[k - 1], time.perf_counter())
                 return None
-            t0 = time.perf_counter()
+            t0 = self._since.pop(hashes[k - 1], None) or time.perf_counter()
             held = cache.index.pages_of(hashes, k_dev)
             cache.mla.incref(held)  # the device units the restore chains onto stay while it takes pages
             try:
@@ -179,7 +183,8 @@ class TieredStore:
 
     def stats(self) -> dict:
         """Per tier: its own counters and usage, plus the restores served from it (`hits`,
-        `hit_tokens` beyond the device hit, `restore_seconds` summed)."""
+        `hit_tokens` beyond the device hit, `restore_seconds` summed: from the lookup that
+        started the reads to the prefix in the device pools)."""
         out: dict = {k: self.counters[k] for k in ("restore_no_room", "restore_waits")}
         for t in self.tiers:
             s = t.stats()
