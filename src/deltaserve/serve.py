@@ -258,6 +258,8 @@ def serve(args: argparse.Namespace) -> int:
         exit_with_parent()
     if args.data_parallel_size < 1:
         raise SystemExit("--data-parallel-size must be >= 1")
+    if args.data_parallel_size > 1 and args.kv_disk_path is not None:
+        raise SystemExit("one engine per --kv-disk-path: data-parallel replicas cannot share it yet")
     check_role_arguments(args)
     model_dir, name = args.model, args.served_model_name
     if model_dir is None:

@@ -25,3 +25,13 @@ def test_replay_is_exact_and_bounded_by_the_ideal(tmp_path):
     for run in (OURS, VLLM_LIKE):
         r = replay(str(ckpt), run, spec, answer_tokens=8, kv_cache_memory=256 * 2**20, dtype="float32")
         assert r["hits"] > 0 and r["computed"] >= r["ideal"], r
+
+
+def test_tiers_recover_what_a_small_device_pool_drops(tmp_path):
+    ckpt = make_tiny(tmp_path / "k3", family="kimi_k3", preset="tiny", seed=2)
+    spec = WorkloadSpec(sessions=8, rounds=2, system_tokens=200, tool_tokens=60, user_tokens=(20, 60), seed=1)
+    args = (str(ckpt), OURS, spec, 8, 300_000, "float32", 1, 512)
+    alone = replay(*args)
+    tiered = replay(*args, kv_offload_memory=200_000, kv_disk_path=str(tmp_path / "kv"), kv_disk_size=1 << 26)
+    assert alone["working_set_x"] > 1.5 and tiered["tier_hits"] != "0/0", tiered
+    assert alone["ideal"] == tiered["ideal"] <= tiered["computed"] < alone["computed"], (alone, tiered)

@@ -278,3 +278,10 @@ def test_parse_bytes():
     assert parse_bytes("1.5TiB") == 3 * 2**39 and parse_bytes("1073741824") == 2**30
     with pytest.raises(ValueError):
         parse_bytes("0GB")
+
+
+def test_tier_sizes_count_checkpoints_and_tokens():
+    from deltaserve.cache.plan_report import tiers
+
+    p = {"kda_state_per_request": {"bytes": 1000}, "mla_bytes_per_token": 10}
+    assert tiers(p, 10_000, None, 64) == {"host": {"bytes": 10_000, "checkpoints": 6, "mla_tokens": 1000}}

@@ -42,6 +42,9 @@ NON_DEFAULT = {
     "nnodes": (["--nnodes", "2"], 2),
     "node_rank": (["--node-rank", "1"], 1),
     "distributed_timeout": (["--distributed-timeout", "5"], 5.0),
+    "kv_offload_memory": (["--kv-offload-memory", "1GiB"], 1 << 30),
+    "kv_disk_path": (["--kv-disk-path", "/tmp/kv"], "/tmp/kv"),
+    "kv_disk_size": (["--kv-disk-size", "2GB"], 2 * 10**9),
 }
 
 # the parsed defaults of the engine flags, written out: what the CLI has always defaulted to
@@ -74,6 +77,9 @@ CLI_DEFAULTS = dict(
     nnodes=1,
     node_rank=0,
     distributed_timeout=60.0,
+    kv_offload_memory=None,
+    kv_disk_path=None,
+    kv_disk_size=None,
 )
 
 

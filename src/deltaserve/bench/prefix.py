@@ -6,6 +6,10 @@ and at the prompt's last 128-token hash boundary, with 128-token partial hits an
 turn-end checkpoints. Both runs use identical weights, prompts, memory budget, greedy decoding and
 scheduler (which holds a request while an older one prefills their shared prefix: `held` counts
 request-steps held), so the difference is the retention/matching policy alone.
+
+`--tiers`: deltaserve's policy on a device pool far smaller than the workload (`working_set_x`:
+the distinct tokens' MLA rows plus one KDA state per session, over the pool), without and with
+a host tier and a disk tier under it, side by side (`tier_hits`: restores from host / disk).
 """
 
 from __future__ import annotations
@@ -30,25 +34,35 @@ VLLM_LIKE = PolicyRun("vllm-style", 128, "prompt-end", 1536)
 
 
 def replay(
-    model: str, run: PolicyRun, spec: WorkloadSpec, answer_tokens: int, kv_cache_memory: int, dtype: str
+    model: str,
+    run: PolicyRun,
+    spec: WorkloadSpec,
+    answer_tokens: int,
+    kv_cache_memory: int,
+    dtype: str,
+    max_num_seqs: int | None = None,
+    max_model_len: int = 32768,
+    **tiers,
 ) -> dict:
+    """One replay; `tiers`: the engine's tier settings (`kv_offload_memory`, `kv_disk_path`, ...)."""
     from ..engine.llm import LLM
     from ..engine.request.sampling_params import SamplingParams
 
     llm = LLM(
         model,
         dtype=dtype,
-        max_num_seqs=spec.sessions,
+        max_num_seqs=max_num_seqs or spec.sessions,
         max_num_batched_tokens=4096,
         page_size=16,
         kv_cache_memory=kv_cache_memory,
-        max_model_len=32768,
+        max_model_len=max_model_len,
         progress=False,
         enable_prefix_caching=True,
         prefix_match_unit=run.unit,
         kda_checkpoint_policy=run.policy,
         kda_checkpoint_interval=run.interval,
         checkpoint_fraction=0.3,
+        **tiers,
     )
     avoid = set(llm.engine.eos_ids) | set(llm.tokenizer.special_ids if llm.tokenizer else ())
     sessions = build_sessions(spec, llm.model.config.vocab_size, avoid)
@@ -70,8 +84,14 @@ def replay(
     pc = stats["prefix_cache"]
     computed = prompt_tokens - pc["hit_tokens"]
     slot_bytes = llm.cache.kda.states[:, 0].nbytes + llm.cache.kda.tails[:, 0].nbytes
+    row_bytes = llm.cache.mla.storage[:, 0].nbytes // llm.cache.page_size
+    working = ideal_computed([s.history for s in sessions], []) * row_bytes + len(sessions) * slot_bytes
+    t = pc.get("tiers", {})
+    llm.shutdown()
     return {
-        "policy": run.name,
+        "policy": run.name + (" + " + "/".join(k for k in ("host", "disk") if k in t) if t else ""),
+        "working_set_x": working / kv_cache_memory,
+        "tier_hits": "/".join(str(t[k]["hits"]) for k in ("host", "disk") if k in t) or "-",
         "prompt_tokens": prompt_tokens,
         "computed": computed,
         "ideal": ideal,
@@ -96,16 +116,43 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-memory", type=int, default=2 * 2**30)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: --sessions")
+    p.add_argument("--max-model-len", type=int, default=32768)
+    p.add_argument(
+        "--tiers",
+        action="store_true",
+        help="deltaserve alone vs with a host tier (2x --kv-cache-memory) and a disk tier (a temporary directory)",
+    )
     p.set_defaults(func=main)
+
+
+def tier_rows(args: argparse.Namespace, spec: WorkloadSpec) -> list[dict]:
+    """deltaserve's policy without and with host + disk tiers, on the same device pool."""
+    import tempfile
+
+    common = (args.model, OURS, spec, args.answer_tokens, args.kv_cache_memory, args.dtype, args.max_num_seqs)
+    common += (args.max_model_len,)
+    with tempfile.TemporaryDirectory(prefix="deltaserve-bench-tiers-") as disk:
+        tiers = dict(kv_offload_memory=2 * args.kv_cache_memory, kv_disk_path=disk, kv_disk_size=8 << 30)
+        return [replay(*common), replay(*common, **tiers)]
 
 
 def main(args: argparse.Namespace) -> int:
     spec = WorkloadSpec(sessions=args.sessions, rounds=args.rounds, seed=args.seed)
-    rows = [
-        replay(args.model, run, spec, args.answer_tokens, args.kv_cache_memory, args.dtype) for run in (OURS, VLLM_LIKE)
-    ]
+    if args.tiers:
+        rows = tier_rows(args, spec)
+    else:
+        rows = [
+            replay(
+                *(args.model, run, spec, args.answer_tokens, args.kv_cache_memory, args.dtype, args.max_num_seqs),
+                args.max_model_len,
+            )
+            for run in (OURS, VLLM_LIKE)
+        ]
     cols = [
         "policy",
+        "working_set_x",
+        "tier_hits",
         "prompt_tokens",
         "computed",
         "ideal",
@@ -124,7 +171,7 @@ def main(args: argparse.Namespace) -> int:
         print(" | ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols))
     ours, base = rows
     print(
-        f"prefill tokens computed: deltaserve {ours['computed']} vs vllm-style {base['computed']} "
+        f"prefill tokens computed: {ours['policy']} {ours['computed']} vs {base['policy']} {base['computed']} "
         f"({base['computed'] / ours['computed']:.2f}x); ideal {ours['ideal']}"
     )
     return 0

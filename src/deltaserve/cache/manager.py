@@ -37,6 +37,11 @@ from .prefix_index import PrefixIndex
 from .slot_journal import SlotJournal
 from .tiers import DROP, LowerTier
 
+# the prefix_stats() keys counted by the manager itself
+_COUNTED = (
+    "queries hits hit_tokens retention_misses retention_miss_tokens checkpoints_stored restore_refused inflight_waits"
+).split()
+
 
 @dataclass
 class SeqCache:
@@ -60,6 +65,7 @@ class PrefixHit:
     k_hit: int = 0
     hashes: tuple[bytes, ...] = ()
     root: bytes = b""
+    reading: bool = False  # the tier is reading a longer prefix: wait (`inflight_hit`)
 
 
 class CacheManager:
@@ -82,9 +88,16 @@ class CacheManager:
         if checkpoints is not None and self.policy.unit % self.page_size:
             raise ValueError(f"prefix_match_unit={self.policy.unit} must be a multiple of page_size={self.page_size}")
         self.index = PrefixIndex(mla, checkpoints, tier) if checkpoints is not None else None
+        self.tier = tier
         self.model_id = model_id
         self.fingerprint = state_fingerprint(model_id, kda.tails, kda.states, kernel)
         self.counters: Counter[str] = Counter()
+
+    def attach_tier(self, tier: LowerTier) -> None:
+        """Put `tier` (`tiers.store.TieredStore`) under the device index (write-through, restores)."""
+        if self.index is None:
+            raise ValueError("cache tiers need the prefix cache (--enable-prefix-caching)")
+        self.tier = self.index.tier = tier
 
     @property
     def prefix_enabled(self) -> bool:
@@ -96,9 +109,12 @@ class CacheManager:
         cache_salt: str | None = None,
         memo: list[bytes] | None = None,
         spans: tuple[tuple[int, int, bytes], ...] = (),
+        restore: bool = False,
     ) -> PrefixHit:
-        """Longest usable hit (L < len(tokens)). Its only effect on the cache: a checkpoint on the
-        path whose tag does not match is refused (counted, dropped) and a shorter one is tried.
+        """Longest usable hit (L < len(tokens)). A checkpoint on the path whose tag does not match
+        is refused (counted, dropped) and a shorter one is tried. With `restore` (the scheduler's
+        admission), a longer prefix held by the lower tier is first installed into the device
+        index (`tiers.LowerTier.restore`); otherwise the lookup changes nothing else.
         `memo`, kept by the caller for one sequence (fixed salt and `spans`, tokens only ever
         appended), holds the unit hashes computed so far and is extended in place, so a waiting
         request is not re-hashed every step. `spans`: the per-unit extra keys
@@ -110,9 +126,12 @@ class CacheManager:
         limit = (len(tokens) - 1) // u
         hashes = extend_hashes(memo if memo is not None else [], root, tokens[: limit * u], u, spans)[:limit]
         k_mla, k_hit = self.index.match(hashes)
+        done = self.tier.restore(self, hashes, k_mla, k_hit) if restore else False
+        if done:
+            k_mla, k_hit = self.index.match(hashes)
         while k_hit and not self._restorable(hashes, k_hit):
             k_mla, k_hit = self.index.match(hashes)
-        return PrefixHit(k_hit * u, k_mla, k_hit, tuple(hashes), root)
+        return PrefixHit(k_hit * u, k_mla, k_hit, tuple(hashes), root, done is None)
 
     def tag(self, prefix_hash: bytes, num_tokens: int) -> CheckpointTag:
         """The tag a state at `num_tokens` ending the prefix `prefix_hash` gets from this manager."""
@@ -177,7 +196,10 @@ class CacheManager:
         least one match unit. The boundary lies within the span the two hash chains share and past
         what that sequence has computed: under the junction policy the end of the span, which the
         sequence is made to checkpoint, else the last boundary it checkpoints anyway. Each
-        positive answer (one request held one step) counts as an `inflight_wait`."""
+        positive answer (one request held one step) counts as an `inflight_wait`. A hit whose
+        longer prefix the tier is reading waits for it too (`reading`; counted by the tier)."""
+        if hit.reading:
+            return hit.length + self.policy.unit
         if self.index is None or not hit.hashes:
             return 0
         u, best, owner = self.policy.unit, 0, None
@@ -259,7 +281,7 @@ class CacheManager:
         for b, slot in sc.pending.items():
             sc.wanted.discard(b)
             self.ckpt_pool.tags[slot] = self.tag(sc.hashes[b // u - 1], b)
-            self._register(sc.hashes[b // u - 1], slot)
+            self._register(sc, b // u, slot)
         sc.pending.clear()
 
     def _ensure_units(self, sc: SeqCache, upto: int) -> None:
@@ -284,9 +306,11 @@ class CacheManager:
         self.ckpt_pool.tags[slot] = self.tag(sc.hashes[boundary // self.policy.unit - 1], boundary)
         sc.turn = (boundary, slot)
 
-    def _register(self, h: bytes, slot: int) -> None:
-        if self.index.add_checkpoint(h, slot):
+    def _register(self, sc: SeqCache, k: int, slot: int) -> None:
+        """Index `slot` at unit boundary `k` of `sc` (written through to the tier), else free it."""
+        if self.index.add_checkpoint(sc.hashes[k - 1], slot):
             self.counters["checkpoints_stored"] += 1
+            self.tier.stored(self, sc.hashes, k, slot)
         else:
             self.ckpt_pool.release(slot)
 
@@ -312,7 +336,7 @@ class CacheManager:
             boundary, slot = sc.turn
             if finished and boundary // self.policy.unit <= len(sc.hashes):
                 self._ensure_units(sc, boundary // self.policy.unit)
-                self._register(sc.hashes[boundary // self.policy.unit - 1], slot)
+                self._register(sc, boundary // self.policy.unit, slot)
             else:
                 self.ckpt_pool.release(slot)
         self.mla.release(sc.pages)
@@ -359,19 +383,7 @@ class CacheManager:
     def prefix_stats(self) -> dict[str, int]:
         if self.index is None:
             return {}
-        out = {
-            k: self.counters[k]
-            for k in (
-                "queries",
-                "hits",
-                "hit_tokens",
-                "retention_misses",
-                "retention_miss_tokens",
-                "checkpoints_stored",
-                "restore_refused",
-                "inflight_waits",
-            )
-        }
+        out = {k: self.counters[k] for k in _COUNTED}
         out["checkpoints_evicted"] = self.index.evicted_checkpoints
         out["units_evicted"] = self.index.evicted_units
         out["cached_units"] = len(self.index.units)
@@ -379,4 +391,6 @@ class CacheManager:
         out["checkpoints"] = len(self.index.ckpts)
         out["checkpoint_slots_total"] = self.ckpt_pool.num_slots
         out["checkpoint_slots_used"] = self.ckpt_pool.num_used
+        if hasattr(self.tier, "stats"):
+            out["tiers"] = self.tier.stats()
         return out

@@ -79,7 +79,7 @@ def render(p: dict) -> str:
         )
     if p["encoder_cache"]["bytes"]:
         lines.append(f"encoder cache: {_size(p['encoder_cache']['bytes'])} of image rows at most, on rank 0")
-    lines += _memory_lines(p)
+    lines += _memory_lines(p) + _tier_lines(p.get("tiers") or {})
     head = f"{'tokens':>11}{'MLA per rank':>15}{'+ KDA state':>15}"
     mem = p["memory"]
     head += "" if mem is None else f"{'running':>10}{'pages hold':>12}"
@@ -118,6 +118,25 @@ def _memory_lines(p: dict) -> list[str]:
         f"engine flags: {p['engine_flags']}",
     ]
     return lines
+
+
+def tiers(p: dict, host: int | None, disk: int | None, unit: int) -> dict:
+    """What `--kv-offload-memory` / `--kv-disk-size` hold: a tier object is one KDA state plus the
+    MLA rows since the previous object (at least one match unit of `unit` tokens)."""
+    state, row = p["kda_state_per_request"]["bytes"], p["mla_bytes_per_token"]
+    out = {}
+    for name, size in (("host", host), ("disk", disk)):
+        if size:
+            out[name] = {"bytes": size, "checkpoints": size // (state + unit * row), "mla_tokens": size // row}
+    return out
+
+
+def _tier_lines(t: dict) -> list[str]:
+    return [
+        f"{name} tier {_size(v['bytes'])}: at most {v['checkpoints']:,} checkpoints (a KDA state + one match unit"
+        f" of MLA rows each), or {v['mla_tokens']:,} tokens of MLA rows"
+        for name, v in t.items()
+    ]
 
 
 def add_parser(sub, defaults: EngineSettings | None = None) -> None:
@@ -166,6 +185,9 @@ def add_parser(sub, defaults: EngineSettings | None = None) -> None:
         default=d.encoder_cache_memory,
         help="bytes of image rows rank 0 keeps (models with a vision tower)",
     )
+    p.add_argument("--kv-offload-memory", type=_bytes_arg, default=None, help="host tier size, e.g. 64GiB")
+    p.add_argument("--kv-disk-size", type=_bytes_arg, default=None, help="disk tier size, e.g. 1TiB")
+    p.add_argument("--prefix-match-unit", type=int, default=64, help="tokens per match unit (a tier object's least)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=main)
 
@@ -198,5 +220,8 @@ def main(args: argparse.Namespace) -> int:
     except (ConfigError, PlanError) as e:
         print(f"deltaserve plan: error: {e}", file=sys.stderr)
         return 2
+    t = tiers(p, args.kv_offload_memory, args.kv_disk_size, args.prefix_match_unit)
+    if t:
+        p["tiers"] = t
     print(json.dumps(p) if args.json else render(p))
     return 0

@@ -32,6 +32,13 @@ def memory_budget(v: str) -> int | float:
     return float(v) if "." in v else int(v)
 
 
+def size_arg(v: str) -> int:
+    """`--kv-offload-memory`, `--kv-disk-size`: '8GiB', '100GB' or bytes."""
+    from ..cache.plan import parse_bytes
+
+    return parse_bytes(v)
+
+
 def _budget_from_cli(v: int) -> int | None:
     return None if v < 0 else v
 
@@ -87,6 +94,13 @@ class EngineConfig:
     )
     checkpoint_fraction: float = _opt(
         0.25, "share of the cache budget kept for KDA checkpoints (with prefix caching)", type=float
+    )
+    kv_offload_memory: int | str | None = _opt(
+        None, "host memory (e.g. 8GiB) for a tier of prefix-cache objects under the device pools", type=size_arg
+    )
+    kv_disk_path: str | None = _opt(None, "directory of a persistent disk tier of prefix-cache objects")
+    kv_disk_size: int | str | None = _opt(
+        None, "disk the --kv-disk-path tier may use (e.g. 100GiB; default: half the free space)", type=size_arg
     )
     moe_weights: str = _opt(
         "auto",
@@ -148,6 +162,10 @@ class EngineConfig:
             raise ValueError(f"decode_context_parallel_size={dcp} must divide tensor_parallel_size={tp}")
         if self.data_parallel_size > 1 and self.nnodes > 1:
             raise ValueError("data_parallel_size > 1 runs on one machine: it cannot be combined with nnodes > 1")
+        if tp > 1 and (self.kv_offload_memory is not None or self.kv_disk_path is not None):
+            raise ValueError("cache tiers (--kv-offload-memory, --kv-disk-path) need tensor_parallel_size 1")
+        if self.data_parallel_size > 1 and self.kv_disk_path is not None:
+            raise ValueError("one engine per --kv-disk-path: data-parallel replicas cannot share it yet")
         if tp % self.nnodes or self.node_rank >= self.nnodes:
             raise ValueError(
                 f"{self.nnodes} nodes must split tensor_parallel_size={tp} evenly "

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 P = "deltaserve:"
@@ -129,6 +129,53 @@ PREFIX_GAUGES = {
     "checkpoint_slots_total": ("prefix_cache_checkpoint_slots_total", "KDA checkpoint slots in the pool"),
 }
 
+# stats()["prefix_cache"]["tiers"][tier] key -> (metric name without prefix, help), labelled by tier
+TIER_COUNTERS = {
+    "hits": ("prefix_cache_tier_hits", "Prefix restores whose KDA checkpoint came from this tier"),
+    "hit_tokens": ("prefix_cache_tier_hit_tokens", "Prompt tokens restored from this tier beyond the device hit"),
+    "bytes_read": ("prefix_cache_tier_bytes_read", "Bytes of tier objects read from this tier"),
+    "bytes_written": ("prefix_cache_tier_bytes_written", "Bytes of tier objects written to this tier"),
+    "evicted": ("prefix_cache_tier_evictions", "Tier objects this tier evicted (its LRU and size limit)"),
+    "writes_dropped": ("prefix_cache_tier_writes_dropped", "Objects not written: too many bytes were queued"),
+}
+TIER_GAUGES = {
+    "objects": ("prefix_cache_tier_objects", "Tier objects held by this tier"),
+    "bytes_used": ("prefix_cache_tier_bytes_used", "Bytes held by this tier"),
+    "bytes_limit": ("prefix_cache_tier_bytes_limit", "Bytes this tier may hold"),
+}
+
+
+def tier_metrics(tiers: dict, model: str, hits: int):
+    """Per-tier families from the tier store's stats: counters, gauges, the restore latency (a
+    summary: count = hits, sum = seconds) and verification misses by reason (never restored).
+    `hits` (all prefix hits) gives the device's share of the hits: those no tier lengthened."""
+    names = [t for t, v in sorted(tiers.items()) if isinstance(v, dict)]
+    for family, table in ((CounterMetricFamily, TIER_COUNTERS), (GaugeMetricFamily, TIER_GAUGES)):
+        for key, (name, doc) in table.items():
+            m = family(P + name, doc, labels=["model_name", "tier"])
+            if key == "hits":
+                m.add_metric([model, "device"], hits - sum(tiers[t].get("hits", 0) for t in names))
+            for t in names:
+                m.add_metric([model, t], tiers[t].get(key, 0))
+            yield m
+    lat = SummaryMetricFamily(
+        P + "prefix_cache_tier_restore_seconds",
+        "Time to restore a prefix from this tier",
+        labels=["model_name", "tier"],
+    )
+    miss = CounterMetricFamily(
+        P + "prefix_cache_tier_verify_misses",
+        "Tier objects refused (torn, digest, fingerprint, manifest, missing): counted misses, never restored",
+        labels=["model_name", "tier", "reason"],
+    )
+    for t in names:
+        lat.add_metric([model, t], tiers[t].get("hits", 0), tiers[t].get("restore_seconds", 0.0))
+        for key, n in sorted(tiers[t].items()):
+            if key.startswith("verify_miss_"):
+                miss.add_metric([model, t, key.removeprefix("verify_miss_")], n)
+    yield lat
+    yield miss
+
 
 class _EngineCollector:
     """Yields gauges and counters from the latest engine `stats()` snapshot."""
@@ -154,6 +201,8 @@ class _EngineCollector:
                     m = family(P + name, doc, labels=["model_name"])
                     m.add_metric([self.model_name], values[key])
                     yield m
+        if pc.get("tiers"):
+            yield from tier_metrics(pc["tiers"], self.model_name, pc.get("hits", 0))
         if "kernel_fallbacks" in s:
             yield self._fallbacks(s["kernel_fallbacks"])
 

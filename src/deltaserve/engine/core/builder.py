@@ -25,6 +25,7 @@ import torch
 from ...cache import CacheLayout, CacheManager, build_pools, size_layout
 from ...cache.checkpoint_policy import CheckpointPolicy
 from ...cache.slot_journal import SlotJournal
+from ...cache.tiers.store import build_store, close_tiers
 from ...model import KimiForCausalLM, resolve_dtype
 from ...model.tokenizer import Tokenizer
 from ...model.vision import VisionModel
@@ -62,6 +63,7 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stop the other ranks (idempotent); a failed group's workers are killed instead."""
+        close_tiers(self.cache)
         ranks, self.ranks = self.ranks, None
         if ranks is None:
             return
@@ -180,6 +182,8 @@ def _build_rank0(c: EngineConfig, dtype, ranks, tp, control) -> Engine:
     if stack is not None:
         log.info("decode steps of up to %d rows: the whole layer stack in one native call", stack.max_rows)
     cache = CacheManager(*build_pools(cfg, layout, c.device, tp), policy=policy, model_id=model_id, kernel=kernel)
+    if c.kv_offload_memory is not None or c.kv_disk_path is not None:
+        cache.attach_tier(build_store(cache, c.kv_offload_memory, c.kv_disk_path, c.kv_disk_size, tp.world))
     core = EngineCore(
         model,
         tokenizer,

@@ -151,7 +151,7 @@ class Scheduler:
                 continue
             hit = None
             if self.cache.prefix_enabled:
-                hit = self.cache.lookup(seq.all_ids(), seq.cache_salt, seq.prefix_hashes, seq.image_spans)
+                hit = self.cache.lookup(seq.all_ids(), seq.cache_salt, seq.prefix_hashes, seq.image_spans, restore=True)
                 if self.cache.inflight_hit(hit, seq.seq_id):
                     i += 1
                     continue
