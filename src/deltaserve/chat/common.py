@@ -18,7 +18,12 @@ IMAGE_PART_TYPES = ("image_url", "image", "input_image", "image_file")
 
 
 class ChatFormatError(ValueError):
-    """The request's messages / tools cannot be rendered (bad role, content or types)."""
+    """The request's messages / tools cannot be rendered (bad role, content or types). `param`:
+    the offending field's path (e.g. `messages[2].tool_call_id`) where one is named, else None."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -153,6 +158,21 @@ def validate_messages(messages) -> None:
                 raise ChatFormatError(f"{where} (assistant) needs 'content' or 'tool_calls'")
         elif m.get("tool_calls") is not None:
             raise ChatFormatError(f"{where}: only assistant messages may carry tool_calls")
+        if role == "tool":
+            _check_tool_result(m, where)
+
+
+def _check_tool_result(m: dict, where: str) -> None:
+    """A tool message needs its content and a non-empty string `tool_call_id` (the id of the call
+    it answers; K3's vendor verifier requires it, and Kimi-Linear's format names the result by it)."""
+    if m.get("content") is None:
+        raise ChatFormatError(f"{where} (tool) needs 'content'")
+    cid = m.get("tool_call_id")
+    if not isinstance(cid, str) or not cid:
+        raise ChatFormatError(
+            f"{where}.tool_call_id: a tool message needs the id of the call it answers (a non-empty string)",
+            param=f"{where}.tool_call_id",
+        )
 
 
 def reject_images(messages) -> None:

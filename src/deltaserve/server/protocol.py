@@ -206,7 +206,11 @@ class ChatTemplateKwargs(_Base):
 
 
 class ThinkingConfig(_Base):
-    """Moonshot's `thinking` object: `{"type": "enabled"|"disabled", "keep": "all", "effort": ...}`."""
+    """Moonshot's `thinking` object: `{"type": "enabled"|"disabled", "keep": "all", "effort": ...}`.
+
+    `keep`: only "all" (preserved thinking: every earlier assistant turn's `reasoning_content` is
+    rendered in its think element) or absent, which renders the same: the public K3 encoder has
+    no mode that drops earlier reasoning, so no other value has a meaning to serve (400)."""
 
     type: Literal["enabled", "disabled"]
     keep: Optional[Literal["all"]] = None
@@ -223,12 +227,19 @@ class ChatRequest(_Sampling):
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[StrictBool] = None
     response_format: Optional[ResponseFormat] = None
-    thinking: Union[StrictBool, ThinkingConfig, None] = None
+    thinking: Optional[ThinkingConfig] = None  # a bool is read as {"type": "enabled"|"disabled"}
     reasoning_effort: Optional[Literal["low", "high", "max"]] = None
     thinking_effort: Optional[Literal["low", "high", "max"]] = None
     chat_template_kwargs: Optional[ChatTemplateKwargs] = None
     thinking_token_budget: Optional[StrictInt] = Field(None, ge=0)
     max_reasoning_tokens: Optional[StrictInt] = Field(None, ge=0)  # alias of thinking_token_budget
+
+    @field_validator("thinking", mode="before")
+    @classmethod
+    def _thinking_bool(cls, v: Any) -> Any:
+        """`thinking: true|false` is the object with that type, so a bad object field's error
+        names it (`thinking.keep`), not a union member."""
+        return {"type": "enabled" if v else "disabled"} if isinstance(v, bool) else v
 
 
 class TokenizeRequest(_Base):

@@ -128,7 +128,7 @@ class ServerState:
                 accept_images=accept,
             )
         except (ChatFormatError, MediaError) as e:
-            raise APIError(400, str(e), param="messages") from None
+            raise APIError(400, str(e), param=getattr(e, "param", None) or "messages") from None
         return ids
 
     async def chat_images(self, messages, ids: list[int]) -> tuple[list[int], list[ImageInput]]:

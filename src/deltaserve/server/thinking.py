@@ -4,8 +4,9 @@ Thinking on/off, first given wins:
 1. a named `tool_choice` (`{"type": "function", ...}`) turns thinking off (the reference
    renderers do: a forced call is answered in the response channel);
 2. `chat_template_kwargs.thinking` (open-source shape, bool);
-3. `thinking`: a bool, or Moonshot's object `{"type": "enabled"|"disabled", "keep": "all",
-   "effort": ...}`;
+3. `thinking`: Moonshot's object `{"type": "enabled"|"disabled", "keep": "all", "effort": ...}`
+   (a bool is read as that type; `keep` changes nothing: earlier turns' reasoning is always
+   rendered with thinking on, see `protocol.ThinkingConfig`);
 4. on.
 
 Effort, first given wins: `chat_template_kwargs.thinking_effort` > `thinking.effort` >
@@ -28,12 +29,11 @@ class Thinking:
 def resolve_thinking(req) -> Thinking:
     """`Thinking` of a validated `ChatRequest` (see the module docstring for the precedence)."""
     ctk = req.chat_template_kwargs
-    obj = req.thinking if req.thinking is not None and not isinstance(req.thinking, bool) else None
+    obj = req.thinking
     named = req.tool_choice is not None and not isinstance(req.tool_choice, str)
     flags = [
         False if named else None,
         ctk.thinking if ctk else None,
-        req.thinking if isinstance(req.thinking, bool) else None,
         (obj.type == "enabled") if obj is not None else None,
     ]
     on = next((f for f in flags if f is not None), True)

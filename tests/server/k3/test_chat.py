@@ -294,6 +294,19 @@ def test_validation(k3, kl, family, messages, match):
         render_chat(tok, family, messages)
 
 
+@pytest.mark.parametrize("family", ["kimi_k3", "kimi_linear"])
+def test_tool_message_without_tool_call_id(k3, kl, family):
+    """Both formats refuse a tool result that names no call (Kimi-Linear renders the id as the
+    result's only link to its call); the error names the field."""
+    tok = k3 if family == "kimi_k3" else kl
+    call = {"id": "c", "function": {"name": "f", "arguments": "{}"}}
+    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [call]}]
+    with pytest.raises(ChatFormatError, match="tool_call_id") as e:
+        render_chat(tok, family, msgs + [{"role": "tool", "name": "f", "content": "ok"}])
+    assert e.value.param == "messages[2].tool_call_id"
+    assert render_chat(tok, family, msgs + [{"role": "tool", "tool_call_id": "c", "content": "ok"}])
+
+
 def test_validation_misc(k3, kl):
     with pytest.raises(ChatFormatError, match="unknown model family"):
         render_chat(k3, "gpt", BASIC)

@@ -115,6 +115,59 @@ def test_partial_prefill(server, client):
     assert text.endswith("<|open|>response<|sep|>Hel")
 
 
+def test_keep_all_renders_earlier_reasoning(server):
+    """`thinking.keep`: "all" or absent renders every earlier turn's reasoning_content (the
+    reference encoder has no drop mode); any other value is a 400 naming `thinking.keep`."""
+    said = {"role": "assistant", "content": "Hello", "reasoning_content": "greet back"}
+    msgs = USER + [said, {"role": "user", "content": "Again"}]
+    dropped = msgs[:1] + [{"role": "assistant", "content": "Hello"}] + msgs[2:]
+    kept = rendered(server, msgs)
+    assert kept > rendered(server, dropped)
+    assert tokens(server, {"messages": msgs, "thinking": {"type": "enabled", "keep": "all"}}) == kept
+    assert tokens(server, {"messages": msgs, "thinking": {"type": "enabled"}}) == kept
+    off = {"type": "disabled", "keep": "all"}  # no think elements at all with thinking off
+    assert tokens(server, {"messages": msgs, "thinking": off}) == rendered(server, msgs, thinking=False)
+    for keep in ("none", "last", True, 0):
+        r = post(server, {"messages": USER, "thinking": {"type": "enabled", "keep": keep}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "thinking.keep", r.text
+
+
+def test_streamed_usage_with_tools_and_thinking_off(server, client):
+    """usage.prompt_tokens streamed (include_usage) equals the non-streamed count, with tools,
+    tool history and thinking off (`tokens` checks both)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    msgs = USER + [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
+    for body in ({"thinking": {"type": "disabled"}}, {"chat_template_kwargs": {"thinking": False}}):
+        want = rendered(server, msgs, thinking=False, tools=[TOOL])
+        assert tokens(server, {"messages": msgs, "tools": [TOOL], **body}) == want
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=msgs,
+        tools=[TOOL],
+        max_tokens=1,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"thinking": {"type": "disabled"}},
+    )
+    assert [c.usage.prompt_tokens for c in stream if c.usage] == [want]
+
+
+@pytest.mark.parametrize("tool_call_id", [None, "", 7])
+def test_tool_message_needs_tool_call_id(server, tool_call_id):
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    result = {"role": "tool", "content": "ok", "name": "f"}
+    if tool_call_id is not None:
+        result["tool_call_id"] = tool_call_id
+    msgs = USER + [{"role": "assistant", "content": "", "tool_calls": [call]}, result]
+    for stream in (False, True):
+        r = post(server, {"messages": msgs, "tools": [TOOL]}, stream=stream)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "messages[2].tool_call_id", r.text
+
+
 @pytest.fixture(scope="module")
 def vserver(tmp_path_factory):
     """A tiny-K3 server that accepts images."""

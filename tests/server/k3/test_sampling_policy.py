@@ -91,3 +91,36 @@ def test_policy_flag_and_unknown_policy(server):
         timeout=60,
     )
     assert r.status_code == 200
+
+
+def completion(srv, stream=False, **body):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "stream": stream, **body}
+    return httpx.post(srv["url"] + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_follow_the_policy(vendor, server, stream):
+    """/v1/completions: K3's fixed values or none accepted, either mode's temperature (a raw
+    prompt has no thinking switch), anything else a 400 naming the field; the open server takes
+    any value."""
+    assert completion(vendor, stream).status_code == 200
+    for temperature in (1.0, 0.6):
+        ok = completion(vendor, stream, temperature=temperature, top_p=0.95, presence_penalty=0, n=1)
+        assert ok.status_code == 200, ok.text
+    for body, param in [
+        (dict(temperature=0.7), "temperature"),
+        (dict(top_p=0.5), "top_p"),
+        (dict(frequency_penalty=1), "frequency_penalty"),
+        (dict(n=2), "n"),
+    ]:
+        r = completion(vendor, stream, **body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert completion(server, stream, temperature=0.7, top_p=0.5, n=2).status_code == 200
+
+
+def test_completions_sample_with_the_fixed_values():
+    from deltaserve.server.protocol import CompletionRequest
+
+    kw = apply_policy("k3", CompletionRequest(model="m", prompt="x", temperature=0.6), {}, thinking=None)
+    assert kw["temperature"] == 0.6 and kw["top_p"] == 0.95 and kw["n"] == 1
+    assert apply_policy("k3", CompletionRequest(model="m", prompt="x"), {}, thinking=None)["temperature"] == 1.0

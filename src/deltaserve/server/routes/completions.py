@@ -12,6 +12,8 @@ Invariants:
   `suffix` are refused with 400, as vLLM refuses `suffix`.
 - Usage sums the prompt tokens of every prompt (each counted once, whatever `n`).
 - `response_format` (json_object / json_schema) is enforced as in chat, from the first token.
+- Under `--sampling-policy k3` the sampling fields follow `sampling_policy.apply_policy` (K3's
+  fixed values; the temperature picks the mode, as a raw prompt has no thinking switch).
 - A client that disconnects before a non-streaming response is ready aborts every prompt's
   engine request (`run_collect`), as a dropped stream does.
 """
@@ -28,6 +30,7 @@ from fastapi.responses import StreamingResponse
 from ...engine.request.structured import StructuredOutput, StructuredOutputError
 from ..errors import APIError
 from ..protocol import MAX_BATCH, CompletionRequest
+from ..sampling_policy import apply_policy
 from ..state import ServerState, State
 from .common import check_request, run_collect, sampling_kwargs, sse, sse_stream, usage
 
@@ -140,7 +143,7 @@ async def completions(req: CompletionRequest, request: Request, state: State):
         raise APIError(400, "suffix is not supported", param="suffix")
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
-    kw = sampling_kwargs(req)
+    kw = apply_policy(state.sampling_policy, req, sampling_kwargs(req), None)
     prompts = _prompt_batch(req.prompt)
     if len(prompts) * req.n > MAX_BATCH:
         raise APIError(400, f"len(prompt) * n must be at most {MAX_BATCH}", param="n")
