@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import shutil
 import signal
-import tempfile
 import threading
 from functools import partial
 from pathlib import Path
@@ -26,37 +23,15 @@ from . import env
 
 log = logging.getLogger("deltaserve.serve")
 
-DEFAULT_NAME = "default-kimi_k3-tiny-seed0"
+DEFAULT_NAME = "kimi-k3-small-chat"
 FAILURE_GRACE_S = 1.0  # a failed engine answers /ready 503 this long before the server exits
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "deltaserve"
-
-
 def default_model_dir() -> Path:
-    """The embedded default checkpoint, written atomically on first use."""
-    from .model.image_processor import PROCESSOR_FILE
-    from .tiny import make_tiny
-    from .tiny.checkpoint import write_processor_config
+    """The embedded default checkpoint: the trained small K3 shipped in the package."""
+    from .tiny.shipped import shipped_model_dir
 
-    out = cache_dir() / DEFAULT_NAME
-    if (out / "config.json").is_file():
-        if not (out / PROCESSOR_FILE).is_file():  # cached before images were served
-            write_processor_config(out)
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=DEFAULT_NAME + ".", dir=out.parent))
-    try:
-        make_tiny(tmp, family="kimi_k3", preset="tiny", seed=0)
-        os.replace(tmp, out)
-    except OSError:
-        if not (out / "config.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return shipped_model_dir("kimi_k3")
 
 
 def _seconds(text: str) -> float:
@@ -265,11 +240,7 @@ def serve(args: argparse.Namespace) -> int:
     if model_dir is None:
         model_dir = default_model_dir()
         name = name or DEFAULT_NAME
-        log.warning(
-            "no MODEL_DIR given: serving the embedded default, a RANDOM-WEIGHT tiny Kimi K3 "
-            "(make_tiny seed 0) at %s; its text is gibberish, the machinery is real",
-            model_dir,
-        )
+        log.info("no MODEL_DIR given: serving the embedded default, a small trained Kimi K3 (%s)", model_dir)
     name = name or Path(model_dir).resolve().name
     if args.data_parallel_size > 1:
         return _serve_replicas(args, model_dir, name)

@@ -1,17 +1,30 @@
-"""The embedded default model cached before image input existed gets its processor config on
-the next start (the rest of the checkpoint is kept as it is)."""
+"""The embedded default model is the trained small K3 shipped in the package: a K3 checkpoint in
+the real layout (MXFP4 experts, a vision tower and its processor config), small enough to live in
+the repository, with its training record; the Kimi-Linear one ships beside it."""
 
 import json
 
+import pytest
+
 from deltaserve import serve
+from deltaserve.model.config import ModelConfig
 from deltaserve.model.image_processor import PROCESSOR_FILE, ImageProcessor
+from deltaserve.tiny.shipped import shipped_model_dir
+
+LIMIT = 25 << 20
 
 
-def test_a_stale_default_model_gets_its_processor_config(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    stale = serve.cache_dir() / serve.DEFAULT_NAME
-    stale.mkdir(parents=True)
-    (stale / "config.json").write_text(json.dumps({"model_type": "kimi_k3"}))
-    assert serve.default_model_dir() == stale
-    assert (stale / PROCESSOR_FILE).is_file() and ImageProcessor.from_pretrained(stale).patch_size == 14
-    assert json.loads((stale / "config.json").read_text()) == {"model_type": "kimi_k3"}
+@pytest.mark.parametrize("family", ["kimi_k3", "kimi_linear"])
+def test_the_shipped_models(family):
+    path = shipped_model_dir(family)
+    cfg = ModelConfig.from_pretrained(path)
+    assert cfg.family == family
+    assert sum(f.stat().st_size for f in path.iterdir()) <= LIMIT
+    record = json.loads((path / "training.json").read_text())
+    assert record["config"]["family"] == family and record["steps"] == record["config"]["steps"]
+    assert record["train_seconds"] <= 2 * 3600
+    if family == "kimi_k3":
+        assert serve.default_model_dir() == path
+        raw = json.loads((path / "config.json").read_text())
+        assert "vision_config" in raw and raw["text_config"]["quantization_config"]["format"] == "mxfp4-pack-quantized"
+        assert (path / PROCESSOR_FILE).is_file() and ImageProcessor.from_pretrained(path).patch_size == 14

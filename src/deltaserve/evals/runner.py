@@ -12,10 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import httpx
+import torch
 
+from ..cache.budget import unit_bytes
 from ..chat.render import load_chat_template
 from ..engine.llm import LLM
 from ..engine.request.sampling_params import SamplingParams
+from ..model.config import ModelConfig
 from ..server.parsers import control_token_ids, parse_output
 from ..train.curriculum import render
 from ..train.tasks import Sample
@@ -37,7 +40,7 @@ class EvalPath:
     threads: int | None = None  # torch threads per rank (1 for TP2 on two cores)
     max_tokens: int = MAX_TOKENS
 
-    def engine_kwargs(self) -> dict:
+    def engine_kwargs(self, model_dir) -> dict:
         kw = dict(
             num_threads=self.threads,
             dtype=self.dtype,
@@ -45,22 +48,33 @@ class EvalPath:
             tensor_parallel_size=self.tensor_parallel_size,
             max_num_seqs=self.max_num_seqs,
             progress=False,
-            max_model_len=8192,
+            max_model_len=MAX_MODEL_LEN,
         )
         if self.chunk_size:
             kw["max_num_batched_tokens"] = self.chunk_size
         if self.preempt:
-            kw["kv_cache_memory"] = PREEMPT_KV_BYTES
+            kw["max_model_len"] = PREEMPT_MODEL_LEN
+            kw["kv_cache_memory"] = self.preempt_budget(model_dir)
         return kw
 
+    def preempt_budget(self, model_dir) -> int:
+        """A KV budget of `max_num_seqs` KDA slots and MLA pages for 1.25 x `PREEMPT_MODEL_LEN` tokens:
+        one longest request fits, a few long ones at once do not, so the scheduler preempts."""
+        cfg = ModelConfig.from_pretrained(model_dir)
+        dtype = torch.float32 if self.dtype == "float32" else torch.bfloat16
+        slot, page = unit_bytes(cfg, PAGE_SIZE, dtype, torch.float32)
+        return self.max_num_seqs * slot + -(-PREEMPT_MODEL_LEN * 5 // 4 // PAGE_SIZE) * page
 
-PREEMPT_KV_BYTES = 3 << 20  # the small models' MLA pages for ~4k tokens: long prompts preempt each other
+
+MAX_MODEL_LEN = 8192
+PREEMPT_MODEL_LEN = 6144  # room for the longest eval prompt (recall at 4096 tokens) and its answer
+PAGE_SIZE = 16  # the engine's default page size
 
 
 class OfflineRunner:
     def __init__(self, model_dir, path: EvalPath):
         self.path = path
-        self.llm = LLM(model_dir, **path.engine_kwargs())
+        self.llm = LLM(model_dir, **path.engine_kwargs(model_dir))
         self.family = self.llm.model.config.family if self.llm.model is not None else None
         self.template = load_chat_template(model_dir)
 
