@@ -41,8 +41,8 @@ def _add_make_tiny(sub) -> None:
     p.add_argument(
         "--preset",
         default="tiny",
-        choices=["tiny", "mini"],
-        help="tiny: tests (~1M params); mini: benchmarks (~1B params)",
+        choices=["tiny", "small", "mini"],
+        help="tiny: tests (~1M params); small: the size train-tiny trains (~4M); mini: benchmarks (~1B params)",
     )
     p.add_argument(
         "--mxfp4",
