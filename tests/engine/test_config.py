@@ -42,6 +42,10 @@ NON_DEFAULT = {
     "nnodes": (["--nnodes", "2"], 2),
     "node_rank": (["--node-rank", "1"], 1),
     "distributed_timeout": (["--distributed-timeout", "5"], 5.0),
+    "speculative_config": (
+        ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+        {"method": "ngram", "num_speculative_tokens": 3},
+    ),
 }
 
 # the parsed defaults of the engine flags, written out: what the CLI has always defaulted to
@@ -74,6 +78,7 @@ CLI_DEFAULTS = dict(
     nnodes=1,
     node_rank=0,
     distributed_timeout=60.0,
+    speculative_config=None,
 )
 
 
