@@ -16,11 +16,11 @@ from deltaserve.tiny import make_tiny
 from ..test_engine import budget_for
 
 
-def loopy_tiny(out: Path, family: str, scale: float = 0.05, seed: int = 21) -> Path:
+def loopy_tiny(out: Path, family: str, scale: float = 0.05, seed: int = 21, preset: str = "tiny") -> Path:
     """`make_tiny`, its lm_head replaced by `scale` x the embedding plus small noise: the head then
     favours the token just read, so greedy outputs mix runs of one token with breaks (a random
     tiny model's outputs do not repeat at all, so no drafter would ever be accepted)."""
-    ckpt = make_tiny(out, family=family, preset="tiny", seed=seed)
+    ckpt = make_tiny(out, family=family, preset=preset, seed=seed)
     files = sorted(Path(ckpt).glob("*.safetensors"))
     emb = next(v for f in files for k, v in load_file(f).items() if k.endswith("embed_tokens.weight"))
     noise = torch.randn(emb.shape, generator=torch.Generator().manual_seed(seed)) * 0.05
