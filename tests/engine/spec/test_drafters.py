@@ -106,3 +106,13 @@ def test_config_parses_vllm_shape():
     c = SpecConfig.parse({"method": "suffix", "num_speculative_tokens": 5, "suffix_max_depth": 12})
     assert (c.method, c.num_speculative_tokens, c.suffix_max_depth) == ("suffix", 5, 12)
     assert SpecConfig.parse(None) is None and SpecConfig.parse("") is None
+
+
+def test_bench_workloads_copy_a_passage_and_free_form_does_not():
+    from deltaserve.bench.spec import workloads
+
+    w = workloads(vocab=1000, passage=40, batch=3, seed=0)
+    assert [len(p) for p in w["copy"]] == [50] * 3 == [len(p) for p in w["free"]]
+    assert all(p[40:] == p[:10] for p in w["copy"])
+    ngram = NgramDrafter(2, 4)
+    assert ngram.propose(seq(w["copy"][0]), 3) == w["copy"][0][10:13]
