@@ -44,7 +44,9 @@ def copy_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
     return out
 
 
-def engine(ckpt, spec: dict | None, prefix: bool = True, num_pages: int = 80, max_num_seqs: int = 4, **kw) -> LLM:
+def engine(
+    ckpt, spec: dict | None, prefix: bool = True, num_pages: int = 80, max_num_seqs: int = 4, max_model_len=160, **kw
+) -> LLM:
     """An fp32 engine with page 4 and unit 8 (small boundaries, so every path is crossed)."""
     cfg = ModelConfig.from_pretrained(ckpt)
     live = budget_for(cfg, max_num_seqs, num_pages, 4)
@@ -56,7 +58,7 @@ def engine(ckpt, spec: dict | None, prefix: bool = True, num_pages: int = 80, ma
         max_num_seqs=max_num_seqs,
         page_size=4,
         kv_cache_memory=live + ckpts,
-        max_model_len=160,
+        max_model_len=max_model_len,
         progress=False,
         enable_prefix_caching=prefix,
         prefix_match_unit=8,

@@ -32,10 +32,10 @@ def workload(seed: int, n: int = 4) -> list[list[int]]:
 @pytest.mark.parametrize("pressure", [False, True], ids=["hits", "preemption"])
 @pytest.mark.parametrize("spec", METHODS, ids=[m["method"] for m in METHODS])
 def test_greedy_spec_on_equals_off(ckpt, spec, pressure):
-    """Two waves of requests, chunks of 29 tokens, prefix caching: the second extends the first's
-    prompts (hits) in a roomy cache, or the cache is small (preemption, evictions)."""
-    pages = 16 if pressure else 80
-    on, off = engine(ckpt, spec, num_pages=pages), engine(ckpt, None, num_pages=pages)
+    """Two waves of requests, chunks of 29 tokens: the second extends the first's prompts (prefix
+    hits) in a roomy cache, or, without prefix caching, the pages are few (preemption)."""
+    kw = dict(num_pages=26, max_model_len=100, prefix=False) if pressure else dict(num_pages=80)
+    on, off = engine(ckpt, spec, **kw), engine(ckpt, None, **kw)
     first = workload(0)
     for prompts in (first, [p + q for p, q in zip(first, workload(2, 3))] + workload(1, 1)):  # then hits
         assert tokens(on.generate(prompts, GREEDY, use_tqdm=False)) == tokens(
@@ -43,11 +43,11 @@ def test_greedy_spec_on_equals_off(ckpt, spec, pressure):
         )
         on.check_integrity()
     stats = on.stats()
-    sd, pc = stats["spec_decode"], stats["prefix_cache"]
+    sd, pc = stats["spec_decode"], stats.get("prefix_cache", {})
     assert sd["draft_tokens"] > 0 and sd["accepted_tokens"] > 0, sd
     assert sd["accepted_tokens"] < sd["draft_tokens"], "some drafts were rejected"
     assert sd["undrafted"] > 0, "verify steps held sequences without drafts"
-    assert (stats["preemptions"] if pressure else pc["hits"]) > 0, (stats, pc)
+    assert (stats["preemptions"] if pressure else pc.get("hits", 0)) > 0, (stats, pc)
     assert stats["steps"] < off.stats()["steps"], "accepted drafts saved steps"
 
 
