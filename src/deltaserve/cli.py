@@ -105,11 +105,11 @@ def _add_generate(sub) -> None:
 
 
 def _add_bench(sub) -> None:
-    from .bench import kda_scaling, latency, pd, prefix, roofline, throughput, vs_reference
+    from .bench import kda_scaling, latency, pd, prefix, roofline, spec, throughput, vs_reference
 
     p = sub.add_parser("bench", help="benchmarks (each prints measured figures beside a baseline)")
     kinds = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    for mod in (prefix, roofline, latency, throughput, kda_scaling, vs_reference, pd):
+    for mod in (prefix, roofline, latency, throughput, kda_scaling, vs_reference, pd, spec):
         mod.add_parser(kinds)
 
 

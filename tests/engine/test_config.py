@@ -45,6 +45,10 @@ NON_DEFAULT = {
     "kv_offload_memory": (["--kv-offload-memory", "1GiB"], 1 << 30),
     "kv_disk_path": (["--kv-disk-path", "/tmp/kv"], "/tmp/kv"),
     "kv_disk_size": (["--kv-disk-size", "2GB"], 2 * 10**9),
+    "speculative_config": (
+        ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+        {"method": "ngram", "num_speculative_tokens": 3},
+    ),
 }
 
 # the parsed defaults of the engine flags, written out: what the CLI has always defaulted to
@@ -80,6 +84,7 @@ CLI_DEFAULTS = dict(
     kv_offload_memory=None,
     kv_disk_path=None,
     kv_disk_size=None,
+    speculative_config=None,
 )
 
 

@@ -15,6 +15,7 @@ refuse a DCP batch.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,12 +131,16 @@ class ForwardBatch:
         tp: ParallelContext = SINGLE,
         logit_rows: list[int] = (),
         device: torch.device | str | None = None,
+        verify: list[bool] | None = None,
     ):
         """`export_offsets[b]`: interior offsets of sequence b's chunk whose KDA state the
         forward pass writes into `checkpoints` slots `export_slots` (flattened (b, offset) order).
         `tp`: the rank's context; with `tp.dcp_world` > 1, `mla` must be built with that dcp_world.
         `logit_rows`: the packed rows the sampler reads (`self.logit_rows`). Every index tensor,
-        and host `input_ids`, goes to `device` (default: input_ids') in one `to_device` copy."""
+        and host `input_ids`, goes to `device` (default: input_ids') in one `to_device` copy.
+        `verify[b]`: sequence b is a speculative verify (its token and drafts): the forward pass
+        never writes its live KDA slot, which keeps the pre-verify state until `fold_inputs` /
+        `fold_store` fold its verified tokens (`set_verified`); no in-place decode path runs."""
         if not (len(context_lens) == len(new_lens) == len(page_tables) == len(slots)) or min(new_lens) < 1:
             raise ValueError("ForwardBatch: one entry per sequence and at least one new token each")
         device = input_ids.device if device is None else torch.device(device)
@@ -148,7 +153,9 @@ class ForwardBatch:
             raise ValueError(f"ForwardBatch: MLA pool built for dcp_world {mla.dcp_world}, rank has {tp.dcp_world}")
         self.export_offsets = export_offsets if n_exports else None
         self.any_context = max(context_lens) > 0
-        self.decode_only = all(n == 1 for n in new_lens) and min(context_lens) > 0
+        self.verify = [b for b, v in enumerate(verify or ()) if v]
+        self.decode_only = all(n == 1 for n in new_lens) and min(context_lens) > 0 and not self.verify
+        self._kept: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         ends = [c + n for c, n in zip(context_lens, new_lens)]
         self.dcp = tp if tp.dcp_world > 1 else None
         host = {
@@ -157,6 +164,11 @@ class ForwardBatch:
             "slots": torch.tensor(slots, dtype=torch.long),
             "logit_rows": torch.tensor(list(logit_rows), dtype=torch.long),
         }
+        if self.verify:
+            others = [b for b in range(len(slots)) if b not in set(self.verify)]
+            host["verify_slots"] = torch.tensor([slots[b] for b in self.verify], dtype=torch.long)
+            host["written"] = torch.tensor(others, dtype=torch.long)
+            host["written_slots"] = torch.tensor([slots[b] for b in others], dtype=torch.long)
         if self.dcp is not None:
             host.update(self._dcp_rows(page_tables, ends))
         else:
@@ -224,9 +236,39 @@ class ForwardBatch:
         return self.export_offsets
 
     def store_kda(self, layer, conv_tail, state, exported):
-        self.kda.write(layer, self.slots, conv_tail, state)
+        if not self.verify:
+            self.kda.write(layer, self.slots, conv_tail, state)
+        elif self.written.numel():
+            w = self.written
+            self.kda.write(layer, self.written_slots, conv_tail.index_select(0, w), state.index_select(0, w))
         if exported is not None:
             self.checkpoints.write(layer, self.export_slots, *exported)
+
+    def keep_kda_inputs(self, layer: int, pre: torch.Tensor, f: torch.Tensor, beta: torch.Tensor) -> None:
+        """A KDA layer's per-token recurrence inputs of the step, kept (references, no copy) until the
+        fold when the step verifies drafts: O(tokens) rows, never a state per draft."""
+        if self.verify:
+            self._kept[layer] = (pre, f, beta)
+
+    def set_verified(self, counts: list[int]) -> None:
+        """`counts[i]` (>= 1): how many leading tokens of the i-th verify sequence are verified;
+        only those are folded into its live state."""
+        if len(counts) != len(self.verify) or min(counts, default=1) < 1:
+            raise ValueError("one verified count (>= 1) per verify sequence")
+        starts = [0, *itertools.accumulate(self.new_lens)]
+        rows = [r for b, c in zip(self.verify, counts) for r in range(starts[b], starts[b] + c)]
+        host = {"rows": torch.tensor(rows, dtype=torch.long), "cu": torch.tensor([0, *counts]).cumsum(0)}
+        self._fold = to_device(host, self.slots.device)
+
+    def fold_inputs(self, layer: int):
+        """(pre, f, beta) of the verified tokens, their cu_seqlens and the verify sequences'
+        pre-verify (tails, states): what `KdaAttention.replay` folds."""
+        rows = self._fold["rows"]
+        pre, f, beta = (t.index_select(0, rows) for t in self._kept.pop(layer))
+        return pre, f, beta, self._fold["cu"], self.kda.read(layer, self.verify_slots)
+
+    def fold_store(self, layer: int, tail: torch.Tensor, state: torch.Tensor) -> None:
+        self.kda.write(layer, self.verify_slots, tail, state)
 
     def store_mla(self, layer, latent):
         if self.write_src is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,17 @@ def size_arg(v: str) -> int:
     from ..cache.plan import parse_bytes
 
     return parse_bytes(v)
+
+
+def json_object(v: str) -> dict:
+    """`--speculative-config`: a JSON object (checked in full by engine/spec/config.py)."""
+    try:
+        value = json.loads(v)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def _budget_from_cli(v: int) -> int | None:
@@ -151,6 +163,12 @@ class EngineConfig:
         "seconds a model collective may wait for a rank (or a data-parallel replica with requests stay "
         "silent) before the engine is declared failed",
         type=float,
+    )
+    speculative_config: dict | str | None = _opt(
+        None,
+        'speculative decoding, vLLM\'s JSON: {"method": "ngram"|"suffix", "num_speculative_tokens": k, ...} '
+        "(engine/spec/config.py lists the keys); greedy outputs are unchanged, sampled ones keep their distribution",
+        type=json_object,
     )
     data_parallel_size: int = 1  # engine replicas the offline LLM spreads requests over (engine/dp/client.py)
 

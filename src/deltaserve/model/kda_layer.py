@@ -104,8 +104,34 @@ class KdaAttention(OpsModule):
             self.prepared,
         )
         if cache is not None:
+            keep = getattr(cache, "keep_kda_inputs", None)
+            if keep is not None:  # a speculative verify step folds the verified ones later (`replay`)
+                keep(self.layer_id, pre, f, beta)
             cache.store_kda(self.layer_id, tail, state, exported)
         return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
+
+    def replay(self, pre: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, cu_seqlens: torch.Tensor, prior):
+        """(conv tails, states) after the tokens whose inputs `pre`, `f`, `beta` (as `_attend` made
+        them) run from `prior` = (tails, states): the recurrence alone, no output kept. Speculative
+        decoding folds only a verify step's accepted tokens into the live state this way."""
+        gate = pre.new_zeros(pre.shape[0], self.num_heads, self.head_dim)
+        _, tail, state, _ = self.ops.kda_attend(
+            pre,
+            f,
+            beta,
+            gate,
+            self.conv_weight(),
+            self.A_log,
+            self.dt_bias,
+            self.o_norm.weight,
+            self.spec,
+            cu_seqlens,
+            prior,
+            None,
+            False,
+            self.prepared,
+        )
+        return tail, state
 
 
 __all__ = ["KdaAttention"]

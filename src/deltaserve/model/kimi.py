@@ -9,6 +9,7 @@ from ..parallel import SINGLE, ParallelContext, shard
 from .config import ModelConfig
 from .context import ForwardContext
 from .decoder import DecoderStack
+from .kda_layer import KdaAttention
 from .modules import empty_linear
 
 
@@ -59,6 +60,17 @@ class KimiForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits (no soft-cap, no scale: spec §2)."""
         return self.tp.all_gather(self.lm_head(hidden)).float()
+
+    @torch.inference_mode()
+    def fold_kda(self, cache) -> None:
+        """Fold the verified tokens of a speculative verify step into the live KDA states: per KDA
+        layer, `cache.fold_inputs(layer)` -> (pre, f, beta, cu_seqlens, prior) of the verified
+        tokens only, replayed from the pre-verify state, then `cache.fold_store(layer, tails, states)`."""
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            if isinstance(attn, KdaAttention):
+                pre, f, beta, cu, prior = cache.fold_inputs(attn.layer_id)
+                cache.fold_store(attn.layer_id, *attn.replay(pre, f, beta, cu, prior))
 
     @torch.inference_mode()
     def forward_full(self, input_ids: torch.Tensor) -> torch.Tensor:

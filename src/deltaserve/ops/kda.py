@@ -193,7 +193,9 @@ def kda_chunked(
         none = None if export_offsets is None else final.new_empty(0, h, dk, dv)
         return torch.zeros(n, h, dv, device=dev), final, none
     order, perm, steps = _step_major(n_chunks, pos, seq_of, nseq)
-    width = 1 << (chunk_size - 1).bit_length()  # chunks padded to a power of two
+    # chunks padded to a power of two, no wider than the longest (a verify step's few tokens, a
+    # decode-sized chunk: not 64 rows of padding)
+    width = 1 << (min(chunk_size, int(length.max())) - 1).bit_length()
     i = torch.arange(width)
     tok = torch.where(i < length[perm, None], start[perm, None] + i, n).reshape(-1).to(dev)
 

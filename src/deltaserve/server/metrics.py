@@ -177,6 +177,18 @@ def tier_metrics(tiers: dict, model: str, hits: int):
     yield miss
 
 
+# stats()["spec_decode"] key -> (metric name without prefix, help): speculative decoding (engine/spec)
+SPEC_COUNTERS = {
+    "drafts": ("spec_decode_num_drafts", "Sequence-steps that verified at least one draft token"),
+    "draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens verified"),
+    "accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted"),
+}
+SPEC_GAUGES = {
+    "mean_accepted_length": ("spec_decode_mean_accepted_length", "Mean tokens a drafted sequence-step yields"),
+    "acceptance_rate": ("spec_decode_acceptance_rate", "Accepted over drafted tokens"),
+}
+
+
 class _EngineCollector:
     """Yields gauges and counters from the latest engine `stats()` snapshot."""
 
@@ -189,7 +201,10 @@ class _EngineCollector:
         if not s:
             return
         pc = s.get("prefix_cache") or {}
+        sd = s.get("spec_decode") or {}
         for family, table, values in (
+            (CounterMetricFamily, SPEC_COUNTERS, sd),
+            (GaugeMetricFamily, SPEC_GAUGES, sd),
             (GaugeMetricFamily, ENGINE_GAUGES, s),
             (CounterMetricFamily, ENCODER_COUNTERS, s),
             (GaugeMetricFamily, ENCODER_GAUGES, s),
@@ -203,8 +218,22 @@ class _EngineCollector:
                     yield m
         if pc.get("tiers"):
             yield from tier_metrics(pc["tiers"], self.model_name, pc.get("hits", 0))
+        if sd:
+            yield self._by_position(sd)
         if "kernel_fallbacks" in s:
             yield self._fallbacks(s["kernel_fallbacks"])
+
+    def _by_position(self, sd: dict) -> CounterMetricFamily:
+        """`spec_decode_num_accepted_tokens_per_pos_total{position}` (and drafted, by position)."""
+        m = CounterMetricFamily(
+            P + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0: the first draft)",
+            labels=["model_name", "position", "kind"],
+        )
+        for kind, key in (("accepted", "accepted_by_position"), ("drafted", "drafted_by_position")):
+            for j, n in enumerate(sd[key]):
+                m.add_metric([self.model_name, str(j), kind], n)
+        return m
 
     def _fallbacks(self, table: dict) -> CounterMetricFamily:
         """`kernel_fallbacks_total{op, reason}` from stats()'s {op: {reason: calls}} (`ops.fallbacks`)."""

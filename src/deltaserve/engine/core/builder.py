@@ -40,6 +40,8 @@ from ..exec.encoder_cache import EncoderCache
 from ..exec.messages import PROTOCOL_VERSION, Hello, Shutdown
 from ..exec.ranks import RankGroup, plan_ranks, rank_device
 from ..exec.worker import load_rank_model, run_worker
+from ..spec.config import SpecConfig
+from ..spec.decoder import SpecDecoder
 from .loop import EngineCore
 
 log = logging.getLogger(__name__)
@@ -94,8 +96,14 @@ def resolve_device(name: str) -> str:
     return name
 
 
+def spec_config(c: EngineConfig) -> SpecConfig | None:
+    """The parsed `speculative_config` (ValueError if bad), checked against the rest of `c`."""
+    return SpecConfig.parse(c.speculative_config)
+
+
 def build_engine(config: EngineConfig) -> Engine:
     c = dataclasses.replace(config, device=resolve_device(config.device))
+    spec_config(c)
     if c.num_threads is not None:
         torch.set_num_threads(c.num_threads)
     dtype = resolve_dtype(c.dtype)
@@ -153,6 +161,14 @@ def image_encoder(c: EngineConfig, vision: VisionModel | None) -> EncoderCache |
     return enc
 
 
+def _spec_decoder(c: EngineConfig, max_model_len: int) -> SpecDecoder | None:
+    spec = spec_config(c)
+    if spec is None:
+        return None
+    log.info("speculative decoding: %s, up to %d drafts a step", spec.method, spec.num_speculative_tokens)
+    return SpecDecoder(spec, max_model_len, c.prefix_match_unit if c.enable_prefix_caching else None)
+
+
 def _build_rank0(c: EngineConfig, dtype, ranks, tp, control) -> Engine:
     model, memory = load_rank_model(c, tp)
     vision = load_vision(c, model, dtype)
@@ -195,6 +211,7 @@ def _build_rank0(c: EngineConfig, dtype, ranks, tp, control) -> Engine:
         structured_thinking_budget=c.structured_thinking_budget,
         encoder=image_encoder(c, vision),
         max_image_patches=c.max_image_patches_per_request,
+        spec=_spec_decoder(c, max_model_len),
     )
     channel = None
     if tp.world > 1:

@@ -44,6 +44,8 @@ from ..request.sampling_params import SamplingParams
 from ..request.sequence import InvalidRequestError, SeqStatus, Sequence
 from ..request.structured import GrammarCompiler, GrammarState, StructuredOutputError
 from ..sched.scheduler import Scheduler
+from ..spec.decoder import SpecDecoder
+from .deltas import SeqDelta, step_deltas
 
 
 @dataclass
@@ -56,19 +58,6 @@ class _Request:
     @property
     def finished(self) -> bool:
         return all(s.finished for s in self.seqs)
-
-
-@dataclass
-class SeqDelta:
-    """What one sequence gained in one step (see `EngineCore.step_deltas`)."""
-
-    request_id: str
-    index: int
-    token_ids: list[int]
-    text: str
-    logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None
-    stop_reason: str | int | None
 
 
 class EngineCore:
@@ -85,6 +74,7 @@ class EngineCore:
         structured_thinking_budget: int | None = DEFAULT_STRUCTURED_THINKING_BUDGET,
         encoder: EncoderCache | None = None,  # a vision model's (engine/exec/encoder_cache.py)
         max_image_patches: int = DEFAULT_MAX_IMAGE_PATCHES,
+        spec: SpecDecoder | None = None,  # speculative decoding (engine/spec)
     ):
         self.model, self.tokenizer, self.cache = model, tokenizer, cache
         self.max_model_len = max_model_len
@@ -106,6 +96,9 @@ class EngineCore:
         self.parked: dict[str, int] = {}  # request_id -> seq_id of a parked prefill (handoff.py)
         self.reserved: set[int] = set()  # seq_ids of handoff reservations no request has claimed yet
         self.runner.encoder = encoder
+        self.spec = spec
+        if spec is not None:
+            self.scheduler.drafter = spec.propose
         if encoder is not None:
             self.scheduler.gate = encoder.gate
         pad = model.config.media_placeholder_token_id
@@ -256,31 +249,55 @@ class EngineCore:
             else None
             for s in scheduled
         ]
-        sampled = self.runner.execute(scheduled, rows)
+        verifying = self.spec is not None and any(s.drafts for s in scheduled)
+        tokens, lps = self.spec.execute(self.runner, scheduled, rows) if verifying else self._sample(scheduled, rows)
+        appended = [self._append_all(s.seq, t, lp) for s, t, lp in zip(scheduled, tokens, lps)]
+        if verifying:  # the verified tokens (each appended one verifies the fed token before it)
+            self.spec.fold(self.runner, appended)
         self.counters["steps"] += 1
-        self.counters["computed_tokens"] += sum(s.num_new for s in scheduled)
         done: list[RequestOutput] = []
-        j = 0
-        for s, row in zip(scheduled, rows):
-            s.seq.num_computed += s.num_new
+        for s, m in zip(scheduled, appended):
+            advance = s.num_new - 1 + m if m else s.num_new
+            s.seq.num_computed += advance
+            self.counters["computed_tokens"] += advance
             if self.cache.prefix_enabled:
                 self.cache.commit(s.seq.seq_id, s.seq.all_ids(), s.seq.num_computed, s.seq.image_spans)
             if s.seq.prefill_only and s.seq.num_pending == 0:
                 done += self._park(s.seq)
-            if row is None:
-                continue
-            self._append(s.seq, sampled.token_ids[j], sampled.logprobs[j])
-            j += 1
-            if s.seq.finished:
-                self.scheduler.remove(s.seq)
-                self.grammars.pop(s.seq.seq_id, None)
-                self.budgets.pop(s.seq.seq_id, None)
-                req = self.requests[s.seq.request_id]
-                if req.finished:
-                    del self.requests[req.request_id]
-                    self.counters["requests_finished"] += 1
-                    done.append(self._output(req))
+            if m and s.seq.finished:
+                done += self._retire(s.seq)
         return done
+
+    def _sample(self, scheduled: list, rows: list[SamplingRow | None]) -> tuple[list[list[int]], list[list]]:
+        """A step without drafts: one token (and its logprobs) per completing sequence, [] for the rest."""
+        sampled = self.runner.execute(scheduled, rows)
+        tokens: list[list[int]] = [[] for _ in scheduled]
+        lps: list[list] = [[] for _ in scheduled]
+        for j, i in enumerate(i for i, r in enumerate(rows) if r is not None):
+            tokens[i], lps[i] = [sampled.token_ids[j]], [sampled.logprobs[j]]
+        return tokens, lps
+
+    def _append_all(self, seq: Sequence, tokens: list[int], lps: list) -> int:
+        """Append `tokens` until the sequence finishes; how many were appended."""
+        for m, (token, lp) in enumerate(zip(tokens, lps), 1):
+            self._append(seq, token, lp)
+            if seq.finished:
+                return m
+        return len(tokens)
+
+    def _retire(self, seq: Sequence) -> list[RequestOutput]:
+        """A sequence finished in this step: free it; its request's output once all are done."""
+        self.scheduler.remove(seq)
+        self.grammars.pop(seq.seq_id, None)
+        self.budgets.pop(seq.seq_id, None)
+        if self.spec is not None:
+            self.spec.finished(seq)
+        req = self.requests.get(seq.request_id)  # gone: a sibling finished in this step retired it
+        if req is None or not req.finished:
+            return []
+        del self.requests[req.request_id]
+        self.counters["requests_finished"] += 1
+        return [self._output(req)]
 
     def _park(self, seq: Sequence) -> list[RequestOutput]:
         """A prefill-only sequence is computed: detach it with its cache (freed by
@@ -297,31 +314,8 @@ class EngineCore:
         return budget.forced() if budget is not None else None
 
     def step_deltas(self) -> list[SeqDelta]:
-        """`step()`, reported per sequence for streaming: one `SeqDelta` for each sequence that
-        got tokens or finished in this step. Its text is `IncrementalDetokenizer.delta()` (on
-        finish the flushed `final_delta`), so a sequence's deltas concatenate to its `text`."""
-        before = [(s, len(s.output_ids)) for r in self.requests.values() for s in r.seqs if not s.finished]
-        self.step()
-        out = []
-        for s, n in before:
-            if len(s.output_ids) == n and not s.finished:
-                continue
-            if s.detokenizer is None:
-                text = ""
-            else:
-                text = s.final_delta if s.finished else s.detokenizer.delta()
-            out.append(
-                SeqDelta(
-                    s.request_id,
-                    s.index,
-                    s.output_ids[n:],
-                    text,
-                    s.logprobs[n:] if s.logprobs is not None else None,
-                    s.finish_reason,
-                    s.stop_reason,
-                )
-            )
-        return out
+        """`step()`, reported per sequence for streaming (`deltas.step_deltas`)."""
+        return step_deltas(self)
 
     def _append(self, seq: Sequence, token: int, lp) -> None:
         seq.output_ids.append(token)
@@ -396,5 +390,7 @@ class EngineCore:
         out.update(encoder_stats(self.runner.encoder))
         if self.cache.prefix_enabled:
             out["prefix_cache"] = self.cache.prefix_stats()
+        if self.spec is not None:
+            out["spec_decode"] = self.spec.stats()
         out["kernel_fallbacks"] = fallbacks.table()  # this process's: rank 0's under TP
         return out

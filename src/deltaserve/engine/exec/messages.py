@@ -6,7 +6,9 @@ collective); then one `Step` per forward pass: the slot writes the cache manager
 last step (`cache.slot_journal`), the packed batch layout and which rows need logits (the
 vocab-parallel lm_head's all-gather needs every rank) and the image embedding rows rank 0's
 vision model made for the step (`EmbedRows`, raw tensor bytes with explicit dtype and shape);
-`Snapshot` gathers every rank's pools (a
+a `Step` that verifies speculative drafts (`verify`) is followed by one `Fold`: how many leading
+tokens of each verify sequence were verified, which every rank folds into its own KDA heads'
+live states from the step's kept inputs; `Snapshot` gathers every rank's pools (a
 check); `TransferSetup`, `Digest`, `Pull` and `Collect` move a prefill/decode handoff's bytes on
 every rank (`rank_transfer`: jobs that run beside the steps, each rank answering through
 `ControlChannel.gather`); `Shutdown` ends it.
@@ -19,7 +21,7 @@ import torch
 
 from ...cache.slot_journal import CopyOp, ZeroOp
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -88,6 +90,14 @@ class Step(msgspec.Struct, tag="step", frozen=True):
     export_slots: list[int]
     logit_rows: list[int]
     embeds: EmbedRows | None = None
+    verify: list[bool] | None = None  # per sequence: a speculative verify (`ForwardBatch(verify=)`)
+
+
+class Fold(msgspec.Struct, tag="fold", frozen=True):
+    """Fold the previous verify `Step`'s verified tokens (`ForwardBatch.set_verified`) into the live
+    KDA states."""
+
+    verified: list[int]
 
 
 class Snapshot(msgspec.Struct, tag="snapshot", frozen=True):
@@ -134,7 +144,7 @@ class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
     reason: str = ""
 
 
-Message = Hello | Step | Snapshot | TransferSetup | Digest | Pull | Collect | Shutdown
+Message = Hello | Step | Fold | Snapshot | TransferSetup | Digest | Pull | Collect | Shutdown
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

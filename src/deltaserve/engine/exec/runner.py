@@ -18,6 +18,7 @@ import itertools
 import msgspec
 import torch
 
+from ...cache.forward_batch import ForwardBatch
 from ...cache.manager import CacheManager
 from ...cache.slot_journal import SlotJournal
 from ...model.kimi import KimiForCausalLM
@@ -26,7 +27,7 @@ from ..request.mm_inputs import chunk_rows, gather_rows
 from ..sched.scheduler import ScheduledSeq
 from .channel import ControlChannel
 from .encoder_cache import EncoderCache
-from .messages import EmbedRows, Snapshot, TensorBytes
+from .messages import EmbedRows, Fold, Snapshot, TensorBytes
 from .pool_snapshot import pool_snapshot
 from .ranks import RankFailure, RankGroup
 from .sampler import Sampler, SamplerOutput, SamplingRow
@@ -52,7 +53,7 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledSeq], rows: list[SamplingRow | None]) -> SamplerOutput | None:
         """Run the step; `rows[i]` is the sampling state of `scheduled[i]` if it completes, else
         None. Returns the sampler's output for the completing sequences, in order."""
-        ends = list(itertools.accumulate(s.num_new for s in scheduled))
+        ends = list(itertools.accumulate(s.width for s in scheduled))
         pick = [i for i, r in enumerate(rows) if r is not None]
         step = step_of(scheduled, self.cache, [ends[i] - 1 for i in pick])
         embeds = self._image_rows(scheduled, ends)
@@ -61,14 +62,49 @@ class ModelRunner:
         # taken after step_of: its checkpoint slots' zeroing must replay before this forward pass
         sent = None if embeds is None else EmbedRows(embeds[0].tolist(), TensorBytes.of(embeds[1]))
         step = msgspec.structs.replace(step, ops=self.journal.take(), embeds=sent)
+        return self._on_ranks(step, lambda: self._run(step, rows, pick, embeds))
+
+    @torch.inference_mode()
+    def verify_logits(
+        self, scheduled: list[ScheduledSeq], logit_rows: list[int], verify: list[bool]
+    ) -> tuple[torch.Tensor, ForwardBatch]:
+        """A speculative verify step (engine/spec): fp32 logits of the packed `logit_rows` and the
+        step's batch, whose verify sequences' live KDA states still hold the pre-verify state until
+        `fold` (on every rank: the other ranks keep their batch for the `Fold` that follows)."""
+        step = step_of(scheduled, self.cache, logit_rows, verify=verify)
+
+        def run():
+            batch = forward_batch(
+                step, self.cache.mla, self.cache.kda, self.cache.ckpt_pool, self.model.device, self.tp
+            )
+            hidden = self.model(batch.input_ids, batch.context())
+            return self.model.compute_logits(logit_hidden(hidden, step, batch)), batch
+
+        if self.channel is None:
+            return run()
+        step = msgspec.structs.replace(step, ops=self.journal.take())
+        return self._on_ranks(step, run)
+
+    @torch.inference_mode()
+    def fold(self, batch: ForwardBatch, verified: list[int]) -> None:
+        """Fold each verify sequence's `verified` leading tokens into its live KDA state (every rank)."""
+
+        def run():
+            batch.set_verified(verified)
+            self.model.fold_kda(batch)
+
+        return run() if self.channel is None else self._on_ranks(Fold(verified), run)
+
+    def _on_ranks(self, message, run):
+        """Send `message` to the other ranks, then `run()` here; any failure fails the group."""
         try:
-            self.channel.send(step)
-            return self._run(step, rows, pick, embeds)
+            self.channel.send(message)
+            return run()
         except Exception as e:
-            message = f"a tensor-parallel step failed: {type(e).__name__}: {e}"
+            text = f"a tensor-parallel step failed: {type(e).__name__}: {e}"
             if self.ranks is not None:
-                self.ranks.fail(message)
-            raise RankFailure(message) from e
+                self.ranks.fail(text)
+            raise RankFailure(text) from e
 
     def _image_rows(self, scheduled: list[ScheduledSeq], ends: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(packed positions, projector rows) of the image pad positions this step covers."""
@@ -79,7 +115,7 @@ class ModelRunner:
             for s, end in zip(scheduled, ends)
             if s.seq.images
             for c in chunk_rows(
-                s.seq.images, s.seq.image_starts, s.seq.num_computed, s.seq.num_computed + s.num_new, end - s.num_new
+                s.seq.images, s.seq.image_starts, s.seq.num_computed, s.seq.num_computed + s.num_new, end - s.width
             )
         ]
         if not needed:
@@ -96,14 +132,14 @@ class ModelRunner:
         batch = forward_batch(step, self.cache.mla, self.cache.kda, self.cache.ckpt_pool, self.model.device, self.tp)
         ctx = batch.context()
         if embeds is None and pick and every_row(step, batch.input_ids.shape[0]):
-            return self._sample(self.model.decode_logits(batch.input_ids, ctx), [rows[i] for i in pick])
+            return self.sample(self.model.decode_logits(batch.input_ids, ctx), [rows[i] for i in pick])
         hidden = self.model(batch.input_ids, ctx) if embeds is None else self.model(batch.input_ids, ctx, embeds)
         if not pick:
             return None
         logits = self.model.compute_logits(logit_hidden(hidden, step, batch))
-        return self._sample(logits, [rows[i] for i in pick])
+        return self.sample(logits, [rows[i] for i in pick])
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """The sampler, its greedy choice on the model's bound backend (`model.ops`, as it is now)."""
         ops = getattr(self.model, "ops", None)
         return self.sampler(logits, rows, None if ops is None else ops.argmax_rows)

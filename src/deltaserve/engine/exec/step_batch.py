@@ -15,13 +15,22 @@ from ..sched.scheduler import ScheduledSeq
 from .messages import Step
 
 
-def step_of(scheduled: list[ScheduledSeq], cache: CacheManager, logit_rows: list[int], ops: list = ()) -> Step:
-    """The step `scheduled` makes; takes the checkpoint slots of its interior exports from `cache`."""
+def step_of(
+    scheduled: list[ScheduledSeq],
+    cache: CacheManager,
+    logit_rows: list[int],
+    ops: list = (),
+    verify: list[bool] | None = None,
+) -> Step:
+    """The step `scheduled` makes (each sequence's tokens, then its drafts); takes the checkpoint
+    slots of its interior exports from `cache` (never inside drafts: only verified tokens are
+    exported). `verify`: which sequences are speculative verifies."""
     ids: list[int] = []
     offsets: list[list[int]] = []
     slots: list[int] = []
     for s in scheduled:
         ids.extend(s.seq.token_slice(s.seq.num_computed, s.seq.num_computed + s.num_new))
+        ids.extend(s.drafts)
         o, sl = cache.plan_exports(s.seq.seq_id, s.seq.num_computed, s.num_new)
         offsets.append(o)
         slots.extend(sl)
@@ -30,12 +39,13 @@ def step_of(scheduled: list[ScheduledSeq], cache: CacheManager, logit_rows: list
         list(ops),
         ids,
         [s.seq.num_computed for s in scheduled],
-        [s.num_new for s in scheduled],
+        [s.width for s in scheduled],
         [list(c.pages) for c in caches],
         [c.slot for c in caches],
         offsets if slots else None,
         slots,
         logit_rows,
+        verify=verify,
     )
 
 
@@ -63,6 +73,7 @@ def forward_batch(
         tp,
         step.logit_rows,
         device,
+        step.verify,
     )
 
 

@@ -26,7 +26,7 @@ from ...model import KimiForCausalLM, load_model, resolve_dtype
 from ...parallel import ParallelContext
 from ..config import EngineConfig
 from .channel import ControlChannel
-from .messages import PROTOCOL_VERSION, Collect, Digest, Hello, Pull, Shutdown, Snapshot, Step, TransferSetup
+from .messages import PROTOCOL_VERSION, Collect, Digest, Fold, Hello, Pull, Shutdown, Snapshot, Step, TransferSetup
 from .pool_snapshot import pool_snapshot
 from .rank_transfer import serve_transfer
 from .ranks import (
@@ -77,11 +77,16 @@ def run_worker(config: EngineConfig, tp: ParallelContext, control) -> None:
         raise RankFailure(f"rank {tp.rank}: expected Hello version {PROTOCOL_VERSION}, got {hello!r}")
     mla, kda, ckpt = build_pools(model.config, layout_of(hello), config.device, tp)
     pools = {LIVE: kda, CHECKPOINT: ckpt}
-    transfer = None
+    transfer = verifying = None
     while True:
         msg = channel.recv()
         if isinstance(msg, Shutdown):
             return
+        if isinstance(msg, Fold):
+            verifying.set_verified(msg.verified)
+            model.fold_kda(verifying)
+            verifying = None
+            continue
         if isinstance(msg, Snapshot):
             pool_snapshot(tp, mla, kda, ckpt)
             continue
@@ -92,6 +97,7 @@ def run_worker(config: EngineConfig, tp: ParallelContext, control) -> None:
             raise RankFailure(f"rank {tp.rank}: unexpected message {type(msg).__name__}")
         replay(msg.ops, pools)
         batch = forward_batch(msg, mla, kda, ckpt, model.device, tp)
+        verifying = batch if msg.verify else None
         if msg.embeds is None:
             hidden = model(batch.input_ids, batch.context())
         else:

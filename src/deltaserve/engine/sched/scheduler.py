@@ -11,6 +11,10 @@ others, whatever its place (it may hold the slot the queue's head waits for). A 
 cannot be admitted for lack of cache stops admission (a short request never overtakes it). The
 oldest running sequence always makes progress, so no request starves.
 
+Speculative decoding (`drafter`, engine/spec): a decoding sequence (one pending token) may get
+draft tokens after it, fed in the same step and counted against the token budget; if its pages
+cannot cover them it goes without (drafts never preempt anyone).
+
 Images (`gate`): a sequence computes no position at or past the first image whose rows are not
 encoded yet; the text before it may run. A running sequence so blocked is skipped (it keeps its
 place and cache; others use the budget), a waiting one is admitted with no chunk, so the engine
@@ -40,8 +44,17 @@ from ..request.sequence import SeqStatus, Sequence
 
 @dataclass
 class ScheduledSeq:
+    """`num_new` of the sequence's own tokens; `drafts`: speculative tokens fed after them (a
+    decode step's verify, engine/spec), which no sequence holds until verified."""
+
     seq: Sequence
     num_new: int
+    drafts: tuple[int, ...] = ()
+
+    @property
+    def width(self) -> int:
+        """Tokens this step feeds for the sequence."""
+        return self.num_new + len(self.drafts)
 
     @property
     def completes(self) -> bool:
@@ -61,6 +74,8 @@ class Scheduler:
         self.num_preemptions = 0
         # (seq, start) -> first position it may not compute yet (an image not encoded), or None
         self.gate: Callable[[Sequence, int], int | None] | None = None
+        # (seq, most tokens) -> draft tokens after a decoding sequence's last one (engine/spec)
+        self.drafter: Callable[[Sequence, int], list[int]] | None = None
 
     def _room(self, seq: Sequence, start: int) -> int:
         """Tokens `seq` may compute from `start` as far as its images allow."""
@@ -114,7 +129,11 @@ class Scheduler:
             if n <= 0:  # waits for an image's encode; keeps its place and cache
                 i += 1
                 continue
-            while not self.cache.grow(seq.seq_id, seq.num_computed + n):
+            drafts = self._drafts(seq, n, budget)
+            while not self.cache.grow(seq.seq_id, seq.num_computed + n + len(drafts)):
+                if drafts:  # drafts never preempt anyone: the step goes without them
+                    drafts = ()
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -122,10 +141,17 @@ class Scheduler:
                     break
             if seq.status is not SeqStatus.RUNNING:
                 break
-            out.append(ScheduledSeq(seq, n))
-            budget -= n
+            out.append(ScheduledSeq(seq, n, drafts))
+            budget -= n + len(drafts)
             i += 1
         return budget, preempted
+
+    def _drafts(self, seq: Sequence, n: int, budget: int) -> tuple[int, ...]:
+        """The drafter's tokens for a decoding sequence (its one pending token is its last), within
+        the step's token budget; () for any other."""
+        if self.drafter is None or n != 1 or seq.num_pending != 1 or seq.prefill_only or budget < 2:
+            return ()
+        return tuple(self.drafter(seq, budget - 1))
 
     def _admit(self, out: list[ScheduledSeq], budget: int) -> None:
         """Admit waiting sequences into `budget`: first every preadmitted one (it holds its KDA

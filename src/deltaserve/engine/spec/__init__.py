@@ -1,3 +1,4 @@
-"""Speculative decoding (empty until that issue): proposers of draft tokens and the verification
-of several new tokens per sequence in one step. Sits above `engine.exec`, which it will drive to
-run drafts, and below `engine.core`, whose loop will call it."""
+"""Speculative decoding: proposers of draft tokens (drafters.py), the verification of several new
+tokens per sequence in one step (verify.py, decoder.py) and the fold of only the verified ones into
+the KDA state. Sits above `engine.exec`, which runs its verify steps, and below `engine.core`,
+whose loop calls it."""

@@ -1,0 +1,161 @@
+"""`SpecDecoder`: drafts for the scheduler, one verify forward per step, the fold of what was verified.
+
+A step with drafts is a verify step. Every decoding sequence of it that may speculate (no grammar,
+reasoning budget or logprobs: `eligible`) is a verify sequence, drafts or none, so zero-draft
+sequences take the drafted ones' state path: its token and drafts ride as a short prefill-like
+extension (MLA over the new positions, KDA chunked over them from the live state), the forward
+pass leaves its live KDA slot at the pre-verify state, and after the engine has appended the
+verified tokens (`verify.py` picks them; a stop may cut them short) exactly those are folded into
+the slot (`ModelRunner.fold`: the recurrence re-run over the kept per-token inputs). MLA rows
+written past the verified tokens are never read (contexts end at `num_computed`) and are
+overwritten by the next step; prefix units and checkpoints are registered by the engine's
+commit after the fold, from verified tokens only. A step without drafts is an ordinary step.
+
+Draft lengths keep a verify step inside one prefix match unit (a fully accepted step ends at most
+on the unit's boundary, where the engine's commit checkpoints as without speculation), inside
+`max_model_len` and inside the request's `max_tokens`."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import weakref
+
+import torch
+
+from ..exec.runner import ModelRunner
+from ..exec.sampler import Sampler, SamplingRow
+from ..request.sequence import Sequence
+from ..sched.scheduler import ScheduledSeq
+from .adaptive import AdaptiveK, SpecMetrics
+from .config import SpecConfig
+from .drafters import NgramDrafter, SuffixDrafter
+from .verify import accept_greedy, accept_sampled
+
+
+def make_drafter(config: SpecConfig):
+    if config.method == "ngram":
+        return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
+    return SuffixDrafter(config.suffix_max_depth, config.suffix_min_prob, config.suffix_cache_requests)
+
+
+class SpecDecoder:
+    def __init__(self, config: SpecConfig, max_model_len: int, unit: int | None = None):
+        """`unit`: the prefix match unit when prefix caching is on (verify steps stay inside one)."""
+        self.config, self.max_model_len, self.unit = config, max_model_len, unit
+        self.drafter = make_drafter(config)
+        self.metrics = SpecMetrics(config.num_speculative_tokens)
+        self._k: weakref.WeakKeyDictionary[Sequence, AdaptiveK] = weakref.WeakKeyDictionary()
+        self._pending = None  # (batch, verify indices, accepted counts) between execute and fold
+
+    @staticmethod
+    def eligible(seq: Sequence) -> bool:
+        p = seq.params
+        return p.structured is None and p.thinking_token_budget is None and p.logprobs is None and not seq.prefill_only
+
+    def _room(self, seq: Sequence) -> int:
+        """Most drafts `seq` may take now (the limits in the module docstring)."""
+        room = self.max_model_len - 1 - seq.num_tokens
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - len(seq.output_ids) - 1)
+        if self.unit:
+            room = min(room, (seq.num_computed // self.unit + 1) * self.unit - seq.num_computed - 1)
+        return room
+
+    def propose(self, seq: Sequence, most: int) -> list[int]:
+        """The scheduler's drafter: up to `most` drafts after a decoding sequence's last token."""
+        if not self.eligible(seq):
+            return []
+        control = self._k.get(seq)
+        if control is None:
+            c = self.config
+            control = self._k[seq] = AdaptiveK(c.num_speculative_tokens, c.draft_cost, c.probe_interval, c.adaptive)
+        k = min(control.next_k(), most, self._room(seq))
+        return self.drafter.propose(seq, k)[:k] if k > 0 else []
+
+    def execute(
+        self, runner: ModelRunner, scheduled: list[ScheduledSeq], rows: list[SamplingRow | None]
+    ) -> tuple[list[list[int]], list[list]]:
+        """Run a verify step: per scheduled sequence the tokens to append (empty where `rows[i]` is
+        None) and their logprobs. `fold` must follow once the engine appended them."""
+        verify = [
+            r is not None and s.num_new == 1 and s.seq.num_pending == 1 and self.eligible(s.seq)
+            for s, r in zip(scheduled, rows)
+        ]
+        ends = list(itertools.accumulate(s.width for s in scheduled))
+        logit_rows: list[int] = []
+        for s, r, v, end in zip(scheduled, rows, verify, ends):
+            if r is not None:
+                logit_rows.extend(range(end - s.width, end) if v else [end - 1])
+        logits, batch = runner.verify_logits(scheduled, logit_rows, verify)
+        tokens: list[list[int]] = [[] for _ in scheduled]
+        logprobs: list[list] = [[] for _ in scheduled]
+        self._sample_plain(runner, logits, scheduled, rows, verify, tokens, logprobs)
+        accepted = self._verify(runner, logits, scheduled, rows, verify, tokens, logprobs)
+        self._pending = (batch, [i for i, v in enumerate(verify) if v], accepted)
+        return tokens, logprobs
+
+    @staticmethod
+    def _positions(scheduled, rows, verify) -> list[list[int]]:
+        """Per scheduled sequence, its rows of the logits (in `logit_rows` order)."""
+        out, at = [], 0
+        for s, r, v in zip(scheduled, rows, verify):
+            n = 0 if r is None else s.width if v else 1
+            out.append(list(range(at, at + n)))
+            at += n
+        return out
+
+    def _sample_plain(self, runner, logits, scheduled, rows, verify, tokens, logprobs) -> None:
+        """Completing sequences that do not verify (a prefill's first token, ineligible decodes):
+        the ordinary sampler, as in a step without drafts."""
+        pos = self._positions(scheduled, rows, verify)
+        plain = [i for i, (r, v) in enumerate(zip(rows, verify)) if r is not None and not v]
+        if not plain:
+            return
+        idx = torch.tensor([pos[i][0] for i in plain], device=logits.device)
+        out = runner.sample(logits.index_select(0, idx), [rows[i] for i in plain])
+        for i, t, lp in zip(plain, out.token_ids, out.logprobs):
+            tokens[i], logprobs[i] = [t], [lp]
+
+    def _verify(self, runner, logits, scheduled, rows, verify, tokens, logprobs) -> list[int]:
+        """Accept or reject each verify sequence's drafts; returns the accepted counts."""
+        pos = self._positions(scheduled, rows, verify)
+        mine = [i for i, v in enumerate(verify) if v]
+        vrows = [
+            dataclasses.replace(rows[i], output_ids=list(scheduled[i].seq.output_ids) + list(scheduled[i].drafts[:j]))
+            for i in mine
+            for j in range(scheduled[i].width)
+        ]
+        idx = torch.tensor([p for i in mine for p in pos[i]], device=logits.device)
+        x = Sampler.penalized_logits(logits.index_select(0, idx), vrows)
+        ops = getattr(runner.model, "ops", None)
+        choices = (ops.argmax_rows(x) if ops is not None else x.argmax(dim=-1)).tolist()
+        accepted, at = [], 0
+        for i in mine:
+            s, w = scheduled[i], scheduled[i].width
+            if s.seq.params.greedy:
+                out = accept_greedy(choices[at : at + w], s.drafts)
+            else:
+                probs = Sampler.sampling_probs(x[at : at + w], [s.seq.params] * w)
+                out = accept_sampled(probs, s.drafts, rows[i].generator)
+            at += w
+            tokens[i], logprobs[i] = out, [None] * len(out)
+            accepted.append(len(out) - 1)
+            self.metrics.observe(len(s.drafts), len(out) - 1)
+            if s.seq in self._k:
+                self._k[s.seq].observe(len(s.drafts), len(out) - 1)
+        return accepted
+
+    def fold(self, runner: ModelRunner, appended: list[int]) -> None:
+        """After the engine appended the verify step's tokens: fold, per verify sequence, the
+        tokens now verified (`appended[i]` of scheduled sequence i: the fed tokens they follow)."""
+        batch, verify, _ = self._pending
+        self._pending = None
+        runner.fold(batch, [appended[i] for i in verify])
+
+    def finished(self, seq: Sequence) -> None:
+        """A sequence finished: its drafter index goes (into the session store, for suffix)."""
+        self.drafter.finished(seq)
+
+    def stats(self) -> dict:
+        return self.metrics.stats()

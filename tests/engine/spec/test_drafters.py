@@ -1,0 +1,118 @@
+"""Drafters (exact proposals), the adaptive draft length, the metrics and the config's checks."""
+
+import pytest
+
+from deltaserve import SamplingParams
+from deltaserve.engine.request.sequence import Sequence
+from deltaserve.engine.spec.adaptive import AdaptiveK, SpecMetrics
+from deltaserve.engine.spec.config import SpecConfig
+from deltaserve.engine.spec.drafters import NgramDrafter, SuffixDrafter
+
+
+def seq(prompt, output=()):
+    s = Sequence(0, "r", 0, list(prompt), SamplingParams())
+    s.output_ids = list(output)
+    return s
+
+
+def test_ngram_proposes_what_followed_the_latest_occurrence_of_the_longest_suffix():
+    d = NgramDrafter(2, 3)
+    s = seq([1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 7, 2, 3])
+    assert d.propose(s, 3) == [4, 5, 7]  # (2, 3) was last followed by 4 (not 9)
+    s.output_ids.append(8)  # (3, 8) never occurred, nor (2, 3, 8)
+    assert d.propose(s, 3) == []
+    assert NgramDrafter(3, 3).propose(seq([1, 2, 5, 6, 1, 2]), 2) == []  # min 3: (1, 2) is too short
+
+
+def test_ngram_copies_through_its_own_proposal_for_loops():
+    """A loop of period 2: the match ends one period back, and the draft continues the loop."""
+    assert NgramDrafter(2, 4).propose(seq([7, 5, 6, 5, 6, 5, 6]), 5) == [5, 6, 5, 6, 5]
+
+
+def test_ngram_index_grows_incrementally():
+    d = NgramDrafter(1, 2)
+    s = seq([4, 1, 2])
+    assert d.propose(s, 2) == []
+    s.output_ids += [3, 1]
+    assert d.propose(s, 2) == [2, 3]
+    s.output_ids += [2, 3, 1]
+    assert d.propose(s, 4) == [2, 3, 1, 2]
+
+
+def test_suffix_follows_the_most_frequent_continuation_and_stops_when_unlikely():
+    d = SuffixDrafter(depth=4, min_prob=0.3, keep=4)
+    s = seq([1, 2, 3, 1, 2, 3, 1, 2, 4, 0, 1, 2])
+    # after (1, 2): 3 twice, 4 once -> 3 (2/3); after (1, 2, 3): 1 twice -> 1; then (2, 3, 1) -> 2 ...
+    assert d.propose(s, 3) == [3, 1, 2]
+    strict = SuffixDrafter(depth=4, min_prob=0.7, keep=4)
+    assert strict.propose(seq([1, 2, 3, 1, 2, 3, 1, 2, 4, 0, 1, 2]), 3) == []  # 2/3 < 0.7
+
+
+def test_suffix_session_store_serves_later_requests_and_forgets_the_oldest():
+    d = SuffixDrafter(depth=3, min_prob=0.0, keep=1)
+    a = seq([10, 11], [12, 13, 14])
+    d.propose(a, 1)
+    d.finished(a)
+    b = seq([5, 11, 12])
+    assert d.propose(b, 2) == [13, 14]  # (11, 12) continued in the earlier request
+    c = seq([50, 51, 52])
+    d.propose(c, 1)
+    d.finished(c)  # keep=1: a's tokens leave the store
+    assert d.propose(seq([6, 11, 12]), 2) == []
+    assert d.session.next and all(sum(v.values()) > 0 for v in d.session.next.values())
+
+
+def test_adaptive_k_follows_acceptance_and_turns_off_then_probes():
+    k = AdaptiveK(k_max=6, cost=0.1, probe_interval=4)
+    assert 1 <= k.next_k() < 6  # the prior: one pass in two tests
+    for _ in range(10):
+        k.observe(6, 6)
+    assert k.next_k() == 6
+    for _ in range(80):
+        k.observe(3, 0)
+    assert [k.next_k() for _ in range(8)] == [0, 0, 0, 1, 0, 0, 0, 1]
+    assert AdaptiveK(4, 0.1, 4, adaptive=False).next_k() == 4
+
+
+def test_metrics_count_by_position():
+    m = SpecMetrics(3)
+    m.observe(3, 1)
+    m.observe(2, 2)
+    m.observe(0, 0)
+    st = m.stats()
+    assert st["drafted_by_position"] == [2, 2, 1] and st["accepted_by_position"] == [2, 1, 0]
+    assert (st["drafts"], st["undrafted"], st["draft_tokens"], st["accepted_tokens"]) == (2, 1, 5, 3)
+    assert st["mean_accepted_length"] == 2.5 and st["acceptance_rate"] == 0.6
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "method"),
+        ('{"method": "ngram"}', "needs"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "positive"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "typo": 1}', "unknown"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3}', "exceed"),
+        ("[1]", "object"),
+        ("{", "JSON"),
+    ],
+)
+def test_config_refuses_bad_values(value, message):
+    with pytest.raises(ValueError, match=message):
+        SpecConfig.parse(value)
+
+
+def test_config_parses_vllm_shape():
+    c = SpecConfig.parse({"method": "suffix", "num_speculative_tokens": 5, "suffix_max_depth": 12})
+    assert (c.method, c.num_speculative_tokens, c.suffix_max_depth) == ("suffix", 5, 12)
+    assert SpecConfig.parse(None) is None and SpecConfig.parse("") is None
+
+
+def test_bench_workloads_copy_a_passage_and_free_form_does_not():
+    from deltaserve.bench.spec import workloads
+
+    w = workloads(vocab=1000, passage=40, batch=3, seed=0)
+    assert [len(p) for p in w["copy"]] == [50] * 3 == [len(p) for p in w["free"]]
+    assert all(p[40:] == p[:10] for p in w["copy"])
+    ngram = NgramDrafter(2, 4)
+    assert ngram.propose(seq(w["copy"][0]), 3) == w["copy"][0][10:13]
