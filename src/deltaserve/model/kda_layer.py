@@ -87,22 +87,7 @@ class KdaAttention(OpsModule):
         gate = self.output_gate(x).view(n, self.num_heads, self.head_dim)
         step = cache is not None and cache.decode_only and prior is not None
         offsets = cache.kda_export_offsets() if cache is not None and not step else None
-        o, tail, state, exported = self.ops.kda_attend(
-            pre,
-            f,
-            beta,
-            gate,
-            self.conv_weight(),
-            self.A_log,
-            self.dt_bias,
-            self.o_norm.weight,
-            self.spec,
-            ctx.cu_seqlens,
-            prior,
-            offsets,
-            step,
-            self.prepared,
-        )
+        o, tail, state, exported = self._kda_op(pre, f, beta, gate, ctx.cu_seqlens, prior, offsets, step)
         if cache is not None:
             keep = getattr(cache, "keep_kda_inputs", None)
             if keep is not None:  # a speculative verify step folds the verified ones later (`replay`)
@@ -115,7 +100,12 @@ class KdaAttention(OpsModule):
         them) run from `prior` = (tails, states): the recurrence alone, no output kept. Speculative
         decoding folds only a verify step's accepted tokens into the live state this way."""
         gate = pre.new_zeros(pre.shape[0], self.num_heads, self.head_dim)
-        _, tail, state, _ = self.ops.kda_attend(
+        _, tail, state, _ = self._kda_op(pre, f, beta, gate, cu_seqlens, prior, None, False)
+        return tail, state
+
+    def _kda_op(self, pre, f, beta, gate, cu_seqlens, prior, offsets, step):
+        """`ops.kda_attend` with this layer's weights: (o, tails, states, exported)."""
+        return self.ops.kda_attend(
             pre,
             f,
             beta,
@@ -127,11 +117,10 @@ class KdaAttention(OpsModule):
             self.spec,
             cu_seqlens,
             prior,
-            None,
-            False,
+            offsets,
+            step,
             self.prepared,
         )
-        return tail, state
 
 
 __all__ = ["KdaAttention"]

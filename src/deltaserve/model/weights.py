@@ -45,7 +45,7 @@ from .kimi import KimiForCausalLM
 
 log = logging.getLogger(__name__)
 
-_EXPERT = re.compile(
+EXPERT_NAME = re.compile(
     r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\."
     r"(weight|weight_packed|weight_scale)$"
 )
@@ -114,7 +114,7 @@ def load_model(
 
 def _expert_stack(name: str) -> str | None:
     """The stacked parameter (`…experts.w1`) one routed expert's tensor joins, else None."""
-    m = _EXPERT.match(name)
+    m = EXPERT_NAME.match(name)
     return None if m is None else f"{m.group(1)}.{m.group(3)}"
 
 
@@ -141,7 +141,7 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
 
 
-def _text_name(name: str, family: str) -> str | None:
+def text_name(name: str, family: str) -> str | None:
     """Checkpoint name -> model parameter name; None for tensors the text model ignores
     (vision), "" for a K3 name outside `language_model.` (unexpected)."""
     if family == "kimi_k3":
@@ -180,7 +180,7 @@ def _read_tensors(
                 if raw_name not in held:
                     problems["absent from their shard"].append(f"{raw_name} (index: {path.name})")
                     continue
-                name = _text_name(raw_name, family)
+                name = text_name(raw_name, family)
                 if name is None:
                     skipped += 1
                 elif not name:
@@ -227,7 +227,7 @@ def _map_tensors(
     mapped = _Mapped()
     experts: dict[tuple[str, str], dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
     for raw_name, name, read in tensors:
-        m = _EXPERT.match(name)
+        m = EXPERT_NAME.match(name)
         if m:
             e = int(m.group(2))
             if not shards.held_elsewhere(f"{m.group(1)}.{m.group(3)}", e):

@@ -18,11 +18,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..model.modules import OpsModule
-from ..model.weights import load_model
+from ..model.weights import EXPERT_NAME, load_model, text_name
 from ..ops.backends.torch import REFERENCE
 from ..ops.mxfp4 import mxfp4_decode, mxfp4_encode
 
-_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)$")
 # parameters the optimiser leaves alone (the aux-loss-free routing bias is not a gradient target)
 FROZEN = (".e_score_correction_bias",)
 
@@ -50,16 +49,6 @@ def mxfp4_roundtrip(w: torch.Tensor) -> torch.Tensor:
     return mxfp4_decode(*mxfp4_encode(flat), torch.float32).reshape(w.shape)
 
 
-def _model_name(name: str, family: str) -> str | None:
-    if family == "kimi_k3":
-        if not name.startswith("language_model."):
-            return None  # the vision tower and projector stay as they were
-        name = name[len("language_model.") :]
-        if name.startswith("layers."):
-            name = "model." + name
-    return name
-
-
 def export(model: torch.nn.Module, template_dir: Path, out_dir: Path, family: str) -> Path:
     """Write `model`'s weights into a copy of `template_dir` (the checkpoint training started from)
     at `out_dir`, every tensor at its template name, shape and dtype."""
@@ -85,10 +74,10 @@ def export(model: torch.nn.Module, template_dir: Path, out_dir: Path, family: st
 
 
 def _trained(name: str, old: torch.Tensor, params: dict[str, torch.Tensor], family: str) -> torch.Tensor:
-    text = _model_name(name, family)
-    if text is None:
+    text = text_name(name, family)
+    if not text:  # the vision tower and projector stay as they were
         return old
-    m = _EXPERT.match(text)
+    m = EXPERT_NAME.match(text)
     if m is None:
         new = params[text].reshape(-1)
         if text.endswith(".A_log") and new.numel() < old.numel():  # stored zero-padded past the heads
