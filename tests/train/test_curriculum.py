@@ -4,6 +4,7 @@ renders, and the server's parser reads back from it what eval scores as right.""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -49,8 +50,6 @@ def test_wrong_answers_score_wrong():
     args = dict(call.expect["arguments"])
     key = next(iter(args))
     wrong = {**args, key: "x"}
-    import json
-
     assert not correct(call, Answer(tool_calls=[(call.expect["name"], json.dumps(wrong))]))
     assert not correct(call, Answer(tool_calls=[("nope", json.dumps(args))]))
     assert not correct(copy, Answer(content=copy.expect + " extra"))

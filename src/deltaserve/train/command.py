@@ -48,12 +48,6 @@ def run(args: argparse.Namespace) -> int:
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
     trainer = Trainer(cfg, args.out)
     out = trainer.run(progress=not args.no_progress)
-    last = trainer.history[-20:]
-    summary = {
-        "model": str(out),
-        "steps": trainer.step,
-        "train_seconds": round(trainer.seconds, 1),
-        "final_loss": round(sum(h["loss"] for h in last) / max(1, len(last)), 4),
-    }
-    print(json.dumps(summary))
+    record = json.loads((out / "training.json").read_text())
+    print(json.dumps({"model": str(out), **{k: record[k] for k in ("steps", "train_seconds", "final_loss")}}))
     return 0

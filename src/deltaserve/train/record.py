@@ -5,6 +5,7 @@ training seconds, the machine, the loss every few steps) and the loss curve as a
 from __future__ import annotations
 
 import json
+import math
 import platform
 import subprocess
 from dataclasses import asdict
@@ -47,8 +48,6 @@ def write_record(out_dir: Path, cfg, step: int, seconds: float, history: list[di
 
 def loss_svg(curves: dict[str, list[list[float]]], width: int = 640, height: int = 320) -> str:
     """An SVG of each named curve ([[step, loss], ...]) on log-scaled loss axes."""
-    import math
-
     pad, colors = 40, ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")
     pts = [p for c in curves.values() for p in c if p[1] > 0]
     x_max = max(p[0] for p in pts)
