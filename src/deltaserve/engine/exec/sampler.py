@@ -120,7 +120,7 @@ class Sampler:
             idx = tensor_on(sampled, x.device)
             sub = [rows[i] for i in sampled]
             probs = self.sampling_probs(x[idx], [r.params for r in sub])
-            q = self._noise(probs.shape, [r.generator for r in sub], x.device)
+            q = exp_noise(probs.shape, [r.generator for r in sub], x.device)
             tokens[idx] = argmax(probs / q)
         return SamplerOutput(tokens.tolist(), self._logprobs(logits, tokens, rows))
 
@@ -225,18 +225,6 @@ class Sampler:
         return x
 
     @staticmethod
-    def _noise(shape, generators: list[torch.Generator | None], device) -> torch.Tensor:
-        """Exp(1) noise `[S, V]`: row j from `generators[j]`, or from the global RNG if None."""
-        q = torch.empty(shape, dtype=torch.float32, device=device)
-        unseeded = [j for j, g in enumerate(generators) if g is None]
-        if unseeded:
-            q[unseeded] = torch.empty(len(unseeded), shape[1], device=device).exponential_()
-        for j, g in enumerate(generators):
-            if g is not None:
-                q[j] = torch.empty(shape[1], device=g.device).exponential_(generator=g).to(device, non_blocking=True)
-        return q.clamp_min_(_Q_MIN)
-
-    @staticmethod
     def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> list[TokenLogprobs | None]:
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         out: list[TokenLogprobs | None] = [None] * len(rows)
@@ -255,3 +243,16 @@ class Sampler:
             n = rows[i].params.logprobs
             out[i] = TokenLogprobs(chosen[j], chosen_lp[j], ranks[j], dict(zip(top_i[j][:n], top_v[j][:n])))
         return out
+
+
+def exp_noise(shape, generators: list[torch.Generator | None], device) -> torch.Tensor:
+    """Exp(1) noise `[S, V]` for the exponential race (argmax(p / q) ~ p): row j from
+    `generators[j]`, or from the global RNG if None; floored at `_Q_MIN`."""
+    q = torch.empty(shape, dtype=torch.float32, device=device)
+    unseeded = [j for j, g in enumerate(generators) if g is None]
+    if unseeded:
+        q[unseeded] = torch.empty(len(unseeded), shape[1], device=device).exponential_()
+    for j, g in enumerate(generators):
+        if g is not None:
+            q[j] = torch.empty(shape[1], device=g.device).exponential_(generator=g).to(device, non_blocking=True)
+    return q.clamp_min_(_Q_MIN)

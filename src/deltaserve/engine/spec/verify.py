@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-_Q_MIN = 1e-10
+from ..exec.sampler import exp_noise
 
 
 def accept_greedy(choices: list[int], drafts: tuple[int, ...] | list[int]) -> list[int]:
@@ -42,7 +42,7 @@ def residual(p: torch.Tensor, d: int) -> torch.Tensor:
 
 def sample(p: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token ~ p: argmax(p / q), q ~ Exp(1) per entry (the exponential race)."""
-    q = torch.empty(p.shape[-1], dtype=torch.float32).exponential_(generator=generator).clamp_min_(_Q_MIN)
+    q = exp_noise((1, p.shape[-1]), [generator], "cpu")[0]
     return int(torch.argmax(p.float().cpu() / q))
 
 
