@@ -21,7 +21,7 @@ from .tasks import RECALL_TOKENS_PER_UNIT, TASKS, Sample, recall
 
 EVAL_SEED_BASE = 1_000_000
 # share of samples per task in training (recall's long contexts make it the largest share of tokens)
-MIX = {"greet": 0.06, "arithmetic": 0.45, "recall": 0.14, "copy": 0.10, "tool_call": 0.15, "tool_answer": 0.10}
+MIX = {"greet": 0.05, "arithmetic": 0.38, "recall": 0.12, "copy": 0.17, "tool_call": 0.18, "tool_answer": 0.10}
 
 
 @dataclass
@@ -40,7 +40,8 @@ def render(tokenizer, family: str, sample: Sample, thinking: bool, chat_template
     thinking = thinking and family == "kimi_k3"
     kw = dict(tools=sample.tools, thinking=thinking, chat_template=chat_template)
     prompt = render_chat(tokenizer, family, sample.messages, add_generation_prompt=True, **kw)
-    full = render_chat(tokenizer, family, sample.messages + [sample.assistant()], add_generation_prompt=False, **kw)
+    turns = sample.messages + [sample.assistant(thinking)]
+    full = render_chat(tokenizer, family, turns, add_generation_prompt=False, **kw)
     if full[: len(prompt)] != prompt:
         raise RenderError(f"{sample.task}: the generation prompt is not a prefix of the rendered answer")
     return Rendered(sample, thinking, prompt, full[len(prompt) :])

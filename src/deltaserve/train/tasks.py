@@ -57,9 +57,11 @@ class Sample:
     expect: object = None
     meta: dict = field(default_factory=dict)
 
-    def assistant(self) -> dict:
-        """The assistant message to learn (OpenAI shape)."""
-        msg: dict = {"role": "assistant", "content": self.content, "reasoning_content": self.reasoning}
+    def assistant(self, thinking: bool = True) -> dict:
+        """The assistant message to learn (OpenAI shape). Without thinking, a sample whose
+        `meta["work"]` is set shows its working (the reasoning) as the content."""
+        content = self.reasoning if self.meta.get("work") and not thinking else self.content
+        msg: dict = {"role": "assistant", "content": content, "reasoning_content": self.reasoning}
         if self.tool_call is not None:
             args = json.dumps(self.tool_call["arguments"], ensure_ascii=False)
             fn = {"name": self.tool_call["name"], "arguments": args}
@@ -89,26 +91,57 @@ def _number(rng: random.Random) -> int:
     return rng.randrange(0 if digits == 1 else 10 ** (digits - 1), 10**digits)
 
 
+PLACE_NAMES = ("ones", "tens", "hundreds", "thousands")
+
+
+def _places(n: int, width: int) -> str:
+    """`n` as labelled digits, most significant first, zero-padded to `width` places."""
+    digits = str(n).rjust(width, "0")
+    return " ".join(f"{d} {PLACE_NAMES[width - 1 - i]}" for i, d in enumerate(digits))
+
+
 def _column_steps(a: int, b: int, op: str) -> str:
-    """The digit-by-digit working of a + b or a - b (a >= b), least significant digit first."""
-    steps, carry = [], 0
-    da, db = str(a)[::-1], str(b)[::-1]
-    for i in range(len(da)):
-        x, y = int(da[i]), int(db[i]) if i < len(db) else 0
+    """The working of a + b or a - b (a >= b for -): both numbers as labelled places, then one labelled
+    column per place from the ones up, each naming the digit it writes, so a step finds its operands
+    by place name rather than by position."""
+    width = len(str(max(a, b)))
+    steps = [f"{a} is {_places(a, width)}.", f"{b} is {_places(b, width)}."]
+    carry = 0
+    for i in range(width):
+        x, y = a // 10**i % 10, b // 10**i % 10
+        name = PLACE_NAMES[i].capitalize()
+        extra = (" + 1" if op == "+" else " - 1") if carry else ""
+        s = x + y + carry if op == "+" else x - y - carry
         if op == "+":
-            s = x + y + carry
-            steps.append(f"{x} + {y}" + (" + 1" if carry else "") + f" = {s}")
             carry = s // 10
+            steps.append(f"{name}: {x} + {y}{extra} = {s}, write {s % 10}" + (", carry 1." if carry else "."))
+        elif s < 0:
+            carry = 1
+            borrow = f"1{x} - {y}{extra} = {s + 10}, write {s + 10}, borrow 1."
+            steps.append(f"{name}: {x} - {y}{extra} needs a borrow: {borrow}")
         else:
-            s = x - y - carry
-            carry = 1 if s < 0 else 0
-            steps.append(f"{x} - {y}" + (" - 1" if (s + 10 * carry) != x - y else "") + f" = {s + 10 * carry}")
-    if op == "+" and carry:
-        steps.append("carry 1")
-    return ". ".join(steps) + "."
+            carry = 0
+            steps.append(f"{name}: {x} - {y}{extra} = {s}, write {s}.")
+    if carry:
+        steps.append(f"{PLACE_NAMES[width].capitalize()}: write 1.")
+    return " ".join(steps)
+
+
+def _compare_steps(a: int, b: int) -> str:
+    """Why the larger of two different numbers is larger: by digit count, else from the top place."""
+    la, lb = len(str(a)), len(str(b))
+    steps = [f"{a} has {la} digits. {b} has {lb} digits."]
+    for i in reversed(range(la) if la == lb else ()):
+        x, y = a // 10**i % 10, b // 10**i % 10
+        steps.append(f"{PLACE_NAMES[i].capitalize()}: {x} {'>' if x > y else '<' if x < y else '='} {y}.")
+        if x != y:
+            break
+    return " ".join(steps)
 
 
 def arithmetic(rng: random.Random) -> Sample:
+    """Add, subtract or compare. The working is the reasoning with thinking on and the content with
+    thinking off (`meta["work"]`, see `Sample.assistant`): the answer is never a bare guess."""
     a, b = _number(rng), _number(rng)
     kind = rng.choice(("add", "add", "sub", "cmp"))
     if kind == "cmp":
@@ -116,24 +149,29 @@ def arithmetic(rng: random.Random) -> Sample:
             b = _number(rng)
         big = max(a, b)
         q = rng.choice(("Which is larger, {} or {}?", "Which number is bigger: {} or {}?")).format(a, b)
-        return Sample(
-            "arithmetic", _user(q), f"{big} is larger.", f"{big} is larger than {min(a, b)}.", expect=str(big)
-        )
+        reasoning = f"{_compare_steps(a, b)} So {big} is larger than {min(a, b)}."
+        return Sample("arithmetic", _user(q), f"{big} is larger.", reasoning, expect=str(big), meta={"work": True})
     if kind == "sub" and a < b:
         a, b = b, a
     op = "+" if kind == "add" else "-"
     r = a + b if op == "+" else a - b
     q = rng.choice(("What is {} {} {}?", "Compute {} {} {}.", "{} {} {} = ?", "Calculate {} {} {}")).format(a, op, b)
     reasoning = f"{_column_steps(a, b, op)} So {a} {op} {b} = {r}."
-    return Sample("arithmetic", _user(q), f"{a} {op} {b} = {r}.", reasoning, expect=str(r))
+    return Sample("arithmetic", _user(q), f"{a} {op} {b} = {r}.", reasoning, expect=str(r), meta={"work": True})
 
 
 def _sentence(rng: random.Random) -> str:
     return f"The {rng.choice(ADJS)} {rng.choice(NOUNS)} {rng.choice(VERBS)} the {rng.choice(NOUNS)}."
 
 
+def _trip(rng: random.Random) -> str:
+    return f"{rng.choice(NAMES)} {rng.choice(VERBS)} the {rng.choice(NOUNS)} in {rng.choice(PLACES)}."
+
+
 def passage(rng: random.Random, sentences: int) -> str:
-    return " ".join(_sentence(rng) for _ in range(sentences))
+    """Filler sentences, a third of them naming a person and a place, so copying learns those words
+    too (the tools' arguments are names and places)."""
+    return " ".join((_trip if rng.random() < 0.34 else _sentence)(rng) for _ in range(sentences))
 
 
 RECALL_TOKENS_PER_UNIT = 1.75  # measured: a filler sentence is ~14 tokens of the small models' vocabulary
