@@ -71,6 +71,11 @@ class EventLog:
             self._pending.clear()
             self._lost = True
 
+    def waiting(self) -> bool:
+        """Whether the next `drain` has something (any thread)."""
+        with self._lock:
+            return self._lost or bool(self._pending)
+
     def drain(self) -> CacheEvents | None:
         """What happened since the last drain (None: nothing), or a reset; on the engine thread."""
         with self._lock:
