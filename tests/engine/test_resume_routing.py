@@ -160,3 +160,35 @@ def test_the_cache_publishes_its_device_checkpoints_and_tier_objects():
     assert got == [CacheEvent(short(a), t, s) for a, t, s in want]
     log.resync()
     assert log.drain() == CacheEvents([CacheEvent(short(h[2]), HOST, True)], reset=True)
+
+
+def test_the_disk_tier_publishes_what_it_writes_evicts_and_finds_at_start(tmp_path):
+    """Writes and evictions (on the writer thread) and a dropped corrupt file are told; objects
+    found on disk at start are in the first reset."""
+    from deltaserve.cache.tiers.disk import DiskTier
+    from deltaserve.cache.tiers.objects import encode
+    from tests.cache.test_tiers import FP, obj
+
+    objs = [obj(i) for i in range(3)]
+    size = len(encode(objs[0], FP))
+    cache, log = _cache(), EventLog()
+    disk = DiskTier(tmp_path, 2 * size, FP)
+    cache.tier = SimpleNamespace(host=None, disk=disk)
+    publish(cache, log)
+    assert log.drain() == CacheEvents([], reset=True)
+    for o in objs:
+        disk.submit(o)
+        disk.flush()
+    keys = [short(o.meta.key) for o in objs]
+    want = [(keys[0], True), (keys[1], True), (keys[2], True), (keys[0], False)]
+    assert log.drain() == CacheEvents([CacheEvent(k, DISK, s) for k, s in want])
+    disk.path(objs[1].meta.key).write_bytes(b"corrupt")
+    assert disk.read(objs[1].meta.key) is None
+    assert log.drain() == CacheEvents([CacheEvent(keys[1], DISK, False)])
+    disk.close()
+    again = DiskTier(tmp_path, 2 * size, FP)
+    log = EventLog()
+    cache.tier = SimpleNamespace(host=None, disk=again)
+    publish(cache, log)
+    assert log.drain() == CacheEvents([CacheEvent(keys[2], DISK, True)], reset=True)
+    again.close()

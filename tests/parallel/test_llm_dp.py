@@ -146,7 +146,8 @@ def test_a_request_goes_where_its_long_prefix_resumes(two):
     """Six prompts sharing their first unit: the sixth spills to the other replica (`SPILL`), with
     a 4-unit prefix of its own. A later request sharing that long prefix goes there (the replicas
     published it), not to the first unit's rendezvous replica: it hits 256 tokens there and the
-    other replica computes nothing for it. Routing by the first unit's hash alone sent it home."""
+    other replica computes nothing for it. Routing by the first unit's hash alone sent it home.
+    Once every replica evicted its checkpoints (and said so), it goes home again."""
     head, tail = ids(21, 64), ids(22, 192)
     two.generate([head + ids(30 + i, 70) for i in range(5)] + [head + tail + [9]], GREEDY, use_tqdm=False)
     before = _replica_stats(two)
@@ -162,6 +163,10 @@ def test_a_request_goes_where_its_long_prefix_resumes(two):
     assert two._dp.router.index.count(held) > 0
     assert two.reset_prefix_cache()  # every checkpoint evicted: the replicas said so
     assert two._dp.router.index.held == {}
+    before = _replica_stats(two)
+    two.generate([head + tail + [5, 6, 7]], GREEDY, use_tqdm=False)  # nothing resumes: the first unit's home
+    went = [a["added"] - b["added"] for a, b in zip(_replica_stats(two), before)]
+    assert went[1 - held] == 1 and two.stats()["routing"]["hash"] >= 1
 
 
 def test_a_refused_batch_leaves_nothing_queued_and_the_rest_works(one, two):
