@@ -233,6 +233,7 @@ class DPClient:
     def generate(self, staged: list[tuple], use_tqdm: bool) -> list[RequestOutput]:
         """`staged`: (request id, prompt ids, params, prompt text, cache salt, images) per
         request, as `LLM.generate` builds them; the outputs in the same order."""
+        self._absorb()
         live = self._check()
         self._seq += 1
         loads, batches, refused = [0] * len(self.replicas), {}, []
@@ -261,6 +262,12 @@ class DPClient:
             f, n = self.replicas[i].failure, outs.count(None)
             raise ReplicaFailure(i, f"{f.reason} ({n} of the call's {len(outs)} requests were on it)", outs)
         return outs
+
+    def _absorb(self) -> None:
+        """Take what the live replicas sent since the last call (`CacheEvents` of idle ones;
+        anything else is stale: `_expect` would skip it), so routing sees their latest state."""
+        for r in self._live():
+            self._heard(r, True)
 
     def _route(self, ids, salt, images, loads, live) -> int:
         """The replica `self.router` picks for one request (see the module docstring)."""
