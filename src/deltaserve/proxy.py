@@ -6,9 +6,11 @@ it holds (`/disagg/match`: the joint hit, MLA pages plus a KDA checkpoint, and t
 coverage) and picks the one holding the most: joint hit first (only it saves computation),
 then MLA coverage (it saves transfer bytes), then the lower load, then a rendezvous hash of the
 request's prefix. A session's next turn thus returns to the instance that cached it. The
-request goes to that decode instance with the least loaded prefill instance named in a header;
-the decode instance pulls the prompt's cache from it and streams the answer, relayed here as
-it comes. The proxy never tokenizes: the decode instance renders the prompt once.
+prefill instances are asked the same at once: the request's prefill goes to the one where the
+longest prefix resumes (joint hit: MLA pages and a KDA checkpoint there), the least loaded among
+equals (or, none answering, the least loaded), named to the decode instance in a header; the
+decode instance pulls the prompt's cache from it and streams the answer, relayed here as it
+comes. The proxy never tokenizes: the decode instance renders the prompt once.
 A decode instance that fails is an error to the client (503 before the answer starts, an SSE
 error event after); the prefill side frees what it computed for it at its park timeout.
 """
@@ -79,8 +81,15 @@ class Proxy:
         self.counters["joint_hit_tokens"] += m.joint_tokens
         self.counters["mla_hit_tokens"] += m.mla_tokens
 
-    def pick_prefill(self) -> str:
-        return min(self.prefill, key=lambda u: (self.inflight[u], self.prefill.index(u)))
+    async def pick_prefill(self, path: str, body: dict) -> str:
+        """The prefill instance holding the longest joint hit of the prompt, the least loaded
+        (requests this proxy has in flight there) among equals; counted by reason."""
+        replies = await asyncio.gather(*(self._match(u, path, body) for u in self.prefill))
+        held = {u: m.joint_tokens for u, m in zip(self.prefill, replies) if m is not None}
+        best = min(self.prefill, key=lambda u: (-held.get(u, 0), self.inflight[u], self.prefill.index(u)))
+        self.counters["prefill_routed_resume" if held.get(best) else "prefill_routed_load"] += 1
+        self.counters["prefill_joint_hit_tokens"] += held.get(best, 0)
+        return best
 
     async def forward(self, request: Request) -> Response:
         raw = await request.body()
@@ -91,8 +100,7 @@ class Proxy:
         if not isinstance(body, dict):
             raise APIError(400, "the body must be a JSON object")
         path = request.url.path
-        ranked = await self.rank_decode(path, body)
-        prefill_url = self.pick_prefill()
+        ranked, prefill_url = await asyncio.gather(self.rank_decode(path, body), self.pick_prefill(path, body))
         headers = passed_headers(request) | {SECRET_HEADER: self.secret, PREFILL_HEADER: prefill_url}
         self.inflight[prefill_url] += 1
         resp = None

@@ -2,12 +2,17 @@
 
 Each replica is a whole `deltaserve serve` (its own scheduler, caches and tensor-parallel ranks)
 started as a subprocess on a loopback port with the same flags; the front forwards every API
-request (streams relayed as they come, the client's `Authorization` passed on) to one replica:
-- **prefix-affine**: the routing key is the start of the prompt (a chat's messages before the
-  last), hashed against each replica (rendezvous hashing), so the turns of one conversation and
-  requests sharing a system prompt land where their prefix is cached;
-- **load-bounded**: a replica with `SPILL` more requests in flight than the least loaded one
-  gives way to it.
+request (streams relayed as they come, the client's `Authorization` passed on) to the replica an
+`engine.dp.routing.Router` picks:
+- **resumable prefix**: each replica publishes where a prefix can resume (MLA pages and a KDA
+  checkpoint at a boundary, per tier: `server/cache_feed.py`); the front hashes the request's
+  prompt as the replica will (`server/route_prompt.py`) and sends it where the longest prefix
+  resumes, device over host over disk, minus load (requests in flight there);
+- **session affinity**: a request naming `prompt_cache_key` (else `cache_salt`) stays on the
+  replica its session went to, unless that one is `SPILL` requests busier than the least loaded;
+- **prefix-affine fallback**: with nothing resumable anywhere, the routing key is the start of
+  the prompt (a chat's messages before the last), hashed against each replica (rendezvous
+  hashing), unless that replica has `SPILL` more requests in flight than the least loaded one.
 
 Replicas are started, watched and restarted by `replica_supervisor.py`; the front routes only to
 live ones (a key whose replica is down moves to its next rendezvous choice, and back when it
@@ -15,8 +20,10 @@ returns). A request whose replica could not be reached goes to another live one;
 a replica that dies fails with a 502 naming the death (a stream already answering ends with an SSE
 error event and `[DONE]`); with no replica live the front answers 503. `/health` is the front's;
 `/ready` is 200 while at least one replica is live and ready (its body counts them); `/metrics`
-counts requests per replica, live replicas, restarts and failures, and each replica's own metrics
-are at `/replicas/{i}/metrics`. Stopping the front stops the replicas.
+counts requests per replica, routing decisions by reason, the boundaries the front knows each
+replica holds, live replicas, restarts and failures, and each replica's own metrics are at
+`/replicas/{i}/metrics`. A dead or restarted replica's published entries are forgotten. Stopping
+the front stops the replicas.
 """
 
 from __future__ import annotations
@@ -26,17 +33,20 @@ import asyncio
 import json
 import signal
 import subprocess
+from contextlib import asynccontextmanager
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from .engine.dp.routing import SPILL, rendezvous_among
+from .engine.dp.routing import REASONS, Router
+from .server.cache_feed import Feeds
 from .server.errors import APIError
 from .server.middleware import front_app
 from .server.protocol import MAX_BODY_BYTES
 from .server.relay import passed_headers, ready_flags, stream_back
 from .server.replica_supervisor import Replica
+from .server.route_prompt import PromptHasher, session_of
 
 __all__ = ["Front", "Replica", "build_front_app", "replica_argv", "routing_key"]
 
@@ -76,22 +86,24 @@ async def death(proc: subprocess.Popen, wait: float = 1.0) -> str | None:
 
 
 class Front:
-    def __init__(self, replicas: list[Replica]):
-        self.replicas = replicas
+    def __init__(self, replicas: list[Replica], hasher: PromptHasher | None = None, api_key: str | None = None):
+        """`hasher` None: no prompt hashes (routing by session and the fallback only)."""
+        self.replicas, self.hasher = replicas, hasher
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
+        self.router = Router()
+        self.feeds = Feeds(replicas, self.router, self.client, api_key)
 
     def live(self) -> list[Replica]:
         return [r for r in self.replicas if r.live]
 
-    def pick(self, key: bytes, skip: set[int] = frozenset()) -> Replica:
-        """The prefix-affine live replica unless it is `SPILL` requests busier than the least
-        loaded live one; 503 when none is live (but those in `skip`)."""
-        live = [r for r in self.live() if r.index not in skip]
+    def pick(self, key: bytes, skip: set[int] = frozenset(), hashes=(), session: str | None = None) -> Replica:
+        """The live replica the router picks (see the module docstring); 503 when none is live
+        (but those in `skip`)."""
+        live = [r.index for r in self.live() if r.index not in skip]
         if not live:
             raise self.unavailable(len(self.live()))
-        home = self.replicas[rendezvous_among(key, [r.index for r in live])]
-        least = min(live, key=lambda r: r.inflight)
-        return home if home.inflight <= least.inflight + SPILL else least
+        loads = [r.inflight for r in self.replicas]
+        return self.replicas[self.router.route(key, hashes, loads, live, session).replica]
 
     def unavailable(self, live: int) -> APIError:
         n = len(self.replicas)
@@ -111,14 +123,20 @@ class Front:
             body = json.loads(raw) if raw else {}
         except ValueError:
             body = {}
-        return await self.send(routing_key(body if isinstance(body, dict) else {}), request, request.url.path, raw)
+        body = body if isinstance(body, dict) else {}
+        path, hashes, hello = request.url.path, [], self.feeds.hello
+        if self.hasher is not None and hello is not None and hello.unit:
+            hashes = await self.hasher.hashes(path, body, hello.model_id, hello.unit, hello.family)
+        return await self.send(routing_key(body), request, path, raw, hashes=hashes, session=session_of(body))
 
-    async def send(self, key: bytes, request: Request, path: str, raw: bytes = b"", count: bool = True) -> Response:
-        """Relay to the live replica `pick` chooses for `key`; one that cannot be reached hands the
-        request to the next. `count`: the request counts in the replica's `routed`."""
+    async def send(
+        self, key: bytes, request: Request, path: str, raw: bytes = b"", count: bool = True, hashes=(), session=None
+    ) -> Response:
+        """Relay to the live replica `pick` chooses; one that cannot be reached hands the request
+        to the next. `count`: the request counts in the replica's `routed`."""
         tried: set[int] = set()
         while True:
-            replica = self.pick(key, tried)
+            replica = self.pick(key, tried, hashes, session)
             try:
                 answer = await self.relay(replica, request, path, raw)
             except Unreached:
@@ -166,6 +184,22 @@ class Front:
         """How many live replicas answer `/ready` with 200 (within 5 s)."""
         return sum(await ready_flags(self.client, [r.url for r in self.live()]))
 
+    def _routing_metrics(self) -> list[str]:
+        rs, batches, decisions = self.replicas, self.feeds.batches, self.router.decisions
+        return [
+            "# HELP deltaserve:dp_route_decisions_total Routing decisions by reason (resume_<tier>: where "
+            "the longest prefix resumes; affinity: the session's replica; hash: the prompt start's "
+            "rendezvous replica, nothing resumable; load: the less loaded).",
+            "# TYPE deltaserve:dp_route_decisions_total counter",
+            *(f'deltaserve:dp_route_decisions_total{{reason="{w}"}} {decisions[w]}' for w in REASONS),
+            "# HELP deltaserve:dp_route_boundaries Resumable boundaries the front knows each replica holds.",
+            "# TYPE deltaserve:dp_route_boundaries gauge",
+            *(f'deltaserve:dp_route_boundaries{{replica="{r.index}"}} {self.router.index.count(r.index)}' for r in rs),
+            "# HELP deltaserve:dp_route_event_batches_total Resumable-prefix event batches applied per replica.",
+            "# TYPE deltaserve:dp_route_event_batches_total counter",
+            *(f'deltaserve:dp_route_event_batches_total{{replica="{r.index}"}} {batches[r.index]}' for r in rs),
+        ]
+
     def metrics(self) -> str:
         rs = self.replicas
         lines = [
@@ -175,6 +209,7 @@ class Front:
             "# HELP deltaserve:dp_requests_inflight Requests in flight at each replica.",
             "# TYPE deltaserve:dp_requests_inflight gauge",
             *(f'deltaserve:dp_requests_inflight{{replica="{r.index}"}} {r.inflight}' for r in rs),
+            *self._routing_metrics(),
             "# HELP deltaserve:dp_replicas Replicas configured (--data-parallel-size).",
             "# TYPE deltaserve:dp_replicas gauge",
             f"deltaserve:dp_replicas {len(rs)}",
@@ -197,7 +232,14 @@ class Front:
 
 def build_front_app(front: Front, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The front's app; `max_body_bytes` should be the replicas' largest cap (images grow it)."""
-    app = front_app("deltaserve (data parallel)", api_key, max_body_bytes, front.metrics)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        front.feeds.start()  # the replicas' resumable-prefix feeds, polled while the front runs
+        yield
+        await front.feeds.stop()
+
+    app = front_app("deltaserve (data parallel)", api_key, max_body_bytes, front.metrics, lifespan)
     for path in FORWARDED:
         app.add_api_route(path, front.forward, methods=["POST"])
 

@@ -118,7 +118,7 @@ def install_role(app, engine, args: argparse.Namespace, ranks: InstanceRanks | N
         ranks = InstanceRanks(engine, args.kv_transfer_engine, args.kv_transfer_host)
     if args.role == "prefill":
         service = PrefillService(engine, ranks, secret, args.disagg_park_timeout)
-        app.include_router(service.router())
+        app.include_router(service.router(render))
     else:
         service = DecodeHandoff(engine, ranks, secret, args.disagg_on_failure, args.disagg_local_prefill_tokens)
         app.state.server = dataclasses.replace(app.state.server, handoff=service)

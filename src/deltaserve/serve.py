@@ -298,6 +298,19 @@ def _stop(server) -> None:
     server.should_exit = True
 
 
+def _prompt_hasher(model_dir: Path):
+    """The front's prompt hasher (`server/route_prompt.py`), or None when the model has no tokenizer."""
+    from .chat.render import load_chat_template
+    from .model.tokenizer import Tokenizer
+    from .server.route_prompt import PromptHasher
+
+    try:
+        return PromptHasher(Tokenizer.from_pretrained(model_dir), load_chat_template(model_dir))
+    except Exception as e:
+        log.warning("the front routes without prompt hashes: no tokenizer (%s)", e)
+        return None
+
+
 def _serve_replicas(args: argparse.Namespace, model_dir: Path, name: str) -> int:
     """`--data-parallel-size N`: N replica servers behind the front (`replica_front`)."""
     import uvicorn
@@ -321,7 +334,7 @@ def _serve_replicas(args: argparse.Namespace, model_dir: Path, name: str) -> int
         supervisor.stop(stop_s)
         log.error("no data-parallel replica came up: %s", supervisor.failed_start())
         return 1
-    front = rf.Front(supervisor.replicas)
+    front = rf.Front(supervisor.replicas, _prompt_hasher(model_dir), args.api_key)
     server = uvicorn.Server(
         uvicorn.Config(
             rf.build_front_app(front, args.api_key, media_body_bytes(media_policy(args))),

@@ -135,6 +135,40 @@ def test_requests_sharing_a_prefix_meet_on_one_replica(two):
     assert sorted(a - b for a, b in zip(added(two), before)) == [0, 3]
 
 
+def _replica_stats(llm) -> list[dict]:
+    return [
+        {"added": s["requests_added"], "computed": s["computed_tokens"], **s["prefix_cache"]}
+        for s in llm.stats()["replicas"]
+    ]
+
+
+def test_a_request_goes_where_its_long_prefix_resumes(two):
+    """Six prompts sharing their first unit: the sixth spills to the other replica (`SPILL`), with
+    a 4-unit prefix of its own. A later request sharing that long prefix goes there (the replicas
+    published it), not to the first unit's rendezvous replica: it hits 256 tokens there and the
+    other replica computes nothing for it. Routing by the first unit's hash alone sent it home.
+    Once every replica evicted its checkpoints (and said so), it goes home again."""
+    head, tail = ids(21, 64), ids(22, 192)
+    two.generate([head + ids(30 + i, 70) for i in range(5)] + [head + tail + [9]], GREEDY, use_tqdm=False)
+    before = _replica_stats(two)
+    two.generate([head + tail + [5, 6, 7]], GREEDY, use_tqdm=False)
+    after = _replica_stats(two)
+    went = [a["added"] - b["added"] for a, b in zip(after, before)]
+    held = went.index(1)
+    assert sorted(went) == [0, 1]
+    assert after[held]["hits"] == before[held]["hits"] + 1
+    assert after[held]["hit_tokens"] - before[held]["hit_tokens"] == 256
+    assert after[1 - held]["computed"] == before[1 - held]["computed"]
+    assert two.stats()["routing"]["resume_device"] >= 1
+    assert two._dp.router.index.count(held) > 0
+    assert two.reset_prefix_cache()  # every checkpoint evicted: the replicas said so
+    assert two._dp.router.index.held == {}
+    before = _replica_stats(two)
+    two.generate([head + tail + [5, 6, 7]], GREEDY, use_tqdm=False)  # nothing resumes: the first unit's home
+    went = [a["added"] - b["added"] for a, b in zip(_replica_stats(two), before)]
+    assert went[1 - held] == 1 and two.stats()["routing"]["hash"] >= 1
+
+
 def test_a_refused_batch_leaves_nothing_queued_and_the_rest_works(one, two):
     bad = [ids(1, 4), ids(2, 2000), [1, 2, "x"]]
     with pytest.raises(InvalidRequestError) as want:
@@ -187,6 +221,7 @@ def test_a_replica_that_dies_fails_only_its_requests(one, two):
     assert [o.outputs[0].token_ids for o in two.generate(prompts, GREEDY, use_tqdm=False)] == want
     stats = two.stats()
     assert stats["replicas_live"] == 1 and stats["data_parallel_size"] == 2 and len(stats["replicas"]) == 1
+    assert two._dp.router.index.count(1) == 0  # what the dead replica published is forgotten
     two.shutdown()
     assert all(r.proc.poll() is not None for r in two._dp.replicas)
 

@@ -7,6 +7,8 @@ own 1) are evicted, so a checkpoint's MLA pages live at least as long as the che
 checkpoint that an admission is about to copy is pinned (`pin_checkpoint`) and never evicted
 until unpinned. LRU order: `OrderedDict`s, most recently used last. What eviction takes is handed
 to the index's lower tier (`tiers.LowerTier`; `tiers.DROP` keeps nothing) before it is freed.
+Every checkpoint registered or dropped is told to `events` (`events.EventLog`), when set: a device
+checkpoint is a boundary resumable here.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections import Counter, OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from .events import DEVICE, EventLog
 from .kda_pool import KdaStatePool
 from .mla_pool import MlaPagePool
 from .tiers import DROP, LowerTier
@@ -36,6 +39,7 @@ class PrefixIndex:
         self.evicted_units = 0
         self.evicted_checkpoints = 0
         self.pinned: Counter[bytes] = Counter()
+        self.events: EventLog | None = None
 
     def match(self, hashes: list[bytes]) -> tuple[int, int]:
         """(k_mla, k_hit): the number of leading units cached, and the largest k <= k_mla with a
@@ -97,6 +101,8 @@ class PrefixIndex:
             return False
         self.units[h].pins += 1
         self.ckpts[h] = slot
+        if self.events is not None:
+            self.events.emit(h, DEVICE, True)
         return True
 
     def _evictable(self, e: UnitEntry) -> bool:
@@ -168,6 +174,8 @@ class PrefixIndex:
         slot = self.ckpts.pop(h)
         self.units[h].pins -= 1
         self.ckpt_pool.release(slot)
+        if self.events is not None:
+            self.events.emit(h, DEVICE, False)
 
     def page_refs(self) -> dict[int, int]:
         refs: dict[int, int] = {}

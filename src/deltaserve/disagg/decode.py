@@ -44,12 +44,11 @@ from ..engine.sched.handoff import Reservation, cancel, reserve
 from ..parallel.kv_transfer import TransferError
 from ..server.async_engine import AsyncEngine
 from ..server.errors import APIError
-from .matching import match_reply
+from .matching import add_match_route
 from .protocol import (
     MSGPACK,
     PREFILL_HEADER,
     SECRET_HEADER,
-    MatchRequest,
     PrefillRequest,
     Release,
     ReleaseReply,
@@ -59,7 +58,7 @@ from .protocol import (
     encode,
 )
 from .ranks import InstanceRanks
-from .service import check_secret, engine_state, read_msg, reply
+from .service import check_secret, engine_state
 
 PREFILL_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("prefill_target", default=None)
 REFUSED, TIMED_OUT = -1, -2  # `_reserve`'s answers that are neither a reservation nor a local prefill
@@ -288,11 +287,7 @@ class DecodeHandoff:
         """`render(state, path, body)`: the prompt ids a generation request would get (or None)."""
         r = APIRouter()
 
-        @r.post("/disagg/match")
-        async def match(request: Request):
-            msg = await read_msg(request, self.secret, MatchRequest)
-            ids = await render(request.app.state.server, msg.path, msg.body)
-            return reply(await match_reply(self.engine, ids))
+        add_match_route(r, self.engine, self.secret, render)
 
         @r.get("/disagg/state")
         async def state(request: Request):

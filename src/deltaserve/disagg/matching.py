@@ -1,9 +1,15 @@
-"""A decode instance's answer to "what of this prompt do you hold?", both halves counted."""
+"""An instance's answer to "what of this prompt do you hold?", both halves counted: the proxy asks
+decode instances (which to send a request to) and prefill instances (which to compute it on)."""
 
 from __future__ import annotations
 
+from typing import Callable
+
+from fastapi import APIRouter, Request
+
 from ..server.async_engine import AsyncEngine
-from .protocol import MatchReply
+from .protocol import MatchReply, MatchRequest
+from .service import read_msg, reply
 
 
 def _match(core, ids: list[int]) -> MatchReply:
@@ -17,3 +23,13 @@ async def match_reply(engine: AsyncEngine, ids: list[int] | None) -> MatchReply:
     if ids is None:
         return MatchReply(0, 0, 0, engine.queue_load())
     return await engine.call(lambda core: _match(core, ids))
+
+
+def add_match_route(r: APIRouter, engine: AsyncEngine, secret: str, render: Callable) -> None:
+    """`POST /disagg/match` on `r`: `render(state, path, body)` gives a request's prompt ids (or None)."""
+
+    @r.post("/disagg/match")
+    async def match(request: Request):
+        msg = await read_msg(request, secret, MatchRequest)
+        ids = await render(request.app.state.server, msg.path, msg.body)
+        return reply(await match_reply(engine, ids))

@@ -32,6 +32,7 @@ from ..engine.sched.handoff import parked_regions, release_parked
 from ..server.async_engine import AsyncEngine
 from ..server.errors import APIError
 from ..server.request_stream import EngineDeadError
+from .matching import add_match_route
 from .protocol import PrefillRequest, RankSource, Release, ReleaseReply, TransferHeader
 from .ranks import InstanceRanks
 from .service import check_secret, engine_state, read_msg, reply
@@ -135,8 +136,12 @@ class PrefillService:
             if self.expire():
                 log.warning("freed parked prefills nobody read within %.0f s", self.ttl_s)
 
-    def router(self) -> APIRouter:
+    def router(self, render=None) -> APIRouter:
+        """The prefill routes; with `render` (`roles.render`) also `/disagg/match`, so the proxy
+        can send a prompt to the prefill instance holding its prefix."""
         r = APIRouter()
+        if render is not None:
+            add_match_route(r, self.engine, self.secret, render)
 
         @r.post("/disagg/prefill")
         async def prefill(request: Request):

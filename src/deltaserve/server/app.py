@@ -6,7 +6,8 @@ It creates the FastAPI app (the engine thread starts with it), installs the midd
 (outermost first: `ErrorGuard`, `ApiKeyAuth` when a key is set, `BodyLimit`), the error handlers
 and the routers of `routes/`, and stores the shared `ServerState` (engine, model name, a fresh
 `Metrics`, queue cap) on `app.state.server`. Every error is an OpenAI-style body
-`{"error": {"message", "type", "param", "code"}}`; messages never carry internals (an
+`{"error": {"message", "type", "param", "code"}}` (the data-parallel front's resumable-prefix
+feed, `cache_feed.py`, answers msgpack); messages never carry internals (an
 unexpected exception is logged and answered 500 `server_error`, see `middleware.py`, which also
 checks the API key before the body is read). With `max_waiting_requests` set, a generation
 request arriving while that many are queued gets 429 with `Retry-After`, before any work. With an
@@ -25,6 +26,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..model.image_processor import ImageProcessor
+from . import cache_feed
 from .async_engine import AsyncEngine
 from .errors import APIError, BodyLimit, validation_message
 from .media import MediaPolicy
@@ -97,6 +99,6 @@ def build_app(
         sampling_policy=sampling_policy,
         channel_guard=channel_guard and engine.family == "kimi_k3",
     )
-    for module in (completions, chat, misc):
+    for module in (completions, chat, misc, cache_feed):
         app.include_router(module.router)
     return app

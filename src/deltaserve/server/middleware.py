@@ -75,15 +75,16 @@ class ApiKeyAuth:
         await self.app(scope, receive, send)
 
 
-def front_app(title: str, api_key: str | None, max_body_bytes: int, metrics):
+def front_app(title: str, api_key: str | None, max_body_bytes: int, metrics, lifespan=None):
     """The FastAPI app of a front that relays to engine servers (`replica_front`, the
     disaggregation proxy): OpenAI-style errors, the same middleware as a server, `/health` and
-    `/metrics` (the text `metrics()` returns); the caller adds its routes and `/ready`."""
+    `/metrics` (the text `metrics()` returns); the caller adds its routes and `/ready`, and may
+    give the app's `lifespan`."""
     from fastapi import FastAPI, Response
 
     from .errors import APIError, BodyLimit
 
-    app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title=title, docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
 
     @app.get("/health")
     async def health():

@@ -122,6 +122,9 @@ class _Sampling(_Base):
     user: Optional[StrictStr] = None
     logit_bias: Optional[dict[StrictStr, Number]] = Field(None, max_length=MAX_LOGIT_BIAS)
     cache_salt: Optional[StrictStr] = Field(None, min_length=1, max_length=1024)
+    prompt_cache_key: Optional[StrictStr] = Field(
+        None, max_length=1024
+    )  # a session: the DP front keeps it on one replica
 
     @field_validator("logit_bias")
     @classmethod

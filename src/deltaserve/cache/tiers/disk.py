@@ -21,6 +21,8 @@ verifies it into `staged`, where the engine thread `take`s it; meanwhile the eng
 Threads: the engine thread calls `meta`, `touch`, `read`, `submit`, `prefetch`, `take`; the
 writer thread adds written files and evicts over the size limit (least recently used first); the
 reader thread reads. `lock` guards the index, the staging area and the counters.
+`on_change(key, stored)`, when set, is told each object indexed or dropped, under `lock` (routing
+events; the objects found at start are not told).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class DiskTier:
         self.pending: dict[bytes, Meta] = {}
         self.pending_bytes, self.max_pending = 0, max_pending or min(limit, 4 << 30)
         self.counters: Counter[str] = Counter()
+        self.on_change = None
         self.lock = threading.Lock()
         self._queue: queue.Queue[TierObject | None] = queue.Queue()
         self.reading: set[bytes] = set()
@@ -173,6 +176,7 @@ class DiskTier:
             self.used += meta.nbytes
             self.counters["objects_written"] += 1
             self.counters["bytes_written"] += meta.nbytes
+            self._told(meta.key, True)
             self._evict()
 
     def _evict(self) -> None:
@@ -181,7 +185,12 @@ class DiskTier:
             key, meta = self.index.popitem(last=False)
             self.used -= meta.nbytes
             self.counters["evicted"] += 1
+            self._told(key, False)
             self.path(key).unlink(missing_ok=True)
+
+    def _told(self, key: bytes, stored: bool) -> None:
+        if self.on_change is not None:
+            self.on_change(key, stored)
 
     def read(self, key: bytes) -> TierObject | None:
         """The verified object at `key`, or None (a counted miss: the file is gone, cut, foreign or
@@ -200,6 +209,7 @@ class DiskTier:
             with self.lock:
                 if self.index.pop(key, None) is not None:
                     self.used -= want.nbytes
+                    self._told(key, False)
                 self._reject(path, e)
             return None
         with self.lock:

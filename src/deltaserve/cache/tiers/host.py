@@ -2,6 +2,7 @@
 
 Used on the engine thread only. Invariant: `used` is the sum of the held objects' bytes and
 never exceeds `limit` after a call returns; an object larger than `limit` is not kept.
+`on_change(key, stored)`, when set, is told each object kept or evicted (routing events).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class HostTier:
         self.limit, self.used = limit, 0
         self.objects: OrderedDict[bytes, TierObject] = OrderedDict()
         self.counters: Counter[str] = Counter()
+        self.on_change = None
 
     def meta(self, key: bytes) -> Meta | None:
         obj = self.objects.get(key)
@@ -39,10 +41,14 @@ class HostTier:
         self.used += size
         self.counters["objects_written"] += 1
         self.counters["bytes_written"] += size
+        if self.on_change is not None:
+            self.on_change(key, True)
         while self.used > self.limit:
-            _, old = self.objects.popitem(last=False)
+            old_key, old = self.objects.popitem(last=False)
             self.used -= old.meta.nbytes
             self.counters["evicted"] += 1
+            if self.on_change is not None:
+                self.on_change(old_key, False)
 
     def get(self, key: bytes) -> TierObject | None:
         obj = self.objects.get(key)

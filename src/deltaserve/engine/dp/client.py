@@ -9,16 +9,20 @@ its own `tensor_parallel_size` of them (`visible_gpus`). The client and a replic
 socket pair in `dp.protocol` messages (msgspec, never pickle).
 
 Invariants:
-- a batch is routed by `routing.pick` on the request's salt and first `prefix_match_unit` prompt
-  tokens: with prefix caching, requests sharing a cacheable prefix meet on one replica unless it
-  is `SPILL` sequences busier than the least loaded; without (no cache to meet), every request
-  goes to the least loaded replica, its rendezvous replica among equals;
+- a batch is routed by a `routing.Router`: with prefix caching, to the replica where the longest
+  prefix of the request's hash chain can resume (as the replicas' `CacheEvents` said: device
+  over host over disk, minus load; requests with images or of a salt in a session keep their
+  session, the salt, on one replica), else by `routing.pick` on the salt and first
+  `prefix_match_unit` tokens (requests sharing a cacheable prefix meet on one replica unless it
+  is `SPILL` sequences busier than the least loaded); without prefix caching every request goes
+  to the least loaded replica, its rendezvous replica among equals;
 - `generate` returns what one engine would: outputs in input order, request ids from the
   `LLM`'s counter; every request is validated before any runs (a refusal raises the
   `InvalidRequestError` one engine would and leaves nothing queued); greedy and seeded requests
   give the same tokens, unseeded random ones draw from their replica's engine seed;
 - a replica that exits, reports a failure, or with work says nothing for `distributed_timeout`
-  seconds is lost (killed if it still runs) and fails only its own requests: the call raises
+  seconds is lost (killed if it still runs; the router forgets what it published) and fails
+  only its own requests: the call raises
   `ReplicaFailure` once the other replicas' requests are done, with their outputs in its
   `outputs`; later calls go to the replicas left (with none left they raise the failure);
 - `shutdown` stops every replica; a replica exits when the client's process does."""
@@ -26,7 +30,6 @@ Invariants:
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import json
 import os
 import select
@@ -34,20 +37,19 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import ExitStack
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import msgspec
-import torch
 from tqdm.auto import tqdm
 
+from ...cache.events import CacheEvents
 from ..config import EngineConfig
 from ..exec.ranks import TORCHRUN_ENV, config_json
 from ..request.mm_inputs import ImagePrompts
 from ..request.outputs import RequestOutput
 from ..request.sampling_params import SamplingParams
 from ..request.sequence import InvalidRequestError
+from .configs import replica_configs, visible_gpus
 from .protocol import (
     DP_PROTOCOL_VERSION,
     Abort,
@@ -64,7 +66,7 @@ from .protocol import (
     request_to_wire,
 )
 from .replica import REPLICA_ENV
-from .routing import SPILL, pick, token_key
+from .routing import SPILL, Router, prompt_hashes, token_key
 
 POLL = 0.2  # seconds between liveness checks while waiting
 STOP_TIMEOUT = 15.0  # seconds a replica gets to stop (its worker ranks too) before it is killed
@@ -85,51 +87,6 @@ class _Replica:
     proc: subprocess.Popen
     link: Link
     failure: ReplicaFailure | None = None  # set once it is lost
-
-
-def _cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def _init_methods(c: EngineConfig) -> list[str | None]:
-    """Each replica's tensor-parallel rendezvous: the given tcp://HOST:PORT moved up by the
-    replica's index, else distinct free loopback ports (held open together while chosen)."""
-    n = c.data_parallel_size
-    if c.tensor_parallel_size == 1:
-        return [None] * n
-    if c.distributed_init_method:
-        url = urlsplit(c.distributed_init_method)
-        if url.scheme != "tcp" or url.port is None:
-            raise ValueError("with data_parallel_size > 1, distributed_init_method must be tcp://HOST:PORT")
-        return [f"tcp://{url.hostname}:{url.port + i}" for i in range(n)]
-    with ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [f"tcp://127.0.0.1:{s.getsockname()[1]}" for s in socks]
-
-
-def replica_configs(c: EngineConfig) -> list[EngineConfig]:
-    """The configs of `c`'s replicas: one engine each, threads split, own rendezvous."""
-    c.check_parallel()
-    n = c.data_parallel_size
-    threads = c.num_threads or max(1, _cpus() // (n * c.tensor_parallel_size))
-    return [
-        dataclasses.replace(
-            c, data_parallel_size=1, num_threads=threads, progress=c.progress and i == 0, distributed_init_method=init
-        )
-        for i, init in enumerate(_init_methods(c))
-    ]
-
-
-def visible_gpus(c: EngineConfig, index: int, dp: int) -> str | None:
-    """Replica `index`'s `CUDA_VISIBLE_DEVICES` on `c.device` "cuda" / "auto" when at least
-    dp x tp GPUs are visible: its own `tensor_parallel_size` of them; else None (shared)."""
-    if c.device not in ("cuda", "auto") or not torch.cuda.is_available():
-        return None
-    tp, listed = c.tensor_parallel_size, os.environ.get("CUDA_VISIBLE_DEVICES")
-    visible = listed.split(",") if listed else [str(i) for i in range(torch.cuda.device_count())]
-    return ",".join(visible[index * tp : (index + 1) * tp]) if len(visible) >= dp * tp else None
 
 
 def _spawn(index: int, c: EngineConfig, dp: int) -> _Replica:
@@ -157,6 +114,7 @@ class DPClient:
         self._closed = False
         self._seq = 0
         self.spill = SPILL if config.enable_prefix_caching else 0
+        self.router = Router()
         configs = replica_configs(config)
         atexit.register(self.kill)
         try:
@@ -171,6 +129,7 @@ class DPClient:
             self.kill()
             raise RuntimeError(f"a replica speaks another protocol version than {DP_PROTOCOL_VERSION}")
         self.max_model_len, self.family, self.vocab_size = first.max_model_len, first.family, first.vocab_size
+        self.model_id, self.unit = first.model_id, first.unit
         memory = [r.rank_memory for r in readies]
         self.rank_memory = None if None in memory else [m for ranks in memory for m in ranks]
         # client side only `expand_rendered` is used, which needs to know the replicas take images
@@ -186,6 +145,7 @@ class DPClient:
         """`r` lost (killed if it still runs); the others go on."""
         if r.failure is None:
             r.failure = ReplicaFailure(r.index, reason)
+            self.router.forget(r.index)
             if r.proc.poll() is None:
                 r.proc.kill()
                 r.proc.wait()
@@ -209,6 +169,8 @@ class DPClient:
             raise self._lose(r, f"pid {r.proc.pid} closed its connection (exit code {code})")
         if isinstance(msg, Failed):
             raise self._lose(r, msg.reason)
+        if isinstance(msg, CacheEvents):
+            self.router.index.apply(r.index, msg)
         return msg
 
     def _wait(self, rs: list[_Replica], heard: dict[int, float] | None) -> list[tuple[_Replica, object]]:
@@ -271,6 +233,7 @@ class DPClient:
     def generate(self, staged: list[tuple], use_tqdm: bool) -> list[RequestOutput]:
         """`staged`: (request id, prompt ids, params, prompt text, cache salt, images) per
         request, as `LLM.generate` builds them; the outputs in the same order."""
+        self._absorb()
         live = self._check()
         self._seq += 1
         loads, batches, refused = [0] * len(self.replicas), {}, []
@@ -281,7 +244,7 @@ class DPClient:
             if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
                 refused.append((0, pos, f"prompt token ids must be ints in [0, {vocab})"))  # not encodable
                 continue
-            i = pick(token_key(ids, salt, self.config.prefix_match_unit), loads, self.spill, live)
+            i = self._route(ids, salt, images, loads, live)
             loads[i] += p.n
             batches.setdefault(i, []).append(pos)
         adds = {i: Add(self._seq, [request_to_wire(*staged[p]) for p in ps]) for i, ps in batches.items()}
@@ -299,6 +262,18 @@ class DPClient:
             f, n = self.replicas[i].failure, outs.count(None)
             raise ReplicaFailure(i, f"{f.reason} ({n} of the call's {len(outs)} requests were on it)", outs)
         return outs
+
+    def _absorb(self) -> None:
+        """Take what the live replicas sent since the last call (`CacheEvents` of idle ones;
+        anything else is stale: `_expect` would skip it), so routing sees their latest state."""
+        for r in self._live():
+            self._heard(r, True)
+
+    def _route(self, ids, salt, images, loads, live) -> int:
+        """The replica `self.router` picks for one request (see the module docstring)."""
+        hashes = prompt_hashes(ids, self.model_id, salt, self.unit) if self.unit and not images else []
+        key = token_key(ids, salt, self.config.prefix_match_unit)
+        return self.router.route(key, hashes, loads, live, salt, self.spill).replica
 
     def _run(self, adds: dict, batches: dict, refused: list, total: int, results: dict, use_tqdm: bool) -> None:
         """Send the batches, then collect answers until every request finished; raises the
@@ -362,7 +337,13 @@ class DPClient:
             for k, v in each[0].items()
             if isinstance(v, int) and not isinstance(v, bool)
         }
-        return total | {"data_parallel_size": len(self.replicas), "replicas_live": len(each), "replicas": each}
+        routed = dict(self.router.decisions)
+        return total | {
+            "data_parallel_size": len(self.replicas),
+            "replicas_live": len(each),
+            "replicas": each,
+            "routing": routed,
+        }
 
     def reset_prefix_cache(self) -> bool:
         return all(self._call("reset_prefix_cache"))

@@ -9,9 +9,11 @@ images as raw pixel bytes with dtype and shape (`TensorBytes`), finished request
 Client -> replica: `Add` (a batch: every request validated before any is queued, else
 `Added.error` names the first refused and nothing stays queued), `Abort`, `Call` (stats,
 reset_prefix_cache, check_integrity; answered by `Result`), `Shutdown`. Replica -> client:
-`Ready` once after start-up (or `Failed`), `Added`, `Outputs` (finished requests; also sent
-empty at least every `HEARTBEAT` seconds while it has work), `Result`, `Failed` (fatal: the
-replica exits).
+`Ready` once after start-up (or `Failed`; with the prefix cache it names the `model_id` and
+`unit` the client hashes prompts with), `Added`, `Outputs` (finished requests; also sent empty at
+least every `HEARTBEAT` seconds while it has work), `CacheEvents` (`cache.events`: where a prefix
+can resume, after each step or call that changed it), `Result`, `Failed` (fatal: the replica
+exits).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 import msgspec
 
+from ...cache.events import CacheEvents
 from ...model.image_processor import ProcessedImage
 from ..exec.messages import TensorBytes
 from ..request.multimodal import ImageInput
@@ -30,7 +33,7 @@ from ..request.outputs import RequestOutput
 from ..request.sampling_params import SamplingParams
 from ..request.structured import Special, StructuredOutput
 
-DP_PROTOCOL_VERSION = 1
+DP_PROTOCOL_VERSION = 2
 HEARTBEAT = 1.0  # most seconds a busy replica stays silent between two steps
 _HEADER = 8
 
@@ -78,6 +81,8 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
     media_pad_id: int | None
     accepts_images: bool
     rank_memory: list[dict[str, int]] | None
+    model_id: str = ""  # the prefix cache's (`cache.hashing.root_hash`); "" without one
+    unit: int = 0  # its match unit in tokens; 0 without a prefix cache
 
 
 class Added(msgspec.Struct, tag="added", frozen=True):
@@ -106,7 +111,7 @@ class Failed(msgspec.Struct, tag="failed", frozen=True):
 
 CALLS = ("stats", "reset_prefix_cache", "check_integrity")
 ToReplica = Add | Abort | Call | Shutdown
-ToClient = Ready | Added | Outputs | Result | Failed
+ToClient = Ready | Added | Outputs | Result | Failed | CacheEvents
 
 
 def _piece(p: str | Special) -> str | dict:

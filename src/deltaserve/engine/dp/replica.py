@@ -5,8 +5,10 @@ end of a socket pair in the `DELTASERVE_DP_REPLICA` environment variable.
 It builds a whole engine with `build_engine` (its own scheduler, caches and, with
 `tensor_parallel_size > 1`, its own worker ranks), answers `Ready`, then serves the client's
 `dp_protocol` messages: between two steps it handles every message waiting, and it steps while
-it has unfinished requests. It exits 0 on `Shutdown`, 1 after telling the client `Failed` (any
-error), when the client closes the socket, or when its parent process is gone. It ignores
+it has unfinished requests. With the prefix cache on it publishes `CacheEvents` (`cache.events`)
+after each step or call that changed what can resume here (and while idle, what its disk tier
+wrote), the first one a reset. It exits 0 on `Shutdown`, 1 after telling the client `Failed`
+(any error), when the client closes the socket, or when its parent process is gone. It ignores
 SIGINT: a Ctrl-C reaches the whole process group, and interrupting is the client's to handle
 (it aborts the call's requests and the replicas go on).
 """
@@ -24,6 +26,7 @@ import time
 import msgspec
 
 from ... import env
+from ...cache.events import EventLog, publish
 from ..core.builder import Engine, build_engine
 from ..exec.ranks import config_from_json, exit_with_parent
 from ..request.sequence import InvalidRequestError
@@ -53,6 +56,15 @@ REPLICA_ENV = env.DP_REPLICA.name
 class Replica:
     def __init__(self, engine: Engine, link: Link):
         self.engine, self.core, self.link = engine, engine.core, link
+        self.events = None
+        if engine.cache.prefix_enabled:
+            self.events = EventLog()
+            publish(engine.cache, self.events)
+
+    def publish(self) -> None:
+        batch = self.events.drain() if self.events is not None else None
+        if batch is not None:
+            self.link.send(batch)
 
     def ready(self) -> Ready:
         e = self.engine
@@ -64,21 +76,28 @@ class Replica:
             e.core.image_prompts.pad_id,
             e.core.runner.encoder is not None,
             e.rank_memory,
+            e.cache.model_id if e.cache.prefix_enabled else "",
+            e.cache.policy.unit if e.cache.prefix_enabled else 0,
         )
 
     def serve(self) -> None:
         """Messages and steps until `Shutdown` (returns) or an error (raises)."""
         last = time.monotonic()
         while True:
-            if self.link.ready(0 if self.core.has_unfinished() else None):
+            busy = self.core.has_unfinished()
+            if self.link.ready(0 if busy else HEARTBEAT if self.events is not None else None):
                 msg = self.link.recv()
                 if isinstance(msg, Shutdown):
                     return
                 self.handle(msg)
                 continue
+            if not busy:  # idle: what the disk tier's writer did meanwhile
+                self.publish()
+                continue
             if not self.core.scheduler.has_work():
                 raise RuntimeError("engine idle with unfinished requests")
             outs = self.core.step()
+            self.publish()
             now = time.monotonic()
             if outs or now - last >= HEARTBEAT:
                 self.link.send(Outputs(outs))
@@ -91,7 +110,9 @@ class Replica:
             for rid in msg.request_ids:
                 self.core.abort_request(rid)
         elif isinstance(msg, Call):
-            self.link.send(self.call(msg.seq, msg.name))
+            result = self.call(msg.seq, msg.name)
+            self.publish()
+            self.link.send(result)
 
     def add(self, msg: Add) -> Added:
         """Validate the whole batch, then queue it; on a refusal nothing of it stays queued."""
@@ -152,6 +173,7 @@ def main() -> int:
     try:
         replica = Replica(engine, link)
         link.send(replica.ready())
+        replica.publish()  # what the tiers hold after a restart (the disk tier's objects)
         replica.serve()
         return 0
     except (EOFError, ConnectionError):
