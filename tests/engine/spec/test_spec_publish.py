@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from deltaserve import SamplingParams
+from deltaserve.engine.spec.proposer import ModelFreeProposer
 from deltaserve.model.context import DenseCache
 
 from .helpers import copy_prompts, engine, loopy_tiny
@@ -63,7 +64,7 @@ def test_published_states_equal_cold_recomputes(ckpt):
     prompts = copy_prompts(vocab, [9, 17, 12, 25], seed=3)
     truth = [o.outputs[0].token_ids for o in off.generate(prompts, PARAMS, use_tqdm=False)]
     poison = PoisonDrafter({tuple(p): t for p, t in zip(prompts, truth)}, vocab, seed=0)
-    llm.engine.spec.drafter = poison
+    llm.engine.spec.proposer = ModelFreeProposer(poison)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
     assert got == truth
     sd = llm.stats()["spec_decode"]
