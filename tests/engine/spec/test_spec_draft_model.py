@@ -74,6 +74,24 @@ def test_drafter_that_is_the_target_is_always_accepted(ckpts):
     assert sd["mean_accepted_length"] >= K - 0.5, sd
 
 
+def test_aborted_and_finished_sequences_free_the_drafters_cache(ckpts):
+    target, draft = ckpts
+    llm = engine(target, spec_of(draft), prefix=False)
+    core, params = llm.engine, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for i, p in enumerate(workload(5, 2)):
+        core.add_request(f"r{i}", p, params)
+    dm = core.spec.proposer
+    while len(dm.computed) < 2:
+        core.step()
+    core.abort_request("r0")
+    core.step()
+    assert len(dm.computed) == 1 and len(dm.cache.seqs) == 1
+    while core.has_unfinished():
+        core.step()
+    assert not dm.computed and not dm.cache.seqs and dm.cache.kda.num_used == 0
+    dm.cache.check_integrity()
+
+
 def test_seeded_sampling_repeats(ckpts):
     target, draft = ckpts
     params = [SamplingParams(temperature=0.3, max_tokens=16, ignore_eos=True, seed=s) for s in range(3)]

@@ -85,15 +85,16 @@ class SpecDecoder:
         return control
 
     def prepare(self, runner: ModelRunner, running: list[Sequence]) -> None:
-        """Before scheduling: release the sequences that stopped running, then ask the proposer
-        once for the drafts of every running decoding sequence whose k is positive now."""
+        """Before scheduling: release the sequences that stopped running since the last step
+        without finishing (preempted, aborted: an abort is released here, at the next step), then
+        ask the proposer once for the drafts of every running decoding sequence whose k is
+        positive now."""
         runner.keep_hidden = self.proposer.wants_hidden
         live = set(running)
-        for seq in [s for s in self._decoding if s not in live]:
+        for seq in [s for s in self._decoding if s not in live]:  # preempted or aborted (`finished` left)
             self._decoding.discard(seq)
             self._hidden.pop(seq, None)
-            if not seq.finished:
-                self.proposer.release(seq)
+            self.proposer.release(seq)
         requests = []
         for seq in running:
             if seq.num_pending != 1 or not self.eligible(seq):
