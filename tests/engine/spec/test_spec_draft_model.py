@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from deltaserve import SamplingParams
+from deltaserve.engine.spec.draft_model import DraftModelProposer
 from deltaserve.engine.spec.drafters import NgramDrafter
 from deltaserve.engine.spec.proposer import DraftRequest
 from deltaserve.model.context import ForwardContext
@@ -90,6 +91,22 @@ def test_aborted_and_finished_sequences_free_the_drafters_cache(ckpts):
         core.step()
     assert not dm.computed and not dm.cache.seqs and dm.cache.kda.num_used == 0
     dm.cache.check_integrity()
+
+
+def test_a_drafter_pool_too_small_leaves_sequences_undrafted(ckpts):
+    """12 drafter pages (48 tokens) for 4 sequences of 20-70 tokens: those it cannot hold go
+    without drafts (never an error), the others draft; the tokens are the ones without spec."""
+    target, draft = ckpts
+    llm, off = engine(target, spec_of(draft), prefix=False), engine(target, None, prefix=False)
+    small = DraftModelProposer(llm.engine.spec.proposer.model, 4, 160, K, 4, 29, max_pages=12)
+    llm.engine.spec.proposer = small
+    prompts = workload(6)
+    want = tokens(off.generate(prompts, GREEDY, use_tqdm=False))
+    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == want
+    sd = llm.stats()["spec_decode"]
+    assert sd["draft_tokens"] > 0 and small.cache.mla.num_pages == 12, sd
+    assert max(len(p) for p in prompts) + GREEDY.max_tokens > 48
+    small.cache.check_integrity()
 
 
 def test_seeded_sampling_repeats(ckpts):

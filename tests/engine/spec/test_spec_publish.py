@@ -1,6 +1,7 @@
 """Never publish an unverified state: drafts poisoned with wrong tokens (or a draft model's that
 the target rejects) are verified and rejected, and every KDA checkpoint and MLA unit the prefix
-cache then holds equals a cold recompute of its prefix (any rejected token folded into a state or left in a registered row would show)."""
+cache then holds equals a cold recompute of its prefix (any rejected token folded into a state
+or left in a registered row would show)."""
 
 import random
 

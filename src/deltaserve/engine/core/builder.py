@@ -162,9 +162,9 @@ def image_encoder(c: EngineConfig, vision: VisionModel | None) -> EncoderCache |
     return enc
 
 
-def _spec_decoder(c: EngineConfig, max_model_len: int, model: KimiForCausalLM) -> SpecDecoder | None:
+def _spec_decoder(c: EngineConfig, max_model_len: int, model: KimiForCausalLM, pages: int) -> SpecDecoder | None:
     """The speculative decoder of `c`; a draft model is loaded here, on rank 0 only (unsharded:
-    it drafts, the target's ranks verify)."""
+    it drafts, the target's ranks verify), its MLA pages at most the target's `pages` + one a sequence."""
     spec = spec_config(c)
     if spec is None:
         return None
@@ -180,6 +180,7 @@ def _spec_decoder(c: EngineConfig, max_model_len: int, model: KimiForCausalLM) -
             k_max=spec.num_speculative_tokens,
             page_size=c.page_size,
             catchup_tokens=c.max_num_batched_tokens,
+            max_pages=pages + c.max_num_seqs,
         )
         log.info(
             "draft model %s: %d B of KDA state and %d B a page of %d tokens per request",
@@ -233,7 +234,7 @@ def _build_rank0(c: EngineConfig, dtype, ranks, tp, control) -> Engine:
         structured_thinking_budget=c.structured_thinking_budget,
         encoder=image_encoder(c, vision),
         max_image_patches=c.max_image_patches_per_request,
-        spec=_spec_decoder(c, max_model_len, model),
+        spec=_spec_decoder(c, max_model_len, model, layout.num_pages),
     )
     channel = None
     if tp.world > 1:

@@ -21,7 +21,8 @@ catch-up feeds the verified tokens (recompute from the kept pre-draft state).
 
 Memory per request: one drafter KDA slot (`slot_bytes`: every KDA layer's state [H, K, V] fp32
 and conv tail) and MLA pages for its tokens (`page_bytes` a page), plus while proposing one
-scratch slot; the pool is sized for `max_num_seqs` sequences of `max_model_len` + k tokens.
+scratch slot; the pool is sized for `max_num_seqs` sequences of `max_model_len` + k tokens, at
+most the target's page count plus one a sequence (a sequence the pool cannot hold goes undrafted).
 Drafts are the drafter's argmax: point masses, as `verify.accept_sampled` needs."""
 
 from __future__ import annotations
@@ -74,9 +75,13 @@ class DraftModelProposer:
         k_max: int,
         page_size: int,
         catchup_tokens: int,
+        max_pages: int | None = None,
     ):
+        """`max_pages`: at most this many MLA pages (the builder passes the target's page count plus
+        one a sequence, so the drafter never holds more tokens than the target can)."""
         self.model, self.catchup_tokens = model, catchup_tokens
         pages = max_num_seqs * math.ceil((max_model_len + k_max) / page_size)
+        pages = pages if max_pages is None else min(pages, max_pages)
         layout = CacheLayout(page_size, pages, 2 * max_num_seqs, 0, 0, model.dtype, torch.float32)
         mla, kda, _ = build_pools(model.config, layout, model.device)
         self.cache = CacheManager(mla, kda)
