@@ -4,9 +4,11 @@ Two workloads at each batch size (default 1 and 8): copy-heavy (a passage, then 
 again, as an edit re-sends text: a trained model continues the copy, which drafts catch) and
 free-form (random prompt tokens: drafts rarely match, so adaptive k should leave the speed as it
 was). Both engines share every setting but `speculative_config`; prefix caching is off so repeats
-measure the engine. Greedy, `--output-tokens` per request with EOS ignored; each configuration
-runs once to warm up, then `--repeats` times, the best wall time kept. It reports whether the
-tokens with speculation equal those without (they must, at temperature 0)."""
+measure the engine. `--method draft_model` drafts with the checkpoint `--draft-model` (default: the
+target itself, an upper bound on acceptance that costs a second full forward per draft). Greedy,
+`--output-tokens` per request with EOS ignored; each configuration runs once to warm up, then
+`--repeats` times, the best wall time kept. It reports whether the tokens with speculation equal
+those without (they must, at temperature 0)."""
 
 from __future__ import annotations
 
@@ -44,6 +46,8 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     spec = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens}
+    if args.method == "draft_model":
+        spec["model"] = args.draft_model or args.model
     common = dict(
         dtype=args.dtype,
         max_num_seqs=max(sizes),
@@ -82,7 +86,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory (e.g. make-tiny output)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--batch-sizes", default="1,8")
-    p.add_argument("--method", default="ngram", choices=["ngram", "suffix"])
+    p.add_argument("--method", default="ngram", choices=["ngram", "suffix", "draft_model"])
+    p.add_argument("--draft-model", help="draft_model's checkpoint directory (default: --model itself)")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--passage-tokens", type=int, default=256)
     p.add_argument("--output-tokens", type=int, default=64)

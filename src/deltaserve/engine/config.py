@@ -166,7 +166,8 @@ class EngineConfig:
     )
     speculative_config: dict | str | None = _opt(
         None,
-        'speculative decoding, vLLM\'s JSON: {"method": "ngram"|"suffix", "num_speculative_tokens": k, ...} '
+        'speculative decoding, vLLM\'s JSON: {"method": "ngram"|"suffix"|"draft_model", "num_speculative_tokens": k, '
+        '"model": PATH (draft_model), ...} '
         "(engine/spec/config.py lists the keys); greedy outputs are unchanged, sampled ones keep their distribution",
         type=json_object,
     )

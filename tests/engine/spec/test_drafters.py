@@ -93,6 +93,9 @@ def test_metrics_count_by_position():
         ('{"method": "ngram", "num_speculative_tokens": 0}', "positive"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "typo": 1}', "unknown"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3}', "exceed"),
+        ('{"method": "draft_model", "num_speculative_tokens": 2}', "required by, and only by"),
+        ('{"method": "suffix", "num_speculative_tokens": 2, "model": "/m"}', "required by, and only by"),
+        ('{"method": "draft_model", "num_speculative_tokens": 2, "model": 3}', "checkpoint directory path"),
         ("[1]", "object"),
         ("{", "JSON"),
     ],
@@ -106,6 +109,8 @@ def test_config_parses_vllm_shape():
     c = SpecConfig.parse({"method": "suffix", "num_speculative_tokens": 5, "suffix_max_depth": 12})
     assert (c.method, c.num_speculative_tokens, c.suffix_max_depth) == ("suffix", 5, 12)
     assert SpecConfig.parse(None) is None and SpecConfig.parse("") is None
+    c = SpecConfig.parse('{"method": "draft_model", "model": "/ckpt", "num_speculative_tokens": 3}')
+    assert (c.method, c.model, c.num_speculative_tokens) == ("draft_model", "/ckpt", 3)
 
 
 def test_bench_workloads_copy_a_passage_and_free_form_does_not():

@@ -23,9 +23,13 @@ def ckpt(tmp_path_factory):
     return loopy_tiny(tmp_path_factory.mktemp("spec_pd"), "kimi_k3")
 
 
-def test_handoff_into_a_speculating_decode_engine(ckpt):
+@pytest.mark.parametrize("method", ["suffix", "draft_model"])
+def test_handoff_into_a_speculating_decode_engine(ckpt, method):
+    """draft_model (the checkpoint drafting for itself): the drafter never saw the prefill, so it
+    rebuilds the received request's state from its tokens before its first drafts."""
     p, ref = make_llm(ckpt), make_llm(ckpt)
-    d = make_llm(ckpt, speculative_config={"method": "suffix", "num_speculative_tokens": 4})
+    spec = {"method": method, "num_speculative_tokens": 4} | ({"model": str(ckpt)} if method == "draft_model" else {})
+    d = make_llm(ckpt, speculative_config=spec)
     rng = random.Random(5)
     base = [rng.randrange(10, 1700) for _ in range(40)]
     history = base + base[:20]
@@ -38,5 +42,7 @@ def test_handoff_into_a_speculating_decode_engine(ckpt):
         history = history + list(got.token_ids) + base[:10]
     sd = d.stats()["spec_decode"]
     assert d.cache.counters["received"] == 2 and sd["accepted_tokens"] > 0, sd
+    if method == "draft_model":  # the drafter fed every received prompt token itself
+        assert sd["draft_model"]["catchup_tokens"] >= len(history) - len(base[:10]), sd
     d.cache.check_integrity()
     assert d.cache.kda.num_used == 0

@@ -1,6 +1,7 @@
-"""Never publish an unverified state: drafts poisoned with wrong tokens are verified and rejected,
-and every KDA checkpoint and MLA unit the prefix cache then holds equals a cold recompute of its
-prefix (any rejected token folded into a state or left in a registered row would show)."""
+"""Never publish an unverified state: drafts poisoned with wrong tokens (or a draft model's that
+the target rejects) are verified and rejected, and every KDA checkpoint and MLA unit the prefix
+cache then holds equals a cold recompute of its prefix (any rejected token folded into a state
+or left in a registered row would show)."""
 
 import random
 
@@ -8,6 +9,8 @@ import pytest
 import torch
 
 from deltaserve import SamplingParams
+from deltaserve.engine.spec.proposer import ModelFreeProposer
+from deltaserve.model.config import ModelConfig
 from deltaserve.model.context import DenseCache
 
 from .helpers import copy_prompts, engine, loopy_tiny
@@ -63,11 +66,30 @@ def test_published_states_equal_cold_recomputes(ckpt):
     prompts = copy_prompts(vocab, [9, 17, 12, 25], seed=3)
     truth = [o.outputs[0].token_ids for o in off.generate(prompts, PARAMS, use_tqdm=False)]
     poison = PoisonDrafter({tuple(p): t for p, t in zip(prompts, truth)}, vocab, seed=0)
-    llm.engine.spec.drafter = poison
+    llm.engine.spec.proposer = ModelFreeProposer(poison)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
     assert got == truth
+    assert poison.poisoned > 10
+    check_published(llm, prompts, truth)
+
+
+@torch.inference_mode()
+def test_draft_model_publishes_only_verified_states(ckpt, tmp_path):
+    """The same check with a draft model whose drafts the target often rejects (another seed)."""
+    family = ModelConfig.from_pretrained(ckpt).family
+    draft = loopy_tiny(tmp_path / "draft", family, seed=5)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 5, "adaptive": False}
+    llm, off = engine(ckpt, spec), engine(ckpt, None)
+    prompts = copy_prompts(llm.model.config.vocab_size, [9, 17, 12, 25], seed=3)
+    truth = [o.outputs[0].token_ids for o in off.generate(prompts, PARAMS, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)] == truth, family
+    check_published(llm, prompts, truth)
+
+
+def check_published(llm, prompts, truth) -> None:
+    """Every checkpoint and unit past the prompts equals a cold recompute; some drafts rejected."""
     sd = llm.stats()["spec_decode"]
-    assert poison.poisoned > 10 and sd["accepted_tokens"] > 0 and sd["accepted_tokens"] < sd["draft_tokens"], sd
+    assert sd["accepted_tokens"] > 0 and sd["accepted_tokens"] < sd["draft_tokens"], sd
     cache, u = llm.cache, llm.cache.policy.unit
     checked_states = checked_units = 0
     for prompt, out in zip(prompts, truth):

@@ -15,7 +15,6 @@ from deltaserve.tiny import PRESETS
 from ...parallel.engine_fixtures import WIDE, make_llm
 from .helpers import copy_prompts, loopy_tiny
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4}
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
@@ -26,15 +25,26 @@ def ckpt(tmp_path_factory):
         return loopy_tiny(tmp_path_factory.mktemp("spec_tp"), "kimi_k3", preset="tp")
 
 
-def test_two_ranks_speculate_like_one_process(ckpt):
+@pytest.fixture(scope="module")
+def drafter(tmp_path_factory):
+    """A smaller K3 (the tiny preset, another seed) with the same vocabulary and tokenizer."""
+    return loopy_tiny(tmp_path_factory.mktemp("spec_tp_draft"), "kimi_k3", seed=5)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_two_ranks_speculate_like_one_process(ckpt, drafter, method):
+    """draft_model: a smaller checkpoint drafts, loaded whole on rank 0 (the ranks only verify)."""
+    spec = {"method": method, "num_speculative_tokens": 4}
+    if method == "draft_model":
+        spec["model"] = str(drafter)
     kw = dict(enable_prefix_caching=True, max_num_seqs=4, max_model_len=128, page_size=4, prefix_match_unit=8)
     prompts = copy_prompts(2000, [9, 21, 14], seed=4)
     with make_llm(ckpt, **kw) as off:
         want = [o.outputs[0].token_ids for o in off.generate(prompts, PARAMS, use_tqdm=False)]
-    with make_llm(ckpt, speculative_config=SPEC, **kw) as one:
+    with make_llm(ckpt, speculative_config=spec, **kw) as one:
         one.generate(prompts, PARAMS, use_tqdm=False)
         want_pools, want_slots = one.pool_snapshot(), dict(one.cache.index.ckpts)
-    with make_llm(ckpt, tp=2, speculative_config=SPEC, **kw) as two:
+    with make_llm(ckpt, tp=2, speculative_config=spec, **kw) as two:
         got = [o.outputs[0].token_ids for o in two.generate(prompts, PARAMS, use_tqdm=False)]
         pools, slots = two.pool_snapshot(), dict(two.cache.index.ckpts)
         sd = two.stats()["spec_decode"]

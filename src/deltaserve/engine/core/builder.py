@@ -42,6 +42,7 @@ from ..exec.ranks import RankGroup, plan_ranks, rank_device
 from ..exec.worker import load_rank_model, run_worker
 from ..spec.config import SpecConfig
 from ..spec.decoder import SpecDecoder
+from ..spec.draft_model import DraftModelProposer
 from .loop import EngineCore
 
 log = logging.getLogger(__name__)
@@ -161,12 +162,34 @@ def image_encoder(c: EngineConfig, vision: VisionModel | None) -> EncoderCache |
     return enc
 
 
-def _spec_decoder(c: EngineConfig, max_model_len: int) -> SpecDecoder | None:
+def _spec_decoder(c: EngineConfig, max_model_len: int, model: KimiForCausalLM, pages: int) -> SpecDecoder | None:
+    """The speculative decoder of `c`; a draft model is loaded here, on rank 0 only (unsharded:
+    it drafts, the target's ranks verify), its MLA pages at most the target's `pages` + one a sequence."""
     spec = spec_config(c)
     if spec is None:
         return None
     log.info("speculative decoding: %s, up to %d drafts a step", spec.method, spec.num_speculative_tokens)
-    return SpecDecoder(spec, max_model_len, c.prefix_match_unit if c.enable_prefix_caching else None)
+    proposer = None
+    if spec.method == "draft_model":
+        proposer = DraftModelProposer.load(
+            spec.model,
+            model,
+            c.model,
+            max_num_seqs=c.max_num_seqs,
+            max_model_len=max_model_len,
+            k_max=spec.num_speculative_tokens,
+            page_size=c.page_size,
+            catchup_tokens=c.max_num_batched_tokens,
+            max_pages=pages + c.max_num_seqs,
+        )
+        log.info(
+            "draft model %s: %d B of KDA state and %d B a page of %d tokens per request",
+            spec.model,
+            proposer.slot_bytes,
+            proposer.page_bytes,
+            c.page_size,
+        )
+    return SpecDecoder(spec, max_model_len, c.prefix_match_unit if c.enable_prefix_caching else None, proposer)
 
 
 def _build_rank0(c: EngineConfig, dtype, ranks, tp, control) -> Engine:
@@ -211,7 +234,7 @@ def _build_rank0(c: EngineConfig, dtype, ranks, tp, control) -> Engine:
         structured_thinking_budget=c.structured_thinking_budget,
         encoder=image_encoder(c, vision),
         max_image_patches=c.max_image_patches_per_request,
-        spec=_spec_decoder(c, max_model_len),
+        spec=_spec_decoder(c, max_model_len, model, layout.num_pages),
     )
     channel = None
     if tp.world > 1:

@@ -230,6 +230,8 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """One scheduler step and its share of image encodes; returns the finished requests."""
+        if self.spec is not None:  # the step's drafts, asked for once for every decoding sequence
+            self.spec.prepare(self.runner, self.scheduler.running)
         scheduled = self.scheduler.schedule()
         if self.runner.encoder is not None:
             self.runner.encoder.step(self.scheduler.running)
@@ -252,8 +254,8 @@ class EngineCore:
         verifying = self.spec is not None and any(s.drafts for s in scheduled)
         tokens, lps = self.spec.execute(self.runner, scheduled, rows) if verifying else self._sample(scheduled, rows)
         appended = [self._append_all(s.seq, t, lp) for s, t, lp in zip(scheduled, tokens, lps)]
-        if verifying:  # the verified tokens (each appended one verifies the fed token before it)
-            self.spec.fold(self.runner, appended)
+        if self.spec is not None:  # fold the verified tokens (each verifies the fed token before it)
+            self.spec.settle(self.runner, scheduled, rows, appended)
         self.counters["steps"] += 1
         done: list[RequestOutput] = []
         for s, m in zip(scheduled, appended):

@@ -9,6 +9,10 @@ Any failure there is fatal: the group is marked failed and `RankFailure` raised.
 With a vision model (`encoder`), a step whose chunks cover `<|media_pad|>` positions gets those
 images' projector rows from the encoder cache (misses encoded in one packed call, on rank 0 only)
 and injects the rows of exactly the covered positions; other ranks receive them in the `Step`.
+
+With `keep_hidden` (a speculative proposer that taps the target, engine/spec/proposer.py) every
+step keeps `hidden`: the final-normed hidden rows the sampler's logits came from, in logit-row
+order (the fused decode call, which never materialises them, is then not used).
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ class ModelRunner:
         self.ranks: RankGroup | None = None
         self.encoder: EncoderCache | None = None
         self.transfer = None  # this rank's KV transfer engine (`rank_transfer`), once a role starts it
+        self.keep_hidden = False
+        self.hidden: torch.Tensor | None = None  # the latest step's logit rows' hidden states (`keep_hidden`)
 
     def attach(self, channel: ControlChannel, journal: SlotJournal, ranks: RankGroup | None) -> None:
         """Drive the other ranks: send each step on `channel` with `journal`'s slot writes."""
@@ -77,8 +83,9 @@ class ModelRunner:
             batch = forward_batch(
                 step, self.cache.mla, self.cache.kda, self.cache.ckpt_pool, self.model.device, self.tp
             )
-            hidden = self.model(batch.input_ids, batch.context())
-            return self.model.compute_logits(logit_hidden(hidden, step, batch)), batch
+            hidden = logit_hidden(self.model(batch.input_ids, batch.context()), step, batch)
+            self.hidden = hidden if self.keep_hidden else None
+            return self.model.compute_logits(hidden), batch
 
         if self.channel is None:
             return run()
@@ -131,12 +138,15 @@ class ModelRunner:
     def _run(self, step, rows: list[SamplingRow | None], pick: list[int], embeds=None) -> SamplerOutput | None:
         batch = forward_batch(step, self.cache.mla, self.cache.kda, self.cache.ckpt_pool, self.model.device, self.tp)
         ctx = batch.context()
-        if embeds is None and pick and every_row(step, batch.input_ids.shape[0]):
+        self.hidden = None
+        if embeds is None and pick and every_row(step, batch.input_ids.shape[0]) and not self.keep_hidden:
             return self.sample(self.model.decode_logits(batch.input_ids, ctx), [rows[i] for i in pick])
         hidden = self.model(batch.input_ids, ctx) if embeds is None else self.model(batch.input_ids, ctx, embeds)
         if not pick:
             return None
-        logits = self.model.compute_logits(logit_hidden(hidden, step, batch))
+        hidden = logit_hidden(hidden, step, batch)
+        self.hidden = hidden if self.keep_hidden else None
+        logits = self.model.compute_logits(hidden)
         return self.sample(logits, [rows[i] for i in pick])
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:

@@ -1,6 +1,7 @@
 """`SpecConfig`: the `--speculative-config` JSON (vLLM's shape), parsed and checked.
 
-`{"method": "ngram" | "suffix", "num_speculative_tokens": k, ...}`; unknown keys, wrong types and
+`{"method": "ngram" | "suffix" | "draft_model", "num_speculative_tokens": k, ...}` (draft_model also
+takes `"model": <checkpoint directory>`); unknown keys, wrong types and
 values out of range raise `ValueError` naming them, before any model is loaded where the caller
 checks early (`EngineConfig` parses the JSON, `build_engine` this)."""
 
@@ -10,7 +11,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -22,12 +23,15 @@ class SpecConfig:
     continuation counts of every context of up to `suffix_max_depth` tokens over the prompt, the
     request's output and the `suffix_cache_requests` latest finished requests (a session's
     earlier turns); a draft stops when its running probability falls under `suffix_min_prob`.
+    draft_model: a small model of our family at `model` (a checkpoint directory with the target's
+    vocabulary and tokenizer) drafts greedily (spec/draft_model.py).
     `adaptive`: each request's k follows its running acceptance (0 turns drafting off for it
     until a probe `probe_interval` decode steps later); `draft_cost` is the cost of verifying one
     draft token relative to a decode step, the price the choice of k weighs."""
 
     method: str
     num_speculative_tokens: int
+    model: str | None = None
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     suffix_max_depth: int = 8
@@ -50,6 +54,10 @@ class SpecConfig:
             raise ValueError("prompt_lookup_min must not exceed prompt_lookup_max")
         if not 0.0 <= self.suffix_min_prob <= 1.0 or not 0.0 <= self.draft_cost <= 1.0:
             raise ValueError("suffix_min_prob and draft_cost must lie in [0, 1]")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError('speculative "model" (a checkpoint directory) is required by, and only by, draft_model')
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"speculative model must be a checkpoint directory path, got {self.model!r}")
         if self.suffix_cache_requests < 0 or self.probe_interval < 1:
             raise ValueError("suffix_cache_requests must be >= 0 and probe_interval >= 1")
 

@@ -1,5 +1,10 @@
 """`SpecDecoder`: drafts for the scheduler, one verify forward per step, the fold of what was verified.
 
+Drafts come from a `Proposer` (proposer.py): before each step's scheduling, `prepare` asks it
+once, batched, for every running decoding sequence that may draft (its adaptive k > 0), and the
+scheduler's per-sequence `propose` then takes them (cut to its token budget); a sequence that
+left the running set since (preempted, aborted) is `release`d by the proposer.
+
 A step with drafts is a verify step. Every decoding sequence of it that may speculate (no grammar,
 reasoning budget or logprobs: `eligible`) is a verify sequence, drafts or none, so zero-draft
 sequences take the drafted ones' state path: its token and drafts ride as a short prefill-like
@@ -30,23 +35,33 @@ from ..sched.scheduler import ScheduledSeq
 from .adaptive import AdaptiveK, SpecMetrics
 from .config import SpecConfig
 from .drafters import NgramDrafter, SuffixDrafter
+from .proposer import DraftRequest, ModelFreeProposer, Proposer
 from .verify import accept_greedy, accept_sampled
 
 
-def make_drafter(config: SpecConfig):
+def model_free(config: SpecConfig) -> Proposer:
+    """The proposer of a model-free method (ngram, suffix)."""
     if config.method == "ngram":
-        return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
-    return SuffixDrafter(config.suffix_max_depth, config.suffix_min_prob, config.suffix_cache_requests)
+        return ModelFreeProposer(NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max))
+    return ModelFreeProposer(
+        SuffixDrafter(config.suffix_max_depth, config.suffix_min_prob, config.suffix_cache_requests)
+    )
 
 
 class SpecDecoder:
-    def __init__(self, config: SpecConfig, max_model_len: int, unit: int | None = None):
-        """`unit`: the prefix match unit when prefix caching is on (verify steps stay inside one)."""
+    def __init__(
+        self, config: SpecConfig, max_model_len: int, unit: int | None = None, proposer: Proposer | None = None
+    ):
+        """`unit`: the prefix match unit when prefix caching is on (verify steps stay inside one).
+        `proposer`: the draft source (default: the model-free one of `config.method`)."""
         self.config, self.max_model_len, self.unit = config, max_model_len, unit
-        self.drafter = make_drafter(config)
+        self.proposer = proposer if proposer is not None else model_free(config)
         self.metrics = SpecMetrics(config.num_speculative_tokens)
         self._k: weakref.WeakKeyDictionary[Sequence, AdaptiveK] = weakref.WeakKeyDictionary()
-        self._pending = None  # (batch, verify indices, accepted counts) between execute and fold
+        self._pending = None  # (batch, verify flags, accepted counts) between execute and settle
+        self._drafts: dict[Sequence, list[int]] = {}  # this step's proposals, taken by `propose`
+        self._hidden: weakref.WeakKeyDictionary[Sequence, torch.Tensor] = weakref.WeakKeyDictionary()
+        self._decoding: weakref.WeakSet[Sequence] = weakref.WeakSet()  # sequences the proposer was asked for
 
     @staticmethod
     def eligible(seq: Sequence) -> bool:
@@ -62,16 +77,38 @@ class SpecDecoder:
             room = min(room, (seq.num_computed // self.unit + 1) * self.unit - seq.num_computed - 1)
         return room
 
-    def propose(self, seq: Sequence, most: int) -> list[int]:
-        """The scheduler's drafter: up to `most` drafts after a decoding sequence's last token."""
-        if not self.eligible(seq):
-            return []
+    def _control(self, seq: Sequence) -> AdaptiveK:
         control = self._k.get(seq)
         if control is None:
             c = self.config
             control = self._k[seq] = AdaptiveK(c.num_speculative_tokens, c.draft_cost, c.probe_interval, c.adaptive)
-        k = min(control.next_k(), most, self._room(seq))
-        return self.drafter.propose(seq, k)[:k] if k > 0 else []
+        return control
+
+    def prepare(self, runner: ModelRunner, running: list[Sequence]) -> None:
+        """Before scheduling: release the sequences that stopped running since the last step
+        without finishing (preempted, aborted: an abort is released here, at the next step), then
+        ask the proposer once for the drafts of every running decoding sequence whose k is
+        positive now."""
+        runner.keep_hidden = self.proposer.wants_hidden
+        live = set(running)
+        for seq in [s for s in self._decoding if s not in live]:  # preempted or aborted (`finished` left)
+            self._decoding.discard(seq)
+            self._hidden.pop(seq, None)
+            self.proposer.release(seq)
+        requests = []
+        for seq in running:
+            if seq.num_pending != 1 or not self.eligible(seq):
+                continue
+            k = min(self._control(seq).next_k(), self._room(seq))
+            if k > 0:
+                self._decoding.add(seq)
+                requests.append(DraftRequest(seq, k, self._hidden.pop(seq, None)))
+        proposals = self.proposer.propose(requests) if requests else []
+        self._drafts = {r.seq: d[: r.k] for r, d in zip(requests, proposals)}
+
+    def propose(self, seq: Sequence, most: int) -> list[int]:
+        """The scheduler's drafter: this step's proposal for a decoding sequence, at most `most`."""
+        return self._drafts.pop(seq, [])[:most]
 
     def execute(
         self, runner: ModelRunner, scheduled: list[ScheduledSeq], rows: list[SamplingRow | None]
@@ -92,7 +129,7 @@ class SpecDecoder:
         logprobs: list[list] = [[] for _ in scheduled]
         self._sample_plain(runner, logits, scheduled, rows, verify, tokens, logprobs)
         accepted = self._verify(runner, logits, scheduled, rows, verify, tokens, logprobs)
-        self._pending = (batch, [i for i, v in enumerate(verify) if v], accepted)
+        self._pending = (batch, verify, accepted)
         return tokens, logprobs
 
     @staticmethod
@@ -146,16 +183,26 @@ class SpecDecoder:
                 self._k[s.seq].observe(len(s.drafts), len(out) - 1)
         return accepted
 
-    def fold(self, runner: ModelRunner, appended: list[int]) -> None:
-        """After the engine appended the verify step's tokens: fold, per verify sequence, the
-        tokens now verified (`appended[i]` of scheduled sequence i: the fed tokens they follow)."""
-        batch, verify, _ = self._pending
-        self._pending = None
-        runner.fold(batch, [appended[i] for i in verify])
+    def settle(self, runner: ModelRunner, scheduled: list[ScheduledSeq], rows: list, appended: list[int]) -> None:
+        """After the engine appended a step's tokens: fold, per verify sequence, the tokens now
+        verified (`appended[i]` of scheduled sequence i: the fed tokens they follow), and keep the
+        target's hidden rows of those positions for a proposer that taps them."""
+        verify = [False] * len(scheduled)
+        if self._pending is not None:
+            batch, verify, _ = self._pending
+            self._pending = None
+            runner.fold(batch, [m for m, v in zip(appended, verify) if v])
+        if runner.hidden is None:
+            return
+        for s, pos, m in zip(scheduled, self._positions(scheduled, rows, verify), appended):
+            if m:
+                self._hidden[s.seq] = runner.hidden[pos[0] : pos[0] + m]
+        runner.hidden = None
 
     def finished(self, seq: Sequence) -> None:
-        """A sequence finished: its drafter index goes (into the session store, for suffix)."""
-        self.drafter.finished(seq)
+        """A sequence finished: its proposer state goes (into the session store, for suffix)."""
+        self._decoding.discard(seq)
+        self.proposer.finished(seq)
 
     def stats(self) -> dict:
-        return self.metrics.stats()
+        return {**self.metrics.stats(), **self.proposer.stats()}
