@@ -114,3 +114,14 @@ class StackedExperts(OpsModule):
             self.expert_load = torch.zeros(self.num_experts, dtype=torch.long)
         self.expert_load += load.cpu()
         return out
+
+
+def expert_load(model: object) -> dict | None:
+    """Wide EP: tokens each of this rank's routed experts ran, summed over the MoE layers since
+    load, as {"first": its first expert's id, "tokens": [count per local expert]}; None where no
+    expert exchange ran (not wide EP, or no step yet)."""
+    modules = model.modules() if isinstance(model, nn.Module) else ()
+    held = [m for m in modules if isinstance(m, StackedExperts) and m.expert_load is not None]
+    if not held:
+        return None
+    return {"first": held[0].first, "tokens": torch.stack([m.expert_load for m in held]).sum(0).tolist()}

@@ -255,6 +255,24 @@ def init_tensor_parallel(
         raise
 
 
+def init_expert_parallel(
+    rank: int, world: int, init_method: str, device: str | torch.device = "cpu", timeout_s: float = 120.0
+) -> ParallelContext:
+    """Join the default process group as data-parallel replica `rank` of `world` and return the
+    wide expert-parallel context of its model (attention unsharded, experts split over the
+    replicas). The group is this engine's as under `init_tensor_parallel` (`leave_tensor_parallel`)."""
+    check_process_group_free()
+    dist.init_process_group(
+        process_group_backend(device),
+        init_method=init_method,
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    _owned[:] = [dist.group.WORLD]
+    return ParallelContext(ep_rank=rank, ep_world=world)
+
+
 def _subgroups(rank, world, backend, timeout_s, expert_parallel, dcp_world, shm_slot_bytes) -> ParallelContext:
     dcp_group = None
     if 1 < dcp_world < world:

@@ -3,10 +3,13 @@ replicas (engine/dp/replica.py), as vLLM's `EngineCoreClient` is of its engine-c
 
 Each replica is a `python -m deltaserve.engine.dp.replica` subprocess with a whole engine (its
 own scheduler, caches and, with `tensor_parallel_size > 1`, its own worker ranks on its own
-rendezvous port); they load in parallel. Each gets `num_threads` torch threads, by default the
-machine's cores split evenly over every process of every replica, and on CUDA with enough GPUs
-its own `tensor_parallel_size` of them (`visible_gpus`). The client and a replica talk over a
-socket pair in `dp.protocol` messages (msgspec, never pickle).
+rendezvous port); they load in parallel. With `enable_expert_parallel` (wide EP, tensor-parallel
+size 1) the replicas are the ranks of one expert-parallel group instead (the routed experts split
+over them, `data_parallel_rank` each, one rendezvous) and step in lock-step
+(engine/core/lockstep.py). Each gets `num_threads` torch threads, by default the machine's cores
+split evenly over every process of every replica, and on CUDA with enough GPUs its own
+`tensor_parallel_size` of them (`visible_gpus`). The client and a replica talk over a socket pair
+in `dp.protocol` messages (msgspec, never pickle).
 
 Invariants:
 - a batch is routed by `routing.pick` on the request's salt and first `prefix_match_unit` prompt
@@ -43,7 +46,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import EngineConfig
-from ..exec.ranks import TORCHRUN_ENV, config_json
+from ..exec.ranks import TORCHRUN_ENV, config_json, free_port
 from ..request.mm_inputs import ImagePrompts
 from ..request.outputs import RequestOutput
 from ..request.sampling_params import SamplingParams
@@ -114,6 +117,19 @@ def replica_configs(c: EngineConfig) -> list[EngineConfig]:
     c.check_parallel()
     n = c.data_parallel_size
     threads = c.num_threads or max(1, _cpus() // (n * c.tensor_parallel_size))
+    if c.wide_expert_parallel:  # one expert-parallel group over the replicas, a rank each
+        ep = c.distributed_init_method or f"tcp://127.0.0.1:{free_port()}"
+        return [
+            dataclasses.replace(
+                c,
+                num_threads=threads,
+                progress=c.progress and i == 0,
+                distributed_init_method=None,
+                data_parallel_rank=i,
+                data_parallel_init_method=ep,
+            )
+            for i in range(n)
+        ]
     return [
         dataclasses.replace(
             c, data_parallel_size=1, num_threads=threads, progress=c.progress and i == 0, distributed_init_method=init
@@ -354,7 +370,8 @@ class DPClient:
         return answers
 
     def stats(self) -> dict:
-        """Integer figures summed over the live replicas (`page_size` is every replica's),
+        """Integer figures summed over the live replicas (`page_size` is every replica's; wide EP:
+        `expert_load`, the tokens every expert ran, each from the replica holding it),
         `replicas`: each live replica's own stats, `replicas_live`: how many there are."""
         each = self._call("stats")
         total = {
@@ -362,6 +379,9 @@ class DPClient:
             for k, v in each[0].items()
             if isinstance(v, int) and not isinstance(v, bool)
         }
+        loads = [s["expert_load"] for s in each if "expert_load" in s]
+        if loads:  # wide EP: each replica's experts' tokens, in expert order
+            total["expert_load"] = [n for load in sorted(loads, key=lambda x: x["first"]) for n in load["tokens"]]
         return total | {"data_parallel_size": len(self.replicas), "replicas_live": len(each), "replicas": each}
 
     def reset_prefix_cache(self) -> bool:
