@@ -15,10 +15,11 @@ Invariant: an `EngineCore.step` runs at most one model forward and counts it in
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
-from ..request.outputs import RequestOutput
 from .loop import EngineCore
 
 
@@ -35,11 +36,12 @@ class LockStep:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flags[0]), bool(flags[1])
 
-    def step(self) -> list[RequestOutput]:
-        """This round's forward: the engine's step, or a zero-token one where it ran none."""
+    def step(self, run: Callable[[], list] | None = None) -> list:
+        """This round's forward: the engine's step (`run`, default `core.step`; the server's
+        `core.step_deltas`), or a zero-token one where it ran none. Returns what `run` did ([])."""
         core = self.core
         before = core.counters["steps"]
-        outs = core.step() if core.has_unfinished() else []
+        outs = (run or core.step)() if core.scheduler.has_work() else []
         if core.counters["steps"] == before:
             core.model.idle_forward()
             core.counters["idle_forwards"] += 1

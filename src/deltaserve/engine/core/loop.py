@@ -395,5 +395,5 @@ class EngineCore:
             out["spec_decode"] = self.spec.stats()
         out["kernel_fallbacks"] = fallbacks.table()  # this process's: rank 0's under TP
         if (load := expert_load(self.model)) is not None:  # wide expert parallelism (engine/core/lockstep.py)
-            out.update(expert_load=load, idle_forwards=self.counters["idle_forwards"])
+            out.update(expert_load=load, **{k: self.counters[k] for k in ("idle_forwards", "ep_rounds")})
         return out
