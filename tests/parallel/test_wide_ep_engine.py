@@ -2,7 +2,9 @@
 fp32) with their own schedulers and caches, the routed experts split between them and exchanged
 by all-to-all in lock-step. Greedy outputs equal the one-process engine's for both families; each
 replica's load report holds half the experts' bytes; the expert load covers every routed pair;
-with every request on one replica, the other's zero-token forwards keep it going."""
+with every request on one replica, the other's zero-token forwards keep it going. In bf16 (the
+native CPU kernels, MXFP4 experts kept packed) the shipped small K3's greedy outputs equal one
+process's too."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from deltaserve.engine.dp.client import replica_configs
 from deltaserve.engine.request.sampling_params import SamplingParams
 from deltaserve.model.weights import load_model
 from deltaserve.tiny import make_tiny
+from deltaserve.tiny.shipped import shipped_model_dir
 
 from .engine_fixtures import make_llm
 
@@ -90,3 +93,15 @@ def test_wide_ep_replica_configs():
     tp2 = EngineConfig(model="m", data_parallel_size=2, enable_expert_parallel=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size 1"):
         tp2.check_parallel()
+
+
+def test_bf16_packed_experts_on_the_shipped_model():
+    chat = ["Hello", "What is 2+3?", "Tell me a story about the sea", "hi"]
+    params = SamplingParams(max_tokens=12, temperature=0)
+    kw = dict(KW, skip_tokenizer_init=False, dtype="bfloat16")
+    with make_llm(shipped_model_dir("kimi_k3"), **kw) as one:
+        want = one.generate(chat, params, use_tqdm=False)
+    with make_llm(shipped_model_dir("kimi_k3"), data_parallel_size=2, enable_expert_parallel=True, **kw) as two:
+        got = two.generate(chat, params, use_tqdm=False)
+        assert all(s["requests_added"] > 0 for s in two.stats()["replicas"])
+    assert _tokens(got) == _tokens(want)

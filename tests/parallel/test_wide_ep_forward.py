@@ -2,7 +2,8 @@
 own tokens, TP 1) and the routed experts split by expert between them, exchanged by all-to-all.
 Each rank's fp32 logits equal the unsharded model's on its own tokens (both families); a rank
 holds half the experts' bytes and reads only its experts; a rank with no tokens that runs
-`idle_forward` keeps the other going (its logits still match)."""
+`idle_forward` keeps the other going (its logits still match). No MoE block gets a native
+whole-block plan under wide EP (it would skip the exchange)."""
 
 from __future__ import annotations
 
@@ -71,3 +72,16 @@ def test_wide_ep_logits_match_the_whole_model(checkpoints, tmp_path):
         # every pair of every token ran once, on its expert's rank: rank 0's tokens twice
         pairs = torch.cat(loads, dim=1).sum(1)
         assert (pairs == k * (2 * (SPANS[0][1] - SPANS[0][0]) + SPANS[1][1] - SPANS[1][0])).all(), (name, pairs)
+
+
+def test_wide_ep_blocks_get_no_native_plan(checkpoints):
+    """A native whole-block MoE plan runs only the rank's own experts and no exchange: under wide
+    EP no block (nor the whole-stack decode step) may have one, on any backend."""
+    for rank in range(WORLD):
+        model = _load(checkpoints["k3_mx"], "k3_mx", "bfloat16", ParallelContext(ep_rank=rank, ep_world=WORLD))
+        blocks = [m for m in model.modules() if isinstance(m, MoeBlock)]
+        assert blocks and all(b.experts.sliced and b.prepared is None for b in blocks)
+        assert model.model.prepared is None
+        whole = _load(checkpoints["k3_mx"], "k3_mx", "bfloat16")
+        if whole.ops.name == "cpu-native":  # the plan this test keeps away exists on the backend
+            assert all(m.prepared is not None for m in whole.modules() if isinstance(m, MoeBlock))

@@ -71,7 +71,8 @@ class MoeBlock(OpsModule):
 
     Under wide expert parallelism (`tp.ep_world` > 1, attention data-parallel, TP 1) each rank
     routes only its own tokens: `StackedExperts` sends the pairs to their experts' ranks by
-    all-to-all and back, so the routed sum is whole on return and nothing is reduced."""
+    all-to-all and back, so the routed sum is whole on return and nothing is reduced; the block gets
+    no native whole-block plan (it would skip the exchange)."""
 
     def __init__(self, cfg: ModelConfig, tp: ParallelContext = SINGLE):
         super().__init__()
