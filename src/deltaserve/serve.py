@@ -123,8 +123,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="engine replicas behind this server, each with its own caches and tensor-parallel ranks; "
-        "requests are routed by prompt prefix so a conversation stays where it is cached",
+        "requests are routed by prompt prefix so a conversation stays where it is cached; with "
+        "--enable-expert-parallel the routed experts are split over the replicas (wide EP)",
     )
+    # a wide-EP replica server's place in its group, given by the front (not for users)
+    p.add_argument("--data-parallel-rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--data-parallel-init-method", default=None, help=argparse.SUPPRESS)
     p.add_argument(
         "--max-waiting-requests",
         type=int,
@@ -227,6 +231,7 @@ def serve(args: argparse.Namespace) -> int:
     from .roles import RoleStartError, check_role_arguments, start_role
     from .server.app import build_app
     from .server.async_engine import AsyncEngine
+    from .server.lockstep_engine import LockStepEngine
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if env.EXIT_WITH_PARENT.pop():  # a replica server of `--data-parallel-size`
@@ -242,10 +247,18 @@ def serve(args: argparse.Namespace) -> int:
         name = name or DEFAULT_NAME
         log.info("no MODEL_DIR given: serving the embedded default, a small trained Kimi K3 (%s)", model_dir)
     name = name or Path(model_dir).resolve().name
-    if args.data_parallel_size > 1:
+    if args.data_parallel_size > 1 and args.data_parallel_rank is None:
         return _serve_replicas(args, model_dir, name)
-    llm = LLM.from_config(EngineConfig.from_args(args, model=model_dir, progress=False))
-    engine = AsyncEngine(llm.engine, llm.model.config.family, load_chat_template(model_dir))
+    wide = {}
+    if args.data_parallel_rank is not None:  # a wide-EP replica server: one rank of the front's group
+        wide = dict(
+            data_parallel_size=args.data_parallel_size,
+            data_parallel_rank=args.data_parallel_rank,
+            data_parallel_init_method=args.data_parallel_init_method,
+        )
+    llm = LLM.from_config(EngineConfig.from_args(args, model=model_dir, progress=False, **wide))
+    kind = LockStepEngine if llm.model.tp.ep_world > 1 else AsyncEngine
+    engine = kind(llm.engine, llm.model.config.family, load_chat_template(model_dir))
     cap = args.max_waiting_requests
     vision = vision_app_kwargs(engine, Path(model_dir), media_policy(args))
     app = build_app(
@@ -316,6 +329,7 @@ def _serve_replicas(args: argparse.Namespace, model_dir: Path, name: str) -> int
     import uvicorn
 
     from . import replica_front as rf
+    from .engine.exec.ranks import free_port
     from .server.replica_supervisor import Replica, Supervisor, serve_command
 
     parser = argparse.ArgumentParser()
@@ -324,7 +338,16 @@ def _serve_replicas(args: argparse.Namespace, model_dir: Path, name: str) -> int
     if "--served-model-name" not in argv:
         argv += ["--served-model-name", name]
     n, stop_s = args.data_parallel_size, args.shutdown_timeout + 10
-    supervisor = Supervisor([Replica(i, partial(serve_command, argv)) for i in range(n)], args.replica_start_timeout)
+    argvs = [argv] * n
+    if args.enable_expert_parallel:  # wide EP: the replicas are the ranks of one group
+        if args.tensor_parallel_size != 1:
+            raise SystemExit("--data-parallel-size with --enable-expert-parallel needs --tensor-parallel-size 1")
+        ep = args.distributed_init_method or f"tcp://127.0.0.1:{free_port()}"
+        group = ["--data-parallel-size", str(n), "--data-parallel-init-method", ep]
+        argvs = [argv + group + ["--data-parallel-rank", str(i)] for i in range(n)]
+    supervisor = Supervisor(
+        [Replica(i, partial(serve_command, argvs[i])) for i in range(n)], args.replica_start_timeout
+    )
     try:
         live = supervisor.start()
     except BaseException:

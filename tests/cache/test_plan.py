@@ -285,3 +285,30 @@ def test_tier_sizes_count_checkpoints_and_tokens():
 
     p = {"kda_state_per_request": {"bytes": 1000}, "mla_bytes_per_token": 10}
     assert tiers(p, 10_000, None, 64) == {"host": {"bytes": 10_000, "checkpoints": 6, "mla_tokens": 1000}}
+
+
+def test_wide_ep_splits_experts_over_every_replica_and_counts_the_all_to_all(k3, k3_dir, capsys):
+    """DP32 x EP (TP 1 each): 28 of 896 experts per rank, the rest per replica as at TP1; each
+    rank sends 2 x top-k latent rows per token per MoE layer, 31/32 of them off-rank, plus counts."""
+    one, wide = plan(k3, Layout()), plan(k3, Layout(ep=True, dp=32))
+    w, w1 = wide["weights"], one["weights"]
+    assert wide["layout"]["experts_per_rank"] == 28 and wide["layout"]["ranks"] == 32
+    assert w["routed_experts"]["per_rank"] == w1["routed_experts"]["total"] * 28 // 896
+    assert w["attention_dense"] == w1["attention_dense"] and w["embeddings"] == w1["embeddings"]
+    a = wide["all_to_all"]
+    row = 3584 * 2  # the latent width in bf16
+    assert (a["row_bytes"], a["bytes_per_token_per_layer"], a["moe_layers"]) == (row, 2 * 16 * row, 92)
+    assert a["decode_step"] == {"tokens": 16, "bytes": 16 * 92 * 2 * 16 * row * 31 // 32 + 92 * 896 * 8}
+    assert a["prefill_step"]["tokens"] == 2048
+    assert one["all_to_all"] is None and plan(k3, Layout(dp=2))["all_to_all"] is None  # DP without EP
+    args = ["plan", str(k3_dir), "--data-parallel-size", "32", "--enable-expert-parallel"]
+    assert main([*args, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["all_to_all"] == a
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "DP32 x TP1 = 32 ranks" in text and "28 of 896 experts per rank (wide EP over DP32 x TP1)" in text
+    assert "all-to-all (wide EP over 32 ranks)" in text and "--data-parallel-size 32 --enable-expert-parallel" in text
+    assert main(["plan", str(k3_dir), "-dp", "2", "-tp", "2", "--enable-expert-parallel"]) == 2
+    assert "the engine runs --tensor-parallel-size 1" in capsys.readouterr().err
+    with pytest.raises(PlanError, match="896 experts do not split over DP3 ranks"):
+        check(k3, Layout(ep=True, dp=3))

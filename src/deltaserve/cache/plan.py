@@ -4,7 +4,11 @@ Layout: the engine's (vLLM's): a replica spans TP ranks and the DCP group is car
 (DCP divides TP). Attention and KDA heads, the dense MLP, shared experts and the vocabulary
 (embedding, `lm_head`) split TP-ways; MLA latent KV, which plain TP replicates, is sharded by
 position across DCP (a rank holds ceil(L / DCP) of L tokens). Routed experts split by width
-TP-ways, or with expert parallelism by whole experts (E / TP per rank).
+TP-ways, or with expert parallelism by whole experts (E / TP per rank). With data parallelism
+(`dp` D replicas, each its own TP group and caches) everything is per replica as above, except
+that wide expert parallelism (`ep` with D > 1, TP 1 per replica as the engine runs it) splits the
+routed experts over all D x TP ranks, and the plan adds each rank's all-to-all bytes per step
+(`plan_ep`).
 
 Weights are counted from the model's own parameter shapes (`KimiForCausalLM` built on the meta
 device: no checkpoint needed): bf16 (2 B), routed experts MXFP4 at 4.25 bits per weight
@@ -42,6 +46,7 @@ from ..model.config import ConfigError, ModelConfig
 from ..model.vision import VisionConfig
 from .budget import CacheLayout, unit_bytes
 from .plan_engine import EngineSettings, cache_section, engine_flags, engine_layout, vision_bytes
+from .plan_ep import all_to_all
 
 GROUPS = ("attention_dense", "shared_experts", "routed_experts", "embeddings")
 MODEL_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -76,6 +81,7 @@ class Layout:
     state_dtype: str = "float32"
     page_size: int = 16
     dtype: str = "bfloat16"  # weights, activations, MLA latent and KDA conv tail
+    dp: int = 1  # data-parallel replicas
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -83,7 +89,17 @@ class Layout:
 
     @property
     def ranks(self) -> int:
-        return self.tp
+        return self.tp * self.dp
+
+    @property
+    def wide_ep(self) -> bool:
+        """Routed experts split over every replica's ranks (all-to-all dispatch)."""
+        return self.ep and self.dp > 1
+
+    @property
+    def expert_ranks(self) -> int:
+        """Ranks the routed experts are split over by whole experts (1: not split by expert)."""
+        return self.ranks if self.wide_ep else self.tp if self.ep else 1
 
 
 def parse_bytes(text: str) -> int:
@@ -139,6 +155,7 @@ def check(cfg: ModelConfig, lay: Layout) -> None:
         ("--tensor-parallel-size", lay.tp),
         ("--decode-context-parallel-size", lay.dcp),
         ("--page-size", lay.page_size),
+        ("--data-parallel-size", lay.dp),
     ):
         if v < 1:
             raise PlanError(f"{flag} must be >= 1, got {v}")
@@ -147,8 +164,13 @@ def check(cfg: ModelConfig, lay: Layout) -> None:
             raise PlanError(f"--tensor-parallel-size {lay.tp} does not divide the {heads} {what} heads")
     if lay.tp % lay.dcp:
         raise PlanError(f"--decode-context-parallel-size {lay.dcp} must divide --tensor-parallel-size {lay.tp}")
-    if lay.ep and cfg.moe.num_experts % lay.tp:
-        raise PlanError(f"--enable-expert-parallel: {cfg.moe.num_experts} experts do not split over TP{lay.tp}")
+    if lay.wide_ep and lay.tp > 1:
+        raise PlanError(
+            "--data-parallel-size with --enable-expert-parallel (wide EP): the engine runs --tensor-parallel-size 1"
+        )
+    if lay.ep and cfg.moe.num_experts % lay.expert_ranks:
+        where = f"DP{lay.dp} ranks" if lay.wide_ep else f"TP{lay.tp}"
+        raise PlanError(f"--enable-expert-parallel: {cfg.moe.num_experts} experts do not split over {where}")
     if lay.dcp > 1 and not cfg.mla_layer_ids:
         raise PlanError("--decode-context-parallel-size shards MLA KV by position, and this model has no MLA layers")
     if lay.dtype not in MODEL_DTYPES or lay.kv_dtype not in KV_DTYPES or lay.state_dtype not in STATE_DTYPES:
@@ -182,7 +204,7 @@ def weight_bytes(cfg: ModelConfig, lay: Layout, vision: VisionConfig | None = No
         if group != "routed_experts":
             per_rank = _ceil_div(split * size, lay.tp) + rep * size
         elif lay.ep:
-            per_rank = total // lay.tp
+            per_rank = total // lay.expert_ranks
         else:
             per_rank = _ceil_div(total, lay.tp)
         out[group] = {"per_rank": per_rank, "total": total}
@@ -240,10 +262,12 @@ def _model(cfg: ModelConfig, vision: VisionConfig | None) -> dict:
 def _layout(cfg: ModelConfig, lay: Layout, max_len: int) -> dict:
     return {
         "tensor_parallel_size": lay.tp,
+        "data_parallel_size": lay.dp,
         "decode_context_parallel_size": lay.dcp,
         "expert_parallel": lay.ep,
+        "wide_expert_parallel": lay.wide_ep,
         "ranks": lay.ranks,
-        "experts_per_rank": cfg.moe.num_experts // lay.tp if lay.ep else None,
+        "experts_per_rank": cfg.moe.num_experts // lay.expert_ranks if lay.ep else None,
         "dtype": lay.dtype,
         "kv_cache_dtype": lay.dtype,
         "kv_state_dtype": lay.state_dtype,
@@ -309,6 +333,10 @@ def plan(
         "cache": cache,
         "total_per_rank": None if cache is None else weights["total"]["per_rank"] + encoder + cache["bytes"],
         "fits": _fits(lengths, layout if memory else None, memory, slot, page, lay, eng.max_num_seqs),
+        "all_to_all": None,
     }
+    if lay.wide_ep:
+        size = lay.torch_dtype.itemsize
+        out["all_to_all"] = all_to_all(cfg, lay.expert_ranks, size, eng.max_num_seqs, eng.max_num_batched_tokens)
     out["engine_flags"] = engine_flags(out, eng, engine_defaults or EngineSettings())
     return out

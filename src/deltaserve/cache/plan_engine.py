@@ -34,6 +34,7 @@ class EngineSettings:
     enable_prefix_caching: bool = True
     checkpoint_fraction: float = 0.25
     encoder_cache_memory: int = 512 << 20
+    max_num_batched_tokens: int = 2048  # a prefill step's tokens (the wide-EP all-to-all's)
 
 
 def load_vision_config(path: str | Path) -> VisionConfig | None:
@@ -116,6 +117,8 @@ def engine_flags(p: dict, eng: EngineSettings, defaults: EngineSettings) -> str:
         flags.append(f"--tensor-parallel-size {lay['tensor_parallel_size']}")
     if lay["decode_context_parallel_size"] > 1:
         flags.append(f"--decode-context-parallel-size {lay['decode_context_parallel_size']}")
+    if lay["data_parallel_size"] > 1:
+        flags.append(f"--data-parallel-size {lay['data_parallel_size']}")
     if lay["expert_parallel"]:
         flags.append("--enable-expert-parallel")
     return " ".join(flags)

@@ -32,6 +32,9 @@ def _sharding(group: str, p: dict) -> str:
     tp = f"TP{lay['tensor_parallel_size']}"
     if group == "routed_experts":
         fmt = "MXFP4 4.25 b/w" if m["routed_experts_quantization"] == "mxfp4" else "bf16"
+        if lay["wide_expert_parallel"]:
+            dp = f"DP{lay['data_parallel_size']}"
+            return f"{fmt}; {lay['experts_per_rank']} of {m['experts']} experts per rank (wide EP over {dp} x {tp})"
         if lay["expert_parallel"]:
             return f"{fmt}; {lay['experts_per_rank']} of {m['experts']} experts per rank (EP over {tp})"
         return f"{fmt}; width split {tp}"
@@ -51,7 +54,8 @@ def render(p: dict) -> str:
         f"{m['family']}: {m['layers']} layers = {m['kda_layers']} KDA + {m['mla_layers']} MLA; KDA {m['kda_heads']}"
         f" heads x {m['kda_head_dim']}; MLA latent {m['mla_latent_dim']}; {m['experts']} experts (top-{m['top_k']},"
         f" {m['shared_experts']} shared)",
-        f"layout: TP{lay['tensor_parallel_size']} = {lay['ranks']} rank{'s' * (lay['ranks'] > 1)}, DCP{dcp} within;"
+        f"layout: {_replicas(lay)}TP{lay['tensor_parallel_size']} = {lay['ranks']} rank{'s' * (lay['ranks'] > 1)},"
+        f" DCP{dcp} within;"
         f" expert parallel "
         f"{'on' if lay['expert_parallel'] else 'off'}; KV cache {lay['kv_cache_dtype']}, KDA state "
         f"{lay['kv_state_dtype']} (conv tail {lay['conv_state_dtype']}); MLA page {lay['page_size']} tokens",
@@ -79,7 +83,7 @@ def render(p: dict) -> str:
         )
     if p["encoder_cache"]["bytes"]:
         lines.append(f"encoder cache: {_size(p['encoder_cache']['bytes'])} of image rows at most, on rank 0")
-    lines += _memory_lines(p) + _tier_lines(p.get("tiers") or {})
+    lines += _a2a_lines(p.get("all_to_all")) + _memory_lines(p) + _tier_lines(p.get("tiers") or {})
     head = f"{'tokens':>11}{'MLA per rank':>15}{'+ KDA state':>15}"
     mem = p["memory"]
     head += "" if mem is None else f"{'running':>10}{'pages hold':>12}"
@@ -90,6 +94,25 @@ def render(p: dict) -> str:
             line += f"{row['requests']:>10,}{row['pages_hold']:>12,}"
         lines.append(line)
     return "\n".join(lines)
+
+
+def _replicas(lay: dict) -> str:
+    dp = lay.get("data_parallel_size", 1)
+    return "" if dp == 1 else f"DP{dp} x "
+
+
+def _a2a_lines(a: dict | None) -> list[str]:
+    """Wide EP: the all-to-all bytes each rank sends per step (`plan_ep`)."""
+    if not a:
+        return []
+    return [
+        f"all-to-all (wide EP over {a['ranks']} ranks): {_size(a['bytes_per_token_per_layer'])} per token per MoE"
+        f" layer (rows of {a['row_bytes']:,} B, dispatch + combine), {a['remote_fraction']:.0%} of it off-rank under"
+        f" uniform routing, + {_size(a['counts_bytes_per_layer'])} of counts; sent per rank over"
+        f" {a['moe_layers']} MoE layers:",
+        f"  decode step ({a['decode_step']['tokens']:,} tokens a replica): {_size(a['decode_step']['bytes'])};"
+        f" prefill step ({a['prefill_step']['tokens']:,} tokens): {_size(a['prefill_step']['bytes'])}",
+    ]
 
 
 def _memory_lines(p: dict) -> list[str]:
@@ -153,7 +176,12 @@ def add_parser(sub, defaults: EngineSettings | None = None) -> None:
         help="of the TP ranks, how many split MLA KV by position (divides TP)",
     )
     p.add_argument(
-        "--enable-expert-parallel", action="store_true", help="routed experts split by expert over the TP ranks"
+        "--enable-expert-parallel",
+        action="store_true",
+        help="routed experts split by expert over the TP ranks (with --data-parallel-size: over every replica)",
+    )
+    p.add_argument(
+        "--data-parallel-size", "-dp", type=int, default=1, help="engine replicas (own caches and TP ranks each)"
     )
     p.add_argument(
         "--max-model-len", type=int, default=None, help="default (or 0): the config's max_position_embeddings"
@@ -172,6 +200,12 @@ def add_parser(sub, defaults: EngineSettings | None = None) -> None:
         "--reserve-fraction", type=float, default=0.1, help="share of memory per rank kept for activations and overhead"
     )
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="live KDA slots (the engine's flag)")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=d.max_num_batched_tokens,
+        help="tokens of a prefill step (sizes the wide-EP all-to-all)",
+    )
     p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -208,9 +242,14 @@ def main(args: argparse.Namespace) -> int:
         args.kv_state_dtype,
         args.page_size,
         args.dtype,
+        args.data_parallel_size,
     )
     eng = EngineSettings(
-        args.max_num_seqs, args.enable_prefix_caching, args.checkpoint_fraction, args.encoder_cache_memory
+        args.max_num_seqs,
+        args.enable_prefix_caching,
+        args.checkpoint_fraction,
+        args.encoder_cache_memory,
+        args.max_num_batched_tokens,
     )
     try:
         cfg, vision = load_config(args.model), load_vision_config(args.model)

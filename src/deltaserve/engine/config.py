@@ -25,7 +25,7 @@ DEFAULT_ENCODER_CACHE_BYTES = 512 << 20  # image projector rows kept (engine/exe
 # patches of all a request's images: 4 images at K3's in_patch_limit (65536) with their padding
 DEFAULT_MAX_IMAGE_PATCHES = 270_000
 MOE_WEIGHTS = ("auto", "packed", "dequantized")
-NO_FLAG = ("model", "progress", "data_parallel_size")
+NO_FLAG = ("model", "progress", "data_parallel_size", "data_parallel_rank", "data_parallel_init_method")
 
 
 def memory_budget(v: str) -> int | float:
@@ -148,7 +148,10 @@ class EngineConfig:
     )
     tensor_parallel_size: int = _opt(1, "processes the model is split across (heads, widths, vocab)", type=int)
     enable_expert_parallel: bool = _opt(
-        False, "split routed experts by expert across the tensor-parallel ranks", action="store_true"
+        False,
+        "split routed experts by expert across the tensor-parallel ranks; with --data-parallel-size N: "
+        "across the N replicas (wide EP: attention data-parallel, tokens exchanged by all-to-all)",
+        action="store_true",
     )
     decode_context_parallel_size: int = _opt(
         1, "split the MLA latent cache by position across this many of the tensor-parallel ranks", type=int
@@ -172,6 +175,14 @@ class EngineConfig:
         type=json_object,
     )
     data_parallel_size: int = 1  # engine replicas the offline LLM spreads requests over (engine/dp/client.py)
+    # wide EP (`wide_expert_parallel`): this replica's rank in the expert-parallel group and its rendezvous
+    data_parallel_rank: int = 0
+    data_parallel_init_method: str | None = None
+
+    @property
+    def wide_expert_parallel(self) -> bool:
+        """Experts split over the data-parallel replicas (each one rank of the EP group)."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
 
     def check_parallel(self) -> None:
         """The parallel fields fit together (checked when the engine starts, since single flags
@@ -179,6 +190,11 @@ class EngineConfig:
         tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
         if tp % dcp:
             raise ValueError(f"decode_context_parallel_size={dcp} must divide tensor_parallel_size={tp}")
+        if self.wide_expert_parallel and tp > 1:
+            raise ValueError(
+                "wide expert parallelism (data_parallel_size > 1 with enable_expert_parallel) needs "
+                "tensor_parallel_size 1 per replica yet"
+            )
         if self.data_parallel_size > 1 and self.nnodes > 1:
             raise ValueError("data_parallel_size > 1 runs on one machine: it cannot be combined with nnodes > 1")
         if tp > 1 and (self.kv_offload_memory is not None or self.kv_disk_path is not None):

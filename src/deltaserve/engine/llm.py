@@ -43,8 +43,10 @@ class LLM:
     engine replica processes (engine/dp/client.py: requests routed by prefix, outputs exactly
     one engine's); `model`, `cache`, `engine` and `layout` are then None (they live in the
     replicas), `stats()` sums the replicas' figures and `pool_snapshot()` is refused. With
-    `skip_tokenizer_init=True` no tokenizer is loaded: prompts must be token ids and outputs
-    carry no text.
+    `enable_expert_parallel` too the replicas split the routed experts (wide EP,
+    engine/core/lockstep.py); a config with `data_parallel_init_method` set is one such replica
+    (as a wide-EP replica server builds it). With `skip_tokenizer_init=True` no tokenizer is
+    loaded: prompts must be token ids and outputs carry no text.
 
     Images (K3 checkpoints with a vision tower), as in vLLM: a dict prompt with
     `multi_modal_data={"image": PIL image or list of them}`; its text holds one `<|media_pad|>`
@@ -68,7 +70,7 @@ class LLM:
         self._processor: ImageProcessor | None = None
         self._chat_template: str | None = None
         self._dp: DPClient | None = None
-        if config.data_parallel_size > 1:
+        if config.data_parallel_size > 1 and config.data_parallel_init_method is None:
             self.tokenizer = None if config.skip_tokenizer_init else Tokenizer.from_pretrained(config.model)
             self._dp = self._parts = DPClient(config, self.tokenizer)
             self.model = self.layout = self.cache = self.engine = None

@@ -5,7 +5,9 @@ Dense: `w1` (gate), `w3` (up) `[E, I, Din]` and `w2` `[E, Din, I]` parameters. P
 `[E, O, I/2]` and `weight_scale` `[E, O, I/32]` uint8 tensors kept as they are, about 4.25 bits
 per weight; each GEMM decodes its expert on the fly (exactly, so both modes compute the same
 products). Execution is the backend's `experts` op (`ops.backends.torch.TorchOps.experts`), or
-`local_experts` on a rank holding a slice of the experts.
+`local_experts` on a rank holding a slice of the experts, or under wide expert parallelism
+(`tp.ep_world` > 1) `ops.moe_a2a.a2a_experts`: tokens exchanged with the ranks holding their
+experts, the tokens each local expert received counted in `expert_load`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.moe_a2a import a2a_experts
 from ..ops.operands import ExpertWeights, GluAct
 from ..parallel import SINGLE, ParallelContext, shard
 from .modules import OpsModule
@@ -40,18 +43,18 @@ class StackedExperts(OpsModule):
     rank holds ceil(width / (group W)) groups, the columns past `width` zero (`tp_padded`; the
     loader pads them), which is exact for a GLU whose activation maps 0 to 0 (SiTU, SwiGLU: the
     zero gate and up rows give 0, the zero down columns add 0). Expert parallel
-    (`tp.expert_parallel`): the contiguous experts [first, first + E/W) whole, split along the
-    expert dim; E % W must be 0. Either way the output is this rank's partial sum of the routed
-    output (the full output at W = 1)."""
+    (`tp.expert_parallel`, or wide: `tp.ep_world` > 1): the contiguous experts [first, first + E/W)
+    whole, W = `tp.expert_world`, split along the expert dim; E % W must be 0. The output is this
+    rank's partial sum of the routed output under TP (the full output at W = 1, and under wide EP,
+    where every token's pairs travel to their experts and back)."""
 
     def __init__(self, num_experts: int, width: int, d_in: int, tp: ParallelContext = SINGLE, group: int = 1):
         super().__init__()
-        by_expert = tp.expert_parallel and tp.world > 1
-        if by_expert and num_experts % tp.world:
-            raise ValueError(
-                f"expert parallelism: {num_experts} routed experts do not split evenly over {tp.world} ranks"
-            )
-        local = num_experts // tp.world if by_expert else num_experts
+        world = tp.expert_world
+        by_expert = world > 1
+        if by_expert and num_experts % world:
+            raise ValueError(f"expert parallelism: {num_experts} routed experts do not split evenly over {world} ranks")
+        local = num_experts // world if by_expert else num_experts
         padded = False
         if not by_expert:
             width, padded = rank_width(width, tp, group)
@@ -62,7 +65,9 @@ class StackedExperts(OpsModule):
             shard(param, dim)
             param.tp_padded = padded
         self.num_experts, self.width, self.d_in = local, width, d_in
-        self.total, self.first = num_experts, tp.rank * local if by_expert else 0
+        self.total, self.first = num_experts, tp.expert_rank * local if by_expert else 0
+        self.tp = tp
+        self.expert_load: torch.Tensor | None = None  # wide EP: tokens each local expert ran, once any did
         self.packed = False
         self.compute_dtype = None
 
@@ -90,6 +95,33 @@ class StackedExperts(OpsModule):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, act: GluAct) -> torch.Tensor:
         """`ops.moe.grouped_experts` semantics over the experts held: x [N, Din] -> [N, Din] in x's
         dtype; `ids` are the router's (global) expert ids."""
+        if self.tp.ep_world > 1:
+            return self._exchanged(x, ids, weights, act)
         if self.sliced:
             return self.ops.local_experts(x, ids, weights, self.weights(), act, self.first)
         return self.ops.experts(x, ids, weights, self.weights(), act)
+
+    def _exchanged(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, act: GluAct) -> torch.Tensor:
+        """Wide EP: the pairs sent to the ranks of their experts, run there, sent back and summed."""
+        ex = self.weights()
+
+        def run_local(rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+            ones = torch.ones(rows.shape[0], 1, dtype=weights.dtype, device=rows.device)
+            return self.ops.experts(rows, local[:, None].to(rows.device), ones, ex, act)
+
+        out, load = a2a_experts(x, ids, weights, self.total, self.tp.ep_world, self.tp.ep_all_to_all, run_local)
+        if self.expert_load is None:
+            self.expert_load = torch.zeros(self.num_experts, dtype=torch.long)
+        self.expert_load += load.cpu()
+        return out
+
+
+def expert_load(model: object) -> dict | None:
+    """Wide EP: tokens each of this rank's routed experts ran, summed over the MoE layers since
+    load, as {"first": its first expert's id, "tokens": [count per local expert]}; None where no
+    expert exchange ran (not wide EP, or no step yet)."""
+    modules = model.modules() if isinstance(model, nn.Module) else ()
+    held = [m for m in modules if isinstance(m, StackedExperts) and m.expert_load is not None]
+    if not held:
+        return None
+    return {"first": held[0].first, "tokens": torch.stack([m.expert_load for m in held]).sum(0).tolist()}

@@ -84,6 +84,8 @@ def _mla(m: MlaAttention, ops: TorchOps):
 
 def _moe(m: MoeBlock, ops: TorchOps):
     ops.prepare_experts(m.experts.weights(), m.act)
+    if m.tp.ep_world > 1:  # wide EP: the routed pairs travel by all-to-all, which no native plan does
+        return None
     latent = hasattr(m, "routed_expert_down_proj")
     norm = getattr(m, "routed_expert_norm", None)
     shared = getattr(m, "shared_experts", None)

@@ -73,6 +73,16 @@ class KimiForCausalLM(nn.Module):
                 cache.fold_store(attn.layer_id, *attn.replay(pre, f, beta, cu, prior))
 
     @torch.inference_mode()
+    def idle_forward(self) -> None:
+        """A forward of zero tokens for a wide-EP rank with no work (`tp.ep_world` > 1): every MoE
+        layer's expert exchange in layer order, its share empty. Attention is data-parallel there,
+        so these exchanges are all the collectives a step has: the ranks that do compute go on."""
+        for layer in self.model.layers:
+            moe = getattr(layer, "block_sparse_moe", None)
+            if moe is not None:
+                moe.idle()
+
+    @torch.inference_mode()
     def forward_full(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits [T, vocab] of one whole sequence with no cache: the reference path."""
         if input_ids.dim() != 1 or input_ids.numel() == 0:

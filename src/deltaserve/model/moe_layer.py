@@ -67,7 +67,12 @@ class MoeBlock(OpsModule):
     is the same all-reduce as above (before the latent norm); a reduce-scatter / all-to-all
     would only pay with data-parallel attention. The native whole-block plan does the same: the
     pairs of other ranks' experts skipped, its partial output reduced as above (by the backend with
-    the layer's `reduce`, or by the whole-stack step before the latent norm)."""
+    the layer's `reduce`, or by the whole-stack step before the latent norm).
+
+    Under wide expert parallelism (`tp.ep_world` > 1, attention data-parallel, TP 1) each rank
+    routes only its own tokens: `StackedExperts` sends the pairs to their experts' ranks by
+    all-to-all and back, so the routed sum is whole on return and nothing is reduced; the block gets
+    no native whole-block plan (it would skip the exchange)."""
 
     def __init__(self, cfg: ModelConfig, tp: ParallelContext = SINGLE):
         super().__init__()
@@ -93,6 +98,13 @@ class MoeBlock(OpsModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.moe_block(x, self.prepared, lambda: self._op_by_op(x), self.tp.all_reduce)
+
+    def idle(self) -> None:
+        """The routed experts on zero tokens (wide EP: this rank's empty part of the exchange)."""
+        w = self.gate.weight
+        k = self.route_spec.top_k
+        z = w.new_zeros(0, self.experts.d_in)
+        self.experts(z, torch.zeros(0, k, dtype=torch.long, device=w.device), w.new_zeros(0, k).float(), self.act)
 
     def _op_by_op(self, x: torch.Tensor) -> torch.Tensor:
         """The block op by op (route, experts, shared experts), reduced over the TP group."""

@@ -11,6 +11,10 @@ Invariants:
   what it computed before tensor parallelism existed.
 - Under expert parallelism (`expert_parallel`) routed experts split by expert across the whole
   group instead of by their intermediate dim; everything else is as under plain TP.
+- Wide expert parallelism (`ep_world` > 1, attention data-parallel): routed experts split by
+  expert over the `ep_world` ranks of `ep_group` (one per data-parallel replica; the replica's
+  attention is unsharded, `world` 1), tokens exchanged by all-to-all (`ep_all_to_all`); every rank
+  of `ep_group` must run the same sequence of MoE layers, a replica without work on zero tokens.
 - Decode context parallelism (`dcp_world` D, dividing `world`) splits the MLA latent cache by
   position: the DCP group of a rank is the D consecutive ranks sharing `rank // D`, and token
   position t lives on DCP rank `t % D` of it.
@@ -77,10 +81,17 @@ class ParallelContext:
     dcp_world: int = 1
     dcp_group: object = None
     shm: object = None  # `shm.ShmCollectives` when every rank is on this machine
+    ep_rank: int = 0  # wide expert parallelism: this rank's place in `ep_group`
+    ep_world: int = 1
+    ep_group: object = None  # None: the default group
 
     def __post_init__(self):
         if not 0 <= self.rank < self.world:
             raise ValueError(f"rank {self.rank} outside a tensor-parallel group of {self.world}")
+        if not 0 <= self.ep_rank < self.ep_world:
+            raise ValueError(f"rank {self.ep_rank} outside an expert-parallel group of {self.ep_world}")
+        if self.ep_world > 1 and self.world > 1:
+            raise ValueError("wide expert parallelism (data-parallel attention) needs tensor_parallel_size 1")
         if self.dcp_world < 1 or self.world % self.dcp_world:
             raise ValueError(
                 f"decode-context-parallel size {self.dcp_world} must divide the tensor-parallel size {self.world}"
@@ -96,6 +107,27 @@ class ParallelContext:
         if self.dcp_world == self.world:  # the DCP group is the whole group
             return self.all_gather(x, dim)
         return _gather(x, dim, self.dcp_world, self.dcp_group)
+
+    @property
+    def expert_world(self) -> int:
+        """Ranks the routed experts are split over by expert (1: every rank holds every expert)."""
+        if self.ep_world > 1:
+            return self.ep_world
+        return self.world if self.expert_parallel else 1
+
+    @property
+    def expert_rank(self) -> int:
+        """This rank's index among the `expert_world` ranks holding the routed experts."""
+        return self.ep_rank if self.ep_world > 1 else self.rank if self.expert_parallel else 0
+
+    def ep_all_to_all(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        """Wide EP: rows `x` cut by `in_splits` (one count per rank of `ep_group`) sent to those ranks;
+        returns the rows every rank sent here, by source rank (`out_splits`)."""
+        x = x.contiguous()
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        with COMM.timed():
+            dist.all_to_all_single(out, x, out_splits, in_splits, group=self.ep_group)
+        return out
 
     def split(self, n: int, what: str) -> int:
         """This rank's share of `n` (heads, a width, the vocab); `n` must divide evenly."""
@@ -221,6 +253,24 @@ def init_tensor_parallel(
     except BaseException:
         leave_tensor_parallel(failed=True)
         raise
+
+
+def init_expert_parallel(
+    rank: int, world: int, init_method: str, device: str | torch.device = "cpu", timeout_s: float = 120.0
+) -> ParallelContext:
+    """Join the default process group as data-parallel replica `rank` of `world` and return the
+    wide expert-parallel context of its model (attention unsharded, experts split over the
+    replicas). The group is this engine's as under `init_tensor_parallel` (`leave_tensor_parallel`)."""
+    check_process_group_free()
+    dist.init_process_group(
+        process_group_backend(device),
+        init_method=init_method,
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    _owned[:] = [dist.group.WORLD]
+    return ParallelContext(ep_rank=rank, ep_world=world)
 
 
 def _subgroups(rank, world, backend, timeout_s, expert_parallel, dcp_world, shm_slot_bytes) -> ParallelContext:

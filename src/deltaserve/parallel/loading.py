@@ -101,9 +101,11 @@ class ShardReader:
     @classmethod
     def of(cls, model: nn.Module, tp: ParallelContext, stack_of: Callable[[str], str | None]) -> ShardReader:
         """The reader of `model` built for `tp` (its parameters marked by `context.shard`)."""
-        if tp.world == 1:
+        if tp.world == 1 and tp.expert_world == 1:
             return cls()
         marked = [(n, p) for n, p in model.named_parameters() if hasattr(p, "tp_dim")]
+        if tp.world == 1:  # wide expert parallelism: only the routed experts are split (by expert)
+            marked = [(n, p) for n, p in marked if p.tp_dim == 0 and ".experts." in n]
         dims = {n: p.tp_dim for n, p in marked}
         padded = frozenset(n for n, p in marked if getattr(p, "tp_padded", False))
         return cls(tp, dims, stack_of, sizes={n: p.shape[p.tp_dim] for n, p in marked}, padded=padded)
@@ -117,17 +119,17 @@ class ShardReader:
 
     def experts_held(self, stack: str) -> range | None:
         """The experts of stacked parameter `stack` this rank holds where it is split by expert
-        (rank r of W: [r * E/W, (r + 1) * E/W)), else None (every expert)."""
+        (rank r of W = `tp.expert_world`: [r * E/W, (r + 1) * E/W)), else None (every expert)."""
         if self.dims.get(stack) != 0:
             return None
-        n = self.sizes[stack]
-        return range(self.tp.rank * n, (self.tp.rank + 1) * n)
+        n, r = self.sizes[stack], self.tp.expert_rank
+        return range(r * n, (r + 1) * n)
 
     def held_elsewhere(self, stack: str, expert: int) -> bool:
         """True for an expert of `stack` another rank holds (its tensors are skipped unread); an
         index beyond every rank's experts is not, so validation reports it."""
         held = self.experts_held(stack)
-        return held is not None and expert not in held and 0 <= expert < len(held) * self.tp.world
+        return held is not None and expert not in held and 0 <= expert < len(held) * self.tp.expert_world
 
     def reader(self, f, raw_name: str, name: str) -> Callable[[], torch.Tensor]:
         """A thunk reading this rank's part of `raw_name` from the open file `f`."""

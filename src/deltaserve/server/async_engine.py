@@ -345,26 +345,37 @@ class AsyncEngine:
             if fut is not None and fut.set_running_or_notify_cancel():
                 fut.set_exception(EngineDeadError("the engine stopped"))
 
-    def _loop(self) -> None:
-        running = True
-        while running:
-            busy = self.core.scheduler.has_work()
+    def _drain(self, wait: float | None) -> bool:
+        """Handle every queued message, first waiting up to `wait` s for one (None: until one
+        comes; 0: not at all); False once a `Shutdown` (or `Fatal`) stopped the loop."""
+        try:
+            msg = self._inbox.get_nowait() if wait == 0 else self._inbox.get(timeout=wait)
+        except queue.Empty:
+            msg = None
+        while msg is not None:
+            if not self._handle(msg):
+                return False  # what follows is refused (`_refuse_queued`), not dropped
             try:
-                msg = self._inbox.get_nowait() if busy else self._inbox.get()
+                msg = self._inbox.get_nowait()
             except queue.Empty:
                 msg = None
-            while msg is not None:
-                running = self._handle(msg)
-                if not running:
-                    break  # what follows is refused (`_refuse_queued`), not dropped
-                try:
-                    msg = self._inbox.get_nowait()
-                except queue.Empty:
-                    msg = None
-            if not running:
-                break
-            self._serve_waiters()
-            self.num_waiting = len(self.core.scheduler.waiting)
+        self._serve_waiters()
+        self.num_waiting = len(self.core.scheduler.waiting)
+        return True
+
+    def _deliver(self, deltas) -> None:
+        """A step's deltas to their requests' sinks; finished requests' sinks dropped."""
+        for d in deltas:
+            sink = self._sinks.get(d.request_id)
+            if sink is not None:
+                sink(d)
+        for rid in [r for r in self._sinks if r not in self.core.requests]:
+            del self._sinks[rid]
+        self._serve_waiters()
+        self.num_waiting = len(self.core.scheduler.waiting)
+
+    def _loop(self) -> None:
+        while self._drain(0 if self.core.scheduler.has_work() else None):
             if not self.core.scheduler.has_work():
                 if self._sinks:
                     self._fail_all(RuntimeError("the engine cannot schedule the remaining requests"))
@@ -378,14 +389,7 @@ class AsyncEngine:
                 log.exception("engine step failed; aborting the running requests")
                 self._fail_all(RuntimeError("internal engine error"))
                 continue
-            for d in deltas:
-                sink = self._sinks.get(d.request_id)
-                if sink is not None:
-                    sink(d)
-            for rid in [r for r in self._sinks if r not in self.core.requests]:
-                del self._sinks[rid]
-            self._serve_waiters()
-            self.num_waiting = len(self.core.scheduler.waiting)
+            self._deliver(deltas)
 
 
 def _log_posted_failure(f: Future) -> None:

@@ -120,6 +120,15 @@ ENCODER_GAUGES = {
     "encoder_cache_bytes": ("encoder_cache_bytes", "Bytes of projector rows in the encoder cache"),
     "encoder_cache_entries": ("encoder_cache_entries", "Images in the encoder cache"),
 }
+# stats() key -> (metric name without prefix, help): wide expert parallelism (engine/core/lockstep.py)
+EP_COUNTERS = {
+    "ep_rounds": ("ep_rounds", "Lock-step rounds (one forward on every wide-EP replica) this replica took part in"),
+    "idle_forwards": ("ep_idle_forwards", "Zero-token forwards this replica ran to keep busy peers in step"),
+}
+EXPERT_HELP = (
+    "Tokens each routed expert held by this replica ran, summed over the MoE layers (wide expert "
+    "parallelism); over ep_rounds_total: tokens per expert per step"
+)
 FALLBACK_HELP = (
     "Op calls whose backend kernel did not run (the PyTorch reference or the layer's module path ran), "
     "by op and reason; this process's (rank 0's under tensor parallelism)"
@@ -210,6 +219,7 @@ class _EngineCollector:
             (GaugeMetricFamily, ENCODER_GAUGES, s),
             (CounterMetricFamily, PREFIX_COUNTERS, pc),
             (GaugeMetricFamily, PREFIX_GAUGES, pc),
+            (CounterMetricFamily, EP_COUNTERS, s),
         ):
             for key, (name, doc) in table.items():
                 if key in values:
@@ -222,6 +232,15 @@ class _EngineCollector:
             yield self._by_position(sd)
         if "kernel_fallbacks" in s:
             yield self._fallbacks(s["kernel_fallbacks"])
+        if "expert_load" in s:
+            yield self._expert_load(s["expert_load"])
+
+    def _expert_load(self, load: dict) -> CounterMetricFamily:
+        """`expert_tokens_total{expert}` from stats()'s {"first", "tokens"} (this replica's experts)."""
+        m = CounterMetricFamily(P + "expert_tokens", EXPERT_HELP, labels=["model_name", "expert"])
+        for i, n in enumerate(load["tokens"]):
+            m.add_metric([self.model_name, str(load["first"] + i)], n)
+        return m
 
     def _by_position(self, sd: dict) -> CounterMetricFamily:
         """`spec_decode_num_accepted_tokens_per_pos_total{position}` (and drafted, by position)."""

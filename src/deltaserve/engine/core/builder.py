@@ -5,6 +5,11 @@ Invariants: the native CPU kernels (bf16 only) are built and loaded before the p
 so no request pays for the compile; the cache's producer fingerprint names the kernel backend
 ("cpu-native" or "torch"), so checkpoints made by one backend never restore into the other.
 
+A wide expert-parallel replica (`config.wide_expert_parallel`: data-parallel replicas with the
+experts split over them) joins its replicas' group first and builds an unsharded engine whose MoE
+layers exchange tokens with the other replicas (`model.tp.ep_world` > 1; its steps must run in
+lock-step with theirs: engine/core/lockstep.py).
+
 Under tensor parallelism (`ranks.plan_ranks`) the workers are started first, every rank loads its
 shard at the same time, and rank 0 sizes the pools and sends their counts (`Hello`) before any
 step. K3 checkpoints with `vision_tower.*` tensors get their vision model (tower + projector, the
@@ -33,7 +38,7 @@ from ...model.vision_weights import PREFIXES, load_vision_model
 from ...model.weights import checkpoint_files
 from ...ops.backends.select import describe
 from ...ops.operands import ServedShapes
-from ...parallel import SINGLE
+from ...parallel import SINGLE, init_expert_parallel, leave_tensor_parallel
 from ..config import EngineConfig
 from ..exec.channel import ControlChannel
 from ..exec.encoder_cache import EncoderCache
@@ -65,8 +70,11 @@ class Engine:
     channel: ControlChannel | None = None
 
     def shutdown(self) -> None:
-        """Stop the other ranks (idempotent); a failed group's workers are killed instead."""
+        """Stop the other ranks (idempotent); a failed group's workers are killed instead. A wide-EP
+        replica leaves its expert-parallel group."""
         close_tiers(self.cache)
+        if self.model.tp.ep_world > 1:
+            leave_tensor_parallel()
         ranks, self.ranks = self.ranks, None
         if ranks is None:
             return
@@ -110,6 +118,17 @@ def build_engine(config: EngineConfig) -> Engine:
     dtype = resolve_dtype(c.dtype)
     plan = plan_ranks(c)
     ranks, tp, control = None, SINGLE, None
+    if c.wide_expert_parallel:  # one rank of the replicas' expert-parallel group (TP 1: no plan)
+        if not c.data_parallel_init_method:
+            raise ValueError("a wide expert-parallel replica needs data_parallel_init_method (its group's rendezvous)")
+        tp = init_expert_parallel(
+            c.data_parallel_rank, c.data_parallel_size, c.data_parallel_init_method, c.device, c.distributed_timeout
+        )
+        try:
+            return _build_rank0(c, dtype, None, tp, None)
+        except BaseException:
+            leave_tensor_parallel(failed=True)
+            raise
     if plan is not None:
         ranks = RankGroup(plan, c)
         ranks.launch()  # the workers get `c` and choose their own GPUs

@@ -3,10 +3,13 @@ replicas (engine/dp/replica.py), as vLLM's `EngineCoreClient` is of its engine-c
 
 Each replica is a `python -m deltaserve.engine.dp.replica` subprocess with a whole engine (its
 own scheduler, caches and, with `tensor_parallel_size > 1`, its own worker ranks on its own
-rendezvous port); they load in parallel. Each gets `num_threads` torch threads, by default the
-machine's cores split evenly over every process of every replica, and on CUDA with enough GPUs
-its own `tensor_parallel_size` of them (`visible_gpus`). The client and a replica talk over a
-socket pair in `dp.protocol` messages (msgspec, never pickle).
+rendezvous port); they load in parallel. With `enable_expert_parallel` (wide EP, tensor-parallel
+size 1) the replicas are the ranks of one expert-parallel group instead (the routed experts split
+over them, `data_parallel_rank` each, one rendezvous) and step in lock-step
+(engine/core/lockstep.py). Each gets `num_threads` torch threads, by default the machine's cores
+split evenly over every process of every replica, and on CUDA with enough GPUs its own
+`tensor_parallel_size` of them (`visible_gpus`). The client and a replica talk over a socket pair
+in `dp.protocol` messages (msgspec, never pickle).
 
 Invariants:
 - a batch is routed by a `routing.Router`: with prefix caching, to the replica where the longest
@@ -329,7 +332,8 @@ class DPClient:
         return answers
 
     def stats(self) -> dict:
-        """Integer figures summed over the live replicas (`page_size` is every replica's),
+        """Integer figures summed over the live replicas (`page_size` is every replica's; wide EP:
+        `expert_load`, the tokens every expert ran, each from the replica holding it),
         `replicas`: each live replica's own stats, `replicas_live`: how many there are."""
         each = self._call("stats")
         total = {
@@ -338,6 +342,9 @@ class DPClient:
             if isinstance(v, int) and not isinstance(v, bool)
         }
         routed = dict(self.router.decisions)
+        loads = [s["expert_load"] for s in each if "expert_load" in s]
+        if loads:  # wide EP: each replica's experts' tokens, in expert order
+            total["expert_load"] = [n for load in sorted(loads, key=lambda x: x["first"]) for n in load["tokens"]]
         return total | {
             "data_parallel_size": len(self.replicas),
             "replicas_live": len(each),

@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 import torch
 
 from ..config import EngineConfig
+from ..exec.ranks import free_port
 
 
 def _cpus() -> int:
@@ -42,6 +43,19 @@ def replica_configs(c: EngineConfig) -> list[EngineConfig]:
     c.check_parallel()
     n = c.data_parallel_size
     threads = c.num_threads or max(1, _cpus() // (n * c.tensor_parallel_size))
+    if c.wide_expert_parallel:  # one expert-parallel group over the replicas, a rank each
+        ep = c.distributed_init_method or f"tcp://127.0.0.1:{free_port()}"
+        return [
+            dataclasses.replace(
+                c,
+                num_threads=threads,
+                progress=c.progress and i == 0,
+                distributed_init_method=None,
+                data_parallel_rank=i,
+                data_parallel_init_method=ep,
+            )
+            for i in range(n)
+        ]
     return [
         dataclasses.replace(
             c, data_parallel_size=1, num_threads=threads, progress=c.progress and i == 0, distributed_init_method=init

@@ -5,7 +5,8 @@ end of a socket pair in the `DELTASERVE_DP_REPLICA` environment variable.
 It builds a whole engine with `build_engine` (its own scheduler, caches and, with
 `tensor_parallel_size > 1`, its own worker ranks), answers `Ready`, then serves the client's
 `dp_protocol` messages: between two steps it handles every message waiting, and it steps while
-it has unfinished requests. With the prefix cache on it publishes `CacheEvents` (`cache.events`)
+it has unfinished requests (a wide expert-parallel replica: while any replica has, in lock-step
+with them, `serve_lockstep`). With the prefix cache on it publishes `CacheEvents` (`cache.events`)
 after each step or call that changed what can resume here (and while idle, what its disk tier
 wrote), the first one a reset. It exits 0 on `Shutdown`, 1 after telling the client `Failed`
 (any error), when the client closes the socket, or when its parent process is gone. It ignores
@@ -28,6 +29,7 @@ import msgspec
 from ... import env
 from ...cache.events import EventLog, publish
 from ..core.builder import Engine, build_engine
+from ..core.lockstep import LockStep
 from ..exec.ranks import config_from_json, exit_with_parent
 from ..request.sequence import InvalidRequestError
 from .protocol import (
@@ -50,12 +52,15 @@ from .protocol import (
 
 log = logging.getLogger(__name__)
 
+IDLE_POLL = 0.02  # seconds an idle wide-EP replica waits for a message between two lock-step rounds
+
 REPLICA_ENV = env.DP_REPLICA.name
 
 
 class Replica:
     def __init__(self, engine: Engine, link: Link):
         self.engine, self.core, self.link = engine, engine.core, link
+        self.lock = LockStep(self.core) if engine.model.tp.ep_world > 1 else None
         self.events = None
         if engine.cache.prefix_enabled:
             self.events = EventLog()
@@ -82,6 +87,8 @@ class Replica:
 
     def serve(self) -> None:
         """Messages and steps until `Shutdown` (returns) or an error (raises)."""
+        if self.lock is not None:
+            return self.serve_lockstep()
         last = time.monotonic()
         while True:
             busy = self.core.has_unfinished()
@@ -97,6 +104,33 @@ class Replica:
             if not self.core.scheduler.has_work():
                 raise RuntimeError("engine idle with unfinished requests")
             outs = self.core.step()
+            self.publish()
+            now = time.monotonic()
+            if outs or now - last >= HEARTBEAT:
+                self.link.send(Outputs(outs))
+                last = now
+
+    def serve_lockstep(self) -> None:
+        """Wide EP: between two rounds every waiting message, then a round with the other replicas
+        (`LockStep`): a step (or zero-token forward) where any has work; all stop together once
+        one got `Shutdown`; an idle round waits `IDLE_POLL` s for a message."""
+        last, stop = time.monotonic(), False
+        while True:
+            while not stop and self.link.ready(0):
+                msg = self.link.recv()
+                stop = isinstance(msg, Shutdown)
+                if not stop:
+                    self.handle(msg)
+            busy, stopping = self.lock.sync(self.core.has_unfinished(), stop)
+            if stopping:
+                return
+            if not busy:
+                self.publish()
+                self.link.ready(IDLE_POLL)
+                continue
+            if self.core.has_unfinished() and not self.core.scheduler.has_work():
+                raise RuntimeError("engine idle with unfinished requests")
+            outs = self.lock.step()
             self.publish()
             now = time.monotonic()
             if outs or now - last >= HEARTBEAT:

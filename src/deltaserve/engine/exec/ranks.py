@@ -197,8 +197,8 @@ def memory_report(tp: ParallelContext, before: int, weights: int, decode_stack: 
     if tp.rank == 0:
         for r, m in enumerate(report):
             log.info(
-                "rank %d: weights %.1f MiB, peak RSS %.1f MiB at load (%.1f MiB before), decode %s",
-                r,
+                "%s: weights %.1f MiB, peak RSS %.1f MiB at load (%.1f MiB before), decode %s",
+                f"rank {r}" if tp.ep_world == 1 else f"expert-parallel rank {tp.ep_rank} of {tp.ep_world}",
                 m["weight_bytes"] / 2**20,
                 m["rss_peak_load"] / 2**20,
                 m["rss_before_load"] / 2**20,

@@ -1,0 +1,107 @@
+"""`LLM(data_parallel_size=2, enable_expert_parallel=True)`: two replicas (gloo, one machine,
+fp32) with their own schedulers and caches, the routed experts split between them and exchanged
+by all-to-all in lock-step. Greedy outputs equal the one-process engine's for both families; each
+replica's load report holds half the experts' bytes; the expert load covers every routed pair;
+with every request on one replica, the other's zero-token forwards keep it going. In bf16 (the
+native CPU kernels, MXFP4 experts kept packed) the shipped small K3's greedy outputs equal one
+process's too."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deltaserve.engine.config import EngineConfig
+from deltaserve.engine.dp.client import replica_configs
+from deltaserve.engine.request.sampling_params import SamplingParams
+from deltaserve.model.weights import load_model
+from deltaserve.tiny import make_tiny
+from deltaserve.tiny.shipped import shipped_model_dir
+
+from .engine_fixtures import make_llm
+
+FAMILIES = ("kimi_k3", "kimi_linear")
+KW = dict(enable_prefix_caching=False, max_model_len=512, max_num_seqs=4)
+
+
+def ids(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + 31 * i) % 1800 + 40 for i in range(n)]
+
+
+PROMPTS = [ids(1, 5), ids(2, 40), ids(3, 17), ids(4, 9), ids(5, 23), ids(6, 3)]
+PARAMS = [SamplingParams(max_tokens=m, temperature=0) for m in (6, 3, 9, 4, 7, 5)]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("wide_ep")
+    return {f: make_tiny(root / f, f, "tiny", seed=7) for f in FAMILIES}
+
+
+def _expert_bytes(path: Path) -> tuple[int, int, int]:
+    """(routed expert bytes, MoE layers, top-k) of the whole fp32 model."""
+    model = load_model(path, "float32", progress=False)
+    moe = [n for n, _ in model.named_parameters() if n.endswith(".experts.w1")]
+    size = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    return size, len(moe), model.config.moe.top_k
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [c.token_ids for o in outs for c in o.outputs]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dp2_expert_parallel_equals_one_engine(ckpts, family):
+    path = ckpts[family]
+    with make_llm(path, **KW) as one:
+        want = one.generate(PROMPTS, PARAMS, use_tqdm=False)
+        whole_bytes = one.rank_memory[0]["weight_bytes"]
+    with make_llm(path, data_parallel_size=2, enable_expert_parallel=True, **KW) as two:
+        got = two.generate(PROMPTS, PARAMS, use_tqdm=False)
+        stats, memory = two.stats(), two.rank_memory
+    assert _tokens(got) == _tokens(want)
+    assert all(s["requests_added"] > 0 for s in stats["replicas"])  # both replicas had work
+    experts, layers, top_k = _expert_bytes(path)
+    assert len(memory) == 2
+    for m in memory:  # each rank: everything but the other half of the experts
+        assert m["weight_bytes"] == whole_bytes - experts // 2
+    load = stats["expert_load"]
+    assert len(load) == 8 and [r["expert_load"]["first"] for r in stats["replicas"]] == [0, 4]
+    assert sum(load) == top_k * layers * stats["computed_tokens"]  # every routed pair ran once
+
+
+def test_an_idle_replica_keeps_the_other_going(ckpts):
+    path = ckpts["kimi_k3"]
+    with make_llm(path, **KW) as one:
+        want = one.generate(PROMPTS[:1], PARAMS[:1], use_tqdm=False)
+    with make_llm(path, data_parallel_size=2, enable_expert_parallel=True, **KW) as two:
+        got = two.generate(PROMPTS[:1], PARAMS[:1], use_tqdm=False)
+        busy, idle = sorted(two.stats()["replicas"], key=lambda s: -s["requests_added"])
+    assert _tokens(got) == _tokens(want)
+    assert (busy["requests_added"], idle["requests_added"]) == (1, 0)
+    assert idle["idle_forwards"] == busy["steps"] > 0  # one zero-token forward per step of the other
+    assert busy["idle_forwards"] == 0 and idle["steps"] == 0
+
+
+def test_wide_ep_replica_configs():
+    c = EngineConfig(model="m", data_parallel_size=3, enable_expert_parallel=True, num_threads=1)
+    configs = replica_configs(c)
+    assert [x.data_parallel_rank for x in configs] == [0, 1, 2]
+    assert len({x.data_parallel_init_method for x in configs}) == 1 and configs[0].data_parallel_init_method
+    assert all(x.wide_expert_parallel and x.data_parallel_size == 3 for x in configs)
+    tp2 = EngineConfig(model="m", data_parallel_size=2, enable_expert_parallel=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
+        tp2.check_parallel()
+
+
+def test_bf16_packed_experts_on_the_shipped_model():
+    chat = ["Hello", "What is 2+3?", "Tell me a story about the sea", "hi"]
+    params = SamplingParams(max_tokens=12, temperature=0)
+    kw = dict(KW, skip_tokenizer_init=False, dtype="bfloat16")
+    with make_llm(shipped_model_dir("kimi_k3"), **kw) as one:
+        want = one.generate(chat, params, use_tqdm=False)
+    with make_llm(shipped_model_dir("kimi_k3"), data_parallel_size=2, enable_expert_parallel=True, **kw) as two:
+        got = two.generate(chat, params, use_tqdm=False)
+        assert all(s["requests_added"] > 0 for s in two.stats()["replicas"])
+    assert _tokens(got) == _tokens(want)
