@@ -35,3 +35,20 @@ def test_tiers_recover_what_a_small_device_pool_drops(tmp_path):
     tiered = replay(*args, kv_offload_memory=200_000, kv_disk_path=str(tmp_path / "kv"), kv_disk_size=1 << 26)
     assert alone["working_set_x"] > 1.5 and tiered["tier_hits"] != "0/0", tiered
     assert alone["ideal"] == tiered["ideal"] <= tiered["computed"] < alone["computed"], (alone, tiered)
+
+
+def test_the_shared_store_alone_recovers_what_a_small_device_pool_drops(tmp_path):
+    from tests.engine.mooncake_master import Master, master_binary
+
+    master_binary()
+    master = Master(tmp_path / "master.log")
+    try:
+        ckpt = make_tiny(tmp_path / "k3", family="kimi_k3", preset="tiny", seed=2)
+        spec = WorkloadSpec(sessions=8, rounds=2, system_tokens=200, tool_tokens=60, user_tokens=(20, 60), seed=1)
+        args = (str(ckpt), OURS, spec, 8, 300_000, "float32", 1, 512)
+        alone = replay(*args)
+        shared = replay(*args, kv_store=master.url, kv_store_size=1 << 26)
+    finally:
+        master.stop()
+    assert shared["policy"] == "deltaserve + store" and int(shared["tier_hits"]) > 0, shared
+    assert alone["ideal"] == shared["ideal"] <= shared["computed"] < alone["computed"], (alone, shared)

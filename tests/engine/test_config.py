@@ -45,6 +45,8 @@ NON_DEFAULT = {
     "kv_offload_memory": (["--kv-offload-memory", "1GiB"], 1 << 30),
     "kv_disk_path": (["--kv-disk-path", "/tmp/kv"], "/tmp/kv"),
     "kv_disk_size": (["--kv-disk-size", "2GB"], 2 * 10**9),
+    "kv_store": (["--kv-store", "mooncake://h:50051"], "mooncake://h:50051"),
+    "kv_store_size": (["--kv-store-size", "1GiB"], 1 << 30),
     "speculative_config": (
         ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
         {"method": "ngram", "num_speculative_tokens": 3},
@@ -84,6 +86,8 @@ CLI_DEFAULTS = dict(
     kv_offload_memory=None,
     kv_disk_path=None,
     kv_disk_size=None,
+    kv_store=None,
+    kv_store_size=None,
     speculative_config=None,
 )
 
@@ -130,9 +134,15 @@ def test_frozen_and_validated():
         dict(moe_weights="x"),
         dict(max_model_len=-1),
         dict(enable_prefix_caching=True, checkpoint_fraction=1.0),
+        dict(kv_store="redis://h:1"),
+        dict(kv_store="mooncake://h"),
+        dict(kv_store="mooncake://h:1/x?y=1"),
     ):
         with pytest.raises(ValueError):
             EngineConfig(model="m", **bad)
+    for tiers in (dict(kv_store="mooncake://h:1"), dict(kv_offload_memory=1 << 20)):
+        with pytest.raises(ValueError, match="need tensor_parallel_size 1"):
+            EngineConfig(model="m", tensor_parallel_size=2, decode_context_parallel_size=2, **tiers).check_parallel()
 
 
 def test_llm_kwargs_and_from_config_agree(tmp_path):

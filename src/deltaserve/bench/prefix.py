@@ -9,7 +9,9 @@ request-steps held), so the difference is the retention/matching policy alone.
 
 `--tiers`: deltaserve's policy on a device pool far smaller than the workload (`working_set_x`:
 the distinct tokens' MLA rows plus one KDA state per session, over the pool), without and with
-a host tier and a disk tier under it, side by side (`tier_hits`: restores from host / disk).
+a host tier and a disk tier under it, side by side (`tier_hits`: restores from host / disk);
+with `--kv-store mooncake://HOST:PORT` also with the shared store alone under the device (the
+engine lends it the memory; `tier_hits`: restores from the store).
 """
 
 from __future__ import annotations
@@ -87,11 +89,12 @@ def replay(
     row_bytes = llm.cache.mla.storage[:, 0].nbytes // llm.cache.page_size
     working = ideal_computed([s.history for s in sessions], []) * row_bytes + len(sessions) * slot_bytes
     t = pc.get("tiers", {})
+    names = [k for k in ("host", "disk", "store") if k in t]
     llm.shutdown()
     return {
-        "policy": run.name + (" + " + "/".join(k for k in ("host", "disk") if k in t) if t else ""),
+        "policy": run.name + (" + " + "/".join(names) if names else ""),
         "working_set_x": working / kv_cache_memory,
-        "tier_hits": "/".join(str(t[k]["hits"]) for k in ("host", "disk") if k in t) or "-",
+        "tier_hits": "/".join(str(t[k]["hits"]) for k in names) or "-",
         "prompt_tokens": prompt_tokens,
         "computed": computed,
         "ideal": ideal,
@@ -123,6 +126,12 @@ def add_parser(sub) -> None:
         action="store_true",
         help="deltaserve alone vs with a host tier (2x --kv-cache-memory) and a disk tier (a temporary directory)",
     )
+    p.add_argument(
+        "--kv-store",
+        default=None,
+        metavar="mooncake://HOST:PORT",
+        help="with --tiers: also a run with this shared store alone under the device (lending it 8 GiB)",
+    )
     p.set_defaults(func=main)
 
 
@@ -134,7 +143,10 @@ def tier_rows(args: argparse.Namespace, spec: WorkloadSpec) -> list[dict]:
     common += (args.max_model_len,)
     with tempfile.TemporaryDirectory(prefix="deltaserve-bench-tiers-") as disk:
         tiers = dict(kv_offload_memory=2 * args.kv_cache_memory, kv_disk_path=disk, kv_disk_size=8 << 30)
-        return [replay(*common), replay(*common, **tiers)]
+        rows = [replay(*common), replay(*common, **tiers)]
+    if args.kv_store is not None:
+        rows.append(replay(*common, kv_store=args.kv_store, kv_store_size=8 << 30))
+    return rows
 
 
 def main(args: argparse.Namespace) -> int:
@@ -169,9 +181,10 @@ def main(args: argparse.Namespace) -> int:
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols))
-    ours, base = rows
-    print(
-        f"prefill tokens computed: {ours['policy']} {ours['computed']} vs {base['policy']} {base['computed']} "
-        f"({base['computed'] / ours['computed']:.2f}x); ideal {ours['ideal']}"
-    )
+    ours = rows[0]
+    for base in rows[1:]:
+        print(
+            f"prefill tokens computed: {ours['policy']} {ours['computed']} vs {base['policy']} {base['computed']} "
+            f"({base['computed'] / ours['computed']:.2f}x); ideal {ours['ideal']}"
+        )
     return 0

@@ -114,6 +114,12 @@ class EngineConfig:
     kv_disk_size: int | str | None = _opt(
         None, "disk the --kv-disk-path tier may use (e.g. 100GiB; default: half the free space)", type=size_arg
     )
+    kv_store: str | None = _opt(
+        None, "mooncake://HOST:PORT: a Mooncake Store (its master) shared by instances as a third prefix-cache tier"
+    )
+    kv_store_size: int | str | None = _opt(
+        None, "host memory this engine lends to the --kv-store as its segment (e.g. 4GiB; default: none)", type=size_arg
+    )
     moe_weights: str = _opt(
         "auto",
         "keep MXFP4 routed experts packed (~4.25 bits/weight) or decode them at "
@@ -197,8 +203,12 @@ class EngineConfig:
             )
         if self.data_parallel_size > 1 and self.nnodes > 1:
             raise ValueError("data_parallel_size > 1 runs on one machine: it cannot be combined with nnodes > 1")
-        if tp > 1 and (self.kv_offload_memory is not None or self.kv_disk_path is not None):
-            raise ValueError("cache tiers (--kv-offload-memory, --kv-disk-path) need tensor_parallel_size 1")
+        tiers = (self.kv_offload_memory, self.kv_disk_path, self.kv_store)
+        if tp > 1 and any(t is not None for t in tiers):
+            raise ValueError(
+                "cache tiers (--kv-offload-memory, --kv-disk-path, --kv-store) need tensor_parallel_size 1 "
+                "(no decode context parallelism either)"
+            )
         if self.data_parallel_size > 1 and self.kv_disk_path is not None:
             raise ValueError("one engine per --kv-disk-path: data-parallel replicas cannot share it yet")
         if tp % self.nnodes or self.node_rank >= self.nnodes:
@@ -228,6 +238,10 @@ class EngineConfig:
             raise ValueError("max_encoder_patches_per_step and max_image_patches_per_request must be positive")
         if self.moe_weights not in MOE_WEIGHTS:
             raise ValueError(f"moe_weights must be one of {MOE_WEIGHTS}, got {self.moe_weights!r}")
+        if self.kv_store is not None:
+            from ..cache.tiers.mooncake import parse_url
+
+            parse_url(self.kv_store)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides: Any) -> "EngineConfig":

@@ -1,4 +1,4 @@
-"""Lower tiers under the device pools (host memory, local disk): the seam the cache talks to.
+"""Lower tiers under the device pools (host memory, local disk, a shared store): the seam the cache talks to.
 
 The manager tells its tier three things, all on the engine thread:
 - `stored`: a checkpoint was just registered at unit boundary `k` of a chain (write-through: the
@@ -13,7 +13,7 @@ The manager tells its tier three things, all on the engine thread:
   nothing: the object is below already. A checkpoint dropped for a refused restore is not
   handed over (its state is not the one its hash names).
 `cache` is the calling `CacheManager`. `DROP`, the default, keeps nothing and restores nothing;
-`cache.tiers.store.TieredStore` is the host + disk implementation.
+`cache.tiers.store.TieredStore` is the host + disk + shared-store implementation.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ rank count, plus the match unit) and a blake2b digest of its bytes (`handoff.dig
 
 On disk an object is one safetensors file (no pickle): tensors `mla`, `tails`, `states` and a
 `__metadata__` manifest (format, key, parent, start, end, fingerprint, digest); the header's
-data offsets give the sizes, so a torn file is recognised from its header alone.
+data offsets give the sizes, so a torn file is recognised from its header alone. The shared tier
+stores the same bytes as the value of key `deltaserve/<FORMAT>/<fingerprint hex>/<key hex>`.
 """
 
 from __future__ import annotations

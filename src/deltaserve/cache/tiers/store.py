@@ -1,8 +1,10 @@
-"""`TieredStore`: host memory and local disk under the device pools, as one `LowerTier`.
+"""`TieredStore`: host memory, local disk and a shared store under the device pools, as one
+`LowerTier`; lookups try them in that order.
 
 Write-through: each checkpoint the device index registers becomes a tier object at once
 (`objects.snapshot`): the MLA rows since the deepest object already stored on its chain (its
-parent) plus the checkpoint, kept by the host tier and queued for the disk tier. Device eviction
+parent) plus the checkpoint, kept by the host tier and queued for the disk and shared tiers
+(`shared.SharedTier`, `--kv-store`). Device eviction
 then keeps nothing (the objects are below); each tier evicts by its own LRU and size limit, and a
 use or a new child makes the whole parent chain most recently used, so parents outlive children.
 
@@ -12,7 +14,10 @@ ancestors (host first, then disk). Disk objects are first read and verified by t
 reader thread while the engine keeps stepping (the lookup answers "pending" and the scheduler
 holds the request), then promoted to the host tier; once every object is in memory the prefix is
 installed into fresh device pages and a checkpoint slot, registered in the device index and tagged
-as a local checkpoint would be, before the admission that uses it. The device units the restore
+as a local checkpoint would be, before the admission that uses it. With a shared tier, a lookup
+that the local tiers cannot serve in full first probes the store for the rest of the chain (held
+at most `SharedTier.wait_s`; objects other instances wrote become known there) and then restores
+as from disk. The device units the restore
 chains onto are pinned while it takes pages. A verification failure is a counted miss and a
 shorter prefix is tried; a restore without room in the pools does nothing (counted).
 """
@@ -27,15 +32,20 @@ from pathlib import Path
 from ..plan import parse_bytes
 from .disk import DiskTier
 from .host import HostTier
+from .mooncake import MooncakeClient
 from .objects import Meta, TierObject, install, snapshot, tier_fingerprint
+from .shared import SharedTier
+
+Tier = HostTier | DiskTier | SharedTier
 
 
 class TieredStore:
-    def __init__(self, host: HostTier | None = None, disk: DiskTier | None = None):
-        if host is None and disk is None:
-            raise ValueError("a tiered store needs a host or a disk tier")
-        self.host, self.disk = host, disk
-        self.tiers = [t for t in (host, disk) if t is not None]
+    def __init__(self, host: HostTier | None = None, disk: DiskTier | None = None, store: SharedTier | None = None):
+        if host is None and disk is None and store is None:
+            raise ValueError("a tiered store needs a host, a disk or a shared tier")
+        self.host, self.disk, self.store = host, disk, store
+        self.tiers = [t for t in (host, disk, store) if t is not None]
+        self.readers = [t for t in (disk, store) if t is not None]  # read off the engine thread
         self.counters: Counter[str] = Counter()
         self.read_ahead = True  # disk objects are read off the engine thread (False: in the lookup)
         self._since: dict[bytes, float] = {}  # restore target -> when its first read began
@@ -46,11 +56,12 @@ class TieredStore:
     def take_checkpoint(self, h, slot, pool) -> None:
         return None
 
-    def _find(self, key: bytes, pending: bool = False) -> tuple[Meta, HostTier | DiskTier] | None:
+    def _find(self, key: bytes, pending: bool = False, shared: bool = True) -> tuple[Meta, Tier] | None:
         if self.host is not None and (m := self.host.meta(key)) is not None:
             return m, self.host
-        if self.disk is not None and (m := self.disk.meta(key, pending)) is not None:
-            return m, self.disk
+        for t in self.readers:
+            if (shared or t is not self.store) and (m := t.meta(key, pending)) is not None:
+                return m, t
         return None
 
     def _touch_chain(self, key: bytes) -> None:
@@ -69,12 +80,12 @@ class TieredStore:
         obj = snapshot(cache, hashes, start, k, slot)
         if self.host is not None:
             self.host.put(obj)
-        if self.disk is not None:
-            self.disk.submit(obj)
+        for t in self.readers:
+            t.submit(obj)
         if start:
             self._touch_chain(hashes[start - 1])
 
-    def _plan(self, hashes: list[bytes], k: int, k_dev: int) -> list[tuple[Meta, HostTier | DiskTier]] | None:
+    def _plan(self, hashes: list[bytes], k: int, k_dev: int) -> list[tuple[Meta, Tier]] | None:
         """The objects, shallowest first, that restore units `[k_dev, k)` and the checkpoint at
         `k` of `hashes`, or None if a link is missing or names another chain."""
         plan, end = [], k
@@ -91,23 +102,48 @@ class TieredStore:
                 return plan[::-1]
             end = m.start
 
-    def _fetch(self, plan: list[tuple[Meta, HostTier | DiskTier]]) -> list[TierObject] | None:
+    def _fetch(self, plan: list[tuple[Meta, Tier]]) -> list[TierObject] | None:
         objs = []
         for m, tier in plan:
             if tier is self.host:
                 obj = self.host.get(m.key)
+            elif tier is self.store:
+                obj = tier.take(m.key)  # never a store call on the engine thread
             else:
-                obj = self.disk.take(m.key) or self.disk.read(m.key)
+                obj = tier.take(m.key) or tier.read(m.key)
             if obj is None:
                 return None
-            if tier is self.disk and self.host is not None:
+            if tier is not self.host and self.host is not None:
                 self.host.put(obj)
             objs.append(obj)
         return objs
 
+    def _probe(self, hashes: list[bytes], k_mla: int, k_hit: int) -> bool:
+        """Ask the shared tier for the part of the chain past what the tiers know (True: wait)."""
+        if self.store is None:
+            return False
+        lo, local = k_hit, set()
+        for k in range(k_hit + 1, len(hashes) + 1):
+            if self._find(hashes[k - 1], shared=False) is not None:
+                lo = k
+                local.add(hashes[k - 1])
+            elif self.store.meta(hashes[k - 1]) is not None:
+                lo = k
+        return self.store.probe(hashes, lo, k_mla, local)
+
+    def _wait(self, hashes: list[bytes]) -> None:
+        self.counters["restore_waits"] += 1
+        if len(self._since) > 4096:  # targets whose requests left before their restore
+            self._since.clear()
+        self._since.setdefault(hashes[-1], time.perf_counter())
+
     def restore(self, cache, hashes: list[bytes], k_mla: int, k_hit: int) -> bool | None:
-        """True: a longer prefix is in the device index now; None: the disk objects it needs are
-        being read (the caller holds the request and asks again); False: nothing to restore."""
+        """True: a longer prefix is in the device index now; None: the store is being probed or
+        the objects it needs are being read (the caller holds the request and asks again);
+        False: nothing to restore."""
+        if self._probe(hashes, k_mla, k_hit):
+            self._wait(hashes)
+            return None
         for k in range(len(hashes), k_hit, -1):
             if self._find(hashes[k - 1]) is None:
                 continue
@@ -115,16 +151,13 @@ class TieredStore:
             plan = self._plan(hashes, k, k_dev)
             if plan is None:
                 continue
-            unread = [m.key for m, t in plan if t is self.disk and m.key not in self.disk.staged]
+            unread = [(m.key, t) for m, t in plan if t in self.readers and m.key not in t.staged]
             if unread and self.read_ahead:
-                for key in unread:
-                    self.disk.prefetch(key)
-                self.counters["restore_waits"] += 1
-                if len(self._since) > 4096:  # targets whose requests left before their restore
-                    self._since.clear()
-                self._since.setdefault(hashes[k - 1], time.perf_counter())
+                for key, t in unread:
+                    t.prefetch(key)
+                self._wait(hashes)
                 return None
-            t0 = self._since.pop(hashes[k - 1], None) or time.perf_counter()
+            t0 = self._since.pop(hashes[-1], None) or time.perf_counter()
             held = cache.index.pages_of(hashes, k_dev)
             cache.mla.incref(held)  # the device units the restore chains onto stay while it takes pages
             try:
@@ -142,6 +175,8 @@ class TieredStore:
             self.counters[f"{tier}_restore_seconds"] += time.perf_counter() - t0
             self._touch_chain(hashes[k - 1])
             return True
+        if hashes:
+            self._since.pop(hashes[-1], None)
         return False
 
     def _restore(self, cache, hashes: list[bytes], k: int, k_dev: int, plan) -> bool | None:
@@ -173,13 +208,13 @@ class TieredStore:
         return True
 
     def flush(self) -> None:
-        """Wait until every queued disk write is done."""
-        if self.disk is not None:
-            self.disk.flush()
+        """Wait until every queued disk and store write is done."""
+        for t in self.readers:
+            t.flush()
 
     def close(self) -> None:
-        if self.disk is not None:
-            self.disk.close()
+        for t in self.readers:
+            t.close()
 
     def stats(self) -> dict:
         """Per tier: its own counters and usage, plus the restores served from it (`hits`,
@@ -198,20 +233,33 @@ def _size(v: int | str) -> int:
     return parse_bytes(v) if isinstance(v, str) else int(v)
 
 
-def build_store(cache, host_bytes, disk_path, disk_bytes, world: int = 1) -> TieredStore:
-    """The store of `--kv-offload-memory` (bytes or '8GiB', None: no host tier) and
-    `--kv-disk-path` (None: no disk tier) / `--kv-disk-size` (None: half the free space there)."""
+def build_store(
+    cache, host_bytes, disk_path, disk_bytes, world: int = 1, store_url=None, store_bytes=None
+) -> TieredStore:
+    """The store of `--kv-offload-memory` (bytes or '8GiB', None: no host tier),
+    `--kv-disk-path` (None: no disk tier) / `--kv-disk-size` (None: half the free space there) and
+    `--kv-store` (`mooncake://HOST:PORT`, None: no shared tier) / `--kv-store-size` (host memory
+    lent to the store; None: none)."""
     host = HostTier(_size(host_bytes)) if host_bytes is not None else None
-    disk = None
+    disk = store = None
+    fingerprint = tier_fingerprint(cache, world)
     if disk_path is not None:
         Path(disk_path).mkdir(parents=True, exist_ok=True)
         size = _size(disk_bytes) if disk_bytes is not None else shutil.disk_usage(disk_path).free // 2
-        disk = DiskTier(disk_path, size, tier_fingerprint(cache, world))
-    return TieredStore(host, disk)
+        disk = DiskTier(disk_path, size, fingerprint)
+    if store_url is not None:
+        lend = _size(store_bytes) if store_bytes is not None else 0
+        try:
+            store = SharedTier(MooncakeClient(store_url, lend), fingerprint, lend)
+        except BaseException:
+            if disk is not None:
+                disk.close()
+            raise
+    return TieredStore(host, disk, store)
 
 
 def close_tiers(cache) -> None:
-    """Write what the disk tier has queued and release its directory (idempotent)."""
+    """Write what the disk and shared tiers have queued and release them (idempotent)."""
     close = getattr(cache.tier, "close", None)
     if close is not None:
         close()

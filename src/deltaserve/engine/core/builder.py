@@ -240,8 +240,9 @@ def _build_rank0(c: EngineConfig, dtype, ranks, tp, control) -> Engine:
     if stack is not None:
         log.info("decode steps of up to %d rows: the whole layer stack in one native call", stack.max_rows)
     cache = CacheManager(*build_pools(cfg, layout, c.device, tp), policy=policy, model_id=model_id, kernel=kernel)
-    if c.kv_offload_memory is not None or c.kv_disk_path is not None:
-        cache.attach_tier(build_store(cache, c.kv_offload_memory, c.kv_disk_path, c.kv_disk_size, tp.world))
+    if c.kv_offload_memory is not None or c.kv_disk_path is not None or c.kv_store is not None:
+        tiers = (c.kv_offload_memory, c.kv_disk_path, c.kv_disk_size, tp.world, c.kv_store, c.kv_store_size)
+        cache.attach_tier(build_store(cache, *tiers))
     core = EngineCore(
         model,
         tokenizer,
