@@ -238,6 +238,21 @@ def test_tool_message_needs_tool_call_id(server, tool_call_id):
         assert r.json()["error"]["param"] == "messages[2].tool_call_id", r.text
 
 
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"tool_choice": "bogus", "tools": [TOOL]}, "tool_choice"),
+        ({"tool_choice": {"type": "function"}, "tools": [TOOL]}, "tool_choice.function"),
+        ({"tool_choice": {"type": "function", "function": {}}, "tools": [TOOL]}, "tool_choice.function.name"),
+    ],
+)
+def test_union_fields_are_named_plainly(server, body, param):
+    """A field with several accepted shapes is named by its own path, not the validator's name
+    for the shape it tried (`tool_choice.literal['none','auto','required']`)."""
+    r = post(server, {"messages": USER, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 @pytest.fixture(scope="module")
 def vserver(tmp_path_factory):
     """A tiny-K3 server that accepts images."""
