@@ -22,7 +22,10 @@ it. The vendor verifier's response-format test says how Moonshot counts: "the AP
 `pending_tokens` holds is not published; leaving out the 3-token opener is what makes 36 (39
 rendered) and 119 (122) exact while the thinking-mode 96 counts every rendered id. So the
 prompt keeps the opener and only the count leaves it out (`chat.k3.uncounted_prompt_tokens`):
-an inference from those numbers, stated nowhere public.
+an inference from those numbers, stated nowhere public. Likewise for 96's lack of an effort
+message: `build_chat_segments(thinking_effort=None)` renders none, while the tokenizer's
+`apply_chat_template` defaults the effort to "max" (as the SGLang router's port notes), which
+would render one; 96 is the prompt with none, all counted.
 """
 
 import base64
