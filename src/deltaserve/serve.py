@@ -105,9 +105,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--channel-guard",
-        action="store_true",
-        help="K3: constrain every reply to the XTML message structure by grammar, so reasoning never "
-        "lands in content and no markup leaks into it (requests with their own constraint keep it)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="K3 (on by default): constrain every reply to the XTML message structure by grammar, so "
+        "reasoning never lands in content and no markup leaks into it (requests with their own "
+        "constraint keep it); --no-channel-guard samples unguarded",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

@@ -2,6 +2,7 @@
 random K3, torn down with the engine thread; plus the shared test server's settings and helpers."""
 
 import contextlib
+import dataclasses
 import threading
 import time
 
@@ -17,7 +18,7 @@ from deltaserve.tiny import make_tiny
 
 @contextlib.contextmanager
 def live_server(tmp_path_factory, model_name: str, app_kwargs: dict, **llm_kwargs):
-    """Yields {"url", "engine", "tok"}."""
+    """Yields {"url", "engine", "tok", "app"}."""
     ckpt = make_tiny(tmp_path_factory.mktemp("k3"), family="kimi_k3", preset="tiny", seed=0)
     llm = LLM(
         ckpt,
@@ -33,7 +34,7 @@ def live_server(tmp_path_factory, model_name: str, app_kwargs: dict, **llm_kwarg
     app = build_app(engine, model_name, **app_kwargs)
     try:
         with run_app(app) as url:
-            yield {"url": url, "engine": engine, "tok": llm.tokenizer}
+            yield {"url": url, "engine": engine, "tok": llm.tokenizer, "app": app}
     finally:
         engine.shutdown()
 
@@ -80,6 +81,19 @@ def idle_and_clean(engine, timeout=20.0):
     cached = stats.get("prefix_cache", {}).get("cached_pages", 0)
     assert not busy and stats["mla_pages_used"] == cached and stats["kda_slots_used"] == 0, stats
     return stats
+
+
+@contextlib.contextmanager
+def unguarded(server):
+    """The live server without the K3 channel guard (it is on by default) while the block runs:
+    for scripted outputs, which are forced past any grammar."""
+    app = server["app"]
+    state = app.state.server
+    app.state.server = dataclasses.replace(state, channel_guard=False)
+    try:
+        yield
+    finally:
+        app.state.server = state
 
 
 def script_outputs(engine, script: list[int]):

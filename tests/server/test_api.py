@@ -8,7 +8,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from tests.server.live_server import CMPL, KEY, MAX_LEN, MODEL, TOOLS, http, idle_and_clean, script_outputs  # noqa: E402
+from tests.server.live_server import CMPL, KEY, MAX_LEN, MODEL, TOOLS, http, idle_and_clean, script_outputs, unguarded  # noqa: E402
 
 IGN = {"ignore_eos": True}
 
@@ -136,11 +136,12 @@ SCRIPT = (
 
 @pytest.fixture
 def scripted(server):
-    """Force the sampled tokens to SCRIPT then EOS (the model still runs every step)."""
+    """Force the sampled tokens to SCRIPT then EOS (the model still runs every step), unguarded."""
     engine, tok = server["engine"], server["tok"]
     script = tok.encode(SCRIPT, allow_special=True) + [min(engine.core.eos_ids)]
     undo = script_outputs(engine, script)
-    yield
+    with unguarded(server):
+        yield
     undo()
     idle_and_clean(engine)
 

@@ -62,11 +62,11 @@ def build_app(
     media: MediaPolicy | None = None,
     image_processor: ImageProcessor | None = None,
     sampling_policy: str = "open",
-    channel_guard: bool = False,
+    channel_guard: bool = True,
 ) -> FastAPI:
     """The FastAPI app over a started-or-not `AsyncEngine` (started on app start-up);
     `max_waiting_requests=None` means no queue cap; `sampling_policy` in `POLICIES`
-    (sampling_policy.py); `channel_guard` (K3) guards each reply's structure (channel_guard.py)."""
+    (sampling_policy.py); `channel_guard` (K3, on by default) guards each reply's structure (channel_guard.py)."""
     if sampling_policy not in POLICIES:
         raise ValueError(f"unknown sampling policy {sampling_policy!r}; expected one of {POLICIES}")
     media = media or MediaPolicy()

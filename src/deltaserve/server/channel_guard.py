@@ -5,12 +5,15 @@ message's structure, applied to every K3 chat request that has no other constrai
     [<|open|>tools<|sep|> call+ <|close|>tools<|sep|>]  <|close|>message<|sep|>  (then EOS)
 
 The output continues the generation prompt, so it starts inside the think element (thinking on)
-or inside the response element. `text` never holds a control token nor the two characters `<|`
-(the start of every XTML marker, spelt in ordinary BPE tokens), so reasoning can only end where
-the think element closes, no channel text can be mistaken for markup, and the tools element
-(only allowed when tools are declared and tool_choice is not "none") holds only well-formed calls:
-`call tool="NAME" index="N"` with NAME a declared tool, each argument `argument key=".."
-type="string|number|boolean|null|object|array"` or one `json type="object"` element.
+or inside the response element. On by default for K3 (`--no-channel-guard` turns it off).
+`text` never holds a control token nor the two characters `<|` (the start of every XTML marker,
+spelt in ordinary BPE tokens), so reasoning can only end where the think element closes and no
+channel text can be mistaken for markup. It is a token-level rule (`%text%`), so an element may
+close after any token: a reasoning budget's forced think-close is always admitted. The tools
+element (only allowed when tools are declared and tool_choice is not "none") holds only
+well-formed calls: `call tool="NAME" index="N"` with NAME a declared tool, each argument
+`argument key=".." type="string|number|boolean|null|object|array"` or one `json type="object"`
+element.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import json
 
 from ..engine.request.structured import StructuredOutput
 
-TEXT = r"/([^<]|<[^|])*<?/"
+TEXT = "%text%"  # non-control tokens never spelling `<|` (engine/request/structured.py)
 ARG_TYPES = ("string", "number", "boolean", "null", "object", "array")
 
 

@@ -37,12 +37,23 @@ class APIError(Exception):
         )
 
 
+def _field_path(loc) -> list[str]:
+    """A validation error's location as the request's own field path: without "body" and the
+    validator's names for the shapes a union field tried (`literal['none','auto']`, a model
+    class such as `NamedToolChoice`; API fields are snake_case)."""
+    return [str(x) for x in loc if x != "body" and not (isinstance(x, str) and ("[" in x or x[:1].isupper()))]
+
+
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """(message, param) of the first invalid field; for a union field, the shape that got
+    furthest (the deepest location: `{"type": "function"}` is a named tool choice missing
+    `function`, not a bad literal)."""
     errs = exc.errors()
     if not errs:
         return "invalid request", None
-    e = errs[0]
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    top = _field_path(errs[0].get("loc", ()))[:1]
+    e = max((x for x in errs if _field_path(x.get("loc", ()))[:1] == top), key=lambda x: len(x.get("loc", ())))
+    loc = _field_path(e.get("loc", ()))
     param = ".".join(loc) or None
     msg = e.get("msg") or "invalid value"
     msg = msg.removeprefix("Value error, ")

@@ -43,7 +43,7 @@ class ServerState:
     image_processor: ImageProcessor | None = None  # None: image parts are refused
     handoff: Any = None  # a decode instance's `disagg.decode.DecodeHandoff`: `.submit(state, ids, params, images)`
     sampling_policy: str = "open"  # "open" | "k3" (server/sampling_policy.py)
-    channel_guard: bool = False  # K3: guard the assistant structure by grammar (server/channel_guard.py)
+    channel_guard: bool = True  # K3 (default on): guard the assistant structure by grammar (server/channel_guard.py)
 
     def admit(self) -> None:
         """429 with `Retry-After` while `max_waiting_requests` requests are queued."""

@@ -216,3 +216,26 @@ def test_invalid_schema_leaves_no_trace(llm):
     llm.engine.abort_request(rid)
     assert not llm.engine.grammars
     llm.check_integrity()
+
+
+def test_markerless_text_is_token_level(tok, compiler):
+    """`%text%`: non-control tokens never spelling `<|` (not inside a token, not across two), and,
+    being token-level, closable after any token, a split UTF-8 character included (a reasoning
+    budget forces the close there; a character-level rule refused it)."""
+    vocab, close = compiler.vocab_size, tok.special_tokens["<|close|>"]
+    grammar = StructuredOutput.raw("start: text <|close|>\ntext: %text%\n")
+    plain = {i for i in range(tok.vocab_size) if not tok.is_special(i)}
+    spells = {i for i in plain if b"<|" in tok.token_bytes(i)}
+    state = compiler.compile(grammar)
+    assert allowed(state, vocab) == (plain - spells) | {close}
+    lt, bar = tok.encode("<"), tok.encode("|")
+    assert len(lt) == 1 and len(bar) == 1
+    assert not state.advance(lt[0])
+    after = allowed(state, vocab)
+    assert close in after and bar[0] not in after
+    assert {i for i in plain - spells if not tok.token_bytes(i).startswith(b"|")} <= after
+    state = compiler.compile(grammar)
+    assert not state.advance(tok.encode("x")[0])
+    half = next(i for i in plain if len(tok.token_bytes(i)) == 1 and tok.token_bytes(i)[0] >= 0xC0)
+    assert not state.advance(half)  # the first byte of a two-byte character
+    assert close in allowed(state, vocab)

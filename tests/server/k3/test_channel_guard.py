@@ -1,14 +1,19 @@
-"""K3 channel integrity by grammar (`--channel-guard`, server/channel_guard.py): a fuzz over many
+"""K3 channel integrity by grammar (server/channel_guard.py, on by default): a fuzz over many
 seeds of the tiny random K3, thinking on and off, with and without tools: every output parses
 with no reasoning or XTML markup in `content` (nor markup in `reasoning_content`), and each
 finished one is a well-formed message. Without the guard the same fuzz does leak (the test
-engages). Plus the server flag end to end and the preserved-thinking counter in /metrics."""
+engages). Plus the server default end to end (a reasoning budget's forced close included), the
+`--no-channel-guard` switch and the preserved-thinking counter in /metrics."""
+
+import argparse
 
 import httpx
 import pytest
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.chat.render import render_chat
+from deltaserve.replica_front import replica_argv
+from deltaserve.serve import add_arguments
 from deltaserve.server.channel_guard import channel_guard
 from deltaserve.server.parsers import control_token_ids, parse_output
 from deltaserve.tiny import make_tiny
@@ -80,7 +85,7 @@ def test_without_the_guard_it_leaks(llm):
 
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory):
-    with live_server(tmp_path_factory, MODEL, dict(api_key=KEY, channel_guard=True), max_model_len=512) as srv:
+    with live_server(tmp_path_factory, MODEL, dict(api_key=KEY), max_model_len=512) as srv:  # the default: on
         yield srv
 
 
@@ -117,3 +122,25 @@ def test_preserved_thinking_counter(guarded):
     assert metric(guarded) == before + 1
     assert post(guarded, messages=dropped, max_tokens=1, thinking=False).status_code == 200
     assert metric(guarded) == before + 1  # thinking off: nothing to preserve
+
+
+def test_reasoning_budget_under_the_guard(guarded):
+    """`thinking_token_budget` on a guarded reply: the engine's forced think-close and
+    response-open are inside the grammar, so the reply goes on in the response channel."""
+    for seed in range(6):
+        r = post(guarded, messages=USER, seed=seed, max_tokens=40, thinking_token_budget=3, logprobs=True)
+        assert r.status_code == 200, r.text
+        [c] = r.json()["choices"]
+        tokens = [t["token"] for t in c["logprobs"]["content"]]
+        assert "<|close|>" in tokens[:4] and not any(m in (c["message"]["content"] or "") for m in MARKERS)
+
+
+def test_on_by_default_and_the_off_switch(guarded):
+    """On for K3 unless `--no-channel-guard` (which data-parallel replicas inherit)."""
+    assert guarded["app"].state.server.channel_guard
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args([]).channel_guard is True
+    off = p.parse_args(["--no-channel-guard"])
+    assert off.channel_guard is False and "--no-channel-guard" in replica_argv(off, p, "m")
+    assert "channel-guard" not in " ".join(replica_argv(p.parse_args([]), p, "m"))

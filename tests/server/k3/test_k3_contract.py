@@ -44,6 +44,23 @@ def tokens(server, body: dict) -> int:
     return r.json()["usage"]["prompt_tokens"]
 
 
+KNOWN = {"messages", "tools", "tool_choice", "reasoning_effort", "max_tokens", "response_format", "temperature"}
+
+
+def client_kwargs(body: dict) -> dict:
+    """`body` as openai client keywords: fields the client does not know go in `extra_body`."""
+    extra = {k: v for k, v in body.items() if k not in KNOWN}
+    return {"model": MODEL, "max_tokens": 1, **{k: v for k, v in body.items() if k in KNOWN}, "extra_body": extra}
+
+
+def client_tokens(client, body: dict) -> int:
+    """usage.prompt_tokens through the official openai client, non-streamed and streamed (equal)."""
+    plain = client.chat.completions.create(**client_kwargs(body)).usage.prompt_tokens
+    stream = client.chat.completions.create(**client_kwargs(body), stream=True, stream_options={"include_usage": True})
+    assert [c.usage.prompt_tokens for c in stream if c.usage] == [plain]
+    return plain
+
+
 def rendered(server, messages=USER, thinking=True, counted=True, **kw) -> int:
     n = len(render_chat(server["tok"], "kimi_k3", messages, thinking=thinking, **kw))
     return n - (3 if counted and not thinking else 0)
@@ -155,6 +172,59 @@ def test_streamed_usage_with_tools_and_thinking_off(server, client):
     assert [c.usage.prompt_tokens for c in stream if c.usage] == [want]
 
 
+def contract_cases(server) -> list[tuple[dict, int]]:
+    """(request body, its prompt tokens as the contract says) for each accepted shape."""
+    named = {"type": "function", "function": {"name": "f"}}
+    dyn = USER + [{"role": "system", "content": "", "tools": [TOOL]}]
+    partial = USER + [{"role": "assistant", "content": "Hel", "partial": True}]
+    required = (("tool_choice", "required"),)
+    return [
+        ({"messages": USER, "thinking": {"type": "disabled"}}, rendered(server, thinking=False)),
+        ({"messages": USER, "thinking": {"type": "enabled", "keep": "all"}}, rendered(server)),
+        ({"messages": USER, "chat_template_kwargs": {"thinking": False}}, rendered(server, thinking=False)),
+        ({"messages": USER, "reasoning_effort": "low"}, rendered(server, controls=(("thinking_effort", "low"),))),
+        (
+            {"messages": USER, "thinking": {"type": "enabled", "effort": "high"}, "thinking_effort": "low"},
+            rendered(server, controls=(("thinking_effort", "high"),)),
+        ),
+        (
+            {"messages": USER, "tools": [TOOL], "tool_choice": named, "max_tokens": 64, "temperature": 0},
+            rendered(server, thinking=False, tools=[TOOL], controls=required),
+        ),
+        ({"messages": USER, "tool_choice": "none"}, rendered(server)),
+        ({"messages": USER, "tool_choice": "auto"}, rendered(server)),
+        ({"messages": dyn, "tools": [TOOL_G]}, rendered(server, dyn, tools=[TOOL_G])),
+        (
+            {"messages": dyn, "tool_choice": "required", "thinking": False, "max_tokens": 64, "temperature": 0},
+            rendered(server, dyn, thinking=False, controls=required),
+        ),
+        ({"messages": partial}, rendered(server, partial, counted=False)),
+    ]
+
+
+def test_contract_over_the_openai_client_and_raw_http(server, client):
+    """Every accepted shape gives the same prompt over raw HTTP and the openai client, streamed
+    and not."""
+    for body, want in contract_cases(server):
+        assert (tokens(server, body), client_tokens(client, body)) == (want, want), body
+
+
+def test_required_met_by_dynamic_tools_alone(client):
+    """tool_choice "required" with only a dynamic tool declared: the reply calls it (its
+    arguments can only be `{}`, so the random model finishes the call)."""
+    none = {"type": "object", "properties": {}, "additionalProperties": False}
+    dyn = {"type": "function", "function": {"name": "now", "parameters": none}}
+    msgs = USER + [{"role": "system", "content": "", "tools": [dyn]}]
+    body = {"messages": msgs, "tool_choice": "required", "max_tokens": 64, "temperature": 0, "thinking": False}
+    r = client.chat.completions.create(**client_kwargs(body))
+    assert r.choices[0].finish_reason == "tool_calls", r
+    calls = {(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls}
+    assert calls == {("now", "{}")}
+    stream = client.chat.completions.create(**client_kwargs(body), stream=True)
+    names = [t.function.name for c in stream for t in (c.choices[0].delta.tool_calls or []) if t.function.name]
+    assert names and set(names) == {"now"}
+
+
 @pytest.mark.parametrize("tool_call_id", [None, "", 7])
 def test_tool_message_needs_tool_call_id(server, tool_call_id):
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
@@ -166,6 +236,21 @@ def test_tool_message_needs_tool_call_id(server, tool_call_id):
         r = post(server, {"messages": msgs, "tools": [TOOL]}, stream=stream)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "messages[2].tool_call_id", r.text
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"tool_choice": "bogus", "tools": [TOOL]}, "tool_choice"),
+        ({"tool_choice": {"type": "function"}, "tools": [TOOL]}, "tool_choice.function"),
+        ({"tool_choice": {"type": "function", "function": {}}, "tools": [TOOL]}, "tool_choice.function.name"),
+    ],
+)
+def test_union_fields_are_named_plainly(server, body, param):
+    """A field with several accepted shapes is named by its own path, not the validator's name
+    for the shape it tried (`tool_choice.literal['none','auto','required']`)."""
+    r = post(server, {"messages": USER, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +275,8 @@ def test_image_in_tool_message(vserver):
         tokens(server, {"messages": plain, "tools": [TOOL]}),
     )
     assert with_image > without + 2  # the image's media block is in the prompt
+    client = openai.OpenAI(base_url=server["url"] + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    assert client_tokens(client, {"messages": msgs, "tools": [TOOL]}) == with_image
 
 
 @pytest.mark.parametrize(
@@ -213,9 +300,12 @@ def test_image_in_tool_message(vserver):
         ({"messages": USER + [{"role": "assistant", "content": "x", "partial": "yes"}]}, "messages"),
     ],
 )
-def test_malformed_shapes_are_400_naming_the_field(server, body, param):
+def test_malformed_shapes_are_400_naming_the_field(server, client, body, param):
     for stream in (False, True):
         r = post(server, {"messages": USER, **body}, stream=stream)
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] is not None and err["param"].startswith(param), err
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**client_kwargs({"messages": USER, **body}), stream=stream)
+        assert e.value.param is not None and e.value.param.startswith(param), e.value.body

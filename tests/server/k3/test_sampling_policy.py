@@ -56,12 +56,21 @@ def test_other_values_are_400(vendor, body, param, stream):
     assert r.json()["error"]["param"] == param
 
 
-def test_openai_client(vendor):
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_client(vendor, stream):
     client = openai.OpenAI(base_url=vendor["url"] + "/v1", api_key=KEY, max_retries=0)
-    r = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=1, temperature=1.0, top_p=0.95)
-    assert r.choices[0].finish_reason == "length"
-    with pytest.raises(openai.BadRequestError, match="temperature"):
-        client.chat.completions.create(model=MODEL, messages=USER, max_tokens=1, temperature=0.2)
+    kw = dict(model=MODEL, messages=USER, max_tokens=1, stream=stream)
+    r = client.chat.completions.create(**kw, temperature=1.0, top_p=0.95)
+    finish = [c.choices[0].finish_reason for c in r if c.choices] if stream else [r.choices[0].finish_reason]
+    assert finish[-1] == "length"
+    off = dict(temperature=0.6, extra_body={"thinking": {"type": "disabled"}})
+    assert client.chat.completions.create(**{**kw, "stream": False}, **off).choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="temperature") as e:
+        client.chat.completions.create(**kw, temperature=0.2)
+    assert e.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**kw, top_p=0.5)
+    assert e.value.param == "top_p"
 
 
 def test_engine_samples_with_the_fixed_values():

@@ -10,7 +10,7 @@ from deltaserve.engine.request.sampling_params import SamplingParams
 from deltaserve.model.tokenizer import Tokenizer
 from deltaserve.server.parsers import StreamingParser, collect, control_token_ids
 from deltaserve.tiny import make_tiny
-from tests.server.live_server import MODEL, idle_and_clean, script_outputs
+from tests.server.live_server import MODEL, idle_and_clean, script_outputs, unguarded
 
 K3_OUT = (
     "need<|reserved_token_1800|> weather<|close|>think<|sep|><|open|>response<|sep|>"
@@ -70,11 +70,12 @@ def test_kimi_linear_specials_dropped_controls_parsed(tmp_path_factory, every):
 
 @pytest.fixture
 def scripted(server):
-    """Force the sampled tokens to K3_OUT then EOS (the model still runs every step)."""
+    """Force the sampled tokens to K3_OUT then EOS (the model still runs every step), unguarded."""
     engine, tok = server["engine"], server["tok"]
     script = tok.encode(K3_OUT, allow_special=True) + [min(engine.core.eos_ids)]
     undo = script_outputs(engine, script)
-    yield
+    with unguarded(server):
+        yield
     undo()
     idle_and_clean(engine)
 

@@ -21,7 +21,8 @@ Invariants:
 - Ids at or past the tokenizer's vocabulary (model padding rows) are never allowed.
 - The free text before a `prefix` is any run of non-control tokens (a token-level rule, so a
   character split across byte tokens never blocks the first marker: a reasoning budget can
-  always close the think element).
+  always close the think element). A raw grammar's `%text%` is the same but never spells `<|`,
+  within a token or across two (also token-level, for the same reason).
 - Decided at request time, before anything is queued (`StructuredOutputError`): a `pattern`
   whose counted repetitions expand it past `MAX_PATTERN_SIZE` items and its own length (in
   `StructuredOutput.json`), a schema over
@@ -95,7 +96,7 @@ class StructuredOutput:
     @classmethod
     def raw(cls, grammar: str) -> "StructuredOutput":
         """A whole llguidance Lark grammar (e.g. the K3 channel guard); `%free%` in it stands for
-        the rule body "any run of non-control tokens"."""
+        the rule body "any run of non-control tokens", `%text%` for the same never spelling `<|`."""
         if not isinstance(grammar, str) or not grammar.strip():
             raise StructuredOutputError("a raw grammar must be non-empty Lark text")
         return cls("", (), grammar)
@@ -124,11 +125,12 @@ class StructuredOutput:
         if not all(isinstance(p, (str, Special)) for p in self.prefix):
             raise StructuredOutputError("prefix pieces must be str or Special")
 
-    def lark(self, free: str = "/(.|\\n)*/") -> str:
+    def lark(self, free: str = "/(.|\\n)*/", text: str = "/([^<]|<[^|])*<?/") -> str:
         """The llguidance Lark grammar (JSON options forced compact, see module invariants);
-        `free` is the body of the free-text rule (`GrammarCompiler` passes non-control tokens)."""
+        `free` / `text` are the bodies of `%free%` / `%text%` (`GrammarCompiler` passes
+        token-level rules: non-control tokens, and those never spelling `<|`)."""
         if self.grammar:
-            return self.grammar.replace("%free%", free)
+            return self.grammar.replace("%free%", free).replace("%text%", text)
         schema = json.loads(self.json_schema)
         schema.pop("x-guidance", None)
         schema["x-guidance"] = _JSON_OPTIONS
@@ -218,6 +220,7 @@ class GrammarCompiler:
         self._tok = lltokenizer_from_encoding(tokenizer.encoding, n_vocab=vocab_size, eos_token=eos)
         self._specials = set(tokenizer.special_tokens)
         self._free = _token_ranges(len(tokenizer), set(tokenizer.special_ids))
+        self._text = _markerless_text(tokenizer)
         self._limits = llguidance.LLParserLimits(**{**GRAMMAR_LIMITS, **(limits or {})})
         self._cache: OrderedDict[StructuredOutput, object] = OrderedDict()
         self._lock = threading.Lock()
@@ -259,7 +262,7 @@ class GrammarCompiler:
     def _matcher(self, so: StructuredOutput):
         what = "grammar" if so.grammar else "JSON schema"
         try:
-            grammar = self._llg.LLMatcher.grammar_from_lark(so.lark(self._free))
+            grammar = self._llg.LLMatcher.grammar_from_lark(so.lark(self._free, self._text))
             matcher = self._llg.LLMatcher(self._tok, grammar, log_level=0, limits=self._limits)
         except (ValueError, RuntimeError) as e:
             raise StructuredOutputError(f"invalid {what}: {_short(str(e))}") from None
@@ -271,6 +274,37 @@ class GrammarCompiler:
         if matcher.is_error():
             raise StructuredOutputError(f"invalid {what}: {_short(matcher.get_error())}")
         return matcher
+
+
+def _token_set(ids: Sequence[int]) -> str:
+    """The ids (sorted) as one llguidance token class (`<[0-9,12-20]>`)."""
+    spans, start = [], None
+    for k, i in enumerate(ids):
+        if start is None:
+            start = i
+        if k + 1 == len(ids) or ids[k + 1] != i + 1:
+            spans.append(f"{start}-{i}" if i > start else str(start))
+            start = None
+    return "<[" + ",".join(spans) + "]>"
+
+
+def _markerless_text(tokenizer) -> str:
+    """Any run of non-control tokens whose bytes never spell `<|`: no token holding it, and after
+    a token ending in `<` none starting with `|`. With a = tokens not ending in `<`, b = those
+    ending in `<`, and n0 / n1 the ones of a / b not starting with `|`: `(a | b n1* n0)* (b n1*)?`."""
+    special = set(tokenizer.special_ids)
+    cls: dict[tuple[bool, bool], list[int]] = {(e, p): [] for e in (False, True) for p in (False, True)}
+    for i in range(len(tokenizer)):
+        raw = tokenizer.token_bytes(i)
+        if i not in special and raw and b"<|" not in raw:
+            cls[(raw.endswith(b"<"), raw.startswith(b"|"))].append(i)
+    a, b = sorted(cls[(False, False)] + cls[(False, True)]), sorted(cls[(True, False)] + cls[(True, True)])
+    n0, n1 = cls[(False, False)], cls[(True, False)]
+    if not b:
+        return f"{_token_set(a)}*"
+    tail = f"{_token_set(b)} {_token_set(n1)}*" if n1 else _token_set(b)
+    steps = [_token_set(a)] + ([f"{tail} {_token_set(n0)}"] if n0 else [])
+    return f"({' | '.join(steps)})* ({tail})?"
 
 
 def _token_ranges(n: int, excluded: set[int]) -> str:
