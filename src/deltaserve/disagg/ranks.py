@@ -24,9 +24,9 @@ from ..server.async_engine import AsyncEngine
 
 
 class InstanceRanks:
-    def __init__(self, engine: AsyncEngine, kind: str, host: str):
+    def __init__(self, engine: AsyncEngine, kind: str, host: str, protocol: str = "tcp"):
         def setup(core):
-            return setup_transfer(core, kind, host)
+            return setup_transfer(core, kind, host, protocol)
 
         self.engine = engine
         endpoints = engine.call_sync(setup) if engine.alive else setup(engine.core)

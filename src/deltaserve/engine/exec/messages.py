@@ -105,11 +105,12 @@ class Snapshot(msgspec.Struct, tag="snapshot", frozen=True):
 
 
 class TransferSetup(msgspec.Struct, tag="transfer_setup", frozen=True):
-    """Every rank starts a KV transfer engine (`engine` at `host`) over its own pools and answers
-    its `RankEndpoint`."""
+    """Every rank starts a KV transfer engine (`engine` at `host` over `protocol`) over its own
+    pools and answers its `RankEndpoint`."""
 
     engine: str
     host: str
+    protocol: str = "tcp"
 
 
 class Digest(msgspec.Struct, tag="digest", frozen=True):

@@ -68,10 +68,12 @@ class RankTransfer:
         self._jobs: dict[int, Future] = {}
 
     @classmethod
-    def start(cls, engine: str, host: str, tensors: dict) -> "tuple[RankTransfer | None, RankEndpoint]":
+    def start(
+        cls, engine: str, host: str, tensors: dict, protocol: str = "tcp"
+    ) -> "tuple[RankTransfer | None, RankEndpoint]":
         """(the started transfer, its endpoint), or (None, an endpoint saying why it did not start)."""
         try:
-            transfer = cls(make_connector(engine, host), tensors)
+            transfer = cls(make_connector(engine, host, protocol), tensors)
         except Exception as e:  # any failure is an answer: every rank must reach the gather
             return None, RankEndpoint("", {}, f"{type(e).__name__}: {e}")
         return transfer, transfer.endpoint()
@@ -123,7 +125,8 @@ def serve_transfer(msg, channel, tensors: dict, ops, transfer: RankTransfer | No
     """A worker's side of the transfer messages (`ops(list)` replays slot writes); returns the
     rank's transfer (started by `TransferSetup`)."""
     if isinstance(msg, TransferSetup):  # a rank on another node advertises that node's own address
-        transfer, endpoint = RankTransfer.start(msg.engine, env.KV_TRANSFER_HOST.get() or msg.host, tensors)
+        host = env.KV_TRANSFER_HOST.get() or msg.host
+        transfer, endpoint = RankTransfer.start(msg.engine, host, tensors, msg.protocol)
         _answer(channel, endpoint)
         return transfer
     if transfer is None:
@@ -150,12 +153,13 @@ def _answers(channel, own, kind: type) -> list:
     return [msgspec.msgpack.decode(b, type=kind) for b in _answer(channel, own)]
 
 
-def setup_transfer(core, engine: str, host: str) -> list[RankEndpoint]:
-    """Start every rank's transfer engine (rank 0's is kept as `core.runner.transfer`)."""
+def setup_transfer(core, engine: str, host: str, protocol: str = "tcp") -> list[RankEndpoint]:
+    """Start every rank's transfer engine over `protocol` (rank 0's is kept as `core.runner.transfer`)."""
     runner = core.runner
     if runner.channel is not None:
-        runner.channel.send(TransferSetup(engine, host))
-    runner.transfer, endpoint = RankTransfer.start(engine, host, pool_tensors(core.cache.mla, core.cache.kda))
+        runner.channel.send(TransferSetup(engine, host, protocol))
+    tensors = pool_tensors(core.cache.mla, core.cache.kda)
+    runner.transfer, endpoint = RankTransfer.start(engine, host, tensors, protocol)
     return _answers(runner.channel, endpoint, RankEndpoint)
 
 
