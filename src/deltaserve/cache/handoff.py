@@ -50,10 +50,13 @@ def layout_fingerprint(cache: CacheManager, world: int = 1) -> str:
     return h.hexdigest()
 
 
-def prompt_hash(model_id: str, cache_salt: str | None, tokens: list[int]) -> str:
-    """Hex sha256 naming an exact token sequence under a model and salt (the handoff's prefix)."""
+def prompt_hash(model_id: str, cache_salt: str | None, tokens: list[int], images: tuple[bytes, ...] = ()) -> str:
+    """Hex sha256 naming an exact token sequence under a model and salt, with the digests of the
+    images in it (the handoff's prefix)."""
     h = hashlib.sha256(root_hash(model_id, cache_salt))
     h.update(torch.tensor(tokens, dtype=torch.int64).numpy().tobytes())
+    for d in images:
+        h.update(d)
     return h.hexdigest()
 
 
@@ -125,21 +128,27 @@ def expected_bytes(cache: CacheManager, num_tokens: int) -> int:
 
 
 def admit_received(
-    cache: CacheManager, seq_id: int, tokens: list[int], num_received: int, cache_salt: str | None = None
+    cache: CacheManager,
+    seq_id: int,
+    tokens: list[int],
+    num_received: int,
+    cache_salt: str | None = None,
+    spans: tuple[tuple[int, int, bytes], ...] = (),
 ) -> int | None:
     """Admit a sequence whose first `num_received` tokens arrive by handoff: it shares the MLA
     pages of the longest unit-aligned prefix cached here (at most `num_received` tokens), gets
     fresh pages up to `len(tokens)` and a zeroed live slot for the incoming state. Returns the
     number of tokens covered by shared pages (where the transfer starts), or None if the pools
     are short (nothing taken). The caller writes rows `[start, num_received)` and the state,
-    then runs the sequence from `num_received`, or frees it with `cache.free(seq_id)`."""
+    then runs the sequence from `num_received`, or frees it with `cache.free(seq_id)`. `spans`:
+    the prompt's image spans (the unit hashes' extra keys, as the sequence commits them)."""
     if seq_id in cache.seqs:
         raise RuntimeError(f"sequence {seq_id} already holds cache")
     if cache.kda.num_free == 0:
         return None
     k, hashes, root = 0, [], b""
     if cache.index is not None:
-        hit = cache.lookup(tokens[: num_received + 1], cache_salt)
+        hit = cache.lookup(tokens[: num_received + 1], cache_salt, spans=spans)
         hashes, root, k = list(hit.hashes), hit.root, hit.k_mla
         cache.index.touch(hashes, k)
     shared = cache.index.pages_of(hashes, k) if k else []
@@ -155,3 +164,41 @@ def admit_received(
     cache.counters["received"] += 1
     cache.counters["received_hit_tokens"] += start
     return start
+
+
+def admit_fork(cache: CacheManager, src_id: int, seq_id: int) -> bool:
+    """Admit `seq_id` as a fork of the received sequence `src_id` (another sample of its prompt,
+    `n > 1`): it shares the pages whose every row lies before the last prompt token, and takes a
+    fresh slot and fresh pages for the rest; False (nothing taken) if the pools are short. The
+    received bytes reach it by `copy_fork` once they have landed in `src_id`'s cache."""
+    if seq_id in cache.seqs:
+        raise RuntimeError(f"sequence {seq_id} already holds cache")
+    src = cache.seqs[src_id]
+    full = (src.prompt_len - 1) // cache.page_size
+    if cache.kda.num_free == 0:
+        return False
+    fresh = cache._take_pages(cache.mla.pages_for(src.prompt_len) - full)
+    if fresh is None:
+        return False
+    cache.mla.incref(src.pages[:full])
+    cache.seqs[seq_id] = SeqCache(
+        cache.kda.allocate(),
+        src.pages[:full] + fresh,
+        src.root,
+        src.prompt_len,
+        list(src.hashes),
+        src.registered,
+        chain=src.chain,
+        received=True,
+    )
+    return True
+
+
+def copy_fork(cache: CacheManager, src_id: int, seq_id: int) -> None:
+    """Give fork `seq_id` what `src_id` received: the rows of the partial page before the last
+    prompt token and the KDA state (both journaled for the other ranks)."""
+    src, dst = cache.seqs[src_id], cache.seqs[seq_id]
+    full = (src.prompt_len - 1) // cache.page_size
+    if (src.prompt_len - 1) % cache.page_size:
+        cache.mla.copy_page(src.pages[full], dst.pages[full])
+    cache.kda.copy_from(cache.kda, src.slot, dst.slot)

@@ -320,7 +320,7 @@ class CacheManager:
 
     def record(self, journal: SlotJournal) -> None:
         """Record every slot write this manager makes in `journal` (for other ranks to replay)."""
-        for pool in (self.kda, self.ckpt_pool):
+        for pool in (self.kda, self.ckpt_pool, self.mla):
             if pool is not None:
                 pool.journal = journal
 

@@ -32,6 +32,7 @@ from ..engine.sched.handoff import parked_regions, release_parked
 from ..server.async_engine import AsyncEngine
 from ..server.errors import APIError
 from ..server.request_stream import EngineDeadError
+from .images import unpack_image
 from .protocol import PrefillRequest, RankSource, Release, ReleaseReply, TransferHeader
 from .ranks import InstanceRanks
 from .service import check_secret, engine_state, read_msg, reply
@@ -75,9 +76,16 @@ class PrefillService:
         return header
 
     async def _compute(self, msg: PrefillRequest, rid: str) -> TransferHeader:
-        """Prefill `msg`'s prompt as request `rid`, park it and describe it (every rank's digests)."""
+        """Prefill `msg`'s prompt (with its images) as request `rid`, park it and describe it
+        (every rank's digests)."""
         try:
-            stream = await self.engine.add(msg.token_ids, SamplingParams(max_tokens=1), rid, prefill_only=True)
+            images = [unpack_image(im) for im in msg.images]
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        try:
+            stream = await self.engine.add(
+                msg.token_ids, SamplingParams(max_tokens=1), rid, images or None, prefill_only=True
+            )
         except InvalidRequestError as e:
             raise APIError(400, str(e)) from None
         except EngineDeadError:
@@ -99,7 +107,7 @@ class PrefillService:
             msg.request_id,
             uuid.uuid4().hex,
             next(self._generation),
-            prompt_hash(self.cache.model_id, msg.cache_salt, msg.token_ids),
+            prompt_hash(self.cache.model_id, msg.cache_salt, msg.token_ids, tuple(im.digest for im in images)),
             len(msg.token_ids),
             msg.start,
             self.fingerprint,

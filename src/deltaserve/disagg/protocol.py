@@ -27,11 +27,24 @@ SECRET_ENV = env.DISAGG_SECRET.name
 MSGPACK = "application/msgpack"
 
 
+class ImagePixels(msgspec.Struct, frozen=True):
+    """One preprocessed image of a prompt (`ImageInput`): the prefill instance encodes it and
+    checks `digest` (the image's cache key) against the pixels before it computes anything."""
+
+    digest: str  # hex sha256 over grid_thw and the float32 pixels (`multimodal.image_digest`)
+    grid_thw: tuple[int, int, int]
+    num_tokens: int
+    image_size: tuple[int, int]
+    shape: list[int]  # pixel_values' shape; `pixels` are its float32 little-endian bytes
+    pixels: bytes
+
+
 class PrefillRequest(msgspec.Struct, frozen=True):
     request_id: str
-    token_ids: list[int]  # the prompt minus its last token
+    token_ids: list[int]  # the prompt minus its last token (images expanded to their pad runs)
     start: int  # tokens the decode side holds already (a page boundary): regions start here
     cache_salt: str | None = None
+    images: list[ImagePixels] = []  # the prompt's images, in order
 
 
 class RankSource(msgspec.Struct, frozen=True):
@@ -46,7 +59,7 @@ class TransferHeader(msgspec.Struct, frozen=True):
     request_id: str
     transfer_id: str
     generation: int
-    prefix_hash: str  # cache.handoff.prompt_hash of the prompt minus its last token
+    prefix_hash: str  # cache.handoff.prompt_hash of the prompt minus its last token (and image digests)
     num_tokens: int
     start: int
     fingerprint: str  # cache.handoff.layout_fingerprint

@@ -19,9 +19,9 @@ from __future__ import annotations
 import msgspec
 import torch
 
-from ...cache.slot_journal import CopyOp, ZeroOp
+from ...cache.slot_journal import CopyOp, PageCopyOp, ZeroOp
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -80,7 +80,7 @@ class Step(msgspec.Struct, tag="step", frozen=True):
     """One forward pass: `ForwardBatch`'s arguments, the slot writes to replay before it, the
     packed rows whose logits are computed after it, and the image rows it injects (if any)."""
 
-    ops: list[ZeroOp | CopyOp]
+    ops: list[ZeroOp | CopyOp | PageCopyOp]
     input_ids: list[int]
     context_lens: list[int]
     new_lens: list[int]
@@ -127,7 +127,7 @@ class Pull(msgspec.Struct, tag="pull", frozen=True):
     pools as transfer job `job`."""
 
     job: int
-    ops: list[ZeroOp | CopyOp]
+    ops: list[ZeroOp | CopyOp | PageCopyOp]
     sessions: list[str]
     remote: list[list[tuple[int, int]]]
     regions: list[tuple[str, int, int, int]]

@@ -7,16 +7,18 @@ prompt's units and checkpoints stay in this instance's prefix cache, as after an
 
 Decode instance: `reserve` admits a sequence for a prompt whose first `len - 1` tokens will
 arrive (shared MLA pages where its own prefix cache covers them, fresh pages and a zeroed live
-slot otherwise); the transfer writes the rest into the reserved regions; then
-`add_request(..., received=seq_id)` runs it from the last prompt token, or `cancel` frees it.
-A reservation holds cache until one of the two: its owner must call one.
+slot otherwise), and for `n > 1` its forks (the pages before the last prompt token shared, a
+slot and the rest their own); the transfer writes the rest into the reserved regions of the
+first; `fill_forks` copies what the forks do not share; then `add_request(..., received=ids)`
+runs them from the last prompt token, or `cancel` frees them all. A reservation holds cache
+until one of the two: its owner must call one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...cache.handoff import Region, admit_received, handoff_regions
+from ...cache.handoff import Region, admit_fork, admit_received, copy_fork, handoff_regions
 
 
 @dataclass(frozen=True)
@@ -25,26 +27,47 @@ class Reservation:
     start: int  # tokens this instance already holds (shared pages): the transfer starts here
     stop: int  # tokens the transfer fills (the prompt minus its last token)
     regions: tuple[Region, ...]
+    forks: tuple[int, ...] = ()  # the other samples' sequences (n > 1), filled by `fill_forks`
+
+    @property
+    def seq_ids(self) -> tuple[int, ...]:
+        return (self.seq_id, *self.forks)
 
 
-def reserve(core, tokens: list[int], cache_salt: str | None = None) -> Reservation | None:
-    """A reservation for `tokens` (a prompt of at least 2 tokens), or None if the pools are short."""
+def reserve(
+    core, tokens: list[int], cache_salt: str | None = None, spans: tuple = (), n: int = 1
+) -> Reservation | None:
+    """A reservation for `tokens` (a prompt of at least 2 tokens; `spans` its image spans) and
+    `n` samples of it, or None if the pools are short (nothing taken)."""
     seq_id = core._next_seq
-    start = admit_received(core.cache, seq_id, tokens, len(tokens) - 1, cache_salt)
+    start = admit_received(core.cache, seq_id, tokens, len(tokens) - 1, cache_salt, spans)
     if start is None:
         return None
-    core._next_seq += 1
-    core.reserved.add(seq_id)
+    forks = tuple(range(seq_id + 1, seq_id + n))
+    for i, f in enumerate(forks):
+        if not admit_fork(core.cache, seq_id, f):
+            for taken in (seq_id, *forks[:i]):
+                core.cache.free(taken)
+            return None
+    core._next_seq += n
+    core.reserved.update((seq_id, *forks))
     stop = len(tokens) - 1
-    return Reservation(seq_id, start, stop, tuple(handoff_regions(core.cache, seq_id, start, stop)))
+    return Reservation(seq_id, start, stop, tuple(handoff_regions(core.cache, seq_id, start, stop)), forks)
 
 
-def cancel(core, seq_id: int) -> None:
-    """Free a reservation that will not run (its bytes are discarded); a no-op once a request
-    claimed it (the request's own end or abort frees it) or after it was freed."""
-    if seq_id in core.reserved:
-        core.reserved.discard(seq_id)
-        core.cache.free(seq_id)
+def fill_forks(core, res: Reservation) -> None:
+    """After the transfer landed in `res.seq_id` (verified): copy it into every fork."""
+    for f in res.forks:
+        copy_fork(core.cache, res.seq_id, f)
+
+
+def cancel(core, seq_id: int, forks: tuple[int, ...] = ()) -> None:
+    """Free a reservation (and its forks) that will not run (its bytes are discarded); a no-op
+    once a request claimed it (the request's own end or abort frees it) or after it was freed."""
+    for s in (seq_id, *forks):
+        if s in core.reserved:
+            core.reserved.discard(s)
+            core.cache.free(s)
 
 
 def parked_regions(core, request_id: str, start: int) -> list[Region]:
