@@ -90,6 +90,7 @@ class CacheManager:
         self.index = PrefixIndex(mla, checkpoints, tier) if checkpoints is not None else None
         self.tier = tier
         self.model_id = model_id
+        self.kernel = kernel
         self.fingerprint = state_fingerprint(model_id, kda.tails, kda.states, kernel)
         self.counters: Counter[str] = Counter()
 

@@ -15,10 +15,10 @@
    (`/disagg/prefill`, `images.py`), check the header against this request and instance (its
    fresh handoff id, fingerprint, token count, prompt and image digests' hash, start, region
    shapes).
-3. Read the regions in place into the reservation (every rank r from the prefill instance's
-   rank r, `InstanceRanks.read`), release the prefill side (which confirms the generation was
-   parked throughout), hash the received bytes on every rank and compare with the header's
-   digests of the same rank.
+3. Read the regions in place into the reservation (every rank its own, each KDA head block from
+   the prefill rank holding it, whatever the two sizes: `plan.plan_reads`, `InstanceRanks.read`),
+   release the prefill side (which confirms the generation was parked throughout), hash the
+   received bytes on every rank and compare with the digests of their sources.
 4. Only then copy the received cache into the forks and queue the request from its last
    prompt token, every sample (`add_request(received=...)`).
 Any failure cancels the reservation; the request is then recomputed here (`on_failure=
@@ -42,8 +42,7 @@ import httpx
 import msgspec
 from fastapi import APIRouter, Request
 
-from ..cache.handoff import layout_fingerprint, prompt_hash
-from ..engine.exec.rank_transfer import spans
+from ..cache.handoff import handoff_fingerprint, prompt_hash
 from ..engine.request.sequence import InvalidRequestError
 from ..engine.sched.handoff import Reservation, cancel, fill_forks, reserve
 from ..parallel.kv_transfer import TransferError
@@ -51,6 +50,7 @@ from ..server.async_engine import AsyncEngine
 from ..server.errors import APIError
 from .images import last_in_image, pack_image
 from .matching import match_reply
+from .plan import plan_reads
 from .protocol import (
     MSGPACK,
     PREFILL_HEADER,
@@ -170,7 +170,7 @@ class DecodeHandoff:
             raise ValueError("on_failure must be 'recompute' or 'error'")
         self.engine, self.ranks, self.secret = engine, ranks, secret
         self.cache = engine.core.cache
-        self.fingerprint = layout_fingerprint(self.cache, ranks.world)
+        self.fingerprint = handoff_fingerprint(self.cache, ranks.world)
         self.on_failure, self.local_prefill_tokens = on_failure, local_prefill_tokens
         self.timeout_s = timeout_s
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
@@ -261,24 +261,24 @@ class DecodeHandoff:
     async def _receive(self, url: str, ask: Ask, res: Reservation, images: list) -> None:
         t0 = time.perf_counter()
         handoff_id = uuid.uuid4().hex
-        msg = PrefillRequest(handoff_id, ask.tokens[:-1], res.start, None, [pack_image(im) for im in images])
+        packed = [pack_image(im) for im in images]
+        msg = PrefillRequest(handoff_id, ask.tokens[:-1], res.start, None, packed, self.ranks.world)
         header = await self._post(url, "/disagg/prefill", msg, TransferHeader)
         released = False
         try:
             header = self._hook("header", header)
             self._verify(header, handoff_id, ask, res)
-            remote = [[(src.bases[t] + off, n) for t, _, off, n in header.regions] for src in header.ranks]
-            regions = spans(res.regions)
+            plan = self._plan_reads(header, res)
             t_read = time.perf_counter()
-            moved = await self.ranks.read([src.session for src in header.ranks], remote, regions, self.timeout_s)
+            moved = await self.ranks.read(plan.reads, self.timeout_s)
             self.counters["read_us"] += int((time.perf_counter() - t_read) * 1e6)
             self._hook("received", res)
             released = True
             ok = await self._post(url, "/disagg/release", Release(header.transfer_id, header.generation), ReleaseReply)
             if not ok.valid:
                 raise HandoffError("stale_generation", "the prefill side no longer held this transfer")
-            digests = await self.ranks.digests(regions, self.timeout_s)
-            if digests != [src.digests for src in header.ranks]:
+            digests = await self.ranks.digests(plan.regions, plan.blocks, self.timeout_s)
+            if digests != plan.expected:
                 raise HandoffError("checksum_mismatch", "received bytes differ from the prefill side's")
         finally:
             if not released:
@@ -302,6 +302,13 @@ class DecodeHandoff:
         except Exception:
             pass  # the prefill side frees it at its deadline
 
+    def _plan_reads(self, header: TransferHeader, res: Reservation):
+        mla = [r for r in res.regions if r.tensor == "mla"]
+        try:
+            return plan_reads(header, mla, self.cache.kda, res.slot, self.ranks.world)
+        except (ValueError, KeyError, IndexError) as e:
+            raise HandoffError("header_mismatch", str(e)) from None
+
     def _hook(self, stage: str, obj):
         return self.tamper(stage, obj) if self.tamper is not None else obj
 
@@ -315,10 +322,8 @@ class DecodeHandoff:
             raise HandoffError("header_mismatch", "token count or start differ from the request's")
         if h.prefix_hash != prompt_hash(self.cache.model_id, None, ids[:-1], ask.digests):
             raise HandoffError("prefix_mismatch", "the prefill instance computed another prompt")
-        if [(t, la, n) for t, la, _, n in h.regions] != [(r.tensor, r.layer, r.length) for r in res.regions]:
-            raise HandoffError("header_mismatch", "the regions differ from the reservation's")
-        if len(h.ranks) != self.ranks.world:
-            raise HandoffError("header_mismatch", f"{len(h.ranks)} prefill ranks for {self.ranks.world} here")
+        if not h.ranks:
+            raise HandoffError("header_mismatch", "the header names no prefill rank")
         if any(t not in src.bases for src in h.ranks for t, *_ in h.regions):
             raise HandoffError("header_mismatch", "a region names an unknown pool tensor")
 

@@ -114,23 +114,30 @@ class TransferSetup(msgspec.Struct, tag="transfer_setup", frozen=True):
 
 
 class Digest(msgspec.Struct, tag="digest", frozen=True):
-    """Every rank starts hashing `regions` of its pools (`cache.handoff.region_digests`) as
-    transfer job `job`."""
+    """Every rank r starts hashing `regions` of its pools (`cache.handoff.region_digests`, head
+    blocks numbered from `r * blocks`) as transfer job `job`."""
 
     job: int
-    regions: list[tuple[str, int, int, int]]  # (tensor, layer, offset, length)
+    regions: list[tuple[str, int, int, int, int]]  # (tensor, layer, offset, length, block)
+    blocks: int = 1  # head blocks per rank
+
+
+class RankRead(msgspec.Struct, frozen=True):
+    """Read `remote` (address, length) of transfer session `session` into `regions` of this
+    rank's own pools, pairwise."""
+
+    session: str
+    remote: list[tuple[int, int]]
+    regions: list[tuple[str, int, int, int, int]]
 
 
 class Pull(msgspec.Struct, tag="pull", frozen=True):
     """Every rank r replays `ops` (the reservation's slot zeroing must precede the bytes), then
-    starts reading `remote[r]` (address, length) from `sessions[r]` into `regions` of its own
-    pools as transfer job `job`."""
+    starts its reads `reads[r]` (from one or several peers' sessions) as transfer job `job`."""
 
     job: int
     ops: list[ZeroOp | CopyOp | PageCopyOp]
-    sessions: list[str]
-    remote: list[list[tuple[int, int]]]
-    regions: list[tuple[str, int, int, int]]
+    reads: list[list[RankRead]]
 
 
 class Collect(msgspec.Struct, tag="collect", frozen=True):

@@ -26,7 +26,8 @@ class Reservation:
     seq_id: int
     start: int  # tokens this instance already holds (shared pages): the transfer starts here
     stop: int  # tokens the transfer fills (the prompt minus its last token)
-    regions: tuple[Region, ...]
+    slot: int  # the live KDA slot the state lands in (`cache.handoff.kda_regions` in other blocks)
+    regions: tuple[Region, ...]  # the MLA rows and the KDA state in one head block
     forks: tuple[int, ...] = ()  # the other samples' sequences (n > 1), filled by `fill_forks`
 
     @property
@@ -52,7 +53,8 @@ def reserve(
     core._next_seq += n
     core.reserved.update((seq_id, *forks))
     stop = len(tokens) - 1
-    return Reservation(seq_id, start, stop, tuple(handoff_regions(core.cache, seq_id, start, stop)), forks)
+    regions = tuple(handoff_regions(core.cache, seq_id, start, stop))
+    return Reservation(seq_id, start, stop, core.cache.seqs[seq_id].slot, regions, forks)
 
 
 def fill_forks(core, res: Reservation) -> None:
@@ -70,13 +72,14 @@ def cancel(core, seq_id: int, forks: tuple[int, ...] = ()) -> None:
             core.cache.free(s)
 
 
-def parked_regions(core, request_id: str, start: int) -> list[Region]:
-    """The regions of a parked prefill from token `start` (a page boundary) to its end."""
+def parked_regions(core, request_id: str, start: int, blocks: int = 1) -> list[Region]:
+    """The regions of a parked prefill from token `start` (a page boundary) to its end, the KDA
+    heads in `blocks` blocks (`ValueError` if they do not divide)."""
     seq_id = core.parked[request_id]
     sc = core.cache.seqs[seq_id]
     if start % core.cache.page_size or not 0 <= start <= sc.prompt_len:
         raise ValueError(f"handoff start {start} is not a page boundary within the prompt")
-    return handoff_regions(core.cache, seq_id, start, sc.prompt_len)
+    return handoff_regions(core.cache, seq_id, start, sc.prompt_len, blocks)
 
 
 def release_parked(core, request_id: str) -> bool:
