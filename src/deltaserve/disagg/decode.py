@@ -16,9 +16,11 @@
    fresh handoff id, fingerprint, token count, prompt and image digests' hash, start, region
    shapes).
 3. Read the regions in place into the reservation (every rank its own, each KDA head block from
-   the prefill rank holding it, whatever the two sizes: `plan.plan_reads`, `InstanceRanks.read`),
-   release the prefill side (which confirms the generation was parked throughout), hash the
-   received bytes on every rank and compare with the digests of their sources.
+   the prefill rank holding it, whatever the two sizes: `plan.plan_reads`, `InstanceRanks.read`;
+   the MLA rows, the same on every rank, only rank 0 reads from the prefill instance and the
+   other ranks then from rank 0: `_share_mla`), release the prefill side (which confirms the
+   generation was parked throughout), hash the received bytes on every rank and compare with
+   the digests of their sources.
 4. Only then copy the received cache into the forks and queue the request from its last
    prompt token, every sample (`add_request(received=...)`).
 Any failure cancels the reservation; the request is then recomputed here (`on_failure=
@@ -43,6 +45,8 @@ import msgspec
 from fastapi import APIRouter, Request
 
 from ..cache.handoff import handoff_fingerprint, prompt_hash
+from ..engine.exec.messages import RankRead
+from ..engine.exec.rank_transfer import spans
 from ..engine.request.sequence import InvalidRequestError
 from ..engine.sched.handoff import Reservation, cancel, fill_forks, reserve
 from ..parallel.kv_transfer import TransferError
@@ -165,6 +169,7 @@ class DecodeHandoff:
         on_failure: str = "recompute",
         local_prefill_tokens: int = 0,
         timeout_s: float = 300.0,
+        share_mla: bool = True,
     ):
         if on_failure not in ("recompute", "error"):
             raise ValueError("on_failure must be 'recompute' or 'error'")
@@ -172,7 +177,7 @@ class DecodeHandoff:
         self.cache = engine.core.cache
         self.fingerprint = handoff_fingerprint(self.cache, ranks.world)
         self.on_failure, self.local_prefill_tokens = on_failure, local_prefill_tokens
-        self.timeout_s = timeout_s
+        self.timeout_s, self.share_mla = timeout_s, share_mla
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
         self.counters: Counter[str] = Counter()
         self.bypasses: Counter[str] = Counter()  # requests computed here, not handed off, by reason
@@ -271,6 +276,7 @@ class DecodeHandoff:
             plan = self._plan_reads(header, res)
             t_read = time.perf_counter()
             moved = await self.ranks.read(plan.reads, self.timeout_s)
+            shared = await self._share_mla(res)
             self.counters["read_us"] += int((time.perf_counter() - t_read) * 1e6)
             self._hook("received", res)
             released = True
@@ -285,8 +291,9 @@ class DecodeHandoff:
                 task = asyncio.ensure_future(self._release_quietly(url, header))
                 self._background.add(task)  # held until done (the loop keeps weak references only)
                 task.add_done_callback(self._background.discard)
-        mla = sum(r.length for r in res.regions if r.tensor == "mla") * self.ranks.world
+        mla = sum(r.length for r in res.regions if r.tensor == "mla") * (1 if self._sharing else self.ranks.world)
         c = self.counters
+        c["bytes_mla_shared"] += shared
         c["handoffs"] += 1
         c["forks"] += len(res.forks)
         c["image_handoffs"] += bool(images)
@@ -302,12 +309,31 @@ class DecodeHandoff:
         except Exception:
             pass  # the prefill side frees it at its deadline
 
+    @property
+    def _sharing(self) -> bool:
+        return self.share_mla and self.ranks.world > 1
+
     def _plan_reads(self, header: TransferHeader, res: Reservation):
+        """Every rank's reads from the prefill instance: with `share_mla`, only rank 0 reads the
+        MLA rows there (`_share_mla` gives them to the other ranks)."""
         mla = [r for r in res.regions if r.tensor == "mla"]
+        source = (lambda r: 0 if r == 0 else None) if self._sharing else None
         try:
-            return plan_reads(header, mla, self.cache.kda, res.slot, self.ranks.world)
+            return plan_reads(header, mla, self.cache.kda, res.slot, self.ranks.world, source)
         except (ValueError, KeyError, IndexError) as e:
             raise HandoffError("header_mismatch", str(e)) from None
+
+    async def _share_mla(self, res: Reservation) -> int:
+        """Ranks 1.. read the MLA rows rank 0 has just received from rank 0's own pools (through
+        the instance's own transfer engines): the prefill instance sends them once per decode
+        instance, not once per rank. Returns the bytes so copied."""
+        mla = spans([r for r in res.regions if r.tensor == "mla"])
+        if not self._sharing or not mla:
+            return 0
+        own = self.ranks.endpoints[0]
+        remote = [(own.bases[t] + off, n) for t, _, off, n, _ in mla]
+        reads = [[]] + [[RankRead(own.session, remote, mla)] for _ in range(1, self.ranks.world)]
+        return await self.ranks.read(reads, self.timeout_s)
 
     def _hook(self, stage: str, obj):
         return self.tamper(stage, obj) if self.tamper is not None else obj

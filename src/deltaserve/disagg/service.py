@@ -55,7 +55,8 @@ class CounterCollector:
     """Exports a role's counters on the instance's `/metrics` as `deltaserve:disagg_<name>_total`."""
 
     HELP = {
-        "bytes_mla": "MLA latent bytes received by handoff",
+        "bytes_mla": "MLA latent bytes received by handoff from prefill instances (once per decode instance)",
+        "bytes_mla_shared": "MLA latent bytes ranks 1.. copied from this instance's rank 0 after a handoff",
         "bytes_kda": "KDA state bytes (conv tails and recurrent states) received by handoff",
         "handoffs": "Handoffs verified and run",
         "forks": "Further samples (n > 1) that took a handoff's cache by copy on this instance",
