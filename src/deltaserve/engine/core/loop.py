@@ -43,6 +43,7 @@ from ..request.request_check import check_request
 from ..request.sampling_params import SamplingParams
 from ..request.sequence import InvalidRequestError, SeqStatus, Sequence
 from ..request.structured import GrammarCompiler, GrammarState, StructuredOutputError
+from ..sched.handoff import claimable
 from ..sched.scheduler import Scheduler
 from ..spec.decoder import SpecDecoder
 from .deltas import SeqDelta, step_deltas
@@ -168,15 +169,7 @@ class EngineCore:
             raise InvalidRequestError("a prefill for a handoff takes one sample")
         if mm is not None:
             prompt_ids = mm.ids
-        ids = (received,) if isinstance(received, int) else received
-        if ids is not None and (
-            len(ids) != params.n
-            or any(
-                s not in self.reserved or getattr(self.cache.seqs.get(s), "prompt_len", -1) != len(prompt_ids)
-                for s in ids
-            )
-        ):
-            raise InvalidRequestError(f"no unclaimed handoff reservation {received} for this prompt")
+        ids = claimable(self, received, params.n, len(prompt_ids))
         grammar = self._compile(params)
         budget = self._budget(params)
         seqs = []

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...cache.handoff import Region, admit_fork, admit_received, copy_fork, handoff_regions
+from ..request.sequence import InvalidRequestError
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,18 @@ def reserve(
     stop = len(tokens) - 1
     regions = tuple(handoff_regions(core.cache, seq_id, start, stop))
     return Reservation(seq_id, start, stop, core.cache.seqs[seq_id].slot, regions, forks)
+
+
+def claimable(core, received: int | tuple[int, ...] | None, n: int, prompt_len: int) -> tuple[int, ...] | None:
+    """`add_request`'s `received` as one reserved sequence id per sample, each holding a prompt of
+    `prompt_len` tokens (None: not a handoff); `InvalidRequestError` otherwise."""
+    if received is None:
+        return None
+    ids = (received,) if isinstance(received, int) else tuple(received)
+    held = [getattr(core.cache.seqs.get(s), "prompt_len", -1) for s in ids]
+    if len(ids) != n or any(s not in core.reserved for s in ids) or any(p != prompt_len for p in held):
+        raise InvalidRequestError(f"no unclaimed handoff reservation {received} for this prompt")
+    return ids
 
 
 def fill_forks(core, res: Reservation) -> None:
