@@ -91,3 +91,11 @@ def test_bypass_reason_names_the_first_that_applies():
     assert bypass_reason(NOWHERE, [1, 2], two, ["img"]) is None  # images and n > 1 hand off
     assert bypass_reason(NOWHERE, [1], one, None) == "short_prompt"
     assert bypass_reason(NOWHERE, [1, 2], one, None) is None
+
+
+def test_only_a_prompt_ending_inside_an_image_stays_local():
+    from deltaserve.disagg.images import last_in_image
+
+    span = ((5, 10, b"digest"),)  # an image's pad run at positions 5..9
+    assert last_in_image(10, span) and last_in_image(6, span)
+    assert not last_in_image(11, span) and not last_in_image(5, span) and not last_in_image(11, ())

@@ -3,7 +3,8 @@ pixels with its digest (`ImagePixels`); the prefill instance rebuilds the `Image
 one whose pixels do not hash to the digest (the digest is the image's key in its prefix and
 encoder caches), encodes it and computes the prompt. The decode instance never encodes an image
 whose span ends before the last prompt token (the rows arrive as cache); a prompt whose last
-token lies in an image span is computed locally (`bypass_reason` "images")."""
+token lies in an image span is computed locally (`DecodeHandoff._plan`, counted as bypass
+reason "images")."""
 
 from __future__ import annotations
 
