@@ -52,3 +52,25 @@ def test_not_a_checkpoint(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x01")
     with pytest.raises(IdentityError, match="not a safetensors"):
         checkpoint_identity(tmp_path)
+
+
+def test_a_change_to_any_tensor_over_a_window_spacing_changes_it(ckpt, tmp_path):
+    """A fine-tune rewriting one tensor (headers and config unchanged) is another model, for every
+    tensor at least 2/WINDOWS of its file (it covers a window); smaller ones may go unseen."""
+    from safetensors.torch import load_file, save_file
+
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    seen = 0
+    for name in sorted(index):
+        if seen == 3:
+            break
+        size = (ckpt / index[name]).stat().st_size
+        tensors = load_file(ckpt / index[name])
+        if tensors[name].numel() * tensors[name].element_size() < 2 * size // identity.WINDOWS:
+            continue
+        edited = shutil.copytree(ckpt, tmp_path / f"tuned{seen}")
+        tensors[name] = tensors[name] + 1
+        save_file(tensors, edited / index[name], metadata={"format": "pt"})
+        assert checkpoint_identity(edited) != checkpoint_identity(ckpt), name
+        seen += 1
+    assert seen >= 3

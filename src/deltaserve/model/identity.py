@@ -3,11 +3,12 @@ fingerprint names the model by (`engine.core.builder`: `model_id`).
 
 `checkpoint_identity(dir)` is a hex sha256 over the canonical `config.json` and, for every
 safetensors file the checkpoint lists (the index's shards, else `model.safetensors`), its header
-(tensor names, dtypes, shapes, offsets) and a sample of its data bytes (the first, middle and
-last `SAMPLE` bytes of the data section), so a copy at another path, on another host, has the
-same identity and another training run or fine-tune of the same architecture does not. Cheap: a
-few small reads per file, never the weights; memoised per process on the files' sizes and
-modification times.
+(tensor names, dtypes, shapes, offsets) and a sample of its data bytes (`WINDOWS` evenly spaced
+windows of `SAMPLE` bytes over the data section, its first and last bytes included), so a copy
+at another path, on another host, has the same identity and another training run or fine-tune
+of the same architecture does not, unless it differs only between the windows (a change
+confined to less than 1/`WINDOWS` of a file can go unseen). Cheap: `WINDOWS` small reads per
+file, never the weights; memoised per process on the files' sizes and modification times.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import json
 import struct
 from pathlib import Path
 
-SAMPLE = 1 << 16
+SAMPLE, WINDOWS = 1 << 12, 64
 _memo: dict[tuple, str] = {}
 
 
@@ -50,7 +51,8 @@ def _file_digest(h, path: Path) -> None:
         header = f.read(n)
         h.update(path.name.encode() + b"\0" + header + struct.pack("<Q", size))
         data = size - 8 - n
-        for at in sorted({0, max(0, data // 2 - SAMPLE // 2), max(0, data - SAMPLE)}):
+        last = max(0, data - SAMPLE)
+        for at in sorted({last * i // (WINDOWS - 1) for i in range(WINDOWS)}):
             f.seek(8 + n + at)
             h.update(f.read(SAMPLE))
 
