@@ -4,9 +4,9 @@ Both roles keep every OpenAI route (a prefill instance also serves requests itse
 instance serves any request that names no prefill instance) and add the authenticated
 `/disagg/*` routes. Both run with the hybrid prefix cache on. An instance may run tensor
 parallel, on one machine or several (each rank moves its own share of a handoff and advertises
-its node's `--kv-transfer-host`; both instances need the same `--tensor-parallel-size`, which the
-layout fingerprint checks); decode context and data parallelism are refused (a handoff moves
-whole MLA pages of one engine).
+its node's `--kv-transfer-host`; the two instances' `--tensor-parallel-size` may differ: the KDA
+heads move in head blocks, `disagg/plan.py`); decode context and data parallelism are refused (a
+handoff moves whole MLA pages of one engine). `--kv-transfer-protocol` picks Mooncake's transport.
 """
 
 from __future__ import annotations
