@@ -4,9 +4,9 @@ Both roles keep every OpenAI route (a prefill instance also serves requests itse
 instance serves any request that names no prefill instance) and add the authenticated
 `/disagg/*` routes. Both run with the hybrid prefix cache on. An instance may run tensor
 parallel, on one machine or several (each rank moves its own share of a handoff and advertises
-its node's `--kv-transfer-host`; both instances need the same `--tensor-parallel-size`, which the
-layout fingerprint checks); decode context and data parallelism are refused (a handoff moves
-whole MLA pages of one engine).
+its node's `--kv-transfer-host`; the two instances' `--tensor-parallel-size` may differ: the KDA
+heads move in head blocks, `disagg/plan.py`); decode context and data parallelism are refused (a
+handoff moves whole MLA pages of one engine). `--kv-transfer-protocol` picks Mooncake's transport.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from .disagg.protocol import load_secret
 from .disagg.ranks import InstanceRanks
 from .disagg.service import BypassCollector, CounterCollector
 from .engine.exec.rank_transfer import HOST_ENV
+from .parallel.kv_transfer import PROTOCOLS, TransferError, check_protocol
 from .server.errors import APIError
 from .server.protocol import ChatRequest, CompletionRequest
 from .server.routes.chat import chat_prompt_ids
@@ -47,6 +48,13 @@ def add_role_arguments(p: argparse.ArgumentParser) -> None:
         "per-user file under ~/.cache/deltaserve that instances on one machine share)",
     )
     p.add_argument("--kv-transfer-engine", choices=("mooncake",), default="mooncake", help="the transfer engine")
+    p.add_argument(
+        "--kv-transfer-protocol",
+        choices=PROTOCOLS,
+        default="tcp",
+        help="the transfer engine's transport: tcp (default) or rdma (Mooncake picks the RDMA devices; "
+        "refused on a machine that lists none)",
+    )
     p.add_argument(
         "--kv-transfer-host",
         default="127.0.0.1",
@@ -82,6 +90,10 @@ def check_role_arguments(args: argparse.Namespace) -> None:
         return
     if args.decode_context_parallel_size != 1 or args.data_parallel_size != 1:
         raise SystemExit(f"--role {args.role} runs one engine: no decode-context or data parallelism")
+    try:
+        check_protocol(args.kv_transfer_protocol)  # before the model loads
+    except TransferError as e:
+        raise SystemExit(f"--role {args.role}: {e}") from None
     os.environ[HOST_ENV] = args.kv_transfer_host  # this node's ranks (spawned later) advertise it
     if not args.enable_prefix_caching:
         log.info("--role %s: the hybrid prefix cache is on (both sides cache what they hold)", args.role)
@@ -115,7 +127,7 @@ def install_role(app, engine, args: argparse.Namespace, ranks: InstanceRanks | N
         return None
     secret = load_secret(args.disagg_secret)
     if ranks is None:
-        ranks = InstanceRanks(engine, args.kv_transfer_engine, args.kv_transfer_host)
+        ranks = InstanceRanks(engine, args.kv_transfer_engine, args.kv_transfer_host, args.kv_transfer_protocol)
     if args.role == "prefill":
         service = PrefillService(engine, ranks, secret, args.disagg_park_timeout)
         app.include_router(service.router(render))
@@ -129,9 +141,10 @@ def install_role(app, engine, args: argparse.Namespace, ranks: InstanceRanks | N
     if args.role == "decode":
         state.metrics.registry.register(BypassCollector(service.bypasses, state.model_name))
     log.info(
-        "role %s: transfer engine %s at %s (%d rank%s)",
+        "role %s: transfer engine %s over %s at %s (%d rank%s)",
         args.role,
         args.kv_transfer_engine,
+        args.kv_transfer_protocol,
         ", ".join(e.session for e in ranks.endpoints),
         ranks.world,
         "s" if ranks.world > 1 else "",

@@ -25,3 +25,11 @@ def test_bench_pd_runs_both_configurations(tmp_path, capsys):
     handoffs, gb = re.search(r"handoffs (\d+) \| moved ([0-9.]+) GB", out).groups()
     assert int(handoffs) == 4 and float(gb) > 0
     assert int(re.search(r"decode side's cache held (\d+) not transferred", out).group(1)) > 0
+    once, every = map(int, re.search(r"\(1 rank\): (\d+) with .* (\d+) with every rank", out).groups())
+    assert once == every > 0  # one rank: nothing to share
+
+
+def test_read_bytes_counts_the_mla_rows_once_per_instance():
+    state = {"bytes_mla": 1000, "bytes_kda": 300, "bytes_mla_shared": 3000}  # four ranks
+    line = pd.read_bytes(state, 4)
+    assert "(4 ranks): 1300 with the MLA rows read once" in line and "4300 with every rank" in line

@@ -22,6 +22,7 @@ from deltaserve.proxy import Proxy, build_proxy_app
 from deltaserve.roles import add_role_arguments, install_role
 from deltaserve.server.app import build_app
 from deltaserve.server.async_engine import AsyncEngine
+from deltaserve.server.media import vision_processor
 from deltaserve.tiny import PRESETS, make_tiny
 from tests.server.live_server import run_app
 
@@ -75,7 +76,7 @@ def instance(ckpt: Path, role: str, *extra: str, **engine_options):
     llm = make_llm(ckpt, **engine_options)
     try:
         engine = AsyncEngine(llm.engine, llm.model.config.family, load_chat_template(ckpt))
-        app = build_app(engine, "tiny")
+        app = build_app(engine, "tiny", image_processor=vision_processor(ckpt, llm.model.config.family))
         service = install_role(app, engine, role_args(role, *extra))
         try:
             with run_app(app) as url:

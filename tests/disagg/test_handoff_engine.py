@@ -156,18 +156,18 @@ def test_a_reservation_waits_behind_requests_queued_before_it(engines):
     """A decode instance's local request queued before a reservation keeps its place: the
     reservation is made once that request is admitted, not before (it would take the slot or pages
     the request waits for); requests queued after the reservation began waiting do not hold it."""
-    from deltaserve.disagg.decode import reserve_behind
+    from deltaserve.disagg.decode import Ask, reserve_behind
 
     p, d, ref = engines
     core = d.engine
     core.add_request("head", list(range(900, 950)), GREEDY)
     marker = core._next_seq
     prompt = list(range(300, 372))
-    assert reserve_behind(core, prompt, marker) is None  # "head" arrived first and still waits
+    assert reserve_behind(core, Ask(prompt), marker) is None  # "head" arrived first and still waits
     core.step()  # admits it
     assert not core.scheduler.waiting
     core.add_request("later", list(range(500, 530)), GREEDY)  # queued after the reservation's mark
-    res = reserve_behind(core, prompt, marker)
+    res = reserve_behind(core, Ask(prompt), marker)
     assert res is not None and res.stop == len(prompt) - 1
     handoff.cancel(core, res.seq_id)
     done = {o.request_id: o.outputs[0].token_ids for o in _run(core)}

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from deltaserve.disagg.ranks import InstanceRanks
+from deltaserve.engine.exec.messages import RankRead
 from deltaserve.engine.exec.rank_transfer import RankTransfer
 from deltaserve.parallel.kv_transfer import Connector, TransferError
 
@@ -65,8 +66,8 @@ def _ranks(seconds: float, hang=None) -> tuple[InstanceRanks, RankTransfer, Slow
 
 def test_reads_and_digests_are_collected_jobs():
     ranks, transfer, _ = _ranks(0.0)
-    regions = [("mla", 0, 0, 5), ("mla", 0, 8, 7)]
-    assert asyncio.run(ranks.read(["s"], [[(0, 5), (10, 7)]], regions)) == 12
+    regions = [("mla", 0, 0, 5, -1), ("mla", 0, 8, 7, -1)]
+    assert asyncio.run(ranks.read([[RankRead("s", [(0, 5), (10, 7)], regions)]])) == 12
     assert asyncio.run(ranks.digests(regions)) == [transfer.digests(regions).digests]
     assert not transfer._jobs and not ranks.engine.posted
 
@@ -75,7 +76,7 @@ def test_a_cancelled_read_is_collected_before_anything_posted_after_it():
     ranks, transfer, connector = _ranks(0.4)
 
     async def main():
-        task = asyncio.ensure_future(ranks.read(["s"], [[(0, 8)]], [("mla", 0, 0, 8)]))
+        task = asyncio.ensure_future(ranks.read([[RankRead("s", [(0, 8)], [("mla", 0, 0, 8, -1)])]]))
         await asyncio.sleep(0.05)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -89,8 +90,8 @@ def test_a_cancelled_read_is_collected_before_anything_posted_after_it():
 
 def test_a_region_outside_the_pools_is_refused_not_written():
     ranks, transfer, connector = _ranks(0.0)
-    for region in [("mla", 0, 60, 8), ("mla", 0, -1, 2), ("states", 0, 0, 4)]:
-        receipt = transfer.read("s", [(0, region[3])], [region])
+    for region in [("mla", 0, 60, 8, -1), ("mla", 0, -1, 2, -1), ("states", 0, 0, 4, 0)]:
+        receipt = transfer.read([RankRead("s", [(0, region[3])], [region])])
         assert "outside" in receipt.error and not connector.landed.is_set()
 
 
@@ -111,7 +112,7 @@ def test_a_hung_read_stops_the_instance_instead_of_hanging():
     ranks, transfer, _ = _ranks(0.0, hang)
     try:
         with pytest.raises(TransferError, match="ran past"):
-            asyncio.run(ranks.read(["s"], [[(0, 8)]], [("mla", 0, 0, 8)], timeout=0.3))
+            asyncio.run(ranks.read([[RankRead("s", [(0, 8)], [("mla", 0, 0, 8, -1)])]], timeout=0.3))
         assert len(ranks.engine.failures) == 1 and "may still land" in ranks.engine.failures[0]
         assert not ranks.engine.posted  # nothing waits on the hung job
     finally:
@@ -132,7 +133,7 @@ def test_the_engine_keeps_stepping_while_a_read_runs(tmp_path):
         ranks.engine, ranks.world, ranks._jobs = engine, 1, itertools.count(1)
 
         async def main():
-            read = asyncio.ensure_future(ranks.read(["s"], [[(0, 64)]], [("mla", 0, 0, 64)]))
+            read = asyncio.ensure_future(ranks.read([[RankRead("s", [(0, 64)], [("mla", 0, 0, 64, -1)])]]))
             await asyncio.sleep(0.1)
             stream = await engine.add([5, 6, 7], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
             deltas = [d async for d in stream]

@@ -1,9 +1,10 @@
 """A decode instance counts every request it computes itself instead of taking its prompt by handoff,
-by reason, in `/metrics` (`deltaserve:pd_bypass_total{reason}`) and `/disagg/state`: n > 1, a
+by reason, in `/metrics` (`deltaserve:pd_bypass_total{reason}`) and `/disagg/state`: a
 one-token prompt, no prefill instance named (or named without the shared secret), a request it
 refuses, a handoff that fails before any transfer (an unreachable prefill instance). Nothing here
 reaches a transfer, so the instance runs without a transfer engine (a stand-in for its ranks); a
-handoff that runs counts none (`test_pd_serving`)."""
+handoff that runs counts none (`test_pd_serving`); n > 1 and images no longer go around the
+handoff (`test_pd_cluster`)."""
 
 from __future__ import annotations
 
@@ -62,14 +63,13 @@ def _bypasses(url: str) -> dict[str, float]:
 def test_requests_around_the_handoff_are_counted_by_reason(decode_url):
     target = {"X-Deltaserve-Secret": SECRET, "X-Deltaserve-Prefill": NOWHERE}
     assert _bypasses(decode_url) == dict.fromkeys(BYPASS_REASONS, 0.0)
-    _complete(decode_url, list(range(30, 60)), target, n=2)
     _complete(decode_url, [42], target)
     _complete(decode_url, list(range(30, 60)), {})
     _complete(decode_url, list(range(30, 60)), {"X-Deltaserve-Secret": "wrong", "X-Deltaserve-Prefill": NOWHERE})
-    want = dict.fromkeys(BYPASS_REASONS, 0.0) | {"n>1": 1.0, "short_prompt": 1.0, "no_prefill_target": 2.0}
+    want = dict.fromkeys(BYPASS_REASONS, 0.0) | {"short_prompt": 1.0, "no_prefill_target": 2.0}
     assert _bypasses(decode_url) == want
     s = state(decode_url)
-    assert (s["bypass_n>1"], s["bypass_short_prompt"], s["bypass_no_prefill_target"]) == (1, 1, 2)
+    assert (s["bypass_short_prompt"], s["bypass_no_prefill_target"]) == (1, 2)
     assert "handoffs" not in s and "failures" not in s
 
 
@@ -81,12 +81,21 @@ def test_refused_and_failed_handoffs_are_counted(decode_url):
     after = _bypasses(decode_url)
     assert {k: after[k] - before[k] for k in after if after[k] != before[k]} == {"invalid": 1, "handoff_failed": 1}
     assert state(decode_url)["failures"] == 1
+    _complete(decode_url, list(range(30, 60)), target, n=2)  # n > 1 tries the handoff too
+    assert _bypasses(decode_url)["handoff_failed"] == after["handoff_failed"] + 1
 
 
 def test_bypass_reason_names_the_first_that_applies():
     one, two = SamplingParams(max_tokens=1), SamplingParams(max_tokens=1, n=2)
     assert bypass_reason(None, [1, 2], two, ["img"]) == "no_prefill_target"
-    assert bypass_reason(NOWHERE, [1, 2], two, ["img"]) == "images"
-    assert bypass_reason(NOWHERE, [1, 2], two, None) == "n>1"
+    assert bypass_reason(NOWHERE, [1, 2], two, ["img"]) is None  # images and n > 1 hand off
     assert bypass_reason(NOWHERE, [1], one, None) == "short_prompt"
     assert bypass_reason(NOWHERE, [1, 2], one, None) is None
+
+
+def test_only_a_prompt_ending_inside_an_image_stays_local():
+    from deltaserve.disagg.images import last_in_image
+
+    span = ((5, 10, b"digest"),)  # an image's pad run at positions 5..9
+    assert last_in_image(10, span) and last_in_image(6, span)
+    assert not last_in_image(11, span) and not last_in_image(5, span) and not last_in_image(11, ())

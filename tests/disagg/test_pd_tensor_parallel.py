@@ -1,11 +1,13 @@
 """Handoffs between tensor-parallel instances: a TP2 prefill instance (its own process and
 worker) and a TP2 decode instance (this process and a worker) give the colocated one-process
-engine's greedy answer; each rank moved its own share (the MLA rows on both, half the KDA heads
-each: every byte of the one-process state once); a later turn hits the decode side's prefix
-cache; a bad digest or an unreachable session on rank 1 alone fails the handoff closed
-(recomputed, counted) and the ranks go on; a prefill instance of another tensor-parallel size is
-refused by the layout fingerprint; a prefill instance over two nodes (loopback) hands off with
-each node's ranks at that node's own address; both sides end with clean pools."""
+engine's greedy answer; the prefill instance sent every byte of the one-process state once (the
+MLA rows to rank 0 alone, which shares them with rank 1; half the KDA heads to each rank), also
+for an n = 2 request whose second sample forks the received cache on both ranks; a later turn
+hits the decode side's prefix cache; a bad digest or an unreachable session on rank 1 alone fails the handoff closed
+(recomputed, counted) and the ranks go on; instances of other tensor-parallel sizes hand off
+(TP1 prefill -> TP2 decode and TP2 -> TP1: the KDA heads re-sliced in head blocks, each checked
+by its own digest) and give the same answer; a prefill instance over two nodes (loopback) hands
+off with each node's ranks at that node's own address; both sides end with clean pools."""
 
 from __future__ import annotations
 
@@ -77,10 +79,25 @@ def test_two_rank_instances_hand_off_what_one_process_computes(ckpt, want, prefi
     assert _complete(d_url, prefill_tp2, FIRST) == want[len(FIRST)]
     assert c["handoffs"] == 1 and c["failures"] == 0 and c["hits"] == 0
     mla, kda = expected_bytes(ckpt, len(FIRST) - 1)
-    assert (c["bytes_mla"], c["bytes_kda"]) == (2 * mla, kda)  # MLA rows on each rank, KDA heads split
+    assert (c["bytes_mla"], c["bytes_kda"]) == (mla, kda)  # MLA rows once, KDA heads split
+    assert c["bytes_mla_shared"] == mla  # rank 1 took them from rank 0
     # the next turn: the decode side's prefix cache holds the first turn's pages
     assert _complete(d_url, prefill_tp2, SECOND) == want[len(SECOND)]
     assert c["handoffs"] == 2 and c["hits"] == 1 and c["hit_tokens"] > 0
+    idle_and_clean(d_url)
+    idle_and_clean(prefill_tp2)
+
+
+def test_n2_forks_on_every_rank(want, prefill_tp2, decode_tp2):
+    d_url, _, handoff = decode_tp2
+    before = dict(handoff.counters)
+    headers = {"X-Deltaserve-Secret": SECRET, "X-Deltaserve-Prefill": prefill_tp2}
+    body = {"model": "tiny", "prompt": THIRD, **GREEDY, "n": 2}
+    r = httpx.post(d_url + "/v1/completions", json=body, headers=headers, timeout=300)
+    assert [ch["text"] for ch in r.json()["choices"]] == [want[len(THIRD)]] * 2
+    c = handoff.counters
+    assert c["handoffs"] == before["handoffs"] + 1 and c["forks"] == before.get("forks", 0) + 1
+    assert c["failures"] == before.get("failures", 0)
     idle_and_clean(d_url)
     idle_and_clean(prefill_tp2)
 
@@ -90,6 +107,8 @@ def _on_rank1(**fields):
         if stage != "header":
             return obj
         ranks = list(obj.ranks)
+        if fields.get("digests") == "zeros":
+            fields["digests"] = {k: "0" * 32 for k in ranks[1].digests}
         ranks[1] = msgspec.structs.replace(ranks[1], **fields)
         return msgspec.structs.replace(obj, ranks=ranks)
 
@@ -99,7 +118,7 @@ def _on_rank1(**fields):
 @pytest.mark.parametrize(
     "fields, reason",
     [
-        (dict(digests=["0" * 32] * 8), "failed_checksum_mismatch"),
+        (dict(digests="zeros"), "failed_checksum_mismatch"),
         (dict(session="127.0.0.1:9"), "failed_TransferError"),
     ],
 )
@@ -122,14 +141,44 @@ def test_a_bad_share_on_one_rank_fails_the_handoff_closed(want, prefill_tp2, dec
     idle_and_clean(prefill_tp2)
 
 
-def test_a_prefill_instance_of_another_size_is_refused(ckpt, want, decode_tp2):
+def _headers(handoff) -> list:
+    seen = []
+
+    def hook(stage, obj):
+        if stage == "header":
+            seen.append(obj)
+        return obj
+
+    handoff.tamper = hook
+    return seen
+
+
+def test_a_tp1_prefill_hands_off_to_a_tp2_decode(ckpt, want, decode_tp2):
     d_url, _, handoff = decode_tp2
-    before = handoff.counters["failed_fingerprint_mismatch"]
-    with instance(ckpt, "prefill") as (p_url, _, _):
-        assert _complete(d_url, p_url, THIRD) == want[len(THIRD)]
-        idle_and_clean(p_url)
-    assert handoff.counters["failed_fingerprint_mismatch"] == before + 1
+    before = dict(handoff.counters)
+    headers = _headers(handoff)
+    try:
+        with instance(ckpt, "prefill") as (p_url, _, _):
+            assert _complete(d_url, p_url, THIRD) == want[len(THIRD)]
+            idle_and_clean(p_url)
+    finally:
+        handoff.tamper = None
+    c = handoff.counters
+    assert c["handoffs"] == before["handoffs"] + 1 and c["failures"] == before.get("failures", 0)
+    assert len(headers[0].ranks) == 1 and headers[0].blocks == 2  # one rank's heads in two blocks
+    assert sorted(k for k in headers[0].ranks[0].digests if k.startswith("kda/0/")) == ["kda/0/0", "kda/0/1"]
     idle_and_clean(d_url)
+
+
+def test_a_tp2_prefill_hands_off_to_a_tp1_decode(ckpt, want, prefill_tp2):
+    with instance(ckpt, "decode") as (d_url, _, handoff):
+        assert _complete(d_url, prefill_tp2, FOURTH) == want[len(FOURTH)]
+        c = handoff.counters
+        assert c["handoffs"] == 1 and c["failures"] == 0 and c["recomputes"] == 0, dict(c)
+        mla, kda = expected_bytes(ckpt, len(FOURTH) - 1)
+        assert (c["bytes_mla"], c["bytes_kda"]) == (mla, kda)  # each head block once, from the rank holding it
+        idle_and_clean(d_url)
+    idle_and_clean(prefill_tp2)
 
 
 def test_a_prefill_instance_over_two_nodes(ckpt, want, decode_tp2):

@@ -1,6 +1,7 @@
 """Host and disk tiers under the device pools: branching multi-turn sessions on device pools a
 few requests big give the same greedy tokens as the cache off while restoring from both tiers;
-a new engine on the same --kv-disk-path resumes from disk; corrupted, torn and foreign objects
+a new engine on the same --kv-disk-path resumes from disk, also over a copy of the checkpoint at
+another path; corrupted, torn and foreign objects
 are counted misses, never restored, and the answers stay the same."""
 
 import random
@@ -128,9 +129,10 @@ def test_host_tier_alone_beats_the_device_alone(ckpt):
     assert_all_free(host)
 
 
-def _restarted(ckpt, path, warm_plan, next_plan, damage=None):
+def _restarted(ckpt, path, warm_plan, next_plan, damage=None, copy=None):
     """Warm a disk tier with `warm_plan`, close the engine, optionally damage its files, start a
-    new engine on the same path and play `next_plan` against the cache off; the new engine."""
+    new engine (on `copy` of the checkpoint, if given) on the same path and play `next_plan`
+    against the cache off; the new engine."""
     first = make(ckpt, True, **SMALL, kv_disk_path=str(path), kv_disk_size="64MiB")
     off = make(ckpt, False, **SMALL)
     hist = play([first, off], warm_plan)
@@ -140,7 +142,7 @@ def _restarted(ckpt, path, warm_plan, next_plan, damage=None):
     if damage is not None:
         for f in files:
             damage(f)
-    second = make(ckpt, True, **SMALL, kv_disk_path=str(path), kv_disk_size="64MiB")
+    second = make(copy or ckpt, True, **SMALL, kv_disk_path=str(path), kv_disk_size="64MiB")
     play([second, off], next_plan, hist)
     assert_all_free(second)
     return second
@@ -158,6 +160,19 @@ def test_a_new_engine_on_the_same_disk_path_resumes(ckpt, tmp_path):
     second = _restarted(ckpt, tmp_path, warm, nxt)
     disk = tiers(second)["disk"]
     assert disk["objects_found"] > 0 and disk["hits"] > 0 and disk["hit_tokens"] > 0, disk
+
+
+def test_a_copy_of_the_checkpoint_elsewhere_resumes_from_disk(ckpt, tmp_path):
+    """The tiers' fingerprint names the model by content (`model.identity`), not its path: an
+    engine on a copy of the checkpoint at another path (another host's mount) restores the
+    objects an engine on the original wrote."""
+    import shutil
+
+    warm, nxt = _plans(ckpt)
+    copy = shutil.copytree(ckpt, tmp_path / "elsewhere" / "model")
+    second = _restarted(ckpt, tmp_path / "disk", warm, nxt, copy=copy)
+    disk = tiers(second)["disk"]
+    assert disk["objects_found"] > 0 and disk["hits"] > 0, disk
 
 
 def _flip_byte(f: Path) -> None:

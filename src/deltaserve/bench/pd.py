@@ -4,7 +4,8 @@ and disaggregated (1 prefill + 1 decode instance behind `deltaserve proxy`), all
 Each configuration runs as separate `deltaserve` processes with the same model and engine
 flags; sessions run one after another, each turn streamed, so TTFT and TPOT are per request.
 It reports TTFT and TPOT for both, the bytes moved (MLA vs KDA state) and their rate over the
-handoff time, the prompt tokens the prefill side computed, and what the decode side's own
+handoff time, the bytes read per decode instance with the MLA rows read once (shared over its
+ranks) and as every rank reading them would, the prompt tokens the prefill side computed, and what the decode side's own
 prefix cache saved: tokens it already held (not transferred) and prompts it finished itself.
 Answers are compared (greedy text) between the two configurations: equal in float32 (a mismatch
 fails the run); in bfloat16 the different chunking of the prompt's last token may round apart.
@@ -110,6 +111,19 @@ def _state(base: str) -> dict:
     return httpx.get(base + "/disagg/state", headers={"X-Deltaserve-Secret": SECRET}, timeout=30).json()
 
 
+def read_bytes(ds: dict, world: int) -> str:
+    """The bytes a decode instance read from prefill instances (its `/disagg/state` `ds`), with
+    the MLA rows read once and shared over its `world` ranks (now), and as if every rank read
+    them itself (before: the shared bytes came from the prefill instance too)."""
+    after = ds.get("bytes_mla", 0) + ds.get("bytes_kda", 0)
+    shared = ds.get("bytes_mla_shared", 0)
+    return (
+        f"bytes read per decode instance ({world} rank{'s' if world > 1 else ''}): {after} with the MLA rows "
+        f"read once and shared over its ranks ({shared} copied rank to rank); {after + shared} with every rank "
+        f"reading them from the prefill instance"
+    )
+
+
 def main(args: argparse.Namespace) -> int:
     from ..model.tokenizer import Tokenizer
 
@@ -159,6 +173,7 @@ def main(args: argparse.Namespace) -> int:
         f"KDA state {ds.get('bytes_kda', 0) / 1e9:.6f}) | {moved / 1e9 / read_s if read_s else 0:.3f} GB/s over "
         f"{read_s:.4f} s of reads; {handoff_s:.3f} s in handoffs (prefill wait and verification included)"
     )
+    print(read_bytes(ds, args.tensor_parallel_size))
     prompts = sum(len(p) for p in colocated["prompts"])
     print(
         f"prompt tokens {prompts}: the prefill side computed {ps.get('computed_tokens', 0)} (its own prefix cache "

@@ -30,8 +30,9 @@ class CheckpointTag:
 
 def state_fingerprint(model_id: str, tails: torch.Tensor, states: torch.Tensor, kernel: str) -> bytes:
     """sha256 over everything that decides a state's bytes besides the prefix itself: the model
-    (`model_id` names checkpoint and weight dtype), the pool tensors' dtypes and per-slot shapes
-    (`[layers, slots, ...]`, slots excluded), the layout version and the KDA kernel path."""
+    (`model_id` names the checkpoint by content, `model.identity`, and the weight dtype), the pool
+    tensors' dtypes and per-slot shapes (`[layers, slots, ...]`, slots excluded), the layout
+    version and the KDA kernel path."""
     h = hashlib.sha256(b"deltaserve-kda-state")
     parts = (
         model_id,

@@ -90,6 +90,7 @@ class CacheManager:
         self.index = PrefixIndex(mla, checkpoints, tier) if checkpoints is not None else None
         self.tier = tier
         self.model_id = model_id
+        self.kernel = kernel
         self.fingerprint = state_fingerprint(model_id, kda.tails, kda.states, kernel)
         self.counters: Counter[str] = Counter()
 
@@ -320,7 +321,7 @@ class CacheManager:
 
     def record(self, journal: SlotJournal) -> None:
         """Record every slot write this manager makes in `journal` (for other ranks to replay)."""
-        for pool in (self.kda, self.ckpt_pool):
+        for pool in (self.kda, self.ckpt_pool, self.mla):
             if pool is not None:
                 pool.journal = journal
 

@@ -48,6 +48,7 @@ class MlaPagePool:
         self._rows = [layer.view(-1, row_dim) for layer in self.storage]  # made once: a step asks per layer
         self.refcount = [0] * num_pages
         self._free: deque[int] = deque(range(num_pages))
+        self.journal = None  # a `SlotJournal` recording page copies for other ranks to replay
 
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, row_dim: int, dtype: torch.dtype, dcp_world: int = 1) -> int:
@@ -76,6 +77,12 @@ class MlaPagePool:
         for p in pages:
             self.refcount[p] = 1
         return pages
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy every layer's rows of page `src` into page `dst` (recorded, if any)."""
+        self.storage[:, dst].copy_(self.storage[:, src])
+        if self.journal is not None:
+            self.journal.copy_page(src, dst)
 
     def incref(self, pages: list[int]) -> None:
         for p in pages:

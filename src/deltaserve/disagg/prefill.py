@@ -6,7 +6,8 @@ prefix cache applies), parks it and answers a `TransferHeader` with a fresh gene
 regions start at the decode side's `start`. `POST /disagg/release` (`Release`) frees a parked
 prompt and says whether it was still parked under that generation, i.e. whether the bytes the
 decode side read were those the header describes. Under tensor parallelism every rank holds its
-share (`InstanceRanks`): the header names each rank's session, addresses and digests. A parked
+share (`InstanceRanks`): the header names each rank's session, addresses and digests, the KDA
+heads cut into the blocks the decode instance's size needs (`plan.head_blocks`). A parked
 prompt nobody releases is freed after `ttl_s` (a decode instance that died), so nothing leaks.
 Parked bytes are never written while parked: the sequence is off the scheduler and its pages
 and live slot are its own.
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 
-from ..cache.handoff import layout_fingerprint, prompt_hash
+from ..cache.handoff import handoff_fingerprint, prompt_hash
 from ..engine.exec.rank_transfer import spans
 from ..engine.request.sampling_params import SamplingParams
 from ..engine.request.sequence import InvalidRequestError
@@ -32,7 +33,9 @@ from ..engine.sched.handoff import parked_regions, release_parked
 from ..server.async_engine import AsyncEngine
 from ..server.errors import APIError
 from ..server.request_stream import EngineDeadError
+from .images import unpack_image
 from .matching import add_match_route
+from .plan import head_blocks
 from .protocol import PrefillRequest, RankSource, Release, ReleaseReply, TransferHeader
 from .ranks import InstanceRanks
 from .service import check_secret, engine_state, read_msg, reply
@@ -51,7 +54,7 @@ class PrefillService:
     def __init__(self, engine: AsyncEngine, ranks: InstanceRanks, secret: str, ttl_s: float = 60.0):
         self.engine, self.ranks, self.secret, self.ttl_s = engine, ranks, secret, ttl_s
         self.cache = engine.core.cache
-        self.fingerprint = layout_fingerprint(self.cache, ranks.world)
+        self.fingerprint = handoff_fingerprint(self.cache, ranks.world)
         self.parked: dict[str, Parked] = {}
         self._generation = itertools.count(1)
         self.counters: Counter[str] = Counter()
@@ -60,6 +63,8 @@ class PrefillService:
     async def prefill(self, msg: PrefillRequest) -> TransferHeader:
         if not msg.token_ids:
             raise APIError(400, "a handoff needs at least one prompt token")
+        if not 1 <= msg.decode_world <= 4096:
+            raise APIError(400, f"decode_world {msg.decode_world} is not a tensor-parallel size")
         if self._reaper is None:  # on the serving loop, started with the first prefill
             self._reaper = asyncio.create_task(self.reap())
         rid = f"pd-{uuid.uuid4().hex}"
@@ -76,9 +81,16 @@ class PrefillService:
         return header
 
     async def _compute(self, msg: PrefillRequest, rid: str) -> TransferHeader:
-        """Prefill `msg`'s prompt as request `rid`, park it and describe it (every rank's digests)."""
+        """Prefill `msg`'s prompt (with its images) as request `rid`, park it and describe it
+        (every rank's digests)."""
         try:
-            stream = await self.engine.add(msg.token_ids, SamplingParams(max_tokens=1), rid, prefill_only=True)
+            images = [unpack_image(im) for im in msg.images]
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        try:
+            stream = await self.engine.add(
+                msg.token_ids, SamplingParams(max_tokens=1), rid, images or None, prefill_only=True
+            )
         except InvalidRequestError as e:
             raise APIError(400, str(e)) from None
         except EngineDeadError:
@@ -91,21 +103,23 @@ class PrefillService:
             stream.abort()
         if finish != "prefilled":
             raise APIError(503, f"the prefill ended with {finish!r}", "service_unavailable")
+        blocks = head_blocks(self.ranks.world, msg.decode_world) // self.ranks.world
         try:
-            regions = spans(await self.engine.call(lambda core: parked_regions(core, rid, msg.start)))
+            regions = spans(await self.engine.call(lambda core: parked_regions(core, rid, msg.start, blocks)))
         except ValueError as e:
             raise APIError(400, str(e)) from None
-        digests = await self.ranks.digests(regions)
+        digests = await self.ranks.digests(regions, blocks)
         header = TransferHeader(
             msg.request_id,
             uuid.uuid4().hex,
             next(self._generation),
-            prompt_hash(self.cache.model_id, msg.cache_salt, msg.token_ids),
+            prompt_hash(self.cache.model_id, msg.cache_salt, msg.token_ids, tuple(im.digest for im in images)),
             len(msg.token_ids),
             msg.start,
             self.fingerprint,
             [RankSource(e.session, e.bases, d) for e, d in zip(self.ranks.endpoints, digests)],
             regions,
+            blocks,
         )
         self.parked[header.transfer_id] = Parked(rid, header.generation, time.monotonic() + self.ttl_s)
         return header

@@ -3,10 +3,11 @@ request carrying the shared secret (`SECRET_HEADER`, compared in constant time).
 
 `TransferHeader` is what a prefill instance answers for a parked prompt: who it is for
 (request id, a per-instance generation counter), what it holds (the prompt's hash and token
-count, the layout fingerprint), where (per tensor-parallel rank the transfer engine session and
-pool base addresses; the regions in canonical order, `cache/handoff.py`, the same on every rank)
-and each rank's per-layer digests of those bytes. The decode side checks every field against its
-own before it reads, and the digests after.
+count, the handoff fingerprint), where (per tensor-parallel rank the transfer engine session and
+pool base addresses; the regions in canonical order, `cache/handoff.py`, the same on every rank,
+the KDA heads in the head blocks both instances' sizes need) and each rank's digests of those
+bytes per MLA layer and per (KDA layer, head block), blocks numbered across the instance. The
+decode side checks every field against its own before it reads, and the digests after.
 """
 
 from __future__ import annotations
@@ -27,11 +28,25 @@ SECRET_ENV = env.DISAGG_SECRET.name
 MSGPACK = "application/msgpack"
 
 
+class ImagePixels(msgspec.Struct, frozen=True):
+    """One preprocessed image of a prompt (`ImageInput`): the prefill instance encodes it and
+    checks `digest` (the image's cache key) against the pixels before it computes anything."""
+
+    digest: str  # hex sha256 over grid_thw and the float32 pixels (`multimodal.image_digest`)
+    grid_thw: tuple[int, int, int]
+    num_tokens: int
+    image_size: tuple[int, int]
+    shape: list[int]  # pixel_values' shape; `pixels` are its float32 little-endian bytes
+    pixels: bytes
+
+
 class PrefillRequest(msgspec.Struct, frozen=True):
     request_id: str
-    token_ids: list[int]  # the prompt minus its last token
+    token_ids: list[int]  # the prompt minus its last token (images expanded to their pad runs)
     start: int  # tokens the decode side holds already (a page boundary): regions start here
     cache_salt: str | None = None
+    images: list[ImagePixels] = []  # the prompt's images, in order
+    decode_world: int = 1  # the decode instance's tensor-parallel size (sets the head blocks)
 
 
 class RankSource(msgspec.Struct, frozen=True):
@@ -39,19 +54,20 @@ class RankSource(msgspec.Struct, frozen=True):
 
     session: str  # the rank's transfer engine session
     bases: dict[str, int]  # pool tensor name -> base address in that rank's process
-    digests: list[str]  # per (tensor kind, layer) blake2b of the regions' bytes on that rank
+    digests: dict[str, str]  # blake2b of its regions' bytes per MLA layer and (KDA layer, head block)
 
 
 class TransferHeader(msgspec.Struct, frozen=True):
     request_id: str
     transfer_id: str
     generation: int
-    prefix_hash: str  # cache.handoff.prompt_hash of the prompt minus its last token
+    prefix_hash: str  # cache.handoff.prompt_hash of the prompt minus its last token (and image digests)
     num_tokens: int
     start: int
-    fingerprint: str  # cache.handoff.layout_fingerprint
-    ranks: list[RankSource]  # rank r of the decode instance reads from ranks[r]
-    regions: list[tuple[str, int, int, int]]  # (tensor, layer, offset, length), canonical order
+    fingerprint: str  # cache.handoff.handoff_fingerprint (tensor-parallel size aside)
+    ranks: list[RankSource]  # every prefill rank (`disagg.plan` picks what each decode rank reads)
+    regions: list[tuple[str, int, int, int, int]]  # (tensor, layer, offset, length, block), canonical order
+    blocks: int = 1  # KDA head blocks per prefill rank
 
 
 class Release(msgspec.Struct, frozen=True):

@@ -17,16 +17,16 @@ import asyncio
 import itertools
 import time
 
-from ..engine.exec.messages import Digest, Pull
+from ..engine.exec.messages import Digest, Pull, RankRead
 from ..engine.exec.rank_transfer import RankEndpoint, RankReceipt, Spans, collect_job, setup_transfer, start_job
 from ..parallel.kv_transfer import TransferError
 from ..server.async_engine import AsyncEngine
 
 
 class InstanceRanks:
-    def __init__(self, engine: AsyncEngine, kind: str, host: str):
+    def __init__(self, engine: AsyncEngine, kind: str, host: str, protocol: str = "tcp"):
         def setup(core):
-            return setup_transfer(core, kind, host)
+            return setup_transfer(core, kind, host, protocol)
 
         self.engine = engine
         endpoints = engine.call_sync(setup) if engine.alive else setup(engine.core)
@@ -37,16 +37,15 @@ class InstanceRanks:
         self.world = len(endpoints)
         self._jobs = itertools.count(1)
 
-    async def digests(self, regions: Spans, timeout: float = 300.0) -> list[list[str]]:
-        """Every rank's digests of `regions` (rank 0's first)."""
-        return [r.digests for r in await self._run(Digest(next(self._jobs), regions), timeout)]
+    async def digests(self, regions: Spans, blocks: int = 1, timeout: float = 300.0) -> list[dict[str, str]]:
+        """Every rank's digests of `regions` (rank 0's first; rank r's head blocks numbered from
+        `r * blocks`)."""
+        return [r.digests for r in await self._run(Digest(next(self._jobs), regions, blocks), timeout)]
 
-    async def read(
-        self, sessions: list[str], remote: list[list[tuple[int, int]]], regions: Spans, timeout: float = 300.0
-    ) -> int:
-        """Rank r reads `remote[r]` from `sessions[r]` into `regions`; the bytes moved in all.
-        Raises `TransferError` naming every rank that failed."""
-        receipts = await self._run(Pull(next(self._jobs), [], sessions, remote, regions), timeout)
+    async def read(self, reads: list[list[RankRead]], timeout: float = 300.0) -> int:
+        """Rank r runs `reads[r]`; the bytes moved in all. Raises `TransferError` naming every
+        rank that failed."""
+        receipts = await self._run(Pull(next(self._jobs), [], reads), timeout)
         failed = [f"rank {r}: {x.error}" for r, x in enumerate(receipts) if x.error]
         if failed:
             raise TransferError("; ".join(failed))

@@ -55,9 +55,12 @@ class CounterCollector:
     """Exports a role's counters on the instance's `/metrics` as `deltaserve:disagg_<name>_total`."""
 
     HELP = {
-        "bytes_mla": "MLA latent bytes received by handoff",
+        "bytes_mla": "MLA latent bytes received by handoff from prefill instances (once per decode instance)",
+        "bytes_mla_shared": "MLA latent bytes ranks 1.. copied from this instance's rank 0 after a handoff",
         "bytes_kda": "KDA state bytes (conv tails and recurrent states) received by handoff",
         "handoffs": "Handoffs verified and run",
+        "forks": "Further samples (n > 1) that took a handoff's cache by copy on this instance",
+        "image_handoffs": "Handoffs of prompts with images (the prefill instance encoded them)",
         "failures": "Handoffs refused (verification, peer or transfer failure)",
         "recomputes": "Refused handoffs recomputed locally",
         "hits": "Handoffs that started after pages this instance's prefix cache held",
@@ -87,7 +90,6 @@ class CounterCollector:
 BYPASS_REASONS = (
     "no_prefill_target",
     "images",
-    "n>1",
     "short_prompt",
     "invalid",
     "local_prefill",

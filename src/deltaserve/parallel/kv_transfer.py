@@ -6,8 +6,10 @@ its own and moves its own pools' bytes (`engine.exec.rank_transfer`).
 and returns the byte count; it raises `TransferError` when the peer is gone or refuses. Memory is
 read where it lies (registered pool tensors on both sides), never serialized.
 
-`MooncakeConnector` (the tested default) uses the Mooncake Transfer Engine over TCP with the
-P2P handshake (no metadata server); `mooncake-transfer-engine-non-cuda` needs Debian's
+`MooncakeConnector` (the tested default) uses the Mooncake Transfer Engine with the P2P
+handshake (no metadata server) over TCP or RDMA (`protocol`, `serve --kv-transfer-protocol`; RDMA
+is refused where the machine lists no RDMA device, Mooncake picks the devices itself; only TCP is
+tested here, the machines have no RDMA NIC); `mooncake-transfer-engine-non-cuda` needs Debian's
 `libibverbs1` and `librdmacm1`. A NIXL connector would sit beside it (nixl-cu12 pulls ~5.7 GB of
 CUDA wheels, so it is not built here). Neither engine authenticates its data plane: run the
 instances on a trusted network; the control plane (`disagg/protocol.py`) carries the shared secret.
@@ -22,6 +24,8 @@ import os
 import torch
 
 log = logging.getLogger(__name__)
+PROTOCOLS = ("tcp", "rdma")
+RDMA_SYSFS = "/sys/class/infiniband"
 
 
 class TransferError(RuntimeError):
@@ -50,6 +54,7 @@ class MooncakeConnector(Connector):
     name = "mooncake"
 
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device: str = ""):
+        check_protocol(protocol)
         os.environ.setdefault("GLOG_minloglevel", "2")
         try:
             from mooncake.engine import TransferEngine
@@ -118,7 +123,26 @@ def coalesce(remote: list[tuple[int, int]], local: list[int]) -> tuple[list[int]
     return src, dst, lengths
 
 
-def make_connector(kind: str, host: str) -> Connector:
+def rdma_devices(root: str | None = None) -> list[str]:
+    """The RDMA devices this machine lists (`/sys/class/infiniband`: mlx5_0, ...), sorted."""
+    try:
+        return sorted(os.listdir(root or RDMA_SYSFS))
+    except OSError:
+        return []
+
+
+def check_protocol(protocol: str) -> None:
+    """Refuse an unknown protocol, and RDMA on a machine without an RDMA device (`TransferError`)."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"unknown KV transfer protocol {protocol!r} (available: {', '.join(PROTOCOLS)})")
+    if protocol == "rdma" and not rdma_devices():
+        raise TransferError(
+            f"--kv-transfer-protocol rdma needs an RDMA device and this machine lists none ({RDMA_SYSFS} is "
+            "empty or absent): install the NIC's driver, or use --kv-transfer-protocol tcp"
+        )
+
+
+def make_connector(kind: str, host: str, protocol: str = "tcp") -> Connector:
     if kind == "mooncake":
-        return MooncakeConnector(host)
+        return MooncakeConnector(host, protocol)
     raise ValueError(f"unknown transfer engine {kind!r} (available: mooncake)")

@@ -32,6 +32,7 @@ from ...cache.checkpoint_policy import CheckpointPolicy
 from ...cache.slot_journal import SlotJournal
 from ...cache.tiers.store import build_store, close_tiers
 from ...model import KimiForCausalLM, resolve_dtype
+from ...model.identity import checkpoint_identity
 from ...model.tokenizer import Tokenizer
 from ...model.vision import VisionModel
 from ...model.vision_weights import PREFIXES, load_vision_model
@@ -232,7 +233,7 @@ def _build_rank0(c: EngineConfig, dtype, ranks, tp, control) -> Engine:
         tp,
         c.device,
     )
-    model_id = f"{Path(c.model).resolve()}:{dtype}"
+    model_id = f"{checkpoint_identity(c.model)}:{dtype}"  # content, not path: copies on other hosts agree
     kernel = model.ops.name  # load_model bound the backend (and built the native kernels) once
     served = served_shapes(cfg, layout, dtype, tp)
     log.info("kernel backend: %s (%s on %s): %s", kernel, dtype, c.device, describe(model.ops, served))

@@ -44,6 +44,7 @@ from ..request.request_check import check_request
 from ..request.sampling_params import SamplingParams
 from ..request.sequence import InvalidRequestError, SeqStatus, Sequence
 from ..request.structured import GrammarCompiler, GrammarState, StructuredOutputError
+from ..sched.handoff import claimable
 from ..sched.scheduler import Scheduler
 from ..spec.decoder import SpecDecoder
 from .deltas import SeqDelta, step_deltas
@@ -158,20 +159,18 @@ class EngineCore:
         images: list[ImageInput] | None = None,
         *,
         prefill_only: bool = False,
-        received: int | None = None,
+        received: int | tuple[int, ...] | None = None,
     ) -> None:
         """`prefill_only`: compute the prompt and park its cache (`engine/sched/handoff.py`), sampling
-        nothing. `received`: the sequence id of a handoff reservation holding the cache of every
-        prompt token but the last (`handoff.reserve`); the request runs from there (n must be 1)."""
+        nothing (n must be 1). `received`: the sequence ids of a handoff reservation (one per
+        sample, `handoff.reserve`) holding the cache of every prompt token but the last (the
+        expanded prompt's, with images); the request runs from there."""
         mm = self._check(request_id, prompt_ids, params, images)
-        if (prefill_only or received is not None) and (mm is not None or params.n != 1):
-            raise InvalidRequestError("a handoff takes one sample of a text-only prompt")
-        if received is not None and (
-            received not in self.reserved or getattr(self.cache.seqs.get(received), "prompt_len", -1) != len(prompt_ids)
-        ):
-            raise InvalidRequestError(f"no unclaimed handoff reservation {received} for this prompt")
+        if prefill_only and params.n != 1:
+            raise InvalidRequestError("a prefill for a handoff takes one sample")
         if mm is not None:
             prompt_ids = mm.ids
+        ids = claimable(self, received, params.n, len(prompt_ids))
         grammar = self._compile(params)
         budget = self._budget(params)
         seqs = []
@@ -180,7 +179,7 @@ class EngineCore:
             detok = IncrementalDetokenizer(self.tokenizer, params) if self.tokenizer is not None else None
             seqs.append(
                 Sequence(
-                    self._next_seq if received is None else received,
+                    self._next_seq if ids is None else ids[i],
                     request_id,
                     i,
                     list(prompt_ids),
@@ -192,17 +191,17 @@ class EngineCore:
                     images=mm.images if mm is not None else (),
                     image_starts=mm.starts if mm is not None else (),
                     prefill_only=prefill_only,
-                    preadmitted=received is not None,
-                    num_computed=len(prompt_ids) - 1 if received is not None else 0,
+                    preadmitted=ids is not None,
+                    num_computed=len(prompt_ids) - 1 if ids is not None else 0,
                 )
             )
             if grammar is not None:
                 self.grammars[seqs[-1].seq_id] = grammar.copy()
             if budget is not None:
                 self.budgets[seqs[-1].seq_id] = copy.copy(budget)
-            self._next_seq += received is None
+            self._next_seq += ids is None
         self.requests[request_id] = _Request(request_id, prompt, list(prompt_ids), seqs)
-        self.reserved.discard(received)  # claimed: from now on the request owns the reservation
+        self.reserved.difference_update(ids or ())  # claimed: from now on the request owns the reservation
         for s in seqs:
             self.scheduler.add(s)
         self.counters["requests_added"] += 1

@@ -19,9 +19,9 @@ from __future__ import annotations
 import msgspec
 import torch
 
-from ...cache.slot_journal import CopyOp, ZeroOp
+from ...cache.slot_journal import CopyOp, PageCopyOp, ZeroOp
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -80,7 +80,7 @@ class Step(msgspec.Struct, tag="step", frozen=True):
     """One forward pass: `ForwardBatch`'s arguments, the slot writes to replay before it, the
     packed rows whose logits are computed after it, and the image rows it injects (if any)."""
 
-    ops: list[ZeroOp | CopyOp]
+    ops: list[ZeroOp | CopyOp | PageCopyOp]
     input_ids: list[int]
     context_lens: list[int]
     new_lens: list[int]
@@ -105,31 +105,39 @@ class Snapshot(msgspec.Struct, tag="snapshot", frozen=True):
 
 
 class TransferSetup(msgspec.Struct, tag="transfer_setup", frozen=True):
-    """Every rank starts a KV transfer engine (`engine` at `host`) over its own pools and answers
-    its `RankEndpoint`."""
+    """Every rank starts a KV transfer engine (`engine` at `host` over `protocol`) over its own
+    pools and answers its `RankEndpoint`."""
 
     engine: str
     host: str
+    protocol: str = "tcp"
 
 
 class Digest(msgspec.Struct, tag="digest", frozen=True):
-    """Every rank starts hashing `regions` of its pools (`cache.handoff.region_digests`) as
-    transfer job `job`."""
+    """Every rank r starts hashing `regions` of its pools (`cache.handoff.region_digests`, head
+    blocks numbered from `r * blocks`) as transfer job `job`."""
 
     job: int
-    regions: list[tuple[str, int, int, int]]  # (tensor, layer, offset, length)
+    regions: list[tuple[str, int, int, int, int]]  # (tensor, layer, offset, length, block)
+    blocks: int = 1  # head blocks per rank
+
+
+class RankRead(msgspec.Struct, frozen=True):
+    """Read `remote` (address, length) of transfer session `session` into `regions` of this
+    rank's own pools, pairwise."""
+
+    session: str
+    remote: list[tuple[int, int]]
+    regions: list[tuple[str, int, int, int, int]]
 
 
 class Pull(msgspec.Struct, tag="pull", frozen=True):
     """Every rank r replays `ops` (the reservation's slot zeroing must precede the bytes), then
-    starts reading `remote[r]` (address, length) from `sessions[r]` into `regions` of its own
-    pools as transfer job `job`."""
+    starts its reads `reads[r]` (from one or several peers' sessions) as transfer job `job`."""
 
     job: int
-    ops: list[ZeroOp | CopyOp]
-    sessions: list[str]
-    remote: list[list[tuple[int, int]]]
-    regions: list[tuple[str, int, int, int]]
+    ops: list[ZeroOp | CopyOp | PageCopyOp]
+    reads: list[list[RankRead]]
 
 
 class Collect(msgspec.Struct, tag="collect", frozen=True):

@@ -2,9 +2,11 @@
 
 A tensor-parallel instance's ranks hold the same MLA latent rows and each its share of the KDA
 heads; heads divide evenly, so every rank's pools have the same shapes and a handoff's regions
-(`cache.handoff`: offsets and lengths) are the same on every rank, over other addresses and
-other bytes. So each rank runs a transfer engine of its own (`RankTransfer`), and rank r of a
-decode instance reads from rank r of the prefill instance.
+(`cache.handoff`: offsets and lengths, KDA heads in blocks) are the same on every rank, over
+other addresses and other bytes. So each rank runs a transfer engine of its own
+(`RankTransfer`), and each rank of a decode instance reads its own regions from whichever peers
+hold them (`RankRead`s: the prefill rank holding each head block, and the MLA rows from one
+source; `disagg.plan`), whatever the two instances' sizes.
 
 Reads and hashes are jobs on a small thread pool of each rank, beside its steps (their regions
 are parked or reserved: no step writes them). Rank 0 starts a job on every rank (`start_job`:
@@ -28,10 +30,10 @@ import msgspec
 from ... import env
 from ...cache.handoff import Region, pool_tensors, region_digests
 from ...parallel.kv_transfer import Connector, TransferError, make_connector
-from .messages import Collect, Digest, Pull, TransferSetup
+from .messages import Collect, Digest, Pull, RankRead, TransferSetup
 from .ranks import RankFailure
 
-Spans = list[tuple[str, int, int, int]]  # regions as (tensor, layer, offset, length)
+Spans = list[tuple[str, int, int, int, int]]  # regions as (tensor, layer, offset, length, block)
 HOST_ENV = env.KV_TRANSFER_HOST.name  # the address this node's ranks advertise (serve --kv-transfer-host)
 
 
@@ -48,13 +50,13 @@ class RankReceipt(msgspec.Struct, frozen=True):
     the job was still running when the wait ended (its bytes may still land)."""
 
     moved: int = 0
-    digests: list[str] = []
+    digests: dict[str, str] = {}
     error: str = ""
     stuck: bool = False
 
 
 def spans(regions: list[Region]) -> Spans:
-    return [(r.tensor, r.layer, r.offset, r.length) for r in regions]
+    return [(r.tensor, r.layer, r.offset, r.length, r.block) for r in regions]
 
 
 class RankTransfer:
@@ -68,10 +70,12 @@ class RankTransfer:
         self._jobs: dict[int, Future] = {}
 
     @classmethod
-    def start(cls, engine: str, host: str, tensors: dict) -> "tuple[RankTransfer | None, RankEndpoint]":
+    def start(
+        cls, engine: str, host: str, tensors: dict, protocol: str = "tcp"
+    ) -> "tuple[RankTransfer | None, RankEndpoint]":
         """(the started transfer, its endpoint), or (None, an endpoint saying why it did not start)."""
         try:
-            transfer = cls(make_connector(engine, host), tensors)
+            transfer = cls(make_connector(engine, host, protocol), tensors)
         except Exception as e:  # any failure is an answer: every rank must reach the gather
             return None, RankEndpoint("", {}, f"{type(e).__name__}: {e}")
         return transfer, transfer.endpoint()
@@ -79,28 +83,32 @@ class RankTransfer:
     def endpoint(self) -> RankEndpoint:
         return RankEndpoint(self.connector.session, dict(self.bases))
 
-    def digests(self, regions: Spans) -> RankReceipt:
-        return RankReceipt(0, region_digests(self.tensors, [Region(*r) for r in regions]))
+    def digests(self, regions: Spans, first_block: int = 0) -> RankReceipt:
+        return RankReceipt(0, region_digests(self.tensors, [Region(*r) for r in regions], first_block))
 
-    def read(self, session: str, remote: list[tuple[int, int]], regions: Spans) -> RankReceipt:
-        """Read `remote` from `session` into `regions` of this rank's pools."""
-        if len(remote) != len(regions) or any(n != r[3] for (_, n), r in zip(remote, regions)):
-            return RankReceipt(error="remote regions differ from the local ones")
+    def read(self, reads: list[RankRead]) -> RankReceipt:
+        """Each read's `remote` from its session into its `regions` of this rank's pools; the
+        bytes moved, or the first error (nothing further is read)."""
         size = {k: t.numel() * t.element_size() for k, t in self.tensors.items()}
-        if any(t not in size or off < 0 or n < 0 or off + n > size[t] for t, _, off, n in regions):
-            return RankReceipt(error="a region lies outside this rank's pools")
-        try:
-            local = [self.bases[t] + off for t, _, off, _ in regions]
-            return RankReceipt(self.connector.read(session, list(remote), local))
-        except TransferError as e:
-            return RankReceipt(error=f"{type(e).__name__}: {e}")
+        moved = 0
+        for rd in reads:
+            if len(rd.remote) != len(rd.regions) or any(n != r[3] for (_, n), r in zip(rd.remote, rd.regions)):
+                return RankReceipt(moved, error="remote regions differ from the local ones")
+            if any(t not in size or off < 0 or n < 0 or off + n > size[t] for t, _, off, n, _ in rd.regions):
+                return RankReceipt(moved, error="a region lies outside this rank's pools")
+            try:
+                local = [self.bases[t] + off for t, _, off, _, _ in rd.regions]
+                moved += self.connector.read(rd.session, list(rd.remote), local)
+            except TransferError as e:
+                return RankReceipt(moved, error=f"{type(e).__name__}: {e}")
+        return RankReceipt(moved)
 
     def submit(self, msg: Digest | Pull, rank: int) -> Future:
-        """Start `msg` as job `msg.job` (rank `rank`'s share of a `Pull`)."""
+        """Start `msg` as job `msg.job` (rank `rank`'s share)."""
         if isinstance(msg, Digest):
-            fut = self._pool.submit(self.digests, msg.regions)
+            fut = self._pool.submit(self.digests, msg.regions, rank * msg.blocks)
         else:
-            fut = self._pool.submit(self.read, msg.sessions[rank], msg.remote[rank], msg.regions)
+            fut = self._pool.submit(self.read, msg.reads[rank])
         self._jobs[msg.job] = fut
         return fut
 
@@ -123,7 +131,8 @@ def serve_transfer(msg, channel, tensors: dict, ops, transfer: RankTransfer | No
     """A worker's side of the transfer messages (`ops(list)` replays slot writes); returns the
     rank's transfer (started by `TransferSetup`)."""
     if isinstance(msg, TransferSetup):  # a rank on another node advertises that node's own address
-        transfer, endpoint = RankTransfer.start(msg.engine, env.KV_TRANSFER_HOST.get() or msg.host, tensors)
+        host = env.KV_TRANSFER_HOST.get() or msg.host
+        transfer, endpoint = RankTransfer.start(msg.engine, host, tensors, msg.protocol)
         _answer(channel, endpoint)
         return transfer
     if transfer is None:
@@ -150,12 +159,13 @@ def _answers(channel, own, kind: type) -> list:
     return [msgspec.msgpack.decode(b, type=kind) for b in _answer(channel, own)]
 
 
-def setup_transfer(core, engine: str, host: str) -> list[RankEndpoint]:
-    """Start every rank's transfer engine (rank 0's is kept as `core.runner.transfer`)."""
+def setup_transfer(core, engine: str, host: str, protocol: str = "tcp") -> list[RankEndpoint]:
+    """Start every rank's transfer engine over `protocol` (rank 0's is kept as `core.runner.transfer`)."""
     runner = core.runner
     if runner.channel is not None:
-        runner.channel.send(TransferSetup(engine, host))
-    runner.transfer, endpoint = RankTransfer.start(engine, host, pool_tensors(core.cache.mla, core.cache.kda))
+        runner.channel.send(TransferSetup(engine, host, protocol))
+    tensors = pool_tensors(core.cache.mla, core.cache.kda)
+    runner.transfer, endpoint = RankTransfer.start(engine, host, tensors, protocol)
     return _answers(runner.channel, endpoint, RankEndpoint)
 
 

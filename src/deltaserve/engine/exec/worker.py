@@ -21,7 +21,7 @@ import torch
 
 from ...cache import CacheLayout, build_pools
 from ...cache.handoff import pool_tensors
-from ...cache.slot_journal import CHECKPOINT, LIVE, replay
+from ...cache.slot_journal import CHECKPOINT, LIVE, MLA, replay
 from ...model import KimiForCausalLM, load_model, resolve_dtype
 from ...parallel import ParallelContext
 from ..config import EngineConfig
@@ -76,7 +76,7 @@ def run_worker(config: EngineConfig, tp: ParallelContext, control) -> None:
     if not isinstance(hello, Hello) or hello.version != PROTOCOL_VERSION:
         raise RankFailure(f"rank {tp.rank}: expected Hello version {PROTOCOL_VERSION}, got {hello!r}")
     mla, kda, ckpt = build_pools(model.config, layout_of(hello), config.device, tp)
-    pools = {LIVE: kda, CHECKPOINT: ckpt}
+    pools = {LIVE: kda, CHECKPOINT: ckpt, MLA: mla}
     transfer = verifying = None
     while True:
         msg = channel.recv()

@@ -27,6 +27,11 @@ class ImageInput:
 def image_input(image: Image.Image, processor: ImageProcessor) -> ImageInput:
     """Preprocess a PIL image and digest the result."""
     processed = processor(image)
+    return ImageInput(processed, image_digest(processed))
+
+
+def image_digest(processed: ProcessedImage) -> bytes:
+    """sha256 over the grid and the float32 pixel values: an image's key in every cache."""
     h = hashlib.sha256(repr(processed.grid_thw).encode())
     h.update(processed.pixel_values.contiguous().numpy().tobytes())
-    return ImageInput(processed, h.digest())
+    return h.digest()
