@@ -6,9 +6,10 @@ it holds (`/disagg/match`: the joint hit, MLA pages plus a KDA checkpoint, and t
 coverage) and picks the one holding the most: joint hit first (only it saves computation),
 then MLA coverage (it saves transfer bytes), then the lower load, then a rendezvous hash of the
 request's prefix. A session's next turn thus returns to the instance that cached it. The
-prefill instances are asked the same at once: the request's prefill goes to the one where the
-longest prefix resumes (joint hit: MLA pages and a KDA checkpoint there), the least loaded among
-equals (or, none answering, the least loaded), named to the decode instance in a header; the
+prefill instances are asked the same at once, and also how far a restore from their host or disk
+tier would resume: the request's prefill goes to the best `choose_prefill` score (the longest
+resumable prefix, MLA pages and a KDA checkpoint, weighed by tier as the data-parallel router
+does, minus load; none answering, the least loaded), named to the decode instance in a header; the
 decode instance pulls the prompt's cache from it and streams the answer, relayed here as it
 comes. The proxy never tokenizes: the decode instance renders the prompt once.
 A decode instance that fails is an error to the client (503 before the answer starts, an SSE
@@ -27,8 +28,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from . import env
+from .cache.events import DEVICE, DISK, HOST, TIERS
 from .disagg.protocol import MSGPACK, PREFILL_HEADER, SECRET_HEADER, MatchReply, MatchRequest, decode, encode
-from .engine.dp.routing import rendezvous
+from .engine.dp.routing import best_resume, rendezvous, resume_score
 from .replica_front import routing_key
 from .server.errors import APIError
 from .server.middleware import front_app
@@ -37,6 +39,28 @@ from .server.relay import all_ready, passed_headers, stream_back
 
 log = logging.getLogger("deltaserve.proxy")
 GENERATION = ("/v1/chat/completions", "/v1/completions")
+
+
+def resumable(m: MatchReply | None) -> dict[int, int]:
+    """Tier code (`cache.events.TIERS`) -> tokens of the prompt resumable there, per `m`."""
+    return {} if m is None else {DEVICE: m.joint_tokens, HOST: m.host_tokens, DISK: m.disk_tokens}
+
+
+def choose_prefill(replies: list[MatchReply | None], loads: list[int]) -> tuple[int, str, int]:
+    """(index, reason, tokens resumed) of the prefill instance to use: the highest
+    `routing.resume_score` (the data-parallel router's tier weights, minus load) of its best
+    tier's resumable prefix (None: it did not answer, nothing resumes there); equal scores go to
+    the lower load, then the lower index. Reason: `resume_<tier>` where some prefix resumes
+    there, else "load"."""
+
+    def score(i: int) -> tuple[float, int, int]:
+        k, tier = best_resume(resumable(replies[i]))
+        n = replies[i].num_tokens if replies[i] is not None else 0
+        return resume_score(k, tier, n, loads[i]), -loads[i], -i
+
+    best = max(range(len(loads)), key=score)
+    k, tier = best_resume(resumable(replies[best]))
+    return best, f"resume_{TIERS[tier]}" if k else "load", k
 
 
 class Proxy:
@@ -82,14 +106,13 @@ class Proxy:
         self.counters["mla_hit_tokens"] += m.mla_tokens
 
     async def pick_prefill(self, path: str, body: dict) -> str:
-        """The prefill instance holding the longest joint hit of the prompt, the least loaded
-        (requests this proxy has in flight there) among equals; counted by reason."""
+        """The prefill instance `choose_prefill` picks (loads: the requests this proxy has in
+        flight there), counted by reason (`prefill_routed_<reason>`)."""
         replies = await asyncio.gather(*(self._match(u, path, body) for u in self.prefill))
-        held = {u: m.joint_tokens for u, m in zip(self.prefill, replies) if m is not None}
-        best = min(self.prefill, key=lambda u: (-held.get(u, 0), self.inflight[u], self.prefill.index(u)))
-        self.counters["prefill_routed_resume" if held.get(best) else "prefill_routed_load"] += 1
-        self.counters["prefill_joint_hit_tokens"] += held.get(best, 0)
-        return best
+        i, reason, resumed = choose_prefill(replies, [self.inflight[u] for u in self.prefill])
+        self.counters[f"prefill_routed_{reason}"] += 1
+        self.counters["prefill_joint_hit_tokens"] += resumed
+        return self.prefill[i]
 
     async def forward(self, request: Request) -> Response:
         raw = await request.body()

@@ -37,7 +37,7 @@ def test_the_prefill_goes_where_the_prefix_resumes(tmp_path):
         assert got.status_code == 200, got.text
         assert state(p1).get("prefills") == 1 and state(p0).get("prefills", 0) == 0
         assert _hit_tokens(e1) - hits1 >= 64 and _hit_tokens(e0) == hits0
-        assert px.counters["prefill_routed_resume"] == 1 and px.counters["prefill_joint_hit_tokens"] >= 64
+        assert px.counters["prefill_routed_resume_device"] == 1 and px.counters["prefill_joint_hit_tokens"] >= 64
         greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
         want = make_llm(ckpt).generate([{"prompt_token_ids": follow}], greedy)[0].outputs[0]
         assert got.json()["choices"][0]["text"] == want.text and len(want.token_ids) == 4

@@ -1,5 +1,6 @@
 """An instance's answer to "what of this prompt do you hold?", both halves counted: the proxy asks
-decode instances (which to send a request to) and prefill instances (which to compute it on)."""
+decode instances (which to send a request to) and prefill instances (which to compute it on).
+The device hit and, read-only, how far a restore from the host or the disk tier would resume."""
 
 from __future__ import annotations
 
@@ -15,8 +16,16 @@ from .service import read_msg, reply
 def _match(core, ids: list[int]) -> MatchReply:
     if not core.cache.prefix_enabled or len(ids) < 2:
         return MatchReply(len(ids), 0, 0, len(core.scheduler.waiting))
-    hit = core.cache.lookup(ids)
-    return MatchReply(len(ids), hit.length, hit.k_mla * core.cache.policy.unit, len(core.scheduler.waiting))
+    hit, unit = core.cache.lookup(ids), core.cache.policy.unit
+    lower = core.cache.tier.resumable(list(hit.hashes), hit.k_mla)
+    return MatchReply(
+        len(ids),
+        hit.length,
+        hit.k_mla * unit,
+        len(core.scheduler.waiting),
+        lower.get("host", 0) * unit,
+        lower.get("disk", 0) * unit,
+    )
 
 
 async def match_reply(engine: AsyncEngine, ids: list[int] | None) -> MatchReply:

@@ -85,10 +85,15 @@ class MatchRequest(msgspec.Struct, frozen=True):
 
 
 class MatchReply(msgspec.Struct, frozen=True):
+    """What of a prompt an instance holds. A map on the wire: an older peer ignores the tier
+    fields and reads an older reply as holding nothing below the device."""
+
     num_tokens: int
-    joint_tokens: int  # MLA pages and a KDA checkpoint: no prefill needed up to here
+    joint_tokens: int  # MLA pages and a KDA checkpoint on the device: no prefill needed up to here
     mla_tokens: int  # MLA pages only: transfer bytes saved, compute not
     load: int  # requests waiting on the instance
+    host_tokens: int = 0  # resumable by a restore from the host tier (`LowerTier.resumable`)
+    disk_tokens: int = 0  # resumable by a restore from the disk tier
 
 
 _enc = msgspec.msgpack.Encoder()

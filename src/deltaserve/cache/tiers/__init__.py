@@ -8,6 +8,7 @@ The manager tells its tier three things, all on the engine thread:
   lengthened: the tier may install a longer prefix (MLA pages and the checkpoint at its end)
   into the device index and says whether it did (True), or that it is reading one (None: the
   request waits a step and looks up again);
+- `resumable`: read-only, what `restore` could install, per tier (for routing: `/disagg/match`);
 - `take_unit` / `take_checkpoint`: eviction from the device hands over what it drops (valid
   during the call; a tier must not keep page ids or slots). With write-through they keep
   nothing: the object is below already. A checkpoint dropped for a refused restore is not
@@ -37,6 +38,11 @@ class LowerTier(Protocol):
     def restore(self, cache: Any, hashes: list[bytes], k_mla: int, k_hit: int) -> bool | None:
         """Install a prefix longer than `k_hit` units of `hashes` into the device index, if held."""
 
+    def resumable(self, hashes: list[bytes], k_mla: int) -> dict[str, int]:
+        """Per tier name: the most units of `hashes` a restore from it could resume (the
+        checkpoint object there, the rest of the chain held), from index lookups only: no object
+        is read, nothing is installed or made recently used. Tiers holding none are left out."""
+
 
 class Drop:
     """The tier that keeps nothing."""
@@ -52,6 +58,9 @@ class Drop:
 
     def restore(self, cache: Any, hashes: list[bytes], k_mla: int, k_hit: int) -> bool | None:
         return False
+
+    def resumable(self, hashes: list[bytes], k_mla: int) -> dict[str, int]:
+        return {}
 
 
 DROP = Drop()

@@ -20,6 +20,8 @@ at most `SharedTier.wait_s`; objects other instances wrote become known there) a
 as from disk. The device units the restore
 chains onto are pinned while it takes pages. A verification failure is a counted miss and a
 shorter prefix is tried; a restore without room in the pools does nothing (counted).
+`resumable` answers, read-only, how far a restore from each local tier would reach (for the
+proxy's `/disagg/match`).
 """
 
 from __future__ import annotations
@@ -178,6 +180,20 @@ class TieredStore:
         if hashes:
             self._since.pop(hashes[-1], None)
         return False
+
+    def resumable(self, hashes: list[bytes], k_mla: int) -> dict[str, int]:
+        """Per local tier (host, disk): the longest k whose checkpoint object it holds and whose
+        `_plan` (the one `restore` follows, device units up to `k_mla`) is complete. Index
+        lookups only: no object is read, nothing is made recently used."""
+        local = [t for t in (self.host, self.disk) if t is not None]
+        out: dict[str, int] = {}
+        for k in range(len(hashes), 0, -1):
+            held = [t.name for t in local if t.name not in out and t.meta(hashes[k - 1]) is not None]
+            if held and self._plan(hashes, k, min(k_mla, k)) is not None:
+                out.update(dict.fromkeys(held, k))
+                if len(out) == len(local):
+                    break
+        return out
 
     def _restore(self, cache, hashes: list[bytes], k: int, k_dev: int, plan) -> bool | None:
         """Install the plan; False (nothing taken) without room, None after a verification miss."""

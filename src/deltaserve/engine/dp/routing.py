@@ -66,6 +66,19 @@ SESSIONS_CAP = 1 << 16  # sessions a `Router` remembers
 REASONS = ("affinity", "resume_device", "resume_host", "resume_disk", "load", "hash")
 
 
+def best_resume(lengths: dict[int, int]) -> tuple[int, int]:
+    """(k, tier) of the resumable prefix worth most, of `lengths` (tier code -> k resumable
+    there; k > 0), weighed by `TIER_WEIGHT`; (0, 0) for none."""
+    return max(((k, t) for t, k in lengths.items() if k), key=lambda kt: TIER_WEIGHT[kt[1]] * kt[0], default=(0, 0))
+
+
+def resume_score(k: int, tier: int, n: int, load: int) -> float:
+    """A replica's worth for a request of `n` units, `k` of them resumable there from `tier`,
+    with `load` requests in flight: `TIER_WEIGHT[tier] * k / n - LOAD_WEIGHT * load`. The DP
+    router's and `deltaserve proxy`'s prefill choice share it (tokens or units alike)."""
+    return (TIER_WEIGHT[tier] * k / n if k and n else 0.0) - LOAD_WEIGHT * load
+
+
 class ResumeIndex:
     """Where each boundary is resumable, as the replicas' `cache.events` say: short chain hash ->
     {replica: bitmask of tier codes}. Bounded by `cap` keys (LRU). Invariant: after `apply` of
@@ -123,9 +136,7 @@ class ResumeIndex:
                             tiers.setdefault(t, k)
             if len(seen) == len(among) and all(0 in t for t in seen.values()):
                 break  # a device boundary: nothing shorter weighs more
-        return {
-            i: max(((k, t) for t, k in ts.items()), key=lambda kt: TIER_WEIGHT[kt[1]] * kt[0]) for i, ts in seen.items()
-        }
+        return {i: best_resume(ts) for i, ts in seen.items()}
 
 
 @dataclass(frozen=True)
@@ -191,7 +202,7 @@ class Router:
 
         def score(i: int) -> tuple[float, int, int]:
             k, tier = found.get(i, (0, 0))
-            return (TIER_WEIGHT[tier] * k / len(hashes) if k else 0.0) - LOAD_WEIGHT * loads[i], -loads[i], -order[i]
+            return resume_score(k, tier, len(hashes), loads[i]), -loads[i], -order[i]
 
         best = max(among, key=score)
         if best in found:
