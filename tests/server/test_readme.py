@@ -17,19 +17,17 @@ from pathlib import Path
 
 import httpx
 
+from deltaserve.evals.score import Answer, correct
+from deltaserve.train.tasks import Sample
 from tests.server.live_server import wait_healthy
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-ANSWER = "42"  # the README asks "What is 17 + 25?"; a random model never ends on it
+# the README asks "What is 17 + 25?"; scored as eval scores a sum (the content's last number)
+SUM = Sample("arithmetic", [], expect="42")
 
 
 def bash_blocks() -> list[str]:
     return re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
-
-
-def last_number(text: str | None) -> str | None:
-    numbers = re.findall(r"-?\d+", text or "")
-    return numbers[-1] if numbers else None
 
 
 def free_port() -> int:
@@ -65,10 +63,11 @@ def test_readme_main_command_serves_and_its_curl_example_works(tmp_path):
         choice = reply["choices"][0]
         assert choice["finish_reason"] in ("stop", "length") and choice["message"]["role"] == "assistant"
         assert 0 < reply["usage"]["completion_tokens"] <= json.loads(body)["max_tokens"]
-        assert last_number(choice["message"]["content"]) == ANSWER and choice["message"]["reasoning_content"], reply
+        assert correct(SUM, Answer(content=choice["message"]["content"] or "")), reply
+        assert choice["message"]["reasoning_content"], reply
         direct = dict(json.loads(body), chat_template_kwargs={"thinking": False})
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=direct, timeout=120).json()
-        assert last_number(reply["choices"][0]["message"]["content"]) == ANSWER, reply
+        assert correct(SUM, Answer(content=reply["choices"][0]["message"]["content"] or "")), reply
         assert not reply["choices"][0]["message"].get("reasoning_content"), reply
     finally:
         proc.terminate()
