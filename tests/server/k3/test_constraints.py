@@ -8,12 +8,10 @@ import pytest
 from deltaserve.chat.common import ChatFormatError
 from deltaserve.chat.render import render_chat
 from deltaserve.engine.request.structured import StructuredOutput
-from deltaserve.model.tokenizer import Tokenizer
 from deltaserve.server.constraints import K3_THINK_END, chat_constraint, forced_tool_calls
 from deltaserve.server.errors import APIError
 from deltaserve.server.protocol import ChatRequest
-from deltaserve.tiny import make_tiny
-from tests.server.k3.test_chat import K3_SPECIALS, check
+from tests.server.k3.chat_ids import K3_SPECIALS, check
 
 USER = [{"role": "user", "content": "Hi"}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
@@ -30,11 +28,6 @@ GEN_NOTHINK = '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>'
 
 def control(kind, body):
     return f'<|open|>message role="system" type="{kind}"<|sep|>{body}<|close|>message<|sep|><|end_of_msg|>'
-
-
-@pytest.fixture(scope="module")
-def k3(tmp_path_factory):
-    return Tokenizer.from_pretrained(make_tiny(tmp_path_factory.mktemp("k3"), family="kimi_k3"))
 
 
 def req(**kw):

@@ -46,7 +46,7 @@ from deltaserve.model.image_processor import ImageProcessor
 from deltaserve.server.app import build_app
 from deltaserve.server.async_engine import AsyncEngine
 from deltaserve.tiny import make_tiny
-from tests.server.k3.test_chat import K3_SPECIALS, k3_segment_ids
+from tests.server.k3.chat_ids import K3_SPECIALS, k3_segment_ids
 from tests.server.live_server import run_app
 
 RANKS = Path(__file__).resolve().parents[4] / "shared" / "tokenizers" / "kimi-base-ranks.tiktoken"
