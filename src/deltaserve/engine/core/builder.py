@@ -122,7 +122,7 @@ def build_engine(config: EngineConfig) -> Engine:
     if c.wide_expert_parallel:  # one rank of the replicas' expert-parallel group (TP 1: no plan)
         if not c.data_parallel_init_method:
             raise ValueError("a wide expert-parallel replica needs data_parallel_init_method (its group's rendezvous)")
-        tp = init_expert_parallel(
+        tp, _ = init_expert_parallel(
             c.data_parallel_rank, c.data_parallel_size, c.data_parallel_init_method, c.device, c.distributed_timeout
         )
         try:
