@@ -126,7 +126,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         help="engine replicas behind this server, each with its own caches and tensor-parallel ranks; "
         "requests are routed by prompt prefix so a conversation stays where it is cached; with "
-        "--enable-expert-parallel the routed experts are split over the replicas (wide EP)",
+        "--enable-expert-parallel the routed experts are split over every rank of the replicas (wide EP)",
     )
     # a wide-EP replica server's place in its group, given by the front (not for users)
     p.add_argument("--data-parallel-rank", type=int, default=None, help=argparse.SUPPRESS)

@@ -156,7 +156,7 @@ class EngineConfig:
     enable_expert_parallel: bool = _opt(
         False,
         "split routed experts by expert across the tensor-parallel ranks; with --data-parallel-size N: "
-        "across the N replicas (wide EP: attention data-parallel, tokens exchanged by all-to-all)",
+        "across every rank of the N replicas (wide EP: attention data-parallel, tokens exchanged by all-to-all)",
         action="store_true",
     )
     decode_context_parallel_size: int = _opt(
