@@ -3,7 +3,8 @@ as 2 data-parallel replicas x TP 2 (attention split by heads inside a replica, t
 split by expert over all 4 ranks), each TP rank dispatching its share of the replica's rows.
 Every rank's fp32 logits equal the unsharded model's on its replica's tokens (both families), a
 replica of fewer rows than TP ranks included; each rank holds a quarter of the experts' bytes; an
-idle replica's TP ranks running `idle_forward` keep the other replica going."""
+idle replica's TP ranks running `idle_forward` keep the other replica going. Each replica's TP
+collectives go through its own shared-memory segment."""
 
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ def _expert_bytes(model: torch.nn.Module) -> int:
 def _worker(rank: int, init_method: str, ckpts: dict[str, str], out: str) -> None:
     torch.set_num_threads(1)
     replica, t = divmod(rank, TP)
-    tp, _ = init_expert_parallel(replica, DP, init_method, tp_rank=t, tp_size=TP)
+    tp, _ = init_expert_parallel(replica, DP, init_method, tp_rank=t, tp_size=TP, shm_slot_bytes=1 << 20)
     try:
+        assert tp.shm is not None and tp.shm.world == TP  # the replica's own shared-memory segment
         ids = _ids()
         for name in NAMES:
             model = _load(ckpts[name], name, "float32", tp)

@@ -270,17 +270,21 @@ def init_expert_parallel(
     tp_rank: int = 0,
     tp_size: int = 1,
     control_timeout: datetime.timedelta | None = None,
+    shm_slot_bytes: int = 0,
 ) -> tuple[ParallelContext, object]:
     """Join the default process group of `replicas` x `tp_size` ranks as TP rank `tp_rank` of
     data-parallel replica `replica`; returns the wide expert-parallel context of its model
     (attention split over the replica's `tp_size` ranks, experts over every rank) and the
     replica's gloo control group (None at `tp_size` 1). Every rank creates every replica's
-    subgroups in the same order (torch.distributed requires it). The group is this engine's as
+    subgroups in the same order (torch.distributed requires it); with `shm_slot_bytes` > 0 a
+    replica's CPU ranks on one machine reduce and gather through shared memory as under
+    `init_tensor_parallel`. The group is this engine's as
     under `init_tensor_parallel` (`leave_tensor_parallel`)."""
     check_process_group_free()
     world, me = replicas * tp_size, replica * tp_size + tp_rank
+    backend = process_group_backend(device)
     dist.init_process_group(
-        process_group_backend(device),
+        backend,
         init_method=init_method,
         rank=me,
         world_size=world,
@@ -298,7 +302,11 @@ def init_expert_parallel(
             if i == replica:
                 tp_group, control = group, ctl
         leaders = dist.new_group([i * tp_size for i in range(replicas)], backend="gloo")
-        return ParallelContext(tp_rank, tp_size, tp_group, ep_rank=me, ep_world=world, dp_group=leaders), control
+        shm = None
+        if shm_slot_bytes and backend == "gloo":
+            shm = ShmCollectives.create(tp_rank, tp_size, shm_slot_bytes, timeout_s, tp_group)
+        tp = ParallelContext(tp_rank, tp_size, tp_group, shm=shm, ep_rank=me, ep_world=world, dp_group=leaders)
+        return tp, control
     except BaseException:
         leave_tensor_parallel(failed=True)
         raise

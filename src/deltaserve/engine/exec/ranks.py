@@ -178,7 +178,7 @@ def peak_rss_bytes() -> int:
 def join(config: EngineConfig, rank: int, init_method: str) -> tuple[ParallelContext, object]:
     """Join the default and control groups as `rank`; returns (model context, control group). A
     wide expert-parallel replica's TP rank joins the one group of every replica's ranks
-    (`init_expert_parallel` at `config.data_parallel_init_method`; no shared-memory collectives)."""
+    (`init_expert_parallel` at `config.data_parallel_init_method`)."""
     if config.wide_expert_parallel:
         if not config.data_parallel_init_method:
             raise ValueError("a wide expert-parallel replica needs data_parallel_init_method (its group's rendezvous)")
@@ -191,6 +191,7 @@ def join(config: EngineConfig, rank: int, init_method: str) -> tuple[ParallelCon
             rank,
             config.tensor_parallel_size,
             CONTROL_TIMEOUT,
+            SHM_SLOT_BYTES,
         )
     tp = init_tensor_parallel(
         rank,
