@@ -5,7 +5,7 @@ replica's load report holds half the experts' bytes; the expert load covers ever
 with every request on one replica, the other's zero-token forwards keep it going. With TP 2 inside
 each replica (4 ranks) the same holds, each rank holding a quarter of the experts. In bf16 (the
 native CPU kernels, MXFP4 experts kept packed) the shipped small K3's greedy outputs equal one
-process's too."""
+process's too, at TP 2 inside each replica as well."""
 
 from __future__ import annotations
 
@@ -144,13 +144,14 @@ def test_wide_ep_replica_configs():
         dcp.check_parallel()
 
 
-def test_bf16_packed_experts_on_the_shipped_model():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_bf16_packed_experts_on_the_shipped_model(tp):
     chat = ["Hello", "What is 2+3?", "Tell me a story about the sea", "hi"]
     params = SamplingParams(max_tokens=12, temperature=0)
     kw = dict(KW, skip_tokenizer_init=False, dtype="bfloat16")
     with make_llm(shipped_model_dir("kimi_k3"), **kw) as one:
         want = one.generate(chat, params, use_tqdm=False)
-    with make_llm(shipped_model_dir("kimi_k3"), data_parallel_size=2, enable_expert_parallel=True, **kw) as two:
+    with make_llm(shipped_model_dir("kimi_k3"), tp, data_parallel_size=2, enable_expert_parallel=True, **kw) as two:
         got = two.generate(chat, params, use_tqdm=False)
         assert all(s["requests_added"] > 0 for s in two.stats()["replicas"])
     assert _tokens(got) == _tokens(want)
