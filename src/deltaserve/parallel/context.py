@@ -277,9 +277,8 @@ def init_expert_parallel(
     (attention split over the replica's `tp_size` ranks, experts over every rank) and the
     replica's gloo control group (None at `tp_size` 1). Every rank creates every replica's
     subgroups in the same order (torch.distributed requires it); with `shm_slot_bytes` > 0 a
-    replica's CPU ranks on one machine reduce and gather through shared memory as under
-    `init_tensor_parallel`. The group is this engine's as
-    under `init_tensor_parallel` (`leave_tensor_parallel`)."""
+    replica's CPU ranks on one machine reduce and gather through shared memory. The group is this
+    engine's as under `init_tensor_parallel` (`leave_tensor_parallel`)."""
     check_process_group_free()
     world, me = replicas * tp_size, replica * tp_size + tp_rank
     backend = process_group_backend(device)
