@@ -126,7 +126,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         help="engine replicas behind this server, each with its own caches and tensor-parallel ranks; "
         "requests are routed by prompt prefix so a conversation stays where it is cached; with "
-        "--enable-expert-parallel the routed experts are split over the replicas (wide EP)",
+        "--enable-expert-parallel the routed experts are split over every rank of the replicas (wide EP)",
     )
     # a wide-EP replica server's place in its group, given by the front (not for users)
     p.add_argument("--data-parallel-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -342,8 +342,6 @@ def _serve_replicas(args: argparse.Namespace, model_dir: Path, name: str) -> int
     n, stop_s = args.data_parallel_size, args.shutdown_timeout + 10
     argvs = [argv] * n
     if args.enable_expert_parallel:  # wide EP: the replicas are the ranks of one group
-        if args.tensor_parallel_size != 1:
-            raise SystemExit("--data-parallel-size with --enable-expert-parallel needs --tensor-parallel-size 1")
         ep = args.distributed_init_method or f"tcp://127.0.0.1:{free_port()}"
         group = ["--data-parallel-size", str(n), "--data-parallel-init-method", ep]
         argvs = [argv + group + ["--data-parallel-rank", str(i)] for i in range(n)]

@@ -298,7 +298,8 @@ def test_wide_ep_splits_experts_over_every_replica_and_counts_the_all_to_all(k3,
     a = wide["all_to_all"]
     row = 3584 * 2  # the latent width in bf16
     assert (a["row_bytes"], a["bytes_per_token_per_layer"], a["moe_layers"]) == (row, 2 * 16 * row, 92)
-    assert a["decode_step"] == {"tokens": 16, "bytes": 16 * 92 * 2 * 16 * row * 31 // 32 + 92 * 896 * 8}
+    a2a = 16 * 92 * 2 * 16 * row * 31 // 32 + 92 * 896 * 8
+    assert a["decode_step"] == {"tokens": 16, "tokens_per_rank": 16, "bytes": a2a, "tp_gather_bytes": 0}
     assert a["prefill_step"]["tokens"] == 2048
     assert one["all_to_all"] is None and plan(k3, Layout(dp=2))["all_to_all"] is None  # DP without EP
     args = ["plan", str(k3_dir), "--data-parallel-size", "32", "--enable-expert-parallel"]
@@ -308,7 +309,24 @@ def test_wide_ep_splits_experts_over_every_replica_and_counts_the_all_to_all(k3,
     text = capsys.readouterr().out
     assert "DP32 x TP1 = 32 ranks" in text and "28 of 896 experts per rank (wide EP over DP32 x TP1)" in text
     assert "all-to-all (wide EP over 32 ranks)" in text and "--data-parallel-size 32 --enable-expert-parallel" in text
-    assert main(["plan", str(k3_dir), "-dp", "2", "-tp", "2", "--enable-expert-parallel"]) == 2
-    assert "the engine runs --tensor-parallel-size 1" in capsys.readouterr().err
-    with pytest.raises(PlanError, match="896 experts do not split over DP3 ranks"):
+    with pytest.raises(PlanError, match="896 experts do not split over DP3 x TP1 ranks"):
         check(k3, Layout(ep=True, dp=3))
+
+
+def test_wide_ep_with_tp_inside_each_replica(k3, k3_dir, capsys):
+    """DP16 x TP2 x EP: 28 of 896 experts on each of 32 ranks, attention split TP2 as plain TP2;
+    each TP rank dispatches half its replica's tokens and sends its routed rows to the other."""
+    tp2, wide = plan(k3, Layout(tp=2)), plan(k3, Layout(tp=2, ep=True, dp=16))
+    w, w2 = wide["weights"], tp2["weights"]
+    assert wide["layout"]["experts_per_rank"] == 28 and wide["layout"]["ranks"] == 32
+    assert w["routed_experts"]["per_rank"] == w2["routed_experts"]["total"] * 28 // 896
+    assert w["attention_dense"] == w2["attention_dense"] and w["embeddings"] == w2["embeddings"]
+    a, row = wide["all_to_all"], 3584 * 2
+    a2a = 8 * 92 * 2 * 16 * row * 31 // 32 + 92 * 896 * 8  # 16 decode tokens a replica, 8 per TP rank
+    assert a["decode_step"] == {"tokens": 16, "tokens_per_rank": 8, "bytes": a2a, "tp_gather_bytes": 8 * row * 92}
+    assert a["tensor_parallel_size"] == 2 and a["prefill_step"]["tokens_per_rank"] == 1024
+    assert main(["plan", str(k3_dir), "-dp", "16", "-tp", "2", "--enable-expert-parallel"]) == 0
+    text = capsys.readouterr().out
+    assert "28 of 896 experts per rank (wide EP over DP16 x TP2)" in text and "TP2 inside a replica" in text
+    with pytest.raises(PlanError, match="decode-context-parallel"):
+        check(k3, Layout(tp=2, dcp=2, ep=True, dp=16))

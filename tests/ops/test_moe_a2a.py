@@ -1,7 +1,8 @@
 """Wide-EP MoE (`ops.moe_a2a`): W simulated ranks (threads exchanging through a barrier, the same
 code path as the gloo all-to-all) together compute the dense MoE of all their tokens: each rank's
 output equals `grouped_experts` on its tokens, a rank with zero tokens included; each expert's
-load is its pair count; the dispatch is sorted by expert with per-(rank, expert) counts."""
+load is its pair count; the dispatch is sorted by expert with per-(rank, expert) counts. Inside a
+replica of T TP ranks the shares of N rows partition them and their gather restores them."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from deltaserve.ops.backends.torch import REFERENCE
-from deltaserve.ops.moe_a2a import a2a_experts, plan_dispatch, received_ids
+from deltaserve.ops.moe_a2a import a2a_experts, gather_shares, plan_dispatch, received_ids, share
 from deltaserve.ops.operands import ExpertWeights, GluAct
 
 
@@ -107,3 +108,20 @@ def test_dispatch_sorts_by_expert_and_counts_per_rank():
     assert received_ids(torch.tensor([[2, 0], [1, 3]])).tolist() == [0, 0, 0, 1, 1, 1]
     with pytest.raises(ValueError, match="6 routed experts do not split over 4 ranks"):
         plan_dispatch(ids, 6, 4)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_tp_shares_partition_the_rows_and_gather_back(world):
+    for n in range(0, 11):
+        x = torch.arange(n * 3, dtype=torch.float32).view(n, 3)
+        parts = [x[share(n, world, r)] for r in range(world)]
+        assert torch.equal(torch.cat(parts), x) and max(p.shape[0] for p in parts) == -(-n // world)
+        calls = []
+
+        def all_gather(padded: torch.Tensor, dim: int) -> torch.Tensor:
+            calls.append(padded.shape[0])  # every rank pads to the same size
+            return torch.cat([torch.cat([p, p.new_zeros(padded.shape[0] - p.shape[0], 3)]) for p in parts], dim)
+
+        for r in range(world):
+            assert torch.equal(gather_shares(parts[r], n, world, all_gather), x)
+        assert calls == ([] if n == 0 else [-(-n // world)] * world)  # no collective at n 0

@@ -2,12 +2,14 @@
 fp32) with their own schedulers and caches, the routed experts split between them and exchanged
 by all-to-all in lock-step. Greedy outputs equal the one-process engine's for both families; each
 replica's load report holds half the experts' bytes; the expert load covers every routed pair;
-with every request on one replica, the other's zero-token forwards keep it going. In bf16 (the
+with every request on one replica, the other's zero-token forwards keep it going. With TP 2 inside
+each replica (4 ranks) the same holds, each rank holding a quarter of the experts. In bf16 (the
 native CPU kernels, MXFP4 experts kept packed) the shipped small K3's greedy outputs equal one
-process's too."""
+process's too, at TP 2 inside each replica as well."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from deltaserve.engine.config import EngineConfig
 from deltaserve.engine.dp.client import replica_configs
 from deltaserve.engine.request.sampling_params import SamplingParams
 from deltaserve.model.weights import load_model
+from deltaserve.parallel import ParallelContext
 from deltaserve.tiny import make_tiny
 from deltaserve.tiny.shipped import shipped_model_dir
 
@@ -84,6 +87,50 @@ def test_an_idle_replica_keeps_the_other_going(ckpts):
     assert busy["idle_forwards"] == 0 and idle["steps"] == 0
 
 
+def _rank_bytes(path: Path, rank: int, tp: int) -> tuple[int, int]:
+    """(weight bytes, routed expert bytes) of plain TP rank `rank` of `tp` (experts split by width)."""
+    model = load_model(path, "float32", progress=False, tp=ParallelContext(rank, tp))
+    named = [*model.named_parameters(), *model.named_buffers()]
+    return sum(t.numel() * t.element_size() for _, t in named), sum(
+        t.numel() * t.element_size() for n, t in named if ".experts." in n
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dp2_tp2_expert_parallel_equals_one_engine(ckpts, family):
+    """DP2 x TP2: 4 ranks, attention split in two inside each replica, the experts over all 4."""
+    path, prompts, params = ckpts[family], PROMPTS[:4], PARAMS[:4]
+    with make_llm(path, **KW) as one:
+        want = one.generate(prompts, params, use_tqdm=False)
+    with make_llm(path, tp=2, data_parallel_size=2, enable_expert_parallel=True, **KW) as four:
+        got = four.generate(prompts, params, use_tqdm=False)
+        stats, memory = four.stats(), four.rank_memory
+    assert _tokens(got) == _tokens(want)
+    assert all(s["requests_added"] > 0 for s in stats["replicas"])  # both replicas had work
+    experts, layers, top_k = _expert_bytes(path)
+    assert len(memory) == 4
+    for rank, m in enumerate(memory):  # TP rank t's attention shard, a quarter of the experts
+        tp_bytes, tp_experts = _rank_bytes(path, rank % 2, 2)
+        assert m["weight_bytes"] == tp_bytes - tp_experts + experts // 4, rank
+    load = stats["expert_load"]
+    assert len(load) == 8 and [r["expert_load"]["first"] for r in stats["replicas"]] == [0, 4]
+    assert sum(load) == top_k * layers * stats["computed_tokens"]  # every routed pair ran once
+
+
+def test_an_idle_tp2_replica_keeps_the_other_going(ckpts):
+    path = ckpts["kimi_linear"]
+    with make_llm(path, **KW) as one:
+        want = one.generate(PROMPTS[:1], PARAMS[:1], use_tqdm=False)
+    with make_llm(path, tp=2, data_parallel_size=2, enable_expert_parallel=True, **KW) as four:
+        got = four.generate(PROMPTS[:1], PARAMS[:1], use_tqdm=False)
+        busy, idle = sorted(four.stats()["replicas"], key=lambda s: -s["requests_added"])
+    assert _tokens(got) == _tokens(want)
+    assert (busy["requests_added"], idle["requests_added"]) == (1, 0)
+    assert idle["idle_forwards"] == busy["steps"] > 0  # one zero-token forward per step of the other
+    assert busy["idle_forwards"] == 0 and idle["steps"] == 0
+    assert sum(idle["expert_load"]["tokens"]) > 0  # its TP ranks ran the busy replica's pairs
+
+
 def test_wide_ep_replica_configs():
     c = EngineConfig(model="m", data_parallel_size=3, enable_expert_parallel=True, num_threads=1)
     configs = replica_configs(c)
@@ -91,17 +138,20 @@ def test_wide_ep_replica_configs():
     assert len({x.data_parallel_init_method for x in configs}) == 1 and configs[0].data_parallel_init_method
     assert all(x.wide_expert_parallel and x.data_parallel_size == 3 for x in configs)
     tp2 = EngineConfig(model="m", data_parallel_size=2, enable_expert_parallel=True, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
-        tp2.check_parallel()
+    tp2.check_parallel()  # TP inside a wide-EP replica: test_dp2_tp2_expert_parallel_equals_one_engine
+    dcp = dataclasses.replace(tp2, decode_context_parallel_size=2)
+    with pytest.raises(ValueError, match="decode_context_parallel_size must be 1"):
+        dcp.check_parallel()
 
 
-def test_bf16_packed_experts_on_the_shipped_model():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_bf16_packed_experts_on_the_shipped_model(tp):
     chat = ["Hello", "What is 2+3?", "Tell me a story about the sea", "hi"]
     params = SamplingParams(max_tokens=12, temperature=0)
     kw = dict(KW, skip_tokenizer_init=False, dtype="bfloat16")
     with make_llm(shipped_model_dir("kimi_k3"), **kw) as one:
         want = one.generate(chat, params, use_tqdm=False)
-    with make_llm(shipped_model_dir("kimi_k3"), data_parallel_size=2, enable_expert_parallel=True, **kw) as two:
+    with make_llm(shipped_model_dir("kimi_k3"), tp, data_parallel_size=2, enable_expert_parallel=True, **kw) as two:
         got = two.generate(chat, params, use_tqdm=False)
         assert all(s["requests_added"] > 0 for s in two.stats()["replicas"])
     assert _tokens(got) == _tokens(want)

@@ -6,9 +6,9 @@ Layout: the engine's (vLLM's): a replica spans TP ranks and the DCP group is car
 position across DCP (a rank holds ceil(L / DCP) of L tokens). Routed experts split by width
 TP-ways, or with expert parallelism by whole experts (E / TP per rank). With data parallelism
 (`dp` D replicas, each its own TP group and caches) everything is per replica as above, except
-that wide expert parallelism (`ep` with D > 1, TP 1 per replica as the engine runs it) splits the
-routed experts over all D x TP ranks, and the plan adds each rank's all-to-all bytes per step
-(`plan_ep`).
+that wide expert parallelism (`ep` with D > 1) splits the routed experts over all D x TP ranks,
+and the plan adds each rank's all-to-all bytes per step and, at TP > 1, the all-gather of the
+routed rows inside a replica (`plan_ep`).
 
 Weights are counted from the model's own parameter shapes (`KimiForCausalLM` built on the meta
 device: no checkpoint needed): bf16 (2 B), routed experts MXFP4 at 4.25 bits per weight
@@ -164,12 +164,13 @@ def check(cfg: ModelConfig, lay: Layout) -> None:
             raise PlanError(f"--tensor-parallel-size {lay.tp} does not divide the {heads} {what} heads")
     if lay.tp % lay.dcp:
         raise PlanError(f"--decode-context-parallel-size {lay.dcp} must divide --tensor-parallel-size {lay.tp}")
-    if lay.wide_ep and lay.tp > 1:
+    if lay.wide_ep and lay.dcp > 1:
         raise PlanError(
-            "--data-parallel-size with --enable-expert-parallel (wide EP): the engine runs --tensor-parallel-size 1"
+            "--data-parallel-size with --enable-expert-parallel (wide EP): the engine runs no "
+            "--decode-context-parallel-size there"
         )
     if lay.ep and cfg.moe.num_experts % lay.expert_ranks:
-        where = f"DP{lay.dp} ranks" if lay.wide_ep else f"TP{lay.tp}"
+        where = f"DP{lay.dp} x TP{lay.tp} ranks" if lay.wide_ep else f"TP{lay.tp}"
         raise PlanError(f"--enable-expert-parallel: {cfg.moe.num_experts} experts do not split over {where}")
     if lay.dcp > 1 and not cfg.mla_layer_ids:
         raise PlanError("--decode-context-parallel-size shards MLA KV by position, and this model has no MLA layers")
@@ -337,6 +338,7 @@ def plan(
     }
     if lay.wide_ep:
         size = lay.torch_dtype.itemsize
-        out["all_to_all"] = all_to_all(cfg, lay.expert_ranks, size, eng.max_num_seqs, eng.max_num_batched_tokens)
+        steps = (eng.max_num_seqs, eng.max_num_batched_tokens)
+        out["all_to_all"] = all_to_all(cfg, lay.expert_ranks, size, *steps, tp=lay.tp)
     out["engine_flags"] = engine_flags(out, eng, engine_defaults or EngineSettings())
     return out

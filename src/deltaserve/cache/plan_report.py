@@ -112,6 +112,20 @@ def _a2a_lines(a: dict | None) -> list[str]:
         f" {a['moe_layers']} MoE layers:",
         f"  decode step ({a['decode_step']['tokens']:,} tokens a replica): {_size(a['decode_step']['bytes'])};"
         f" prefill step ({a['prefill_step']['tokens']:,} tokens): {_size(a['prefill_step']['bytes'])}",
+        *_tp_lines(a),
+    ]
+
+
+def _tp_lines(a: dict) -> list[str]:
+    """Wide EP with TP > 1: each TP rank's share of the tokens and its all-gather of routed rows."""
+    tp = a.get("tensor_parallel_size", 1)
+    if tp == 1:
+        return []
+    d, p = a["decode_step"], a["prefill_step"]
+    return [
+        f"  TP{tp} inside a replica: each rank dispatches ceil(tokens / {tp}) ({d['tokens_per_rank']:,} decode,"
+        f" {p['tokens_per_rank']:,} prefill), then all-gathers the routed rows in the replica: sends"
+        f" {_size(d['tp_gather_bytes'])} a decode step, {_size(p['tp_gather_bytes'])} a prefill step",
     ]
 
 

@@ -156,7 +156,7 @@ class EngineConfig:
     enable_expert_parallel: bool = _opt(
         False,
         "split routed experts by expert across the tensor-parallel ranks; with --data-parallel-size N: "
-        "across the N replicas (wide EP: attention data-parallel, tokens exchanged by all-to-all)",
+        "across every rank of the N replicas (wide EP: attention data-parallel, tokens exchanged by all-to-all)",
         action="store_true",
     )
     decode_context_parallel_size: int = _opt(
@@ -196,10 +196,10 @@ class EngineConfig:
         tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
         if tp % dcp:
             raise ValueError(f"decode_context_parallel_size={dcp} must divide tensor_parallel_size={tp}")
-        if self.wide_expert_parallel and tp > 1:
+        if self.wide_expert_parallel and dcp > 1:
             raise ValueError(
-                "wide expert parallelism (data_parallel_size > 1 with enable_expert_parallel) needs "
-                "tensor_parallel_size 1 per replica yet"
+                "wide expert parallelism (data_parallel_size > 1 with enable_expert_parallel) does not "
+                "run decode context parallelism yet: decode_context_parallel_size must be 1"
             )
         if self.data_parallel_size > 1 and self.nnodes > 1:
             raise ValueError("data_parallel_size > 1 runs on one machine: it cannot be combined with nnodes > 1")

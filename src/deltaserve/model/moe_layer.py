@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.moe_a2a import gather_shares, share
 from ..ops.mxfp4 import GROUP_SIZE as MXFP4_GROUP
 from ..ops.operands import GluAct, RouteSpec
 from ..parallel import SINGLE, ParallelContext, shard
@@ -69,10 +70,14 @@ class MoeBlock(OpsModule):
     pairs of other ranks' experts skipped, its partial output reduced as above (by the backend with
     the layer's `reduce`, or by the whole-stack step before the latent norm).
 
-    Under wide expert parallelism (`tp.ep_world` > 1, attention data-parallel, TP 1) each rank
-    routes only its own tokens: `StackedExperts` sends the pairs to their experts' ranks by
-    all-to-all and back, so the routed sum is whole on return and nothing is reduced; the block gets
-    no native whole-block plan (it would skip the exchange)."""
+    Under wide expert parallelism (`tp.ep_world` > 1, attention data-parallel) each replica routes
+    only its own tokens: `StackedExperts` sends the pairs to their experts' ranks by all-to-all and
+    back, so the routed sum is whole on return and never all-reduced. With TP > 1 inside the
+    replica each TP rank routes and dispatches its `ops.moe_a2a.share` of the (replicated) rows and
+    the replica all-gathers the routed sums (`gather_shares`; the module docstring of
+    ops/moe_a2a.py says why); shared experts stay split by width and are reduced with the routed
+    sum added once (`reduce_sum`). The block gets no native whole-block plan (it would skip the
+    exchange)."""
 
     def __init__(self, cfg: ModelConfig, tp: ParallelContext = SINGLE):
         super().__init__()
@@ -106,9 +111,8 @@ class MoeBlock(OpsModule):
         z = w.new_zeros(0, self.experts.d_in)
         self.experts(z, torch.zeros(0, k, dtype=torch.long, device=w.device), w.new_zeros(0, k).float(), self.act)
 
-    def _op_by_op(self, x: torch.Tensor) -> torch.Tensor:
-        """The block op by op (route, experts, shared experts), reduced over the TP group."""
-        latent = hasattr(self, "routed_expert_down_proj")
+    def _routed(self, x: torch.Tensor, latent: bool) -> torch.Tensor:
+        """The routed experts' weighted sum of x's rows (in the latent space for K3)."""
         weights, ids, z = self.ops.route(
             x,
             self.gate.weight,
@@ -116,11 +120,23 @@ class MoeBlock(OpsModule):
             self.route_spec,
             self.routed_expert_down_proj.weight if latent else None,
         )
-        r = self.experts(z, ids, weights, self.act)
+        return self.experts(z, ids, weights, self.act)
+
+    def _op_by_op(self, x: torch.Tensor) -> torch.Tensor:
+        """The block op by op (route, experts, shared experts), reduced over the TP group."""
+        tp, latent = self.tp, hasattr(self, "routed_expert_down_proj")
+        whole = tp.ep_world > 1  # wide EP: the routed sum comes back whole, nothing to reduce
+        if whole and tp.world > 1:
+            n = x.shape[0]
+            r = gather_shares(self._routed(x[share(n, tp.world, tp.rank)], latent), n, tp.world, tp.all_gather)
+        else:
+            r = self._routed(x, latent)
         shared = self.shared_experts(x) if hasattr(self, "shared_experts") else None
         if hasattr(self, "routed_expert_norm"):
-            r = self.routed_expert_up_proj(self.routed_expert_norm(self.tp.all_reduce(r)))
-            return r if shared is None else self.tp.reduce_sum(shared, r)
+            r = self.routed_expert_up_proj(self.routed_expert_norm(r if whole else tp.all_reduce(r)))
+            return r if shared is None else tp.reduce_sum(shared, r)
         if latent:
             r = self.routed_expert_up_proj(r)
-        return self.tp.all_reduce(r if shared is None else r + shared)
+        if whole:
+            return r if shared is None else tp.reduce_sum(shared, r)
+        return tp.all_reduce(r if shared is None else r + shared)

@@ -14,6 +14,16 @@ Rank r of W holds the contiguous experts [r L, (r + 1) L), L = E / W. A step on 
 No Python loop over experts or ranks: sorting, counts and segment ids are batched tensor ops. A
 rank with zero tokens takes part all the same (empty sends), which is how an idle data-parallel
 replica keeps the collectives in step.
+
+Tensor parallelism inside a replica (TP T, W = D x T): after attention's all-reduce every TP rank
+of a replica holds the same N hidden rows, so the MoE input is replicated there. Each TP rank
+routes and dispatches only its `share` of them (ceil(N / T) rows, the last ranks fewer or none)
+and the replica all-gathers the combined outputs (`gather_shares`). Chosen over "TP rank 0
+dispatches everything": every rank sends and receives about 1/T of the replica's rows instead of
+rank 0 all of them, routing is not repeated T times, and the exchange stays one group of all W
+ranks with no TP-rank-0-only step; the extra cost is one all-gather of N routed rows inside the
+replica (which plain TP's all-reduce of the routed sum costs anyway). A replica's TP ranks agree
+on N, so a rank with an empty share still exchanges (empty) and all of them skip the gather at N 0.
 """
 
 from __future__ import annotations
@@ -72,6 +82,27 @@ def combine(back: torch.Tensor, d: Dispatch, weights: torch.Tensor, dtype: torch
     for j in range(1, k):
         out = out + w[:, j, None] * ys[:, j].to(acc)
     return out.to(dtype)
+
+
+def share(n: int, world: int, rank: int) -> slice:
+    """TP rank `rank`'s rows of `n` replicated ones: ceil(n / world) each in rank order, the last
+    ranks fewer (possibly none)."""
+    per = -(-n // world)
+    lo = min(n, rank * per)
+    return slice(lo, min(n, lo + per))
+
+
+def gather_shares(y: torch.Tensor, n: int, world: int, all_gather: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """Every TP rank's `y` (its `share` of `n` rows) concatenated back into the `n` rows:
+    `all_gather(x, dim)` over the replica's TP group of `y` zero-padded to ceil(n / world) rows
+    (equal sizes), the padding dropped. No collective at n 0 (every TP rank of a replica has the
+    same n)."""
+    if n == 0:
+        return y
+    per = -(-n // world)
+    padded = y.new_zeros(per, *y.shape[1:])
+    padded[: y.shape[0]] = y
+    return all_gather(padded, 0)[:n]
 
 
 def a2a_experts(

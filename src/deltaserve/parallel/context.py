@@ -12,9 +12,11 @@ Invariants:
 - Under expert parallelism (`expert_parallel`) routed experts split by expert across the whole
   group instead of by their intermediate dim; everything else is as under plain TP.
 - Wide expert parallelism (`ep_world` > 1, attention data-parallel): routed experts split by
-  expert over the `ep_world` ranks of `ep_group` (one per data-parallel replica; the replica's
-  attention is unsharded, `world` 1), tokens exchanged by all-to-all (`ep_all_to_all`); every rank
-  of `ep_group` must run the same sequence of MoE layers, a replica without work on zero tokens.
+  expert over the `ep_world` = D x `world` ranks of `ep_group` (every rank of D data-parallel
+  replicas, each a tensor-parallel group of `world`: replica i's TP rank t is EP rank i `world` + t),
+  tokens exchanged by all-to-all (`ep_all_to_all`); every rank of `ep_group` must run the same
+  sequence of MoE layers, a replica without work on zero tokens. `dp_group` holds the replicas'
+  TP rank 0s (their lock-step rounds; None: the default group, every rank a replica).
 - Decode context parallelism (`dcp_world` D, dividing `world`) splits the MLA latent cache by
   position: the DCP group of a rank is the D consecutive ranks sharing `rank // D`, and token
   position t lives on DCP rank `t % D` of it.
@@ -84,14 +86,18 @@ class ParallelContext:
     ep_rank: int = 0  # wide expert parallelism: this rank's place in `ep_group`
     ep_world: int = 1
     ep_group: object = None  # None: the default group
+    dp_group: object = None  # wide EP: the replicas' TP rank 0s (None: the default group)
 
     def __post_init__(self):
         if not 0 <= self.rank < self.world:
             raise ValueError(f"rank {self.rank} outside a tensor-parallel group of {self.world}")
         if not 0 <= self.ep_rank < self.ep_world:
             raise ValueError(f"rank {self.ep_rank} outside an expert-parallel group of {self.ep_world}")
-        if self.ep_world > 1 and self.world > 1:
-            raise ValueError("wide expert parallelism (data-parallel attention) needs tensor_parallel_size 1")
+        if self.ep_world > 1 and (self.ep_world % self.world or self.ep_rank % self.world != self.rank):
+            raise ValueError(
+                f"expert-parallel rank {self.ep_rank} of {self.ep_world} is not tensor-parallel rank {self.rank} "
+                f"of a replica of {self.world}"
+            )
         if self.dcp_world < 1 or self.world % self.dcp_world:
             raise ValueError(
                 f"decode-context-parallel size {self.dcp_world} must divide the tensor-parallel size {self.world}"
@@ -256,21 +262,53 @@ def init_tensor_parallel(
 
 
 def init_expert_parallel(
-    rank: int, world: int, init_method: str, device: str | torch.device = "cpu", timeout_s: float = 120.0
-) -> ParallelContext:
-    """Join the default process group as data-parallel replica `rank` of `world` and return the
-    wide expert-parallel context of its model (attention unsharded, experts split over the
-    replicas). The group is this engine's as under `init_tensor_parallel` (`leave_tensor_parallel`)."""
+    replica: int,
+    replicas: int,
+    init_method: str,
+    device: str | torch.device = "cpu",
+    timeout_s: float = 120.0,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    control_timeout: datetime.timedelta | None = None,
+    shm_slot_bytes: int = 0,
+) -> tuple[ParallelContext, object]:
+    """Join the default process group of `replicas` x `tp_size` ranks as TP rank `tp_rank` of
+    data-parallel replica `replica`; returns the wide expert-parallel context of its model
+    (attention split over the replica's `tp_size` ranks, experts over every rank) and the
+    replica's gloo control group (None at `tp_size` 1). Every rank creates every replica's
+    subgroups in the same order (torch.distributed requires it); with `shm_slot_bytes` > 0 a
+    replica's CPU ranks on one machine reduce and gather through shared memory. The group is this
+    engine's as under `init_tensor_parallel` (`leave_tensor_parallel`)."""
     check_process_group_free()
+    world, me = replicas * tp_size, replica * tp_size + tp_rank
+    backend = process_group_backend(device)
     dist.init_process_group(
-        process_group_backend(device),
+        backend,
         init_method=init_method,
-        rank=rank,
+        rank=me,
         world_size=world,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     _owned[:] = [dist.group.WORLD]
-    return ParallelContext(ep_rank=rank, ep_world=world)
+    if tp_size == 1:
+        return ParallelContext(ep_rank=me, ep_world=world), None
+    try:
+        tp_group = control = None
+        for i in range(replicas):
+            ranks = list(range(i * tp_size, (i + 1) * tp_size))
+            group = dist.new_group(ranks)
+            ctl = dist.new_group(ranks, backend="gloo", timeout=control_timeout)
+            if i == replica:
+                tp_group, control = group, ctl
+        leaders = dist.new_group([i * tp_size for i in range(replicas)], backend="gloo")
+        shm = None
+        if shm_slot_bytes and backend == "gloo":
+            shm = ShmCollectives.create(tp_rank, tp_size, shm_slot_bytes, timeout_s, tp_group)
+        tp = ParallelContext(tp_rank, tp_size, tp_group, shm=shm, ep_rank=me, ep_world=world, dp_group=leaders)
+        return tp, control
+    except BaseException:
+        leave_tensor_parallel(failed=True)
+        raise
 
 
 def _subgroups(rank, world, backend, timeout_s, expert_parallel, dcp_world, shm_slot_bytes) -> ParallelContext:

@@ -44,13 +44,14 @@ class ShmCollectives:
         self.abort_reason: str | None = None
 
     @classmethod
-    def create(cls, rank: int, world: int, slot_bytes: int, timeout_s: float) -> "ShmCollectives | None":
-        """Collective over the default group: the segment if every rank runs on this machine
-        (and /dev/shm exists), else None on every rank."""
+    def create(cls, rank: int, world: int, slot_bytes: int, timeout_s: float, group=None) -> "ShmCollectives | None":
+        """Collective over `group` (None: the default group; `rank` / `world` are the group's): the
+        segment if every rank of it runs on this machine (and /dev/shm exists), else None on every
+        rank of it."""
         node = hashlib.sha256(os.uname().nodename.encode()).digest()
         host = torch.tensor([int.from_bytes(node[:7], "little")], dtype=torch.long)
         hosts = [torch.empty_like(host) for _ in range(world)]
-        dist.all_gather(hosts, host)
+        dist.all_gather(hosts, host, group=group)
         name = torch.zeros(64, dtype=torch.uint8)
         local = all(int(h) == int(host) for h in hosts) and Path("/dev/shm").is_dir()
         if local and rank == 0:
@@ -59,12 +60,12 @@ class ShmCollectives:
                 f.truncate(8 * FLAG_STRIDE * world + 2 * world * slot_bytes)
             name[: len(path)] = torch.tensor(list(path.encode()), dtype=torch.uint8)
         try:
-            dist.broadcast(name, 0)
+            dist.broadcast(name, 0 if group is None else dist.get_global_rank(group, 0), group=group)
             path = bytes(name.tolist()).rstrip(b"\0").decode()
             if not path:
                 return None
             shm = cls(path, rank, world, slot_bytes, timeout_s)
-            dist.barrier()
+            dist.barrier(group=group)
         finally:  # once every rank mapped it (or one died trying), the name goes
             if local and rank == 0:
                 with contextlib.suppress(FileNotFoundError):

@@ -2,7 +2,8 @@
 one rank of a wide expert-parallel group (half the routed experts each, all-to-all in lock-step).
 Greedy completions equal the one-process engine's; each replica's /metrics shows the token load
 of its own experts (0-3 on one, 4-7 on the other) and its lock-step rounds; a request on one
-replica makes the other run zero-token forwards; stopping the front stops both."""
+replica makes the other run zero-token forwards; stopping the front stops both. The same with TP 2
+inside each replica server (its worker rank holding half the replica's experts)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def _counters(text: str, name: str) -> dict[str, float]:
     return {label: float(v) for label, v in re.findall(pattern, text, re.M)}
 
 
-def test_wide_ep_replica_servers(model):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_wide_ep_replica_servers(model, tp):
     with LLM(model, "float32", num_threads=1, max_model_len=1024, progress=False) as one:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
         want = [o.outputs[0].text for o in one.generate(PROMPTS, params, use_tqdm=False)]
@@ -42,6 +44,7 @@ def test_wide_ep_replica_servers(model):
     cmd = [sys.executable, "-m", "deltaserve.cli", "serve", str(model), "--port", str(port)]
     cmd += ["--data-parallel-size", "2", "--enable-expert-parallel", "--dtype", "float32", "--threads", "1"]
     cmd += ["--max-model-len", "1024", "--no-enable-prefix-caching", "--served-model-name", "k3"]
+    cmd += ["--tensor-parallel-size", str(tp)]  # at TP 2: 4 ranks, 2 experts each, 4 a replica
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     replicas: list[int] = []
     try:

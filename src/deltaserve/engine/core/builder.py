@@ -6,9 +6,11 @@ so no request pays for the compile; the cache's producer fingerprint names the k
 ("cpu-native" or "torch"), so checkpoints made by one backend never restore into the other.
 
 A wide expert-parallel replica (`config.wide_expert_parallel`: data-parallel replicas with the
-experts split over them) joins its replicas' group first and builds an unsharded engine whose MoE
-layers exchange tokens with the other replicas (`model.tp.ep_world` > 1; its steps must run in
-lock-step with theirs: engine/core/lockstep.py).
+experts split over every rank of them) joins its replicas' group first: at TP 1 this process is
+its one rank and builds an unsharded engine; at TP > 1 it spawns its TP workers as plain TP does
+and every one of them joins the replicas' group (`ranks.join`). Its MoE layers exchange tokens
+with the other replicas' ranks (`model.tp.ep_world` > 1; its steps must run in lock-step with
+theirs: engine/core/lockstep.py).
 
 Under tensor parallelism (`ranks.plan_ranks`) the workers are started first, every rank loads its
 shard at the same time, and rank 0 sizes the pools and sends their counts (`Hello`) before any
@@ -72,12 +74,12 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stop the other ranks (idempotent); a failed group's workers are killed instead. A wide-EP
-        replica leaves its expert-parallel group."""
+        replica leaves its expert-parallel group (after its workers, whose control group it holds)."""
         close_tiers(self.cache)
-        if self.model.tp.ep_world > 1:
-            leave_tensor_parallel()
         ranks, self.ranks = self.ranks, None
         if ranks is None:
+            if self.model.tp.ep_world > 1:
+                leave_tensor_parallel()
             return
         if ranks.failure is None:
             try:
@@ -119,10 +121,10 @@ def build_engine(config: EngineConfig) -> Engine:
     dtype = resolve_dtype(c.dtype)
     plan = plan_ranks(c)
     ranks, tp, control = None, SINGLE, None
-    if c.wide_expert_parallel:  # one rank of the replicas' expert-parallel group (TP 1: no plan)
+    if c.wide_expert_parallel and plan is None:  # one rank of the replicas' expert-parallel group (TP 1)
         if not c.data_parallel_init_method:
             raise ValueError("a wide expert-parallel replica needs data_parallel_init_method (its group's rendezvous)")
-        tp = init_expert_parallel(
+        tp, _ = init_expert_parallel(
             c.data_parallel_rank, c.data_parallel_size, c.data_parallel_init_method, c.device, c.distributed_timeout
         )
         try:

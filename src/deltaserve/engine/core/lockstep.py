@@ -1,13 +1,15 @@
 """`LockStep`: the step loop of one wide expert-parallel replica (data-parallel attention, experts
 split over the replicas), in step with the other replicas for the MoE all-to-alls.
 
-Every replica calls `sync` once per round: one all-reduce (MAX) over the expert-parallel group of
-(has work, wants to stop). Where any replica has work, every replica runs exactly one model
-forward in that round (`step`): its own engine step, or, with nothing scheduled, a zero-token
-forward (`KimiForCausalLM.idle_forward`, counted in `counters["idle_forwards"]`), so the
-collectives of a round pair up and a replica without requests never stalls one with them. Where
-one wants to stop, all stop after the same round. A replica that dies makes the others' next
-collective fail after `distributed_timeout` seconds.
+Every replica calls `sync` once per round: one all-reduce (MAX) over the replicas' TP rank 0s
+(`tp.dp_group`; the expert-parallel group itself at TP 1) of (has work, wants to stop). Where any
+replica has work, every replica runs exactly one model forward in that round (`step`): its own
+engine step, or, with nothing scheduled, a zero-token forward (`ModelRunner.idle_forward`:
+`KimiForCausalLM.idle_forward` on each of the replica's TP ranks, its workers told by an `Idle`
+message; counted in `counters["idle_forwards"]`), so the collectives of a round pair up and a
+replica without requests never stalls one with them. Where one wants to stop, all stop after the
+same round. A replica that dies makes the others' next collective fail after `distributed_timeout`
+seconds.
 
 Invariant: an `EngineCore.step` runs at most one model forward and counts it in
 `counters["steps"]` (a speculative step's fold touches no MoE layer).
@@ -28,7 +30,7 @@ class LockStep:
         tp = core.model.tp
         if tp.ep_world < 2:
             raise ValueError("lock-step rounds are for a wide expert-parallel replica (ep_world > 1)")
-        self.core, self.group = core, tp.ep_group
+        self.core, self.group = core, tp.dp_group if tp.world > 1 else tp.ep_group
 
     def sync(self, busy: bool, stop: bool) -> tuple[bool, bool]:
         """(any replica has work, any replica stops): one collective, called by every replica."""
@@ -43,7 +45,7 @@ class LockStep:
         before = core.counters["steps"]
         outs = (run or core.step)() if core.scheduler.has_work() else []
         if core.counters["steps"] == before:
-            core.model.idle_forward()
+            core.runner.idle_forward()
             core.counters["idle_forwards"] += 1
         core.counters["ep_rounds"] += 1
         return outs

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 
 from ...cache.manager import CacheManager
-from ...model.experts import expert_load
 from ...model.kimi import KimiForCausalLM
 from ...ops import fallbacks
 from ..config import DEFAULT_MAX_IMAGE_PATCHES, DEFAULT_STRUCTURED_THINKING_BUDGET
@@ -395,6 +394,6 @@ class EngineCore:
         if self.spec is not None:
             out["spec_decode"] = self.spec.stats()
         out["kernel_fallbacks"] = fallbacks.table()  # this process's: rank 0's under TP
-        if (load := expert_load(self.model)) is not None:  # wide expert parallelism (engine/core/lockstep.py)
+        if (load := self.runner.expert_load()) is not None:  # wide expert parallelism (engine/core/lockstep.py)
             out.update(expert_load=load, **{k: self.counters[k] for k in ("idle_forwards", "ep_rounds")})
         return out

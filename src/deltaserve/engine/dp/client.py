@@ -3,9 +3,9 @@ replicas (engine/dp/replica.py), as vLLM's `EngineCoreClient` is of its engine-c
 
 Each replica is a `python -m deltaserve.engine.dp.replica` subprocess with a whole engine (its
 own scheduler, caches and, with `tensor_parallel_size > 1`, its own worker ranks on its own
-rendezvous port); they load in parallel. With `enable_expert_parallel` (wide EP, tensor-parallel
-size 1) the replicas are the ranks of one expert-parallel group instead (the routed experts split
-over them, `data_parallel_rank` each, one rendezvous) and step in lock-step
+rendezvous port); they load in parallel. With `enable_expert_parallel` (wide EP) every rank of
+every replica joins one expert-parallel group instead (the routed experts split over all of them,
+`data_parallel_rank` each replica, one rendezvous) and the replicas step in lock-step
 (engine/core/lockstep.py). Each gets `num_threads` torch threads, by default the machine's cores
 split evenly over every process of every replica, and on CUDA with enough GPUs its own
 `tensor_parallel_size` of them (`visible_gpus`). The client and a replica talk over a socket pair

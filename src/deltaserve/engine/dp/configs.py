@@ -43,7 +43,7 @@ def replica_configs(c: EngineConfig) -> list[EngineConfig]:
     c.check_parallel()
     n = c.data_parallel_size
     threads = c.num_threads or max(1, _cpus() // (n * c.tensor_parallel_size))
-    if c.wide_expert_parallel:  # one expert-parallel group over the replicas, a rank each
+    if c.wide_expert_parallel:  # one expert-parallel group over every rank of the replicas
         ep = c.distributed_init_method or f"tcp://127.0.0.1:{free_port()}"
         return [
             dataclasses.replace(

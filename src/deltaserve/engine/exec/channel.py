@@ -1,11 +1,13 @@
 """`ControlChannel`: rank 0 broadcasts encoded `messages` to every rank over a torch.distributed
 group (gloo, also when the model's collectives run on NCCL).
 
-One broadcast of a fixed `FRAME`-byte buffer carries the length and, when it fits (every decode
-step of a normal batch), the whole message; a longer one follows in a second broadcast. The
-buffer holds raw bytes only; torch.distributed's object collectives (which serialize Python
-objects unsafely) are never used. `gather` is the way back: every rank's reply bytes to every
-rank (two all-gathers: the lengths, then the bytes padded to the longest).
+The sender is the group's rank 0 (`src` is a rank of the group; a wide expert-parallel replica's
+control group is a subgroup, whose rank 0 is not global rank 0). One broadcast of a fixed
+`FRAME`-byte buffer carries the length and, when it fits (every decode step of a normal batch), the
+whole message; a longer one follows in a second broadcast. The buffer holds raw bytes only;
+torch.distributed's object collectives (which serialize Python objects unsafely) are never used.
+`gather` is the way back: every rank's reply bytes to every rank (two all-gathers: the lengths,
+then the bytes padded to the longest).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ _HEADER = 8
 
 class ControlChannel:
     def __init__(self, group=None, src: int = 0):
-        self.group, self.src = group, src
+        self.group = group
+        self.src = src if group is None else dist.get_global_rank(group, src)
         self._frame = torch.zeros(FRAME, dtype=torch.uint8)
 
     @property

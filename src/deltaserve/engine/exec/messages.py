@@ -11,7 +11,9 @@ tokens of each verify sequence were verified, which every rank folds into its ow
 live states from the step's kept inputs; `Snapshot` gathers every rank's pools (a
 check); `TransferSetup`, `Digest`, `Pull` and `Collect` move a prefill/decode handoff's bytes on
 every rank (`rank_transfer`: jobs that run beside the steps, each rank answering through
-`ControlChannel.gather`); `Shutdown` ends it.
+`ControlChannel.gather`); under wide expert parallelism `Idle` runs the zero-token forward (every
+MoE layer's exchange, so an idle replica's ranks keep the others in step) and `ExpertLoad` gathers
+each rank's tokens per local expert; `Shutdown` ends it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from ...cache.slot_journal import CopyOp, PageCopyOp, ZeroOp
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -148,11 +150,19 @@ class Collect(msgspec.Struct, tag="collect", frozen=True):
     wait_s: float
 
 
+class Idle(msgspec.Struct, tag="idle", frozen=True):
+    """Wide EP: every rank runs `KimiForCausalLM.idle_forward` (this replica has nothing scheduled)."""
+
+
+class ExpertLoad(msgspec.Struct, tag="expert_load", frozen=True):
+    """Wide EP: every rank answers its `model.experts.expert_load` (msgpack) through `gather`."""
+
+
 class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
     reason: str = ""
 
 
-Message = Hello | Step | Fold | Snapshot | TransferSetup | Digest | Pull | Collect | Shutdown
+Message = Hello | Step | Fold | Snapshot | TransferSetup | Digest | Pull | Collect | Idle | ExpertLoad | Shutdown
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

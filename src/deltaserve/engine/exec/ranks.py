@@ -44,7 +44,13 @@ import torch
 import torch.distributed as dist
 
 from ...env import WORKER
-from ...parallel import ParallelContext, check_process_group_free, init_tensor_parallel, leave_tensor_parallel
+from ...parallel import (
+    ParallelContext,
+    check_process_group_free,
+    init_expert_parallel,
+    init_tensor_parallel,
+    leave_tensor_parallel,
+)
 from ..config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -95,6 +101,8 @@ def plan_ranks(config: EngineConfig, env: dict | None = None) -> RankPlan | None
         return None
     if WORKER_ENV in env:
         raise RuntimeError("a deltaserve worker process must not start an engine of its own")
+    if config.wide_expert_parallel:  # a wide-EP replica: its TP ranks join the replicas' one group
+        return RankPlan(world, 0, config.data_parallel_init_method or "", tuple(range(1, world)))
     if all(k in env for k in TORCHRUN_ENV):
         if int(env["WORLD_SIZE"]) != world:
             raise ValueError(f"torchrun started {env['WORLD_SIZE']} processes for tensor_parallel_size={world}")
@@ -168,7 +176,23 @@ def peak_rss_bytes() -> int:
 
 
 def join(config: EngineConfig, rank: int, init_method: str) -> tuple[ParallelContext, object]:
-    """Join the default and control groups as `rank`; returns (model context, control group)."""
+    """Join the default and control groups as `rank`; returns (model context, control group). A
+    wide expert-parallel replica's TP rank joins the one group of every replica's ranks
+    (`init_expert_parallel` at `config.data_parallel_init_method`)."""
+    if config.wide_expert_parallel:
+        if not config.data_parallel_init_method:
+            raise ValueError("a wide expert-parallel replica needs data_parallel_init_method (its group's rendezvous)")
+        return init_expert_parallel(
+            config.data_parallel_rank,
+            config.data_parallel_size,
+            config.data_parallel_init_method,
+            config.device,
+            config.distributed_timeout,
+            rank,
+            config.tensor_parallel_size,
+            CONTROL_TIMEOUT,
+            SHM_SLOT_BYTES,
+        )
     tp = init_tensor_parallel(
         rank,
         config.tensor_parallel_size,
@@ -198,7 +222,7 @@ def memory_report(tp: ParallelContext, before: int, weights: int, decode_stack: 
         for r, m in enumerate(report):
             log.info(
                 "%s: weights %.1f MiB, peak RSS %.1f MiB at load (%.1f MiB before), decode %s",
-                f"rank {r}" if tp.ep_world == 1 else f"expert-parallel rank {tp.ep_rank} of {tp.ep_world}",
+                f"rank {r}" if tp.ep_world == 1 else f"expert-parallel rank {tp.ep_rank + r} of {tp.ep_world}",
                 m["weight_bytes"] / 2**20,
                 m["rss_peak_load"] / 2**20,
                 m["rss_before_load"] / 2**20,

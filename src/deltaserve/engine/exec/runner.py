@@ -25,13 +25,14 @@ import torch
 from ...cache.forward_batch import ForwardBatch
 from ...cache.manager import CacheManager
 from ...cache.slot_journal import SlotJournal
+from ...model.experts import expert_load
 from ...model.kimi import KimiForCausalLM
 from ...parallel import SINGLE
 from ..request.mm_inputs import chunk_rows, gather_rows
 from ..sched.scheduler import ScheduledSeq
 from .channel import ControlChannel
 from .encoder_cache import EncoderCache
-from .messages import EmbedRows, Fold, Snapshot, TensorBytes
+from .messages import EmbedRows, ExpertLoad, Fold, Idle, Snapshot, TensorBytes
 from .pool_snapshot import pool_snapshot
 from .ranks import RankFailure, RankGroup
 from .sampler import Sampler, SamplerOutput, SamplingRow
@@ -128,6 +129,25 @@ class ModelRunner:
         if not needed:
             return None
         return gather_rows(needed, self.encoder.rows(c.image for c in needed))
+
+    def idle_forward(self) -> None:
+        """Wide EP: this replica's zero-token forward on every one of its ranks (`Idle`)."""
+        if self.channel is None:
+            return self.model.idle_forward()
+        self._on_ranks(Idle(), self.model.idle_forward)
+
+    def expert_load(self) -> dict | None:
+        """Wide EP: the tokens each routed expert of this replica ran (`model.experts.expert_load`),
+        its ranks' experts in rank order (contiguous: replica i's TP ranks hold experts
+        [i T L, (i + 1) T L)); None where no exchange ran."""
+        mine = expert_load(self.model)
+        if self.channel is None or self.tp.ep_world == 1:
+            return mine
+        parts = self._on_ranks(ExpertLoad(), lambda: self.channel.gather(msgspec.msgpack.encode(mine)))
+        loads = [msgspec.msgpack.decode(p) for p in parts]
+        if any(load is None for load in loads):
+            return None
+        return {"first": loads[0]["first"], "tokens": [n for load in loads for n in load["tokens"]]}
 
     def pool_snapshot(self) -> dict[str, torch.Tensor]:
         """Every rank's pools in the one-process layout (`pool_snapshot`), between steps."""

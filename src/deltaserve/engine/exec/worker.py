@@ -17,16 +17,31 @@ import logging
 import os
 import sys
 
+import msgspec
 import torch
 
 from ...cache import CacheLayout, build_pools
 from ...cache.handoff import pool_tensors
 from ...cache.slot_journal import CHECKPOINT, LIVE, MLA, replay
 from ...model import KimiForCausalLM, load_model, resolve_dtype
+from ...model.experts import expert_load
 from ...parallel import ParallelContext
 from ..config import EngineConfig
 from .channel import ControlChannel
-from .messages import PROTOCOL_VERSION, Collect, Digest, Fold, Hello, Pull, Shutdown, Snapshot, Step, TransferSetup
+from .messages import (
+    PROTOCOL_VERSION,
+    Collect,
+    Digest,
+    ExpertLoad,
+    Fold,
+    Hello,
+    Idle,
+    Pull,
+    Shutdown,
+    Snapshot,
+    Step,
+    TransferSetup,
+)
 from .pool_snapshot import pool_snapshot
 from .rank_transfer import serve_transfer
 from .ranks import (
@@ -89,6 +104,12 @@ def run_worker(config: EngineConfig, tp: ParallelContext, control) -> None:
             continue
         if isinstance(msg, Snapshot):
             pool_snapshot(tp, mla, kda, ckpt)
+            continue
+        if isinstance(msg, Idle):
+            model.idle_forward()
+            continue
+        if isinstance(msg, ExpertLoad):
+            channel.gather(msgspec.msgpack.encode(expert_load(model)))
             continue
         if isinstance(msg, (TransferSetup, Digest, Pull, Collect)):
             transfer = serve_transfer(msg, channel, pool_tensors(mla, kda), lambda ops: replay(ops, pools), transfer)
