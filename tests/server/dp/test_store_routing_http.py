@@ -1,0 +1,136 @@
+"""Two replicas behind the `serve --data-parallel-size 2` front, sharing one Mooncake Store
+(`--kv-store`, a real `mooncake_master`; the objects live in a storage segment this test lends, as
+a storage node would): a session's next turn lands on the replica holding its prefix (routed
+`resume_device`, a prefix hit there), and a next turn the other replica must take (its session is
+pinned there by `prompt_cache_key`) resumes the prefix from the shared store (a store-tier hit
+there: the whole prefix hit came from it). Every answer is the greedy answer of an
+engine with the prefix cache off."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from deltaserve import LLM, SamplingParams
+from deltaserve.cache.tiers.mooncake import MooncakeClient
+from deltaserve.engine.dp.routing import rendezvous_among
+from deltaserve.replica_front import routing_key
+from deltaserve.tiny import make_tiny
+from tests.engine.mooncake_master import Master, master_binary
+from tests.server.dp.test_data_parallel import _children, _drain, _kill_all, _port, _routed, _until
+from tests.server.dp.test_resume_routing_http import _metric, _replica
+from tests.server.live_server import wait_healthy
+
+MAX_TOKENS = 6
+UNIT = 16
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("dps") / "k3", family="kimi_k3", preset="tiny", seed=5)
+
+
+@pytest.fixture
+def store(tmp_path):
+    """A master and a client lending the store its only segment (the replicas lend none, so what
+    they write outlives either of them)."""
+    master_binary()
+    master = Master(tmp_path / "master.log")
+    try:
+        holder = MooncakeClient(master.url, 64 << 20)
+    except BaseException:
+        master.stop()
+        raise
+    yield master.url
+    holder.close()
+    master.stop()
+
+
+def _tier(base: str, i: int, name: str, tier: str = "store") -> float:
+    text = httpx.get(f"{base}/replicas/{i}/metrics", timeout=10).text
+    m = re.search(rf'^deltaserve:{name}(?:_total)?{{[^}}]*tier="{tier}"[^}}]*}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def _complete(base: str, ids: list[int], **extra) -> str:
+    body = {"model": "k3", "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{base}/v1/completions", json=body | extra, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def _homed(prefix: list[int], home: int, want: bool, salt: int) -> list[int]:
+    """`prefix` plus a few tokens, such that its prompt-start rendezvous replica is `home` (want)
+    or is not (not want): where the fallback routing alone would send it."""
+    for j in range(64):
+        ids = prefix + [100 + salt, 200 + j, 300 + salt]
+        if (rendezvous_among(routing_key({"prompt": ids}), [0, 1]) == home) == want:
+            return ids
+    raise AssertionError("no such continuation")
+
+
+def test_a_next_turn_resumes_where_its_prefix_is_or_from_the_shared_store(model, store):
+    off = LLM(model, dtype="float32", enable_prefix_caching=False, progress=False)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    def oracle(ids: list[int]) -> str:
+        return off.generate([ids], greedy, use_tqdm=False)[0].outputs[0].text
+
+    turn1 = off.tokenizer.encode("You are a careful assistant who answers questions about the sea. " * 5)
+    assert len(turn1) >= 4 * UNIT
+    port = _port()
+    cmd = [sys.executable, "-m", "deltaserve.cli", "serve", str(model), "--port", str(port)]
+    cmd += ["--data-parallel-size", "2", "--threads", "1", "--max-model-len", "1024", "--dtype", "float32"]
+    cmd += ["--enable-prefix-caching", "--prefix-match-unit", str(UNIT), "--no-channel-guard"]
+    cmd += ["--kv-offload-memory", "16MiB", "--kv-store", store]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    pids: list[int] = []
+    try:
+        wait_healthy(proc, port, 240)
+        output = _drain(proc)
+        base = f"http://127.0.0.1:{port}"
+        pids = _children(proc)
+        for i in range(2):
+            _until(lambda i=i: _metric(base, "dp_route_event_batches_total", f'replica="{i}"') >= 1, 60, "no feed")
+        assert _complete(base, turn1) == oracle(turn1)
+        home = [i for i, n in enumerate(_routed(base)) if n][0]
+        other = 1 - home
+        _until(lambda: _tier(base, home, "prefix_cache_tier_objects") > 0, 60, "".join(output[-30:]))
+        _until(lambda: _metric(base, "dp_route_boundaries", f'replica="{home}"') > 0, 30, "".join(output[-30:]))
+        lands_where_its_prefix_is(base, home, turn1, oracle)
+        resumes_from_the_store_elsewhere(base, other, turn1, oracle)
+    finally:
+        _kill_all(proc, pids + _children(proc))
+
+
+def lands_where_its_prefix_is(base: str, home: int, turn1: list[int], oracle) -> None:
+    """The next turn, whose prompt start hashes to the other replica, goes where turn 1 resumes."""
+    turn2 = _homed(turn1 + [11, 12], home, False, 1)
+    hits = _replica(base, home, "prefix_cache_hit_tokens_total")
+    resumed = _metric(base, "dp_route_decisions_total", 'reason="resume_device"')
+    assert _complete(base, turn2) == oracle(turn2)
+    assert _routed(base)[home] == 2
+    assert _metric(base, "dp_route_decisions_total", 'reason="resume_device"') == resumed + 1
+    assert _replica(base, home, "prefix_cache_hit_tokens_total") - hits >= 4 * UNIT
+
+
+def resumes_from_the_store_elsewhere(base: str, other: int, turn1: list[int], oracle) -> None:
+    """A session pinned on the other replica sends a next turn of turn 1: it resumes there from
+    the store (the other replica's device and host tiers never held it)."""
+    pin = _homed([7, 8, 9], other, True, 2)  # an unrelated first request: the fallback routes it
+    assert _complete(base, pin, prompt_cache_key="agent-b") == oracle(pin)
+    assert _routed(base)[other] == 1
+    turn2 = _homed(turn1 + [21, 22], other, False, 3)
+    hits = _replica(base, other, "prefix_cache_hit_tokens_total")
+    assert _complete(base, turn2, prompt_cache_key="agent-b") == oracle(turn2)
+    assert _routed(base)[other] == 2
+    assert _metric(base, "dp_route_decisions_total", 'reason="affinity"') >= 1
+    assert _tier(base, other, "prefix_cache_tier_hits") == 1
+    restored = _tier(base, other, "prefix_cache_tier_hit_tokens")
+    assert restored >= 4 * UNIT and restored % UNIT == 0, restored
+    assert _replica(base, other, "prefix_cache_hit_tokens_total") - hits == restored  # all of it from the store
+    assert _tier(base, other, "prefix_cache_tier_bytes_read") > 0
