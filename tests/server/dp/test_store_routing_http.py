@@ -9,8 +9,6 @@ engine with the prefix cache off."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import httpx
 import pytest
@@ -21,12 +19,11 @@ from deltaserve.engine.dp.routing import rendezvous_among
 from deltaserve.replica_front import routing_key
 from deltaserve.tiny import make_tiny
 from tests.engine.mooncake_master import Master, master_binary
-from tests.server.dp.test_data_parallel import _children, _drain, _kill_all, _port, _routed, _until
-from tests.server.dp.test_resume_routing_http import _metric, _replica
-from tests.server.live_server import wait_healthy
+from tests.server.dp.test_data_parallel import _routed, _until
+from tests.server.dp.test_resume_routing_http import _metric, _replica, dp_front
 
 MAX_TOKENS = 6
-UNIT = 16
+UNIT = 16  # dp_front's --prefix-match-unit
 
 
 @pytest.fixture(scope="module")
@@ -82,20 +79,8 @@ def test_a_next_turn_resumes_where_its_prefix_is_or_from_the_shared_store(model,
 
     turn1 = off.tokenizer.encode("You are a careful assistant who answers questions about the sea. " * 5)
     assert len(turn1) >= 4 * UNIT
-    port = _port()
-    cmd = [sys.executable, "-m", "deltaserve.cli", "serve", str(model), "--port", str(port)]
-    cmd += ["--data-parallel-size", "2", "--threads", "1", "--max-model-len", "1024", "--dtype", "float32"]
-    cmd += ["--enable-prefix-caching", "--prefix-match-unit", str(UNIT), "--no-channel-guard"]
-    cmd += ["--kv-offload-memory", "16MiB", "--kv-store", store]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    pids: list[int] = []
-    try:
-        wait_healthy(proc, port, 240)
-        output = _drain(proc)
-        base = f"http://127.0.0.1:{port}"
-        pids = _children(proc)
-        for i in range(2):
-            _until(lambda i=i: _metric(base, "dp_route_event_batches_total", f'replica="{i}"') >= 1, 60, "no feed")
+    flags = ["--dtype", "float32", "--no-channel-guard", "--kv-offload-memory", "16MiB", "--kv-store", store]
+    with dp_front(model, *flags, start_s=240) as (base, output, _):
         assert _complete(base, turn1) == oracle(turn1)
         home = [i for i, n in enumerate(_routed(base)) if n][0]
         other = 1 - home
@@ -103,8 +88,6 @@ def test_a_next_turn_resumes_where_its_prefix_is_or_from_the_shared_store(model,
         _until(lambda: _metric(base, "dp_route_boundaries", f'replica="{home}"') > 0, 30, "".join(output[-30:]))
         lands_where_its_prefix_is(base, home, turn1, oracle)
         resumes_from_the_store_elsewhere(base, other, turn1, oracle)
-    finally:
-        _kill_all(proc, pids + _children(proc))
 
 
 def lands_where_its_prefix_is(base: str, home: int, turn1: list[int], oracle) -> None:
