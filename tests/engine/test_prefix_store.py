@@ -116,7 +116,7 @@ def test_a_damaged_object_in_the_store_is_a_counted_miss(k3, master, damage, rea
     off = make(ckpt, False, **SMALL)
     shared = a.cache.tier.store
     raw = MooncakeClient(master.url)
-    keys = [shared.key(k) for k in list(shared.known)]
+    keys = [shared.key(k) for k in list(shared.index)]
     for key in keys:
         data = raw.get(key)
         assert raw.remove(key) == 0 and raw.put(key, damage(data, shared.fingerprint)) == 0
