@@ -3,12 +3,15 @@
 a storage node would): a session's next turn lands on the replica holding its prefix (routed
 `resume_device`, a prefix hit there), and a next turn the other replica must take (its session is
 pinned there by `prompt_cache_key`) resumes the prefix from the shared store (a store-tier hit
-there: the whole prefix hit came from it). Every answer is the greedy answer of an
-engine with the prefix cache off."""
+there: the whole prefix hit came from it); and when the replica holding a session's latest turn is
+killed, the next turn goes to the other one, which resumes the rest of the prefix from the store.
+Every answer is the greedy answer of an engine with the prefix cache off."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 
 import httpx
 import pytest
@@ -80,25 +83,30 @@ def test_a_next_turn_resumes_where_its_prefix_is_or_from_the_shared_store(model,
     turn1 = off.tokenizer.encode("You are a careful assistant who answers questions about the sea. " * 5)
     assert len(turn1) >= 4 * UNIT
     flags = ["--dtype", "float32", "--no-channel-guard", "--kv-offload-memory", "16MiB", "--kv-store", store]
-    with dp_front(model, *flags, start_s=240) as (base, output, _):
+    with dp_front(model, *flags, start_s=240) as (base, output, pids):
         assert _complete(base, turn1) == oracle(turn1)
         home = [i for i, n in enumerate(_routed(base)) if n][0]
         other = 1 - home
         _until(lambda: _tier(base, home, "prefix_cache_tier_objects") > 0, 60, "".join(output[-30:]))
         _until(lambda: _metric(base, "dp_route_boundaries", f'replica="{home}"') > 0, 30, "".join(output[-30:]))
-        lands_where_its_prefix_is(base, home, turn1, oracle)
+        turn2 = lands_where_its_prefix_is(base, home, turn1, oracle)
         resumes_from_the_store_elsewhere(base, other, turn1, oracle)
+        survives_its_holder(base, pids, home, turn2, oracle, output)
 
 
-def lands_where_its_prefix_is(base: str, home: int, turn1: list[int], oracle) -> None:
-    """The next turn, whose prompt start hashes to the other replica, goes where turn 1 resumes."""
-    turn2 = _homed(turn1 + [11, 12], home, False, 1)
+def lands_where_its_prefix_is(base: str, home: int, turn1: list[int], oracle) -> list[int]:
+    """The next turn, whose prompt start hashes to the other replica, goes where turn 1 resumes;
+    it is two units longer, so its own checkpoint object goes to the store too."""
+    written = _tier(base, home, "prefix_cache_tier_objects")
+    turn2 = _homed(turn1 + list(range(500, 500 + 2 * UNIT)), home, False, 1)
     hits = _replica(base, home, "prefix_cache_hit_tokens_total")
     resumed = _metric(base, "dp_route_decisions_total", 'reason="resume_device"')
     assert _complete(base, turn2) == oracle(turn2)
     assert _routed(base)[home] == 2
     assert _metric(base, "dp_route_decisions_total", 'reason="resume_device"') == resumed + 1
     assert _replica(base, home, "prefix_cache_hit_tokens_total") - hits >= 4 * UNIT
+    _until(lambda: _tier(base, home, "prefix_cache_tier_objects") > written, 60, "turn 2 not in the store")
+    return turn2
 
 
 def resumes_from_the_store_elsewhere(base: str, other: int, turn1: list[int], oracle) -> None:
@@ -117,3 +125,18 @@ def resumes_from_the_store_elsewhere(base: str, other: int, turn1: list[int], or
     assert restored >= 4 * UNIT and restored % UNIT == 0, restored
     assert _replica(base, other, "prefix_cache_hit_tokens_total") - hits == restored  # all of it from the store
     assert _tier(base, other, "prefix_cache_tier_bytes_read") > 0
+
+
+def survives_its_holder(base: str, pids: list[int], home: int, turn2: list[int], oracle, output) -> None:
+    """SIGKILL the replica that computed turn 2: the front forgets it, and turn 3 goes to the
+    other replica (which resumes turn 1 on its device), which restores the rest of turn 2's
+    prefix from the store."""
+    other = 1 - home
+    os.kill(pids[home], signal.SIGKILL)
+    _until(lambda: _metric(base, "dp_route_boundaries", f'replica="{home}"') == 0, 30, "".join(output[-30:]))
+    hits, restored = _tier(base, other, "prefix_cache_tier_hits"), _tier(base, other, "prefix_cache_tier_hit_tokens")
+    turn3 = turn2 + [31, 32, 33]
+    assert _complete(base, turn3) == oracle(turn3)
+    assert _routed(base)[other] == 3
+    assert _tier(base, other, "prefix_cache_tier_hits") == hits + 1
+    assert _tier(base, other, "prefix_cache_tier_hit_tokens") - restored >= UNIT
