@@ -45,6 +45,12 @@ class DiskInUse(RuntimeError):
     """Another live engine holds the directory."""
 
 
+def replica_disk_path(root: str | Path, replica: int) -> str:
+    """Data-parallel replica `replica`'s own `--kv-disk-path` under the one given (the same
+    across its restarts, so a restarted replica finds its objects)."""
+    return str(Path(root) / f"replica-{replica}")
+
+
 class DiskTier(QueuedTier):
     name = "disk"
 
