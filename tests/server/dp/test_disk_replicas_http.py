@@ -11,11 +11,10 @@ import signal
 
 import pytest
 
-from deltaserve import LLM, SamplingParams
 from deltaserve.tiny import make_tiny
 from tests.server.dp.test_data_parallel import _routed, _until
 from tests.server.dp.test_resume_routing_http import _metric, dp_front
-from tests.server.dp.test_store_routing_http import MAX_TOKENS, UNIT, _complete, _homed, _tier
+from tests.server.dp.test_store_routing_http import UNIT, _complete, _homed, _tier, cache_off
 
 
 @pytest.fixture(scope="module")
@@ -24,13 +23,8 @@ def model(tmp_path_factory):
 
 
 def test_a_restarted_replica_resumes_from_its_own_disk(model, tmp_path):
-    off = LLM(model, dtype="float32", enable_prefix_caching=False, progress=False)
-    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-    def oracle(ids: list[int]) -> str:
-        return off.generate([ids], greedy, use_tqdm=False)[0].outputs[0].text
-
-    turn1 = off.tokenizer.encode("An agent reads the repository and plans the next edit. " * 5)
+    oracle, tok = cache_off(model)
+    turn1 = tok.encode("An agent reads the repository and plans the next edit. " * 5)
     flags = ["--dtype", "float32", "--no-channel-guard", "--kv-disk-path", str(tmp_path), "--kv-disk-size", "64MiB"]
     with dp_front(model, *flags, start_s=240) as (base, output, pids):
         assert sorted(p.name for p in tmp_path.iterdir()) == ["replica-0", "replica-1"]

@@ -73,14 +73,17 @@ def _homed(prefix: list[int], home: int, want: bool, salt: int) -> list[int]:
     raise AssertionError("no such continuation")
 
 
-def test_a_next_turn_resumes_where_its_prefix_is_or_from_the_shared_store(model, store):
+def cache_off(model) -> tuple:
+    """(the oracle: prompt ids -> the greedy text of an fp32 engine with the prefix cache off,
+    its tokenizer)."""
     off = LLM(model, dtype="float32", enable_prefix_caching=False, progress=False)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return (lambda ids: off.generate([ids], greedy, use_tqdm=False)[0].outputs[0].text), off.tokenizer
 
-    def oracle(ids: list[int]) -> str:
-        return off.generate([ids], greedy, use_tqdm=False)[0].outputs[0].text
 
-    turn1 = off.tokenizer.encode("You are a careful assistant who answers questions about the sea. " * 5)
+def test_a_next_turn_resumes_where_its_prefix_is_or_from_the_shared_store(model, store):
+    oracle, tok = cache_off(model)
+    turn1 = tok.encode("You are a careful assistant who answers questions about the sea. " * 5)
     assert len(turn1) >= 4 * UNIT
     flags = ["--dtype", "float32", "--no-channel-guard", "--kv-offload-memory", "16MiB", "--kv-store", store]
     with dp_front(model, *flags, start_s=240) as (base, output, pids):
