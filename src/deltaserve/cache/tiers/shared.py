@@ -9,14 +9,16 @@ object is checked all the same.
 No call into the store runs on the engine thread (a store whose master is gone answers after
 seconds): the writer thread `put`s what `submit` queued (`queued.QueuedTier`: past `max_pending`
 bytes queued, new objects are dropped, counted), the reader thread runs `prefetch` reads and
-`probe`s. A probe asks the store
-which boundaries of a request's chain it holds (one RPC), then reads the deepest object and its
-parents down to what the device or the local tiers hold, verifies each (complete, our fingerprint,
-the manifest the chain expects, the digest) and stages them; the lookup that queued it holds the
+`probe`s. A probe asks the store which boundaries of a request's chain it holds (one RPC), then
+reads the deepest object and its parents down to what the device or the local tiers hold,
+verifies each (complete, our fingerprint, the manifest the chain expects, the digest) and stages
+them; the lookup that queued it holds the
 request (`probe` answers True) for at most `wait_s`, then goes on without. A failed check is a
-counted miss (`verify_miss_<reason>`) and the object is removed from the store; a failed RPC marks
-the store unavailable for `backoff_s` (counted `unavailable`): writes are dropped and lookups skip
-it meanwhile. So a store that goes away costs misses, never a wrong restore or a stuck step.
+counted miss (`verify_miss_<reason>`) and the object is removed from the store; an object whose
+bytes cannot be read (`unreadable`: the instance lending its segment died) is a counted miss too,
+left for the master to drop. A failed RPC marks the store unavailable for `backoff_s` (counted
+`unavailable`): writes are dropped and lookups skip it meanwhile. So a store that goes away
+costs misses, never a wrong restore or a stuck step.
 
 `index` lists the objects this engine wrote or verified (their manifests): what `meta` answers
 without a probe. It is a local belief: the store evicts on its own, and a read of an object that
@@ -29,7 +31,7 @@ import logging
 import time
 from collections import OrderedDict
 
-from .mooncake import StoreDown
+from .mooncake import StoreDown, Unreadable
 from .objects import FORMAT, Meta, ObjectError, TierObject, decode, encode, read_header
 from .queued import QueuedTier
 
@@ -111,12 +113,13 @@ class SharedTier(QueuedTier):
 
     # reads
     def _reject(self, key: bytes, e: ObjectError) -> None:
-        """A counted miss; an object that fails a check leaves the store (best effort)."""
+        """A counted miss; an object that fails a check leaves the store (best effort; one
+        missing or unreadable stays: it is gone, or its reading failed)."""
         with self.lock:
             self.counters[f"verify_miss_{e.reason}"] += 1
             self.index.pop(key, None)
         log.warning("shared tier: object %s is not restored (%s)", key.hex()[:16], e)
-        if e.reason != "missing":
+        if e.reason not in ("missing", "unreadable"):
             try:
                 self.client.remove(self.key(key))
             except Exception:  # removing is a courtesy to the other readers
@@ -125,8 +128,11 @@ class SharedTier(QueuedTier):
     def _get(self, key: bytes, want: Meta | None, hashes: list[bytes] | None = None, end: int = 0):
         """The verified object at `key` (manifest `want`, or, for a probe, the one unit `end` of
         `hashes` expects) or None (a counted miss). Raises StoreDown."""
-        data = self.client.get(self.key(key))
         try:
+            try:
+                data = self.client.get(self.key(key))
+            except Unreadable as e:
+                raise ObjectError("unreadable", str(e)) from None
             if data is None:
                 raise ObjectError("missing", "not in the store")
             if want is None:
