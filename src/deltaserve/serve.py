@@ -240,8 +240,6 @@ def serve(args: argparse.Namespace) -> int:
         exit_with_parent()
     if args.data_parallel_size < 1:
         raise SystemExit("--data-parallel-size must be >= 1")
-    if args.data_parallel_size > 1 and args.kv_disk_path is not None:
-        raise SystemExit("one engine per --kv-disk-path: data-parallel replicas cannot share it yet")
     check_role_arguments(args)
     model_dir, name = args.model, args.served_model_name
     if model_dir is None:
@@ -331,6 +329,7 @@ def _serve_replicas(args: argparse.Namespace, model_dir: Path, name: str) -> int
     import uvicorn
 
     from . import replica_front as rf
+    from .cache.tiers.disk import replica_disk_path
     from .engine.exec.ranks import free_port
     from .server.replica_supervisor import Replica, Supervisor, serve_command
 
@@ -345,6 +344,9 @@ def _serve_replicas(args: argparse.Namespace, model_dir: Path, name: str) -> int
         ep = args.distributed_init_method or f"tcp://127.0.0.1:{free_port()}"
         group = ["--data-parallel-size", str(n), "--data-parallel-init-method", ep]
         argvs = [argv + group + ["--data-parallel-rank", str(i)] for i in range(n)]
+    if args.kv_disk_path is not None:  # a directory each (one engine per directory)
+        at = argv.index("--kv-disk-path") + 1
+        argvs = [[*a[:at], replica_disk_path(args.kv_disk_path, i), *a[at + 1 :]] for i, a in enumerate(argvs)]
     supervisor = Supervisor(
         [Replica(i, partial(serve_command, argvs[i])) for i in range(n)], args.replica_start_timeout
     )

@@ -83,8 +83,8 @@ def test_disk_tier_writes_atomically_and_rebuilds_its_index(tmp_path):
 def test_disk_tier_drops_what_it_cannot_queue(tmp_path):
     objs = [obj(i) for i in range(3)]
     disk = DiskTier(tmp_path, 1 << 20, FP, max_pending=1)
-    disk._queue.put(None)  # stop the writer: everything stays queued
-    disk._thread.join()
+    disk._writes.put(None)  # stop the writer: everything stays queued
+    disk._writer.join()
     disk.submit(objs[0])  # an empty queue always takes one
     disk.submit(objs[1])
     assert disk.stats()["writes_dropped"] == 1 and disk.stats()["bytes_pending"] == objs[0].meta.nbytes

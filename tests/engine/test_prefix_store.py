@@ -5,6 +5,8 @@ corrupted, foreign or torn object in the store is a counted miss and the answer 
 a master that goes away mid-run costs misses, never a crash or a wrong token."""
 
 import random
+import subprocess
+import sys
 import time
 
 import pytest
@@ -116,7 +118,7 @@ def test_a_damaged_object_in_the_store_is_a_counted_miss(k3, master, damage, rea
     off = make(ckpt, False, **SMALL)
     shared = a.cache.tier.store
     raw = MooncakeClient(master.url)
-    keys = [shared.key(k) for k in list(shared.known)]
+    keys = [shared.key(k) for k in list(shared.index)]
     for key in keys:
         data = raw.get(key)
         assert raw.remove(key) == 0 and raw.put(key, damage(data, shared.fingerprint)) == 0
@@ -127,6 +129,40 @@ def test_a_damaged_object_in_the_store_is_a_counted_miss(k3, master, damage, rea
     assert b.stats()["prefix_cache"]["hit_tokens"] == 0
     assert all(raw.get(key) is None for key in keys), "the refused objects left the store"
     raw.close()
+    b.shutdown()
+    a.shutdown()
+
+
+HOLD = """
+import sys, time
+from deltaserve.cache.tiers.mooncake import MooncakeClient
+client = MooncakeClient(sys.argv[1], 64 << 20)
+print("lent", flush=True)
+time.sleep(600)
+"""
+
+
+def test_an_object_on_a_dead_instance_segment_is_a_miss_not_an_outage(k3, master):
+    """The objects sit in the segment of an instance killed a moment ago (the master lists them
+    until its lease ends, their bytes are gone): reading one is a counted miss (`unreadable`),
+    not a store outage that would skip the store and drop every write for `backoff_s`."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, master.url], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "lent"
+        a = make(k3, True, **SMALL, kv_store=master.url)  # lends nothing: the objects go to the holder
+        p, q = prompts(a, 5)
+        answer(a, p)
+        a.cache.tier.flush()
+        assert tiers(a)["store"]["objects_written"] > 0, tiers(a)
+        off = make(k3, False, **SMALL)
+        b = make(k3, True, **SMALL, kv_store=master.url)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert answer(b, q) == answer(off, q)
+    store = tiers(b)["store"]
+    assert store.get("verify_miss_unreadable", 0) > 0 and store["hits"] == 0, store
+    assert store.get("unavailable", 0) == 0 and not b.cache.tier.store._down(), store
     b.shutdown()
     a.shutdown()
 

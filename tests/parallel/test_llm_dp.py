@@ -335,6 +335,8 @@ def test_config_and_cli(tmp_path):
     reps = replica_configs(c)
     inits = [r.distributed_init_method for r in reps]
     assert len(set(inits)) == 2 and all(r.data_parallel_size == 1 and r.num_threads >= 1 for r in reps)
+    disk = EngineConfig(model="x", data_parallel_size=2, kv_disk_path=str(tmp_path / "tiers"))
+    assert [r.kv_disk_path for r in replica_configs(disk)] == [str(tmp_path / "tiers" / f"replica-{i}") for i in (0, 1)]
     given = dataclasses.replace(c, distributed_init_method="tcp://127.0.0.1:29500")
     assert [r.distributed_init_method for r in replica_configs(given)] == [
         "tcp://127.0.0.1:29500",

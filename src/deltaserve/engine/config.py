@@ -110,9 +110,13 @@ class EngineConfig:
     kv_offload_memory: int | str | None = _opt(
         None, "host memory (e.g. 8GiB) for a tier of prefix-cache objects under the device pools", type=size_arg
     )
-    kv_disk_path: str | None = _opt(None, "directory of a persistent disk tier of prefix-cache objects")
+    kv_disk_path: str | None = _opt(
+        None, "directory of a persistent disk tier of prefix-cache objects (data-parallel replica i: DIR/replica-i)"
+    )
     kv_disk_size: int | str | None = _opt(
-        None, "disk the --kv-disk-path tier may use (e.g. 100GiB; default: half the free space)", type=size_arg
+        None,
+        "disk the --kv-disk-path tier may use, each replica (e.g. 100GiB; default: half the free space)",
+        type=size_arg,
     )
     kv_store: str | None = _opt(
         None, "mooncake://HOST:PORT: a Mooncake Store (its master) shared by instances as a third prefix-cache tier"
@@ -209,8 +213,6 @@ class EngineConfig:
                 "cache tiers (--kv-offload-memory, --kv-disk-path, --kv-store) need tensor_parallel_size 1 "
                 "(no decode context parallelism either)"
             )
-        if self.data_parallel_size > 1 and self.kv_disk_path is not None:
-            raise ValueError("one engine per --kv-disk-path: data-parallel replicas cannot share it yet")
         if tp % self.nnodes or self.node_rank >= self.nnodes:
             raise ValueError(
                 f"{self.nnodes} nodes must split tensor_parallel_size={tp} evenly "

@@ -174,7 +174,8 @@ def tier_metrics(tiers: dict, model: str, hits: int):
     )
     miss = CounterMetricFamily(
         P + "prefix_cache_tier_verify_misses",
-        "Tier objects refused (torn, digest, fingerprint, manifest, missing): counted misses, never restored",
+        "Tier objects refused (torn, digest, fingerprint, manifest, missing, unreadable): counted misses, "
+        "never restored",
         labels=["model_name", "tier", "reason"],
     )
     for t in names:

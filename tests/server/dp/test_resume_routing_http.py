@@ -7,6 +7,7 @@ replica's entries are dropped from the front's index. Decisions are counted by r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -54,20 +55,30 @@ def _other_home(base_prompt: str, home: int) -> str:
     raise AssertionError("no continuation hashes elsewhere")
 
 
-def test_the_front_routes_where_the_prefix_resumes(model):
-    port = _port()
-    cmd = [sys.executable, "-m", "deltaserve.cli", "serve", str(model), "--port", str(port)]
+@contextlib.contextmanager
+def dp_front(model, *flags: str, start_s: float = 180):
+    """`serve --data-parallel-size 2` with the prefix cache (unit 16) and `flags`, once both
+    replicas' feeds answered (their first reply is a reset); yields (base URL, the output's
+    lines, the replicas' pids). Kills all of it at the end."""
+    cmd = [sys.executable, "-m", "deltaserve.cli", "serve", str(model), "--port", str(port := _port())]
     cmd += ["--data-parallel-size", "2", "--threads", "1", "--max-model-len", "1024"]
-    cmd += ["--enable-prefix-caching", "--prefix-match-unit", "16"]
+    cmd += ["--enable-prefix-caching", "--prefix-match-unit", "16", *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     pids: list[int] = []
     try:
-        wait_healthy(proc, port, 180)
+        wait_healthy(proc, port, start_s)
         output = _drain(proc)
         base = f"http://127.0.0.1:{port}"
         pids = _children(proc)
-        for i in range(2):  # each replica's feed answered (its first reply is a reset)
+        for i in range(2):
             _until(lambda i=i: _metric(base, "dp_route_event_batches_total", f'replica="{i}"') >= 1, 60, "no feed")
+        yield base, output, pids
+    finally:
+        _kill_all(proc, pids + _children(proc))
+
+
+def test_the_front_routes_where_the_prefix_resumes(model):
+    with dp_front(model) as (base, output, pids):
         first = "You are a careful assistant who answers questions about the sea. " * 4 + "Why is it blue?"
         _complete(base, first)
         home = [i for i, n in enumerate(_routed(base)) if n][0]
@@ -86,8 +97,6 @@ def test_the_front_routes_where_the_prefix_resumes(model):
         assert _metric(base, "dp_route_decisions_total", 'reason="resume_device"') >= 1
         a_session_stays_on_its_replica(base)
         kill_one(base, pids, home, output)
-    finally:
-        _kill_all(proc, pids + _children(proc))
 
 
 def a_session_stays_on_its_replica(base: str) -> None:

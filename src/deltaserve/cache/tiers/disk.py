@@ -8,15 +8,16 @@ models or layouts never see each other's objects; the directory is held with an 
 Writes are atomic: the object goes to a temporary file in the same directory, is fsynced, renamed
 over its final name and the directory fsynced; a crash leaves either the whole file or a
 temporary one, which the next start deletes. The step never waits for the disk: `submit` queues
-a host copy; past `max_pending` bytes queued, new objects are dropped (counted).
+a host copy (`queued.QueuedTier`: past `max_pending` bytes queued, or larger than the limit, new
+objects are dropped, counted).
 
 Fail-closed: on start every file's header is checked (complete, ours: format, name, fingerprint;
 its sizes equal the file's); on every read the bytes are checked against the manifest's digest
 and the manifest against what the index expects. A file failing any check is a counted miss
 (`verify_misses` by reason), removed from the index and deleted, never restored.
 
-Reads are asynchronous too: `prefetch` hands a key to the reader thread, which reads and
-verifies it into `staged`, where the engine thread `take`s it; meanwhile the engine steps.
+Reads are asynchronous too (`QueuedTier.prefetch`): the reader thread `read`s and verifies an
+object into `staged`, where the engine thread `take`s it; meanwhile the engine steps.
 
 Threads: the engine thread calls `meta`, `touch`, `read`, `submit`, `prefetch`, `take`; the
 writer thread adds written files and evicts over the size limit (least recently used first); the
@@ -30,12 +31,10 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import queue
-import threading
-from collections import Counter, OrderedDict
 from pathlib import Path
 
 from .objects import Meta, ObjectError, TierObject, decode, encode, read_header
+from .queued import QueuedTier
 
 log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
@@ -46,12 +45,19 @@ class DiskInUse(RuntimeError):
     """Another live engine holds the directory."""
 
 
-class DiskTier:
+def replica_disk_path(root: str | Path, replica: int) -> str:
+    """Data-parallel replica `replica`'s own `--kv-disk-path` under the one given (the same
+    across its restarts, so a restarted replica finds its objects)."""
+    return str(Path(root) / f"replica-{replica}")
+
+
+class DiskTier(QueuedTier):
     name = "disk"
 
     def __init__(self, root: str | Path, limit: int, fingerprint: bytes, max_pending: int | None = None):
         if limit < 1:
             raise ValueError("the disk tier needs a positive --kv-disk-size")
+        super().__init__(max_pending or min(limit, 4 << 30))
         self.fingerprint, self.limit, self.used = fingerprint, limit, 0
         self.dir = Path(root) / fingerprint.hex()[:16]
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -61,22 +67,9 @@ class DiskTier:
         except BlockingIOError:
             self._lockfile.close()
             raise DiskInUse(f"--kv-disk-path {root}: {self.dir} is used by another running engine") from None
-        self.index: OrderedDict[bytes, Meta] = OrderedDict()
-        self.pending: dict[bytes, Meta] = {}
-        self.pending_bytes, self.max_pending = 0, max_pending or min(limit, 4 << 30)
-        self.counters: Counter[str] = Counter()
         self.on_change = None
-        self.lock = threading.Lock()
-        self._queue: queue.Queue[TierObject | None] = queue.Queue()
-        self.reading: set[bytes] = set()
-        self.staged: OrderedDict[bytes, TierObject] = OrderedDict()
-        self.staged_bytes = 0
-        self._reads: queue.Queue[bytes | None] = queue.Queue()
         self._scan()
-        self._thread = threading.Thread(target=self._writer, name="deltaserve-disk-tier", daemon=True)
-        self._thread.start()
-        self._reader = threading.Thread(target=self._read_ahead, name="deltaserve-disk-reads", daemon=True)
-        self._reader.start()
+        self._start()
 
     def path(self, key: bytes) -> Path:
         return self.dir / (key.hex() + SUFFIX)
@@ -123,38 +116,8 @@ class DiskTier:
             m = self.index.get(key)
             return m if m is not None or not pending else self.pending.get(key)
 
-    def touch(self, key: bytes) -> None:
-        with self.lock:
-            if key in self.index:
-                self.index.move_to_end(key)
-
-    def submit(self, obj: TierObject) -> None:
-        """Queue `obj` for writing (never blocks); dropped if too large or too much is queued."""
-        key, size = obj.meta.key, obj.meta.nbytes
-        with self.lock:
-            if key in self.index or key in self.pending:
-                return
-            if size > self.limit or (self.pending and self.pending_bytes + size > self.max_pending):
-                self.counters["writes_dropped"] += 1
-                return
-            self.pending[key] = obj.meta
-            self.pending_bytes += size
-        self._queue.put(obj)
-
-    def _writer(self) -> None:
-        while (obj := self._queue.get()) is not None:
-            try:
-                self._write(obj)
-            except OSError as e:
-                log.warning("disk tier: writing an object failed: %s", e)
-                with self.lock:
-                    self.counters["write_errors"] += 1
-            finally:
-                with self.lock:
-                    self.pending.pop(obj.meta.key, None)
-                    self.pending_bytes -= obj.meta.nbytes
-                self._queue.task_done()
-        self._queue.task_done()
+    def _refuses(self, size: int) -> bool:
+        return size > self.limit
 
     def _write(self, obj: TierObject) -> None:
         data = encode(obj, self.fingerprint)
@@ -222,58 +185,13 @@ class DiskTier:
             pass
         return obj
 
-    def prefetch(self, key: bytes) -> None:
-        """Read and verify the object at `key` on the reader thread, into `staged` (`take`)."""
-        with self.lock:
-            if key in self.reading or key in self.staged or key not in self.index:
-                return
-            self.reading.add(key)
-        self._reads.put(key)
-
-    def in_flight(self, key: bytes) -> bool:
-        with self.lock:
-            return key in self.reading
-
-    def take(self, key: bytes) -> TierObject | None:
-        """The staged (read and verified) object at `key`, or None."""
-        with self.lock:
-            obj = self.staged.pop(key, None)
-            if obj is not None:
-                self.staged_bytes -= obj.meta.nbytes
-            return obj
-
-    def _read_ahead(self) -> None:
-        """Staged objects are dropped oldest first past `max_pending` bytes (their reader left)."""
-        while (key := self._reads.get()) is not None:
-            obj = self.read(key)
-            with self.lock:
-                self.reading.discard(key)
-                if obj is not None:
-                    self.staged[key] = obj
-                    self.staged_bytes += obj.meta.nbytes
-                while self.staged_bytes > self.max_pending and len(self.staged) > 1:
-                    self.staged_bytes -= self.staged.popitem(last=False)[1].meta.nbytes
-
-    def flush(self) -> None:
-        """Wait until every queued object is written (or failed)."""
-        self._queue.join()
-
     def close(self) -> None:
         """Write what is queued, stop the writer and release the directory (idempotent)."""
         if self._lockfile.closed:
             return
-        self._queue.put(None)
-        self._reads.put(None)
-        self._thread.join()
-        self._reader.join()
+        self._stop()
         fcntl.flock(self._lockfile, fcntl.LOCK_UN)
         self._lockfile.close()
 
-    def stats(self) -> dict[str, int]:
-        with self.lock:
-            return dict(self.counters) | {
-                "objects": len(self.index),
-                "bytes_used": self.used,
-                "bytes_limit": self.limit,
-                "bytes_pending": self.pending_bytes,
-            }
+    def _usage(self) -> tuple[int, int]:
+        return self.used, self.limit

@@ -12,7 +12,8 @@ transfer buffer is needed over TCP, so an object's size is bounded only by the s
 Every call blocks on the network (seconds when the master is gone), so only the shared tier's
 own threads call it. Results: `put` and `remove` give Mooncake's code (0 = done), `get` the bytes
 or None when the key is absent, `exists` 1 / 0 per key; a failed RPC (the master unreachable)
-raises `StoreDown`. Startup fails fast with `StoreUnavailable` when no master answers.
+raises `StoreDown`, a `get` whose bytes cannot be transferred (their segment's owner is gone)
+`Unreadable`. Startup fails fast with `StoreUnavailable` when no master answers.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
 NOT_FOUND = -704  # OBJECT_NOT_FOUND
+TRANSFER_FAIL = -800  # the bytes' transfer from the segment holding them failed
 RPC_FAIL = -900
 SETUP_TIMEOUT_S = 30.0
 
@@ -36,6 +38,11 @@ class StoreUnavailable(RuntimeError):
 
 class StoreDown(RuntimeError):
     """An RPC to the master failed mid-run (it is gone or unreachable)."""
+
+
+class Unreadable(RuntimeError):
+    """One object's bytes could not be read though the master lists it (the instance whose
+    segment holds them is gone: the master lists its objects until its lease ends)."""
 
 
 def parse_url(url: str) -> tuple[str, int]:
@@ -114,6 +121,8 @@ class MooncakeClient:
         rc = self.store.get_into(key, _addr(buf), n) if n else 0
         if rc == NOT_FOUND:
             return None  # evicted between the two calls
+        if rc == TRANSFER_FAIL:
+            raise Unreadable(f"get {key}: its segment did not answer ({rc})")
         if rc < 0:
             raise StoreDown(f"get {key}: read failed ({rc})")
         return bytes(buf[:rc])

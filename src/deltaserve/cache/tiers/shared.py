@@ -7,17 +7,20 @@ the manifest). Engines of other models or layouts use other keys; the fingerprin
 object is checked all the same.
 
 No call into the store runs on the engine thread (a store whose master is gone answers after
-seconds): a writer thread `put`s what `submit` queued (past `max_pending` bytes queued, new objects
-are dropped, counted), a reader thread runs `prefetch` reads and `probe`s. A probe asks the store
-which boundaries of a request's chain it holds (one RPC), then reads the deepest object and its
-parents down to what the device or the local tiers hold, verifies each (complete, our fingerprint,
-the manifest the chain expects, the digest) and stages them; the lookup that queued it holds the
+seconds): the writer thread `put`s what `submit` queued (`queued.QueuedTier`: past `max_pending`
+bytes queued, new objects are dropped, counted), the reader thread runs `prefetch` reads and
+`probe`s. A probe asks the store which boundaries of a request's chain it holds (one RPC), then
+reads the deepest object and its parents down to what the device or the local tiers hold,
+verifies each (complete, our fingerprint, the manifest the chain expects, the digest) and stages
+them; the lookup that queued it holds the
 request (`probe` answers True) for at most `wait_s`, then goes on without. A failed check is a
-counted miss (`verify_miss_<reason>`) and the object is removed from the store; a failed RPC marks
-the store unavailable for `backoff_s` (counted `unavailable`): writes are dropped and lookups skip
-it meanwhile. So a store that goes away costs misses, never a wrong restore or a stuck step.
+counted miss (`verify_miss_<reason>`) and the object is removed from the store; an object whose
+bytes cannot be read (`unreadable`: the instance lending its segment died) is a counted miss too,
+left for the master to drop. A failed RPC marks the store unavailable for `backoff_s` (counted
+`unavailable`): writes are dropped and lookups skip it meanwhile. So a store that goes away
+costs misses, never a wrong restore or a stuck step.
 
-`known` lists the objects this engine wrote or verified (their manifests): what `meta` answers
+`index` lists the objects this engine wrote or verified (their manifests): what `meta` answers
 without a probe. It is a local belief: the store evicts on its own, and a read of an object that
 is gone is a counted miss. `lock` guards every field the threads share.
 """
@@ -25,44 +28,31 @@ is gone is a counted miss. `lock` guards every field the threads share.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 
-from .mooncake import StoreDown
+from .mooncake import StoreDown, Unreadable
 from .objects import FORMAT, Meta, ObjectError, TierObject, decode, encode, read_header
+from .queued import QueuedTier
 
 log = logging.getLogger(__name__)
 KNOWN_MAX = 1 << 16  # manifests remembered
 PROBED_MAX = 4096  # chains whose probe finished, remembered for `reprobe_s`
 
 
-class SharedTier:
+class SharedTier(QueuedTier):
     name = "store"
 
     def __init__(self, client, fingerprint: bytes, lent: int = 0, max_pending: int | None = None):
+        super().__init__(max_pending or (1 << 30))
         self.client, self.fingerprint, self.lent = client, fingerprint, lent
         self.prefix = f"deltaserve/{FORMAT}/{fingerprint.hex()}/"
         self.wait_s, self.reprobe_s, self.backoff_s = 2.0, 1.0, 5.0
-        self.known: OrderedDict[bytes, Meta] = OrderedDict()
-        self.pending: dict[bytes, Meta] = {}
-        self.pending_bytes, self.max_pending = 0, max_pending or (1 << 30)
-        self.staged: OrderedDict[bytes, TierObject] = OrderedDict()
-        self.staged_bytes = 0
-        self.reading: dict[bytes, float] = {}  # key -> when its read was queued
         self.probing: dict[bytes, float] = {}  # chain target -> when its probe was queued
         self.probed: OrderedDict[bytes, float] = OrderedDict()  # chain target -> when its probe ended
         self.down_until = 0.0
-        self.counters: Counter[str] = Counter()
-        self.lock = threading.Lock()
-        self._writes: queue.Queue[TierObject | None] = queue.Queue()
-        self._reads: queue.Queue[tuple | None] = queue.Queue()
-        self._writer = threading.Thread(target=self._write_loop, name="deltaserve-store-writes", daemon=True)
-        self._reader = threading.Thread(target=self._read_loop, name="deltaserve-store-reads", daemon=True)
-        self._writer.start()
-        self._reader.start()
         self.closed = False
+        self._start()
 
     def key(self, h: bytes) -> str:
         """The store key of the object ending at chain hash `h`."""
@@ -79,64 +69,37 @@ class SharedTier:
 
     # engine thread: the index
     def meta(self, key: bytes, pending: bool = False) -> Meta | None:
-        """The known object at `key` (with `pending`, also one queued for writing); None while
+        """The indexed object at `key` (with `pending`, also one queued for writing); None while
         the store is unavailable or its read has been in flight for `wait_s` (go on without)."""
         with self.lock:
             t = self.reading.get(key)
             if self._down() or (t is not None and time.monotonic() - t >= self.wait_s):
                 return None
-            m = self.known.get(key)
+            m = self.index.get(key)
             return m if m is not None or not pending else self.pending.get(key)
-
-    def touch(self, key: bytes) -> None:
-        with self.lock:
-            if key in self.known:
-                self.known.move_to_end(key)
 
     def _know(self, meta: Meta) -> None:
         """Remember a manifest (caller holds `lock`)."""
-        self.known[meta.key] = meta
-        self.known.move_to_end(meta.key)
-        while len(self.known) > KNOWN_MAX:
-            self.known.popitem(last=False)
+        self.index[meta.key] = meta
+        self.index.move_to_end(meta.key)
+        while len(self.index) > KNOWN_MAX:
+            self.index.popitem(last=False)
 
     # writes
-    def submit(self, obj: TierObject) -> None:
-        """Queue `obj` for the store (never blocks); dropped while the store is unavailable or
-        past `max_pending` bytes queued (counted `writes_dropped`)."""
-        key, size = obj.meta.key, obj.meta.nbytes
-        with self.lock:
-            if key in self.known or key in self.pending:
-                return
-            if self._down() or (self.pending and self.pending_bytes + size > self.max_pending):
-                self.counters["writes_dropped"] += 1
-                return
-            self.pending[key] = obj.meta
-            self.pending_bytes += size
-        self._writes.put(obj)
+    def _refuses(self, size: int) -> bool:
+        return self._down()
 
-    def _write_loop(self) -> None:
-        while (obj := self._writes.get()) is not None:
-            try:
-                if self._down():
-                    with self.lock:
-                        self.counters["writes_dropped"] += 1
-                else:
-                    self._write(obj)
-            except StoreDown as e:
-                self._mark_down(e)
-            except Exception as e:  # a client error must not end the writer
-                log.warning("shared tier: writing an object failed: %s", e)
-                with self.lock:
-                    self.counters["write_errors"] += 1
-            finally:
-                with self.lock:
-                    self.pending.pop(obj.meta.key, None)
-                    self.pending_bytes -= obj.meta.nbytes
-                self._writes.task_done()
-        self._writes.task_done()
+    def _write_failed(self, e: Exception) -> None:
+        if isinstance(e, StoreDown):
+            self._mark_down(e)
+        else:
+            super()._write_failed(e)
 
     def _write(self, obj: TierObject) -> None:
+        if self._down():
+            with self.lock:
+                self.counters["writes_dropped"] += 1
+            return
         data = encode(obj, self.fingerprint)
         rc = self.client.put(self.key(obj.meta.key), data)
         with self.lock:
@@ -150,12 +113,13 @@ class SharedTier:
 
     # reads
     def _reject(self, key: bytes, e: ObjectError) -> None:
-        """A counted miss; an object that fails a check leaves the store (best effort)."""
+        """A counted miss; an object that fails a check leaves the store (best effort; one
+        missing or unreadable stays: it is gone, or its reading failed)."""
         with self.lock:
             self.counters[f"verify_miss_{e.reason}"] += 1
-            self.known.pop(key, None)
+            self.index.pop(key, None)
         log.warning("shared tier: object %s is not restored (%s)", key.hex()[:16], e)
-        if e.reason != "missing":
+        if e.reason not in ("missing", "unreadable"):
             try:
                 self.client.remove(self.key(key))
             except Exception:  # removing is a courtesy to the other readers
@@ -164,8 +128,11 @@ class SharedTier:
     def _get(self, key: bytes, want: Meta | None, hashes: list[bytes] | None = None, end: int = 0):
         """The verified object at `key` (manifest `want`, or, for a probe, the one unit `end` of
         `hashes` expects) or None (a counted miss). Raises StoreDown."""
-        data = self.client.get(self.key(key))
         try:
+            try:
+                data = self.client.get(self.key(key))
+            except Unreadable as e:
+                raise ObjectError("unreadable", str(e)) from None
             if data is None:
                 raise ObjectError("missing", "not in the store")
             if want is None:
@@ -184,7 +151,7 @@ class SharedTier:
         return obj
 
     def read(self, key: bytes) -> TierObject | None:
-        """The verified object at `key` (known), or None: a counted miss, or the store is down."""
+        """The verified object at `key` (indexed), or None: a counted miss, or the store is down."""
         want = self.meta(key)
         if want is None or self._down():
             return None
@@ -194,53 +161,15 @@ class SharedTier:
             self._mark_down(e)
             return None
 
-    def prefetch(self, key: bytes) -> None:
-        """Read and verify the known object at `key` on the reader thread, into `staged`."""
-        with self.lock:
-            if key in self.reading or key in self.staged or key not in self.known:
-                return
-            self.reading[key] = time.monotonic()
-        self._reads.put(("read", key))
+    def _job(self, kind: str, arg) -> None:
+        self._probe(*arg)
 
-    def take(self, key: bytes) -> TierObject | None:
-        with self.lock:
-            obj = self.staged.pop(key, None)
-            if obj is not None:
-                self.staged_bytes -= obj.meta.nbytes
-            return obj
-
-    def _stage(self, obj: TierObject) -> None:
-        """Objects whose reader left are dropped oldest first past `max_pending` bytes."""
-        with self.lock:
-            if obj.meta.key not in self.staged:
-                self.staged[obj.meta.key] = obj
-                self.staged_bytes += obj.meta.nbytes
-            while self.staged_bytes > self.max_pending and len(self.staged) > 1:
-                self.staged_bytes -= self.staged.popitem(last=False)[1].meta.nbytes
-
-    def _read_loop(self) -> None:
-        while (job := self._reads.get()) is not None:
-            kind, arg = job
-            try:
-                if kind == "read":
-                    obj = self.read(arg)
-                    if obj is not None:
-                        self._stage(obj)
-                else:
-                    self._probe(*arg)
-            except Exception as e:  # a client error must not end the reader
-                log.warning("shared tier: a read failed: %s", e)
-                with self.lock:
-                    self.counters["read_errors"] += 1
-            finally:
-                with self.lock:
-                    if kind == "read":
-                        self.reading.pop(arg, None)
-                    else:
-                        self.probing.pop(arg[0][-1], None)
-                        self.probed[arg[0][-1]] = time.monotonic()
-                        while len(self.probed) > PROBED_MAX:
-                            self.probed.popitem(last=False)
+    def _job_done(self, kind: str, arg) -> None:
+        target = arg[0][-1]
+        self.probing.pop(target, None)
+        self.probed[target] = time.monotonic()
+        while len(self.probed) > PROBED_MAX:
+            self.probed.popitem(last=False)
 
     # probes
     def probe(self, hashes: list[bytes], lo: int, k_mla: int, local: set[bytes]) -> bool:
@@ -302,30 +231,16 @@ class SharedTier:
             self._stage(obj)
         return True
 
-    def flush(self) -> None:
-        """Wait until every queued object is written (or dropped)."""
-        self._writes.join()
-
     def close(self, timeout: float = 30.0) -> None:
         """Write what is queued (unless the store is unavailable), stop the threads and leave the
         store (idempotent; bounded by `timeout` per thread when the store hangs)."""
         if self.closed:
             return
         self.closed = True
-        self._writes.put(None)
-        self._reads.put(None)
-        self._writer.join(timeout)
-        self._reader.join(timeout)
-        if self._writer.is_alive() or self._reader.is_alive():
+        if not self._stop(timeout):
             log.warning("shared tier: the store did not answer in %.0f s; left without closing the client", timeout)
             return
         self.client.close()
 
-    def stats(self) -> dict:
-        with self.lock:
-            return dict(self.counters) | {
-                "objects": len(self.known),
-                "bytes_used": sum(m.nbytes for m in self.known.values()),
-                "bytes_limit": self.lent,
-                "bytes_pending": self.pending_bytes,
-            }
+    def _usage(self) -> tuple[int, int]:
+        return sum(m.nbytes for m in self.index.values()), self.lent

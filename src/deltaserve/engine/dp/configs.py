@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 
 import torch
 
+from ...cache.tiers.disk import replica_disk_path
 from ..config import EngineConfig
 from ..exec.ranks import free_port
 
@@ -39,7 +40,16 @@ def _init_methods(c: EngineConfig) -> list[str | None]:
 
 
 def replica_configs(c: EngineConfig) -> list[EngineConfig]:
-    """The configs of `c`'s replicas: one engine each, threads split, own rendezvous."""
+    """The configs of `c`'s replicas: one engine each, threads split, own rendezvous, own disk
+    tier directory (`replica_disk_path`)."""
+    return [dataclasses.replace(r, kv_disk_path=_disk(c, i)) for i, r in enumerate(_replicas(c))]
+
+
+def _disk(c: EngineConfig, i: int) -> str | None:
+    return None if c.kv_disk_path is None else replica_disk_path(c.kv_disk_path, i)
+
+
+def _replicas(c: EngineConfig) -> list[EngineConfig]:
     c.check_parallel()
     n = c.data_parallel_size
     threads = c.num_threads or max(1, _cpus() // (n * c.tensor_parallel_size))
