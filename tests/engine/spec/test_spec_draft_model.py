@@ -32,7 +32,9 @@ def ckpts(request, tmp_path_factory):
 
 
 def spec_of(path, **kw) -> dict:
-    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": K, **kw}
+    """Adaptive k off: a drafter as costly as the target never pays (adaptive.py), and these tests
+    need its drafts."""
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": K, "adaptive": False, **kw}
 
 
 @pytest.mark.parametrize("pressure", [False, True], ids=["hits", "preemption"])

@@ -81,7 +81,10 @@ class SpecDecoder:
         control = self._k.get(seq)
         if control is None:
             c = self.config
-            control = self._k[seq] = AdaptiveK(c.num_speculative_tokens, c.draft_cost, c.probe_interval, c.adaptive)
+            per_token = c.draft_cost + getattr(self.proposer, "draft_cost", 0.0)
+            control = self._k[seq] = AdaptiveK(
+                c.num_speculative_tokens, per_token, c.probe_interval, c.adaptive, c.step_cost, c.rollback_cost
+            )
         return control
 
     def prepare(self, runner: ModelRunner, running: list[Sequence]) -> None:
@@ -158,11 +161,7 @@ class SpecDecoder:
         """Accept or reject each verify sequence's drafts; returns the accepted counts."""
         pos = self._positions(scheduled, rows, verify)
         mine = [i for i, v in enumerate(verify) if v]
-        vrows = [
-            dataclasses.replace(rows[i], output_ids=list(scheduled[i].seq.output_ids) + list(scheduled[i].drafts[:j]))
-            for i in mine
-            for j in range(scheduled[i].width)
-        ]
+        vrows = [r for i in mine for r in self._rows_at(rows[i], scheduled[i])]
         idx = torch.tensor([p for i in mine for p in pos[i]], device=logits.device)
         x = Sampler.penalized_logits(logits.index_select(0, idx), vrows)
         ops = getattr(runner.model, "ops", None)
@@ -182,6 +181,17 @@ class SpecDecoder:
             if s.seq in self._k:
                 self._k[s.seq].observe(len(s.drafts), len(out) - 1)
         return accepted
+
+    @staticmethod
+    def _rows_at(row: SamplingRow, s: ScheduledSeq) -> list[SamplingRow]:
+        """`row` at each of `s`'s verified positions: its outputs grown by the drafts before it where
+        penalties or a min_tokens ban read them, else `row` itself (no per-position copy)."""
+        p, n = s.seq.params, len(s.seq.output_ids)
+        reads = p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty or p.min_tokens > n
+        if not reads:
+            return [row] * s.width
+        out = list(s.seq.output_ids)
+        return [dataclasses.replace(row, output_ids=out + list(s.drafts[:j])) for j in range(s.width)]
 
     def settle(self, runner: ModelRunner, scheduled: list[ScheduledSeq], rows: list, appended: list[int]) -> None:
         """After the engine appended a step's tokens: fold, per verify sequence, the tokens now
