@@ -74,49 +74,60 @@ def test_adaptive_k_follows_acceptance_and_turns_off_then_probes():
     assert k.next_k() == 6
     for _ in range(80):
         k.observe(3, 0)
-    assert [k.next_k() for _ in range(4)] == [0, 0, 0, 6]  # a probe: k_max drafts
-    k.observe(6, 0)
-    assert [k.next_k() for _ in range(8)] == [0] * 7 + [6]  # it did not pay: the next one 8 steps on
+    assert [(k.next_k(), k.probe_due) for _ in range(4)] == [(0, False)] * 3 + [(0, True)]
+    k.probe_taken()
+    k.observe(6, 0)  # the probe's score: it did not pay, the next one 8 steps on
+    assert [(k.next_k(), k.probe_due) for _ in range(8)] == [(0, False)] * 7 + [(0, True)]
     assert AdaptiveK(4, 0.1, 4, adaptive=False).next_k() == 4
+
+
+def probes(k: AdaptiveK, steps: int) -> list[int]:
+    """The decode steps (1-based) of the next `steps` at which a probe is due (none is taken)."""
+    out = []
+    for i in range(steps):
+        assert k.next_k() == 0
+        if k.probe_due:
+            out.append(i + 1)
+    return out
 
 
 def test_adaptive_k_weighs_a_drafted_steps_cost_and_backs_off_its_probes():
     """Costs 0.25 a draft, 0.25 a drafted step, 0.5 a rollback: the prior (a = 1/2) does not pay
-    (k = 1: 1.5 tokens for 1.75 steps), so a request probes with k_max drafts from its first
-    decode step; probes that do not make drafting pay come ever rarer (4, 8, 16 steps on), and a
-    probe step without a draft leaves the probe pending."""
+    (k = 1: 1.5 tokens for 1.75 steps), so a request verifies nothing and probes from its first
+    decode step; a probe stays due until taken, and probes that do not make drafting pay come
+    ever rarer (8, then 16 steps on)."""
     k = AdaptiveK(4, cost=0.25, probe_interval=4, step_cost=0.25, rollback_cost=0.5)
     assert k.rate(1) == pytest.approx(1.5 / 1.75) and k.best_k() == 0
-    assert k.next_k() == 4  # the first decode step probes
-    k.observe(4, 0)  # a = 1/3
-    got = [k.next_k() for _ in range(8)]
-    got.append(k.next_k())  # the probe step had no draft: still probing
+    assert probes(k, 2) == [1, 2]  # due at once; not taken (no draft): still due
+    k.probe_taken()
+    assert probes(k, 3) == []  # out: no other probe, the idle count waits
+    k.observe(4, 0)  # scored: a = 1/3
+    assert probes(k, 8) == [8]
+    k.probe_taken()
     k.observe(4, 0)
-    got += [k.next_k() for _ in range(16)]
-    assert got == [0] * 7 + [4, 4] + [0] * 15 + [4]
+    assert probes(k, 16) == [16]
 
 
 def test_adaptive_k_turns_on_after_an_accepted_probe_and_off_when_rejected():
-    """Same costs: a probe with its 4 drafts accepted (a = 5/6) makes k = 4 the best (3.59 tokens
-    for 2.51 steps); a fully rejected step (a = 12/17) leaves k = 2 (2.20 for 2.00); a second one
-    (a = 0.61) makes no k pay, and a request whose probe made drafting pay probes again after
-    `probe_interval`."""
+    """Same costs: a probe whose 4 drafts all came true (a = 5/6) makes k = 4 the best (3.59
+    tokens for 2.51 steps); a fully rejected verify step (a = 12/17) leaves k = 2 (2.20 for 2.00);
+    a second one (a = 0.61) makes no k pay, and the next probe is `probe_interval` steps on."""
     k = AdaptiveK(4, cost=0.25, probe_interval=4, step_cost=0.25, rollback_cost=0.5)
-    assert k.next_k() == 4
+    assert probes(k, 1) == [1]
+    k.probe_taken()
     k.observe(4, 4)
-    assert k.acceptance == pytest.approx(5 / 6) and k.next_k() == 4
+    assert k.acceptance == pytest.approx(5 / 6) and k.next_k() == 4 and not k.probe_due
     assert k.rate(4) == pytest.approx((1 - (5 / 6) ** 5) * 6 / (2.25 + 0.5 * (1 - (5 / 6) ** 4)))
     k.observe(4, 0)
     assert k.acceptance == pytest.approx(12 / 17) and k.next_k() == 2
     k.observe(2, 0)
-    assert [k.next_k() for _ in range(4)] == [0, 0, 0, 4]
+    assert probes(k, 4) == [4]
 
 
 def test_adaptive_k_counts_a_draft_models_forwards():
     """At acceptance ~0.99, 4 drafts pay at 0.25 a draft but not when each also costs a target-sized
     drafter forward (the target as its own draft: 1.25 a draft), which turns drafting off."""
     cheap, dear = (AdaptiveK(4, cost=c, probe_interval=4, step_cost=0.25, rollback_cost=0.5) for c in (0.25, 1.25))
-    assert cheap.next_k() == dear.next_k() == 4  # the first probes
     for k in (cheap, dear):
         for _ in range(50):
             k.observe(4, 4)

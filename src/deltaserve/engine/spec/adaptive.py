@@ -10,14 +10,14 @@ drafts yields (1 - a^(k+1)) / (1 - a) tokens in expectation and costs, in decode
 (`step`: a drafted step's fixed extra work; `per_token`: verifying one more draft plus what the
 proposer spends on it, a draft model's forward; `rollback`: undoing rejected drafts, paid when any
 is rejected); a step without drafts yields 1 token at cost 1. k is the argmax of tokens per cost
-over [0, k_max] (ties: the smaller k), so a request whose acceptance does not pay for a drafted
-step falls to k = 0: drafting off for it. Then (and from its first decode step) it probes: it drafts k_max
-tokens at the first decode step, `interval` decode steps on, that has a draft at all (a step
-without one costs nothing). A probe after which drafting still does not pay doubles `interval`
-(up to `MAX_PROBE_INTERVAL`), one after which it pays resets it to `probe_interval`: a request
-whose text turns repetitive later gets drafting back, one whose text never does pays ever less
-for the probes. A probe drafts k_max, not 1, as one accepted draft cannot lift the estimate to
-where drafting pays (at the default costs it takes a >= 0.8), k_max accepted ones can."""
+over [0, k_max] (ties: the smaller k), so a request whose acceptance does not pay for a drafted step falls
+to k = 0: drafting off for it. Then (and from its first decode step) it probes in the shadow: the
+decoder asks the proposer for k_max drafts without verifying them and, once the tokens they
+guessed are decoded, scores them as a verify step would (greedy acceptance) -- a probe costs a
+proposer call, never a verify step. A probe after which drafting still does not pay doubles
+`interval`, the decode steps to the next one (up to `MAX_PROBE_INTERVAL`); one after which it
+pays resets it to `probe_interval`: a request whose text turns repetitive later gets drafting
+back, one whose text never does asks ever less (a draft model's probe costs its forwards)."""
 
 from __future__ import annotations
 
@@ -40,9 +40,10 @@ class AdaptiveK:
         self.k_max, self.cost, self.probe_interval, self.adaptive = k_max, cost, probe_interval, adaptive
         self.step_cost, self.rollback_cost = step_cost, rollback_cost
         self.passed, self.tested = 0.0, 0.0
-        self.idle = probe_interval - 1  # decode steps since drafting was last allowed (a new request probes)
+        self.idle = probe_interval - 1  # decode steps since drafting was last on (a new request probes)
         self.interval = probe_interval  # decode steps between probes while k = 0
-        self.probing = False  # the latest drafted step was a probe
+        self.probing = False  # a shadow probe is out (its `observe` settles it)
+        self.best = self.best_k()
 
     @property
     def acceptance(self) -> float:
@@ -62,26 +63,33 @@ class AdaptiveK:
         return max(range(self.k_max + 1), key=lambda k: (rates[k], -k))
 
     def next_k(self) -> int:
-        """Drafts allowed in this decode step (0: off, but for the periodic probe)."""
+        """Drafts to verify in this decode step (0: none; `probe_due` then says whether to probe)."""
         if not self.adaptive:
             return self.k_max
-        k = self.best_k()
-        if k > 0:
-            self.idle, self.probing = 0, False
-            self.interval = self.probe_interval
-            return k
-        self.idle += 1
-        self.probing = self.idle >= self.interval
-        return self.k_max if self.probing else 0
+        if self.best > 0:
+            self.idle, self.interval = 0, self.probe_interval
+            return self.best
+        if not self.probing:
+            self.idle += 1
+        return 0
+
+    @property
+    def probe_due(self) -> bool:
+        """Whether to take a shadow probe now (k = 0, none out, `interval` steps since the last)."""
+        return self.adaptive and self.best == 0 and not self.probing and self.idle >= self.interval
+
+    def probe_taken(self) -> None:
+        """A shadow probe's drafts are out; the `observe` of their score settles it."""
+        self.probing = True
 
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
             return
         self.passed = DECAY * self.passed + accepted
         self.tested = DECAY * self.tested + min(accepted + 1, drafted)
+        self.best = self.best_k()
         if self.probing:
-            pays = self.best_k() > 0
-            self.interval = self.probe_interval if pays else min(2 * self.interval, MAX_PROBE_INTERVAL)
+            self.interval = self.probe_interval if self.best > 0 else min(2 * self.interval, MAX_PROBE_INTERVAL)
             self.idle, self.probing = 0, False
 
 

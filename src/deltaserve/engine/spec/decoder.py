@@ -62,6 +62,8 @@ class SpecDecoder:
         self._drafts: dict[Sequence, list[int]] = {}  # this step's proposals, taken by `propose`
         self._hidden: weakref.WeakKeyDictionary[Sequence, torch.Tensor] = weakref.WeakKeyDictionary()
         self._decoding: weakref.WeakSet[Sequence] = weakref.WeakSet()  # sequences the proposer was asked for
+        self._shadow: weakref.WeakKeyDictionary[Sequence, tuple] = weakref.WeakKeyDictionary()  # probes out
+        self.probes = 0  # shadow probes scored
 
     @staticmethod
     def eligible(seq: Sequence) -> bool:
@@ -91,23 +93,48 @@ class SpecDecoder:
         """Before scheduling: release the sequences that stopped running since the last step
         without finishing (preempted, aborted: an abort is released here, at the next step), then
         ask the proposer once for the drafts of every running decoding sequence whose k is
-        positive now."""
+        positive now, and for the shadow probes due (adaptive.py), which are only scored."""
         runner.keep_hidden = self.proposer.wants_hidden
         live = set(running)
         for seq in [s for s in self._decoding if s not in live]:  # preempted or aborted (`finished` left)
             self._decoding.discard(seq)
             self._hidden.pop(seq, None)
             self.proposer.release(seq)
-        requests = []
+        requests, probes = [], []
         for seq in running:
             if seq.num_pending != 1 or not self.eligible(seq):
                 continue
-            k = min(self._control(seq).next_k(), self._room(seq))
+            control = self._control(seq)
+            shadow = self._shadow.get(seq)
+            if shadow is not None:
+                self._score_probe(seq, control, *shadow)
+            k = control.next_k()
+            k = min(k, self._room(seq)) if k else 0
             if k > 0:
-                self._decoding.add(seq)
                 requests.append(DraftRequest(seq, k, self._hidden.pop(seq, None)))
-        proposals = self.proposer.propose(requests) if requests else []
+            elif control.probe_due and self._room(seq) > 0:
+                probes.append(DraftRequest(seq, control.k_max, self._hidden.pop(seq, None)))
+        asked = requests + probes
+        proposals = self.proposer.propose(asked) if asked else []
+        for r in asked:
+            self._decoding.add(r.seq)
         self._drafts = {r.seq: d[: r.k] for r, d in zip(requests, proposals)}
+        for r, d in zip(probes, proposals[len(requests) :]):
+            if d:  # else the probe stays due: a step without a draft costs nothing
+                self._shadow[r.seq] = (r.seq.num_tokens, list(d[: r.k]))
+                self._k[r.seq].probe_taken()
+
+    def _score_probe(self, seq: Sequence, control: AdaptiveK, start: int, drafts: list[int]) -> None:
+        """Once decoded tokens decide it, score a shadow probe as a greedy verify step: its leading
+        drafts equal to the tokens decoded at their positions are accepted."""
+        have = seq.token_slice(start, min(seq.num_tokens, start + len(drafts)))
+        m = 0
+        while m < len(have) and have[m] == drafts[m]:
+            m += 1
+        if m < len(have) or m == len(drafts):
+            del self._shadow[seq]
+            self.probes += 1
+            control.observe(len(drafts), m)
 
     def propose(self, seq: Sequence, most: int) -> list[int]:
         """The scheduler's drafter: this step's proposal for a decoding sequence, at most `most`."""
@@ -212,7 +239,8 @@ class SpecDecoder:
     def finished(self, seq: Sequence) -> None:
         """A sequence finished: its proposer state goes (into the session store, for suffix)."""
         self._decoding.discard(seq)
+        self._shadow.pop(seq, None)
         self.proposer.finished(seq)
 
     def stats(self) -> dict:
-        return {**self.metrics.stats(), **self.proposer.stats()}
+        return {**self.metrics.stats(), "shadow_probes": self.probes, **self.proposer.stats()}
