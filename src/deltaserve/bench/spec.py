@@ -7,11 +7,12 @@ arithmetic questions (the answer and its working are not in the prompt). Greedy,
 `--output-tokens` a request, stopping at EOS as a client would.
 
 Rows at each batch size: both workloads, `--method` on vs off (with suffix, its session store off:
-the rows measure a first send). At batch 1 two more copy rows: `resend` (the same requests sent a
-second time, suffix drafts with the session store holding the first answers: what an agent's
-re-sent edit gets) and `self` (draft_model with the target as its own draft, adaptive k off:
-acceptance ~1, so it shows what verification and a target-sized drafter cost, apart from how well
-the model copies). Every engine shares every other setting; prefix caching is off.
+the rows measure a first send; `--no-adaptive`: k drafts whenever the drafter has them). At
+batch 1 two more copy rows: `resend` (the same requests sent a second time, suffix drafts with
+the session store holding the first answers: what an agent's re-sent edit gets) and `self`
+(draft_model with the target as its own draft, adaptive k off: acceptance ~1, so it shows what
+verification and a target-sized drafter cost, apart from how well the model copies). Every
+engine shares every other setting; prefix caching is off.
 
 Decode tokens/s = (tokens - one per request) / (time of the whole generation - time of a
 generation of one token), each the best of `--repeats` after a warm-up, off and on interleaved:
@@ -102,6 +103,8 @@ def engines(args: argparse.Namespace, batch: int) -> dict:
         spec["model"] = args.draft_model or args.model
     if args.method == "suffix":
         spec["suffix_cache_requests"] = 0
+    if args.no_adaptive:
+        spec["adaptive"] = False
     out = {"off": LLM(args.model, **common), "on": LLM(args.model, speculative_config=spec, **common)}
     if batch == 1 and not args.no_extra_rows:
         resend = {"method": "suffix", "num_speculative_tokens": k}
@@ -158,6 +161,7 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-extra-rows", action="store_true", help="no resend and self rows at batch 1")
+    p.add_argument("--no-adaptive", action="store_true", help="--method drafts k every step (adaptive k off)")
     p.set_defaults(func=main)
 
 
