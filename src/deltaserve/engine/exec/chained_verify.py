@@ -5,8 +5,8 @@ its live slot, with contexts c, c + 1, ..., c + k. The step is then the backend'
 call (one native call, the same roundings as k + 1 decode steps: greedy output stays the target's
 own bit for bit), not the module-by-module prefill path plus a fold.
 
-Rollback: before the call each verify sequence's live KDA slot (every layer's tail and state) is
-copied aside: one state per request, O(1) in k. The call leaves the slot past all k + 1 tokens;
+Rollback: before the call each drafted sequence's live KDA slot (every layer's tail and state)
+is copied aside: one state per request, O(1) in k. The call leaves the slot past all k + 1 tokens;
 `fold` keeps that where every fed token was verified, else puts the copy back and runs the
 verified rows again as one decode call (they write the same MLA rows with the same values). Rows
 past the verified tokens are never read (contexts end at `num_computed`)."""
@@ -54,10 +54,13 @@ class ChainedVerify:
     """One chained verify step between `logits` and `fold` (the batch `SpecDecoder` holds)."""
 
     def __init__(self, step: Step, rows: Step, verify: list[bool], cache: CacheManager):
+        """Saves the live slots of the verify sequences with drafts (one without has nothing to
+        undo: its one fed token is verified)."""
         self.step, self.rows, self.cache = step, rows, cache
         self.verify = [b for b, v in enumerate(verify) if v]
+        self.drafted = [b for b in self.verify if step.new_lens[b] > 1]
         kda = cache.kda
-        self.live = torch.tensor([step.slots[b] for b in self.verify], dtype=torch.long, device=kda.states.device)
+        self.live = torch.tensor([step.slots[b] for b in self.drafted], dtype=torch.long, device=kda.states.device)
         self.saved = (kda.tails.index_select(1, self.live), kda.states.index_select(1, self.live))
 
     def logits(self, model: KimiForCausalLM) -> torch.Tensor:
@@ -73,7 +76,8 @@ class ChainedVerify:
         """Leave each verify sequence's live slot after its `verified` leading fed tokens."""
         if len(verified) != len(self.verify):
             raise ValueError("one verified count per verify sequence")
-        short = [i for i, (b, m) in enumerate(zip(self.verify, verified)) if m < self.step.new_lens[b]]
+        count = dict(zip(self.verify, verified))
+        short = [i for i, b in enumerate(self.drafted) if count[b] < self.step.new_lens[b]]
         if not short:
             return
         kda = self.cache.kda
@@ -83,7 +87,7 @@ class ChainedVerify:
         kda.states.index_copy_(1, live, self.saved[1].index_select(1, idx))
         keep = [0] * len(self.step.new_lens)
         for i in short:
-            keep[self.verify[i]] = verified[i]
+            keep[self.drafted[i]] = count[self.drafted[i]]
         again = rows_of(self.step, keep)
         if again is not None and again.input_ids:
             c = self.cache
