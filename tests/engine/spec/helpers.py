@@ -47,14 +47,15 @@ def copy_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
 def engine(
     ckpt, spec: dict | None, prefix: bool = True, num_pages: int = 80, max_num_seqs: int = 4, max_model_len=160, **kw
 ) -> LLM:
-    """An fp32 engine with page 4 and unit 8 (small boundaries, so every path is crossed)."""
+    """An fp32 engine (unless `dtype` says otherwise) with page 4 and unit 8 (small boundaries, so
+    every path is crossed)."""
     cfg = ModelConfig.from_pretrained(ckpt)
     live = budget_for(cfg, max_num_seqs, num_pages, 4)
     ckpts = 12 * budget_for(cfg, 1, 0, 4) if prefix else 0
     kw.setdefault("max_num_batched_tokens", 29)
+    kw.setdefault("dtype", "float32")
     return LLM(
         ckpt,
-        dtype="float32",
         max_num_seqs=max_num_seqs,
         page_size=4,
         kv_cache_memory=live + ckpts,

@@ -1,12 +1,16 @@
 """Drafters (exact proposals), the adaptive draft length, the metrics and the config's checks."""
 
+import random
+
 import pytest
 
 from deltaserve import SamplingParams
 from deltaserve.engine.request.sequence import Sequence
 from deltaserve.engine.spec.adaptive import AdaptiveK, SpecMetrics
 from deltaserve.engine.spec.config import SpecConfig
+from deltaserve.engine.spec.decoder import SpecDecoder
 from deltaserve.engine.spec.drafters import NgramDrafter, SuffixDrafter
+from deltaserve.engine.spec.proposer import ModelFreeProposer
 
 
 def seq(prompt, output=()):
@@ -70,8 +74,68 @@ def test_adaptive_k_follows_acceptance_and_turns_off_then_probes():
     assert k.next_k() == 6
     for _ in range(80):
         k.observe(3, 0)
-    assert [k.next_k() for _ in range(8)] == [0, 0, 0, 1, 0, 0, 0, 1]
+    assert [(k.next_k(), k.probe_due) for _ in range(4)] == [(0, False)] * 3 + [(0, True)]
+    k.probe_taken()
+    k.observe(6, 0)  # the probe's score: it did not pay, the next one 8 steps on
+    assert [(k.next_k(), k.probe_due) for _ in range(8)] == [(0, False)] * 7 + [(0, True)]
     assert AdaptiveK(4, 0.1, 4, adaptive=False).next_k() == 4
+
+
+def probes(k: AdaptiveK, steps: int) -> list[int]:
+    """The decode steps (1-based) of the next `steps` at which a probe is due (none is taken)."""
+    out = []
+    for i in range(steps):
+        assert k.next_k() == 0
+        if k.probe_due:
+            out.append(i + 1)
+    return out
+
+
+def test_adaptive_k_weighs_a_drafted_steps_cost_and_backs_off_its_probes():
+    """Costs 0.25 a draft, 0.25 a drafted step, 0.5 a rollback: the prior (a = 1/2) does not pay
+    (k = 1: 1.5 tokens for 1.75 steps), so a request verifies nothing and probes from its first
+    decode step; a probe stays due until taken, and probes that do not make drafting pay come
+    ever rarer (8, then 16 steps on)."""
+    k = AdaptiveK(4, cost=0.25, probe_interval=4, step_cost=0.25, rollback_cost=0.5)
+    assert k.rate(1) == pytest.approx(1.5 / 1.75) and k.best_k() == 0
+    assert probes(k, 2) == [1, 2]  # due at once; not taken (no draft): still due
+    k.probe_taken()
+    assert probes(k, 3) == []  # out: no other probe, the idle count waits
+    k.observe(4, 0)  # scored: a = 1/3
+    assert probes(k, 8) == [8]
+    k.probe_taken()
+    k.observe(4, 0)
+    assert probes(k, 16) == [16]
+
+
+def test_adaptive_k_turns_on_after_an_accepted_probe_and_off_when_rejected():
+    """Same costs: a probe whose 4 drafts all came true (a = 5/6) makes k = 4 the best (3.59
+    tokens for 2.51 steps); a fully rejected verify step (a = 12/17) leaves k = 2 (2.20 for 2.00);
+    a second one (a = 0.61) makes no k pay, and the next probe is `probe_interval` steps on."""
+    k = AdaptiveK(4, cost=0.25, probe_interval=4, step_cost=0.25, rollback_cost=0.5)
+    assert probes(k, 1) == [1]
+    k.probe_taken()
+    k.observe(4, 4)
+    assert k.acceptance == pytest.approx(5 / 6) and k.next_k() == 4 and not k.probe_due
+    assert k.rate(4) == pytest.approx((1 - (5 / 6) ** 5) * 6 / (2.25 + 0.5 * (1 - (5 / 6) ** 4)))
+    k.observe(4, 0)
+    assert k.acceptance == pytest.approx(12 / 17) and k.next_k() == 2
+    k.observe(2, 0)
+    assert probes(k, 4) == [4]
+
+
+def test_adaptive_k_counts_a_draft_models_forwards():
+    """At acceptance ~0.99, 4 drafts pay at 0.25 a draft but not when each also costs a target-sized
+    drafter forward (the target as its own draft: 1.25 a draft), which turns drafting off."""
+    cheap, dear = (AdaptiveK(4, cost=c, probe_interval=4, step_cost=0.25, rollback_cost=0.5) for c in (0.25, 1.25))
+    for k in (cheap, dear):
+        for _ in range(50):
+            k.observe(4, 4)
+    assert cheap.best_k() == 4 and dear.best_k() == 0
+    spec = SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 4})
+    proposer = ModelFreeProposer(NgramDrafter(2, 3))
+    proposer.draft_cost = 1.0
+    assert SpecDecoder(spec, 64, proposer=proposer)._control(seq([1, 2, 3])).cost == spec.draft_cost + 1.0
 
 
 def test_metrics_count_by_position():
@@ -114,10 +178,17 @@ def test_config_parses_vllm_shape():
 
 
 def test_bench_workloads_copy_a_passage_and_free_form_does_not():
-    from deltaserve.bench.spec import workloads
+    """The copy requests (an edit of a passage) ask for text their prompt holds; the free-form ones
+    (arithmetic) do not hold their answers."""
+    from deltaserve.bench.spec import conversations
+    from deltaserve.train.tasks import arithmetic, copy_edit
 
-    w = workloads(vocab=1000, passage=40, batch=3, seed=0)
-    assert [len(p) for p in w["copy"]] == [50] * 3 == [len(p) for p in w["free"]]
-    assert all(p[40:] == p[:10] for p in w["copy"])
-    ngram = NgramDrafter(2, 4)
-    assert ngram.propose(seq(w["copy"][0]), 3) == w["copy"][0][10:13]
+    rng = random.Random(0)
+    copies = [copy_edit(rng, 6) for _ in range(4)]
+    assert conversations("copy", 4, 0, 6) == [c.messages for c in copies]
+    assert any(c.expect in c.messages[0]["content"] for c in copies), "an exact repeat"
+    assert all(len(c.expect) > 100 and c.expect[:20] in c.messages[0]["content"] for c in copies)
+    rng = random.Random(0)
+    sums = [arithmetic(rng) for _ in range(4)]
+    assert conversations("free", 4, 0, 6) == [a.messages for a in sums]
+    assert not any(a.content in a.messages[0]["content"] for a in sums)

@@ -32,7 +32,9 @@ def ckpts(request, tmp_path_factory):
 
 
 def spec_of(path, **kw) -> dict:
-    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": K, **kw}
+    """Adaptive k off: a drafter as costly as the target never pays (adaptive.py), and these tests
+    need its drafts."""
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": K, "adaptive": False, **kw}
 
 
 @pytest.mark.parametrize("pressure", [False, True], ids=["hits", "preemption"])
@@ -181,7 +183,7 @@ def test_hidden_state_taps_are_the_targets_rows(ckpts):
     """Every `hidden` a tapping proposer gets equals a cold forward's final hidden rows at the
     positions whose outputs were the sequence's last tokens (verify steps: several rows)."""
     target, _ = ckpts
-    llm = engine(target, {"method": "ngram", "num_speculative_tokens": K}, prefix=False)
+    llm = engine(target, {"method": "ngram", "num_speculative_tokens": K, "adaptive": False}, prefix=False)
     tap = llm.engine.spec.proposer = TapRecorder()
     outs = llm.generate(workload(3), GREEDY, use_tqdm=False)
     assert llm.stats()["spec_decode"]["accepted_tokens"] > 0

@@ -28,7 +28,8 @@ def test_handoff_into_a_speculating_decode_engine(ckpt, method):
     """draft_model (the checkpoint drafting for itself): the drafter never saw the prefill, so it
     rebuilds the received request's state from its tokens before its first drafts."""
     p, ref = make_llm(ckpt), make_llm(ckpt)
-    spec = {"method": method, "num_speculative_tokens": 4} | ({"model": str(ckpt)} if method == "draft_model" else {})
+    spec = {"method": method, "num_speculative_tokens": 4, "adaptive": False}
+    spec |= {"model": str(ckpt)} if method == "draft_model" else {}
     d = make_llm(ckpt, speculative_config=spec)
     rng = random.Random(5)
     base = [rng.randrange(10, 1700) for _ in range(40)]

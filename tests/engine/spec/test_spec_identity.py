@@ -11,7 +11,11 @@ from deltaserve import SamplingParams
 from .helpers import copy_prompts, engine, loopy_tiny
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-METHODS = [{"method": "ngram", "num_speculative_tokens": 4}, {"method": "suffix", "num_speculative_tokens": 3}]
+# adaptive k off: drafts whenever the drafter has some, so rejections and zero-draft steps occur
+METHODS = [
+    {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+    {"method": "suffix", "num_speculative_tokens": 3, "adaptive": False},
+]
 
 
 @pytest.fixture(scope="module", params=["kimi_k3", "kimi_linear"])
@@ -63,3 +67,14 @@ def test_seeded_sampling_repeats(ckpt):
     assert tokens(b.generate(prompts, other, use_tqdm=False)) != first
     sd = a.stats()["spec_decode"]
     assert sd["draft_tokens"] > 0 and sd["accepted_tokens"] > 0, sd
+
+
+def test_adaptive_k_engages_through_shadow_probes(ckpt):
+    """Adaptive k on (the default): drafting starts only once a shadow probe (scored, never
+    verified) finds the drafts pay; outputs stay the target's."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    on, off = engine(ckpt, spec, prefix=False), engine(ckpt, None, prefix=False)
+    prompts = workload(3)
+    assert tokens(on.generate(prompts, GREEDY, use_tqdm=False)) == tokens(off.generate(prompts, GREEDY, use_tqdm=False))
+    sd = on.stats()["spec_decode"]
+    assert sd["shadow_probes"] > 0 and sd["accepted_tokens"] > 0, sd

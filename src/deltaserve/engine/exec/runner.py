@@ -30,6 +30,7 @@ from ...model.kimi import KimiForCausalLM
 from ...parallel import SINGLE
 from ..request.mm_inputs import chunk_rows, gather_rows
 from ..sched.scheduler import ScheduledSeq
+from .chained_verify import ChainedVerify, chains, rows_of
 from .channel import ControlChannel
 from .encoder_cache import EncoderCache
 from .messages import EmbedRows, ExpertLoad, Fold, Idle, Snapshot, TensorBytes
@@ -74,11 +75,19 @@ class ModelRunner:
     @torch.inference_mode()
     def verify_logits(
         self, scheduled: list[ScheduledSeq], logit_rows: list[int], verify: list[bool]
-    ) -> tuple[torch.Tensor, ForwardBatch]:
+    ) -> tuple[torch.Tensor, ForwardBatch | ChainedVerify]:
         """A speculative verify step (engine/spec): fp32 logits of the packed `logit_rows` and the
         step's batch, whose verify sequences' live KDA states still hold the pre-verify state until
-        `fold` (on every rank: the other ranks keep their batch for the `Fold` that follows)."""
+        `fold` (on every rank: the other ranks keep their batch for the `Fold` that follows). On
+        one process with a backend that chains decode rows, the step runs as decode rows instead
+        (`ChainedVerify`: the live slots are past every fed token until `fold`)."""
         step = step_of(scheduled, self.cache, logit_rows, verify=verify)
+        native = self.channel is None and not self.keep_hidden and chains(self.model, self.cache)
+        rows = rows_of(step) if native else None
+        if rows is not None:  # one native decode call over the drafted rows (chained_verify.py)
+            chained = ChainedVerify(step, rows, verify, self.cache)
+            self.hidden = None
+            return chained.logits(self.model), chained
 
         def run():
             batch = forward_batch(
@@ -94,8 +103,10 @@ class ModelRunner:
         return self._on_ranks(step, run)
 
     @torch.inference_mode()
-    def fold(self, batch: ForwardBatch, verified: list[int]) -> None:
+    def fold(self, batch: ForwardBatch | ChainedVerify, verified: list[int]) -> None:
         """Fold each verify sequence's `verified` leading tokens into its live KDA state (every rank)."""
+        if isinstance(batch, ChainedVerify):
+            return batch.fold(self.model, verified)
 
         def run():
             batch.set_verified(verified)

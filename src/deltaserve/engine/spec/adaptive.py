@@ -2,53 +2,95 @@
 
 A request's per-token acceptance a is estimated from its verify steps with drafts: a step with k
 drafts of which m were accepted tested min(m + 1, k) positions and passed m (a geometric trial),
-both sums decayed by `DECAY` per step, with a prior of one pass in two tests. The expected tokens
-of a step with k drafts are (1 - a^(k+1)) / (1 - a) at a cost of 1 + c k decode steps; k is the
-argmax of their ratio over [0, k_max]. k = 0 turns drafting off for the request; every
-`probe_interval`-th decode step it drafts one token anyway, so a request whose text turns
-repetitive later gets drafting back."""
+both sums decayed by `DECAY` per step, with a prior of one pass in two tests. A step with k >= 1
+drafts yields (1 - a^(k+1)) / (1 - a) tokens in expectation and costs, in decode steps,
+
+    1 + step + k * per_token + rollback * (1 - a^k)
+
+(`step`: a drafted step's fixed extra work; `per_token`: verifying one more draft plus what the
+proposer spends on it, a draft model's forward; `rollback`: undoing rejected drafts, paid when any
+is rejected); a step without drafts yields 1 token at cost 1. k is the argmax of tokens per cost
+over [0, k_max] (ties: the smaller k), so a request whose acceptance does not pay for a drafted step falls
+to k = 0: drafting off for it. Then (and from its first decode step) it probes in the shadow: the
+decoder asks the proposer for k_max drafts without verifying them and, once the tokens they
+guessed are decoded, scores them as a verify step would (greedy acceptance) -- a probe costs a
+proposer call, never a verify step. A probe after which drafting still does not pay doubles
+`interval`, the decode steps to the next one (up to `MAX_PROBE_INTERVAL`); one after which it
+pays resets it to `probe_interval`: a request whose text turns repetitive later gets drafting
+back, one whose text never does asks ever less (a draft model's probe costs its forwards)."""
 
 from __future__ import annotations
 
 DECAY = 0.95
 PRIOR_PASS, PRIOR_TESTS = 1.0, 2.0
+MAX_PROBE_INTERVAL = 256
 
 
 class AdaptiveK:
-    def __init__(self, k_max: int, cost: float, probe_interval: int, adaptive: bool = True):
+    def __init__(
+        self,
+        k_max: int,
+        cost: float,
+        probe_interval: int,
+        adaptive: bool = True,
+        step_cost: float = 0.0,
+        rollback_cost: float = 0.0,
+    ):
+        """`cost`: per draft token, `step_cost` and `rollback_cost` as the module docstring's cost."""
         self.k_max, self.cost, self.probe_interval, self.adaptive = k_max, cost, probe_interval, adaptive
+        self.step_cost, self.rollback_cost = step_cost, rollback_cost
         self.passed, self.tested = 0.0, 0.0
-        self.idle = 0  # decode steps since drafting was last allowed
+        self.idle = probe_interval - 1  # decode steps since drafting was last on (a new request probes)
+        self.interval = probe_interval  # decode steps between probes while k = 0
+        self.probing = False  # a shadow probe is out (its `observe` settles it)
+        self.best = self.best_k()
 
     @property
     def acceptance(self) -> float:
         return (self.passed + PRIOR_PASS) / (self.tested + PRIOR_TESTS)
 
+    def rate(self, k: int) -> float:
+        """Expected tokens per unit of step cost with k drafts."""
+        if k == 0:
+            return 1.0
+        a = min(self.acceptance, 1.0 - 1e-9)
+        cost = 1.0 + self.step_cost + self.cost * k + self.rollback_cost * (1.0 - a**k)
+        return (1.0 - a ** (k + 1)) / (1.0 - a) / cost
+
     def best_k(self) -> int:
         """The k in [0, k_max] with the most expected tokens per unit of step cost."""
-        a = min(self.acceptance, 1.0 - 1e-9)
-        rates = [(1.0 - a ** (k + 1)) / (1.0 - a) / (1.0 + self.cost * k) for k in range(self.k_max + 1)]
-        return max(range(self.k_max + 1), key=rates.__getitem__)
+        rates = [self.rate(k) for k in range(self.k_max + 1)]
+        return max(range(self.k_max + 1), key=lambda k: (rates[k], -k))
 
     def next_k(self) -> int:
-        """Drafts allowed in this decode step (0: off, but for the periodic probe)."""
+        """Drafts to verify in this decode step (0: none; `probe_due` then says whether to probe)."""
         if not self.adaptive:
             return self.k_max
-        k = self.best_k()
-        if k > 0:
-            self.idle = 0
-            return k
-        self.idle += 1
-        if self.idle >= self.probe_interval:
-            self.idle = 0
-            return 1
+        if self.best > 0:
+            self.idle, self.interval = 0, self.probe_interval
+            return self.best
+        if not self.probing:
+            self.idle += 1
         return 0
+
+    @property
+    def probe_due(self) -> bool:
+        """Whether to take a shadow probe now (k = 0, none out, `interval` steps since the last)."""
+        return self.adaptive and self.best == 0 and not self.probing and self.idle >= self.interval
+
+    def probe_taken(self) -> None:
+        """A shadow probe's drafts are out; the `observe` of their score settles it."""
+        self.probing = True
 
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
             return
         self.passed = DECAY * self.passed + accepted
         self.tested = DECAY * self.tested + min(accepted + 1, drafted)
+        self.best = self.best_k()
+        if self.probing:
+            self.interval = self.probe_interval if self.best > 0 else min(2 * self.interval, MAX_PROBE_INTERVAL)
+            self.idle, self.probing = 0, False
 
 
 class SpecMetrics:

@@ -26,8 +26,11 @@ class SpecConfig:
     draft_model: a small model of our family at `model` (a checkpoint directory with the target's
     vocabulary and tokenizer) drafts greedily (spec/draft_model.py).
     `adaptive`: each request's k follows its running acceptance (0 turns drafting off for it
-    until a probe `probe_interval` decode steps later); `draft_cost` is the cost of verifying one
-    draft token relative to a decode step, the price the choice of k weighs."""
+    until a probe `probe_interval` decode steps later, backing off while probes fail), weighing
+    costs in decode steps (spec/adaptive.py): `draft_cost` of verifying one draft token (a draft
+    model adds its own forward's), `step_cost` of a drafted step's fixed work, `rollback_cost` of
+    undoing rejected drafts. The defaults are the native CPU path's, measured on the small
+    default model (docs/performance.md)."""
 
     method: str
     num_speculative_tokens: int
@@ -38,7 +41,9 @@ class SpecConfig:
     suffix_min_prob: float = 0.1
     suffix_cache_requests: int = 64
     adaptive: bool = True
-    draft_cost: float = 0.1
+    draft_cost: float = 0.35
+    step_cost: float = 0.3
+    rollback_cost: float = 1.0
     probe_interval: int = 16
 
     def __post_init__(self):
@@ -54,6 +59,10 @@ class SpecConfig:
             raise ValueError("prompt_lookup_min must not exceed prompt_lookup_max")
         if not 0.0 <= self.suffix_min_prob <= 1.0 or not 0.0 <= self.draft_cost <= 1.0:
             raise ValueError("suffix_min_prob and draft_cost must lie in [0, 1]")
+        for name in ("step_cost", "rollback_cost"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 10.0:
+                raise ValueError(f"speculative {name} must be a number in [0, 10], got {v!r}")
         if (self.method == "draft_model") != (self.model is not None):
             raise ValueError('speculative "model" (a checkpoint directory) is required by, and only by, draft_model')
         if self.model is not None and (not isinstance(self.model, str) or not self.model):

@@ -62,6 +62,8 @@ class SpecDecoder:
         self._drafts: dict[Sequence, list[int]] = {}  # this step's proposals, taken by `propose`
         self._hidden: weakref.WeakKeyDictionary[Sequence, torch.Tensor] = weakref.WeakKeyDictionary()
         self._decoding: weakref.WeakSet[Sequence] = weakref.WeakSet()  # sequences the proposer was asked for
+        self._shadow: weakref.WeakKeyDictionary[Sequence, tuple] = weakref.WeakKeyDictionary()  # probes out
+        self.probes = 0  # shadow probes scored
 
     @staticmethod
     def eligible(seq: Sequence) -> bool:
@@ -81,30 +83,58 @@ class SpecDecoder:
         control = self._k.get(seq)
         if control is None:
             c = self.config
-            control = self._k[seq] = AdaptiveK(c.num_speculative_tokens, c.draft_cost, c.probe_interval, c.adaptive)
+            per_token = c.draft_cost + getattr(self.proposer, "draft_cost", 0.0)
+            control = self._k[seq] = AdaptiveK(
+                c.num_speculative_tokens, per_token, c.probe_interval, c.adaptive, c.step_cost, c.rollback_cost
+            )
         return control
 
     def prepare(self, runner: ModelRunner, running: list[Sequence]) -> None:
         """Before scheduling: release the sequences that stopped running since the last step
         without finishing (preempted, aborted: an abort is released here, at the next step), then
         ask the proposer once for the drafts of every running decoding sequence whose k is
-        positive now."""
+        positive now, and for the shadow probes due (adaptive.py), which are only scored."""
         runner.keep_hidden = self.proposer.wants_hidden
         live = set(running)
         for seq in [s for s in self._decoding if s not in live]:  # preempted or aborted (`finished` left)
             self._decoding.discard(seq)
             self._hidden.pop(seq, None)
             self.proposer.release(seq)
-        requests = []
+        requests, probes = [], []
         for seq in running:
             if seq.num_pending != 1 or not self.eligible(seq):
                 continue
-            k = min(self._control(seq).next_k(), self._room(seq))
+            control = self._control(seq)
+            shadow = self._shadow.get(seq)
+            if shadow is not None:
+                self._score_probe(seq, control, *shadow)
+            k = control.next_k()
+            k = min(k, self._room(seq)) if k else 0
             if k > 0:
-                self._decoding.add(seq)
                 requests.append(DraftRequest(seq, k, self._hidden.pop(seq, None)))
-        proposals = self.proposer.propose(requests) if requests else []
+            elif control.probe_due and self._room(seq) > 0:
+                probes.append(DraftRequest(seq, control.k_max, self._hidden.pop(seq, None)))
+        asked = requests + probes
+        proposals = self.proposer.propose(asked) if asked else []
+        for r in asked:
+            self._decoding.add(r.seq)
         self._drafts = {r.seq: d[: r.k] for r, d in zip(requests, proposals)}
+        for r, d in zip(probes, proposals[len(requests) :]):
+            if d:  # else the probe stays due: a step without a draft costs nothing
+                self._shadow[r.seq] = (r.seq.num_tokens, list(d[: r.k]))
+                self._k[r.seq].probe_taken()
+
+    def _score_probe(self, seq: Sequence, control: AdaptiveK, start: int, drafts: list[int]) -> None:
+        """Once decoded tokens decide it, score a shadow probe as a greedy verify step: its leading
+        drafts equal to the tokens decoded at their positions are accepted."""
+        have = seq.token_slice(start, min(seq.num_tokens, start + len(drafts)))
+        m = 0
+        while m < len(have) and have[m] == drafts[m]:
+            m += 1
+        if m < len(have) or m == len(drafts):
+            del self._shadow[seq]
+            self.probes += 1
+            control.observe(len(drafts), m)
 
     def propose(self, seq: Sequence, most: int) -> list[int]:
         """The scheduler's drafter: this step's proposal for a decoding sequence, at most `most`."""
@@ -158,11 +188,7 @@ class SpecDecoder:
         """Accept or reject each verify sequence's drafts; returns the accepted counts."""
         pos = self._positions(scheduled, rows, verify)
         mine = [i for i, v in enumerate(verify) if v]
-        vrows = [
-            dataclasses.replace(rows[i], output_ids=list(scheduled[i].seq.output_ids) + list(scheduled[i].drafts[:j]))
-            for i in mine
-            for j in range(scheduled[i].width)
-        ]
+        vrows = [r for i in mine for r in self._rows_at(rows[i], scheduled[i])]
         idx = torch.tensor([p for i in mine for p in pos[i]], device=logits.device)
         x = Sampler.penalized_logits(logits.index_select(0, idx), vrows)
         ops = getattr(runner.model, "ops", None)
@@ -183,6 +209,17 @@ class SpecDecoder:
                 self._k[s.seq].observe(len(s.drafts), len(out) - 1)
         return accepted
 
+    @staticmethod
+    def _rows_at(row: SamplingRow, s: ScheduledSeq) -> list[SamplingRow]:
+        """`row` at each of `s`'s verified positions: its outputs grown by the drafts before it where
+        penalties or a min_tokens ban read them, else `row` itself (no per-position copy)."""
+        p, n = s.seq.params, len(s.seq.output_ids)
+        reads = p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty or p.min_tokens > n
+        if not reads:
+            return [row] * s.width
+        out = list(s.seq.output_ids)
+        return [dataclasses.replace(row, output_ids=out + list(s.drafts[:j])) for j in range(s.width)]
+
     def settle(self, runner: ModelRunner, scheduled: list[ScheduledSeq], rows: list, appended: list[int]) -> None:
         """After the engine appended a step's tokens: fold, per verify sequence, the tokens now
         verified (`appended[i]` of scheduled sequence i: the fed tokens they follow), and keep the
@@ -202,7 +239,8 @@ class SpecDecoder:
     def finished(self, seq: Sequence) -> None:
         """A sequence finished: its proposer state goes (into the session store, for suffix)."""
         self._decoding.discard(seq)
+        self._shadow.pop(seq, None)
         self.proposer.finished(seq)
 
     def stats(self) -> dict:
-        return {**self.metrics.stats(), **self.proposer.stats()}
+        return {**self.metrics.stats(), "shadow_probes": self.probes, **self.proposer.stats()}

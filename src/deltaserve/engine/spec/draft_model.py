@@ -36,6 +36,7 @@ import torch
 
 from ...cache import CacheLayout, CacheManager, ForwardBatch, build_pools
 from ...model import KimiForCausalLM, load_model
+from ..exec.chained_verify import chains
 from ..request.sequence import Sequence
 from .proposer import DraftRequest
 
@@ -64,8 +65,20 @@ def check_same_vocab(target_dir: str | Path, target: KimiForCausalLM, draft_dir:
         raise ValueError(f"draft model {draft_dir}: special tokens (tokenizer_config.json) differ from the target's")
 
 
+CHAIN_ROWS = 32  # a catch-up of at most this many tokens a sequence runs as chained decode rows
+
+
+def relative_cost(draft: KimiForCausalLM, target: KimiForCausalLM) -> float:
+    """A drafter forward's cost in target decode steps: the larger of the layer-count and the
+    parameter-count ratios (small models on a CPU pay per layer call; large ones per weight read)."""
+    layers = draft.config.num_hidden_layers / target.config.num_hidden_layers
+    params = sum(p.numel() for p in draft.parameters()) / max(1, sum(p.numel() for p in target.parameters()))
+    return max(layers, params)
+
+
 class DraftModelProposer:
     wants_hidden = False
+    draft_cost = 1.0  # per draft token, in target decode steps (`load` sets it: `relative_cost`)
 
     def __init__(
         self,
@@ -85,6 +98,7 @@ class DraftModelProposer:
         layout = CacheLayout(page_size, pages, 2 * max_num_seqs, 0, 0, model.dtype, torch.float32)
         mla, kda, _ = build_pools(model.config, layout, model.device)
         self.cache = CacheManager(mla, kda)
+        self.chained = chains(model, self.cache)
         self.computed: dict[Sequence, int] = {}
         self.counts = {"forwards": 0, "catchup_tokens": 0, "rebuilds": 0}
         self._released: set[int] = set()  # seq ids released while unfinished (a later admit rebuilds)
@@ -98,7 +112,9 @@ class DraftModelProposer:
         if not Path(path).is_dir():
             raise ValueError(f"draft model {path!r} is not a checkpoint directory")
         check_same_vocab(target_dir, target, path, ModelConfig.from_pretrained(path))
-        return cls(load_model(path, dtype=target.dtype, device=target.device, progress=False), **kw)
+        proposer = cls(load_model(path, dtype=target.dtype, device=target.device, progress=False), **kw)
+        proposer.draft_cost = relative_cost(proposer.model, target)
+        return proposer
 
     @property
     def slot_bytes(self) -> int:
@@ -164,14 +180,22 @@ class DraftModelProposer:
         return [out[id(r)] for r in requests]
 
     def _forward(self, ids: list[int], starts: list[int], lens: list[int], seqs: list[Sequence], slots, rows):
-        """fp32 logits at packed `rows` of one drafter forward (each sequence's pages, `slots`)."""
+        """fp32 logits at packed `rows` of one drafter forward (each sequence's pages, `slots`). A
+        catch-up of a few tokens a sequence runs as chained decode rows where the drafter's backend
+        chains them (engine/exec/chained_verify.py), not as a prefill."""
         pages = [self.cache.seqs[s.seq_id].pages for s in seqs]
         mla, kda, model = self.cache.mla, self.cache.kda, self.model
+        if self.chained and min(starts) > 0 and 1 < max(lens) <= CHAIN_ROWS:
+            pages = [p for p, n in zip(pages, lens) for _ in range(n)]
+            slots = [sl for sl, n in zip(slots, lens) for _ in range(n)]
+            starts = [s + j for s, n in zip(starts, lens) for j in range(n)]
+            lens = [1] * len(ids)
         ids_t = torch.tensor(ids, dtype=torch.long)
         batch = ForwardBatch(ids_t, starts, lens, pages, slots, mla, kda, logit_rows=rows, device=model.device)
         self.counts["forwards"] += 1
-        if batch.decode_only and rows == list(range(len(ids))):
-            return model.decode_logits(batch.input_ids, batch.context())
+        if batch.decode_only:
+            logits = model.decode_logits(batch.input_ids, batch.context())
+            return logits if rows == list(range(len(ids))) else logits.index_select(0, batch.logit_rows)
         hidden = model(batch.input_ids, batch.context())
         return model.compute_logits(hidden.index_select(0, batch.logit_rows)) if rows else hidden.new_zeros(0, 1)
 

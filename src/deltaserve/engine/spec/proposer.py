@@ -17,6 +17,10 @@ also turns off the fused decode call that never materialises them). `hidden` is 
 sequence with no such rows yet (the first request after a preemption or a handoff). Taps of
 inner layers would extend `keep_hidden` the same way; no drafter of that kind is built yet.
 
+Cost: `draft_cost` is what the proposer spends per draft token, in target decode steps (a model
+drafter's forward; ~0 for an index lookup); the adaptive k (adaptive.py) adds it to the cost of
+verifying a draft.
+
 State: a proposer may keep per-sequence state (a draft model's cache); `release(seq)` says the
 sequence stopped decoding without finishing (preempted, aborted): its state goes, and a later
 request for it rebuilds from `seq`'s tokens. `finished(seq)` says it finished. Drafts must be
@@ -41,6 +45,7 @@ class DraftRequest:
 
 class Proposer(Protocol):
     wants_hidden: bool
+    draft_cost: float
 
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
         """At most `r.k` draft tokens after each request's sequence, in order."""
@@ -57,6 +62,7 @@ class ModelFreeProposer:
     """An n-gram or suffix drafter (drafters.py) behind the protocol."""
 
     wants_hidden = False
+    draft_cost = 0.0
 
     def __init__(self, drafter):
         self.drafter = drafter

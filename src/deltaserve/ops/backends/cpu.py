@@ -64,7 +64,11 @@ def _mla_reason(heads: int, rank: int) -> str:
 
 class CpuNativeOps(CpuStackOps, CpuDenseOps):
     """See the module docstring (`fuse_blocks`: see `CpuDenseOps`; `fuse_stack`: `CpuStackOps`;
-    `flash_prefill`: the MLA prefill attention on the native flash kernel, else SDPA)."""
+    `flash_prefill`: the MLA prefill attention on the native flash kernel, else SDPA).
+    `chains_decode_rows`: in a decode step, adjacent rows on one KDA slot are applied in row order
+    (`ds_kda_decode`), so a sequence's k + 1 tokens may run as k + 1 rows (a speculative verify)."""
+
+    chains_decode_rows = True
 
     def __init__(self, kernels, fuse_blocks: bool = True, fuse_stack: bool = True, flash_prefill: bool = True):
         super().__init__(kernels, fuse_blocks)

@@ -150,52 +150,77 @@ static void l2norm(float *v, int n) {
     for (int i = 0; i < n; ++i) v[i] *= r;
 }
 
+/* Row b's head h: its conv step, gate, delta-rule update and gated norm (`next`: the state the thread
+ * updates after this one, prefetched, or NULL). Returns 0, -1 allocation. */
+static int kda_item(int b, int h, int H, int K, int W, const uint16_t *xq, const uint16_t *xk, const uint16_t *xv,
+                    const float *conv_w, uint16_t *tails, float *states, const int64_t *slots, const uint16_t *f,
+                    const float *a_log, const float *dt_bias, int gate_kind, float lower_bound,
+                    const uint16_t *b_logit, const uint16_t *gate, const float *norm_w, float eps, float scale,
+                    uint16_t *out, const float *next) {
+    const int P = H * K, C3 = 3 * P;
+    float *q = malloc(sizeof(float) * (size_t)K * 5);
+    if (!q) return -1;
+    float *k = q + K, *v = k + K, *g = v + K, *o = g + K;
+    uint16_t *tail = tails + slots[b] * (int64_t)(W - 1) * C3;
+    float *S = states + (slots[b] * (int64_t)H + h) * (int64_t)K * K;
+    const int64_t row = (int64_t)b * P + (int64_t)h * K;
+    conv_step(xq + row, tail, conv_w, W, C3, h * K, K, q);
+    conv_step(xk + row, tail, conv_w, W, C3, P + h * K, K, k);
+    conv_step(xv + row, tail, conv_w, W, C3, 2 * P + h * K, K, v);
+    l2norm(q, K);
+    l2norm(k, K);
+    const float a = expf(a_log[h]);
+    for (int i = 0; i < K; ++i) g[i] = bf16_to_f32(f[row + i]) + dt_bias[h * K + i];
+    if (gate_kind == DS_GATE_SIGMOID) {
+        #pragma omp simd
+        for (int i = 0; i < K; ++i) g[i] = ds_exp(lower_bound * ds_sigmoid(a * g[i]));   /* the decay d */
+    } else {
+        #pragma omp simd
+        for (int i = 0; i < K; ++i) g[i] = ds_exp(-a * ds_softplus(g[i]));
+    }
+    const float beta = ds_sigmoid(bf16_to_f32(b_logit[(int64_t)b * H + h]));
+    state_update(S, K, q, k, v, g, beta, next, o);
+    float ms = 0.f;
+    for (int j = 0; j < K; ++j) { o[j] *= scale; ms += o[j] * o[j]; }
+    const float r = 1.f / sqrtf(ms / (float)K + eps);
+    float *y = g;   /* the decay is spent: the output's fp32 values */
+    #pragma omp simd
+    for (int j = 0; j < K; ++j) y[j] = o[j] * r * norm_w[j] * ds_sigmoid(bf16_to_f32(gate[row + j]));
+    for (int j = 0; j < K; ++j) out[row + j] = f32_to_bf16(y[j]);
+    free(q);
+    return 0;
+}
+
+/* One token per row b, on slot slots[b]. Rows that share a slot must be adjacent (a speculative
+ * verify's consecutive tokens of one sequence, engine/spec): they are applied in row order, each
+ * reading the state its predecessor left, so such a run of rows equals that many decode steps. With
+ * such a run the threads split the heads (rows in order within a head), else the (row, head) items. */
 int ds_kda_decode(int B, int H, int K, int W, const uint16_t *xq, const uint16_t *xk,
                   const uint16_t *xv, const float *conv_w, uint16_t *tails, float *states,
                   const int64_t *slots, const uint16_t *f, const float *a_log, const float *dt_bias,
                   int gate_kind, float lower_bound, const uint16_t *b_logit, const uint16_t *gate,
                   const float *norm_w, float eps, float scale, uint16_t *out, int nthreads) {
     const int P = H * K, C3 = 3 * P;
-    int bad = 0;
+    int bad = 0, chained = 0;
+    for (int b = 1; b < B; ++b) chained |= slots[b] == slots[b - 1];
+    if (chained) {
+        #pragma omp parallel for num_threads(nthreads) schedule(static) reduction(| : bad)
+        for (int h = 0; h < H; ++h)
+            for (int b = 0; b < B; ++b)
+                bad |= kda_item(b, h, H, K, W, xq, xk, xv, conv_w, tails, states, slots, f, a_log, dt_bias, gate_kind,
+                                lower_bound, b_logit, gate, norm_w, eps, scale, out, NULL) != 0;
+        return bad ? -1 : 0;
+    }
     #pragma omp parallel for num_threads(nthreads) schedule(static) reduction(| : bad)
     for (int t = 0; t < B * H; ++t) {
-        const int b = t / H, h = t % H;
-        float *q = malloc(sizeof(float) * (size_t)K * 5);
-        if (!q) { bad |= 1; continue; }
-        float *k = q + K, *v = k + K, *g = v + K, *o = g + K;
-        uint16_t *tail = tails + slots[b] * (int64_t)(W - 1) * C3;
-        float *S = states + (slots[b] * (int64_t)H + h) * (int64_t)K * K;
-        const int64_t row = (int64_t)b * P + (int64_t)h * K;
         const float *next = NULL;   /* the next item's state, and its conv tail lines now: both come from memory */
         if (t + 1 < B * H) {
             const int64_t nb = slots[(t + 1) / H], nh = (t + 1) % H;
             next = states + (nb * H + nh) * (int64_t)K * K;
             prefetch_tail(tails + nb * (int64_t)(W - 1) * C3, W, C3, nh * K, P, K);
         }
-        conv_step(xq + row, tail, conv_w, W, C3, h * K, K, q);
-        conv_step(xk + row, tail, conv_w, W, C3, P + h * K, K, k);
-        conv_step(xv + row, tail, conv_w, W, C3, 2 * P + h * K, K, v);
-        l2norm(q, K);
-        l2norm(k, K);
-        const float a = expf(a_log[h]);
-        for (int i = 0; i < K; ++i) g[i] = bf16_to_f32(f[row + i]) + dt_bias[h * K + i];
-        if (gate_kind == DS_GATE_SIGMOID) {
-            #pragma omp simd
-            for (int i = 0; i < K; ++i) g[i] = ds_exp(lower_bound * ds_sigmoid(a * g[i]));   /* the decay d */
-        } else {
-            #pragma omp simd
-            for (int i = 0; i < K; ++i) g[i] = ds_exp(-a * ds_softplus(g[i]));
-        }
-        const float beta = ds_sigmoid(bf16_to_f32(b_logit[(int64_t)b * H + h]));
-        state_update(S, K, q, k, v, g, beta, next, o);
-        float ms = 0.f;
-        for (int j = 0; j < K; ++j) { o[j] *= scale; ms += o[j] * o[j]; }
-        const float r = 1.f / sqrtf(ms / (float)K + eps);
-        float *y = g;   /* the decay is spent: the output's fp32 values */
-        #pragma omp simd
-        for (int j = 0; j < K; ++j) y[j] = o[j] * r * norm_w[j] * ds_sigmoid(bf16_to_f32(gate[row + j]));
-        for (int j = 0; j < K; ++j) out[row + j] = f32_to_bf16(y[j]);
-        free(q);
+        bad |= kda_item(t / H, t % H, H, K, W, xq, xk, xv, conv_w, tails, states, slots, f, a_log, dt_bias, gate_kind,
+                        lower_bound, b_logit, gate, norm_w, eps, scale, out, next) != 0;
     }
     return bad ? -1 : 0;
 }
