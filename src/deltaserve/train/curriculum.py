@@ -17,21 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from ..chat.render import render_chat
-from .tasks import RECALL_TOKENS_PER_UNIT, TASKS, Sample, copy_edit, recall
+from .tasks import RECALL_TOKENS_PER_UNIT, TASKS, Sample, recall
 
 EVAL_SEED_BASE = 1_000_000
-# share of samples per task in training (recall's long contexts make it the largest share of tokens);
-# `copy_short` is training-only: the copy task on 1-2 sentences, the densest copying signal (copying
-# is what recall and tool arguments need too)
-MIX = {
-    "greet": 0.04,
-    "arithmetic": 0.33,
-    "recall": 0.13,
-    "copy": 0.12,
-    "copy_short": 0.12,
-    "tool_call": 0.17,
-    "tool_answer": 0.09,
-}
+# share of samples per task in training (recall's long contexts make it the largest share of tokens)
+MIX = {"greet": 0.05, "arithmetic": 0.38, "recall": 0.12, "copy": 0.17, "tool_call": 0.18, "tool_answer": 0.10}
 
 
 @dataclass
@@ -64,8 +54,6 @@ def draw(rng: random.Random, task: str | None = None, recall_size: tuple[int, in
         task = rng.choices(list(MIX), weights=list(MIX.values()))[0]
     if task == "recall":
         return recall(rng, rng.randint(*recall_size))
-    if task == "copy_short":
-        return copy_edit(rng, rng.randint(1, 2))
     return TASKS[task](rng)
 
 

@@ -192,9 +192,8 @@ def recall(rng: random.Random, size: int = 1024) -> Sample:
     return Sample("recall", _user(q), answer, f"I look for the code of {who} in the text.", expect=codes[who])
 
 
-def copy_edit(rng: random.Random, sentences: int | None = None) -> Sample:
-    """Repeat a passage of `sentences` (default 2-6) exactly, or repeat it with one noun replaced."""
-    text = passage(rng, sentences or rng.randint(2, 6))
+def copy_edit(rng: random.Random) -> Sample:
+    text = passage(rng, rng.randint(2, 6))
     if rng.random() < 0.5:
         q = f"Repeat the following text exactly:\n{text}"
         return Sample("copy", _user(q), text, "I repeat the text.", expect=text)
@@ -257,16 +256,14 @@ def _offered(rng: random.Random, name: str) -> list[dict]:
 
 
 def tool_call(rng: random.Random) -> Sample:
-    """The reasoning restates the arguments as the message gives them, then names the tool."""
     text, args, _ = _tool_request(rng)
     name = _call_name(text)
     call = {"name": name, "arguments": args}
-    given = ", ".join(f"{k} {v}" for k, v in args.items())
     return Sample(
         "tool_call",
         _user(text),
         "",
-        f"The user gives {given}. The user needs {name}. I call it.",
+        f"The user needs {name}. I call it.",
         call,
         _offered(rng, name),
         expect=call,

@@ -48,7 +48,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     qat_from: float = 0.75  # fraction of the steps after which experts train through MXFP4
     thinking_share: float = 0.5
-    recall_max: int = 2560  # largest recall size trained (`tasks.recall`: ~4.5k tokens; grows over the run)
+    recall_max: int = 3072  # largest recall size trained (`tasks.recall`: ~5.4k tokens; grows over the run)
     checkpoint_every: int = 50
 
     def lr_at(self, step: int) -> float:
@@ -59,10 +59,10 @@ class TrainConfig:
 
     def recall_size(self, step: int) -> tuple[int, int]:
         """Recall sizes (`tasks.recall`): 256-1024 (~450-1800 tokens) for the first third, then
-        384 (~670 tokens) to `recall_max` (eval's 1k-4k tokens is 585-2340)."""
+        512 to `recall_max`."""
         if step < self.steps // 3:
             return (256, 1024)
-        return (384, self.recall_max)
+        return (512, self.recall_max)
 
 
 class Trainer:
