@@ -192,8 +192,10 @@ def recall(rng: random.Random, size: int = 1024) -> Sample:
     return Sample("recall", _user(q), answer, f"I look for the code of {who} in the text.", expect=codes[who])
 
 
-def copy_edit(rng: random.Random) -> Sample:
-    text = passage(rng, rng.randint(2, 6))
+def copy_edit(rng: random.Random, sentences: int | None = None) -> Sample:
+    """Repeat a passage of `sentences` (default 2-6, the curriculum's and eval's draw) exactly, or
+    with one noun replaced."""
+    text = passage(rng, sentences or rng.randint(2, 6))
     if rng.random() < 0.5:
         q = f"Repeat the following text exactly:\n{text}"
         return Sample("copy", _user(q), text, "I repeat the text.", expect=text)
