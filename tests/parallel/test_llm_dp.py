@@ -195,10 +195,15 @@ def test_an_interrupted_call_aborts_its_requests_and_the_replicas_go_on(two):
         os.kill(r.proc.pid, signal.SIGINT)
     aborted = two.stats()["requests_aborted"]
     # the call decodes to max_model_len (~1000 steps, well under a second on the native kernels):
-    # the interrupt comes early in it
-    threading.Timer(0.1, _thread.interrupt_main).start()
-    with pytest.raises(KeyboardInterrupt):
-        two.generate([ids(1, 8), ids(2, 8)], SamplingParams(max_tokens=3000, ignore_eos=True), use_tqdm=False)
+    # the interrupt comes early in it, through Python's own Ctrl-C handler (interrupt_main does
+    # nothing where the handler is SIG_IGN, as in a pytest started in the background by a shell)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.1, _thread.interrupt_main).start()
+        with pytest.raises(KeyboardInterrupt):
+            two.generate([ids(1, 8), ids(2, 8)], SamplingParams(max_tokens=3000, ignore_eos=True), use_tqdm=False)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     stats = two.stats()
     assert stats["num_running"] == stats["num_waiting"] == 0 and stats["requests_aborted"] == aborted + 2
     assert all(r.proc.poll() is None for r in two._dp.replicas)

@@ -201,6 +201,7 @@ def test_what_arrives_as_the_engine_stops_is_refused(engine):
             await asyncio.wait_for(add, 5)
 
     asyncio.run(main())
+    engine._thread.join(10)  # the thread fails the late request, then ends: wait for the end
     assert engine.failure == "stopped by the test" and not engine.alive
 
 
