@@ -124,6 +124,17 @@ class Sampler:
             tokens[idx] = argmax(probs / q)
         return SamplerOutput(tokens.tolist(), self._logprobs(logits, tokens, rows))
 
+    @staticmethod
+    def reads_outputs(params: SamplingParams, num_outputs: int) -> bool:
+        """Whether `penalized_logits` reads a row's output ids: a repetition, frequency or presence
+        penalty, or a min_tokens ban still on after `num_outputs` outputs."""
+        return (
+            params.repetition_penalty != 1.0
+            or params.frequency_penalty != 0.0
+            or params.presence_penalty != 0.0
+            or num_outputs < params.min_tokens
+        )
+
     @classmethod
     def penalized_logits(cls, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Steps 0-2 (logit bias, penalties, min_tokens bans, grammar masks) on a fp32 copy of `logits`; `logits`

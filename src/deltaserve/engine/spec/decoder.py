@@ -213,9 +213,7 @@ class SpecDecoder:
     def _rows_at(row: SamplingRow, s: ScheduledSeq) -> list[SamplingRow]:
         """`row` at each of `s`'s verified positions: its outputs grown by the drafts before it where
         penalties or a min_tokens ban read them, else `row` itself (no per-position copy)."""
-        p, n = s.seq.params, len(s.seq.output_ids)
-        reads = p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty or p.min_tokens > n
-        if not reads:
+        if not Sampler.reads_outputs(s.seq.params, len(s.seq.output_ids)):
             return [row] * s.width
         out = list(s.seq.output_ids)
         return [dataclasses.replace(row, output_ids=out + list(s.drafts[:j])) for j in range(s.width)]
