@@ -73,6 +73,15 @@ def _bf16(t: torch.Tensor | None, shape: tuple[int, ...]) -> bool:
     return t is None or (t.dtype == torch.bfloat16 and t.is_contiguous() and tuple(t.shape) == shape)
 
 
+def kda_record_width(plan: KdaBlockPlan) -> int:
+    """bf16 values a row takes in `kda_block`'s record: q, k, v, f (P each) and b (H)."""
+    return 4 * plan.H * plan.K + plan.H
+
+
+def _record_fits(record: torch.Tensor, n: int, plan: KdaBlockPlan) -> bool:
+    return record.dtype == torch.bfloat16 and record.is_contiguous() and record.numel() == n * kda_record_width(plan)
+
+
 class BlockBindings:
     """Mixin of `NativeKernels` (`self.lib`: the library, its signatures declared from ds_abi.h)."""
 
@@ -198,10 +207,18 @@ class BlockBindings:
         return min(self.multi_rows(k) for k in (plan.D, plan.K, plan.H * plan.K))
 
     def kda_block(
-        self, plan: KdaBlockPlan, x: torch.Tensor, tails: torch.Tensor, states: torch.Tensor, slots: torch.Tensor
+        self,
+        plan: KdaBlockPlan,
+        x: torch.Tensor,
+        tails: torch.Tensor,
+        states: torch.Tensor,
+        slots: torch.Tensor,
+        record: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One KDA decode step of x [N, D] bf16 (N within `multi_rows` of D, K and P), updating the
-        pool's `tails` [S, W-1, 3P] bf16 and `states` [S, H, K, K] fp32 at `slots` in place."""
+        pool's `tails` [S, W-1, 3P] bf16 and `states` [S, H, K, K] fp32 at `slots` in place.
+        `record`: N x `kda_record_width(plan)` bf16 (contiguous), filled with the rows' KDA inputs
+        (`ds_kda_block`'s record, what `kda_replay` reads)."""
         n, d = x.shape
         ok = (
             x.dtype == torch.bfloat16
@@ -210,6 +227,7 @@ class BlockBindings:
             and kda_pool_fits(tails, states, plan.H, plan.K, plan.W)
             and slots.dtype == torch.int64
             and slots.numel() == n
+            and (record is None or _record_fits(record, n, plan))
         )
         if not ok:
             raise ValueError("kda_block: operand shapes or dtypes disagree")
@@ -223,6 +241,7 @@ class BlockBindings:
             states.data_ptr(),
             slots.data_ptr(),
             states.shape[0],
+            _ptr(record),
             out.data_ptr(),
             torch.get_num_threads(),
         )
@@ -231,6 +250,50 @@ class BlockBindings:
         if rc != 0:
             raise MemoryError("kda_block: scratch allocation failed")
         return out
+
+    def kda_replay(
+        self,
+        layers: list[tuple[KdaBlockPlan, torch.Tensor, torch.Tensor, torch.Tensor]],
+        n: int,
+        rows: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        """The KDA updates alone of recorded rows, every layer in one call (`ds_kda_replay`): per
+        (plan, record, tails, states) of `layers`, the record of a step's n rows (`kda_block`'s),
+        its rows `rows` [M] int64 are applied on `slots` [M] in order, through `ds_kda_decode`: the
+        pool is left as a `kda_block` of those rows leaves it. Rows sharing a slot must be adjacent."""
+        m = rows.numel()
+        ok = (
+            rows.dtype == slots.dtype == torch.int64
+            and slots.numel() == m
+            and len({s.shape[0] for *_, s in layers}) <= 1
+            and all(_record_fits(r, n, p) and kda_pool_fits(t, s, p.H, p.K, p.W) for p, r, t, s in layers)
+        )
+        if not ok:
+            raise ValueError("kda_replay: operand shapes or dtypes disagree")
+        if not (m and layers):
+            return
+        count = len(layers)
+        ptrs = [(ctypes.c_void_p * count)(*(y[i].data_ptr() for y in layers)) for i in (1, 2, 3)]
+        plans = (ctypes.c_void_p * count)(*(ctypes.addressof(y[0]) for y in layers))
+        rows, slots = rows.contiguous(), slots.contiguous()
+        rc = self.lib.ds_kda_replay(
+            plans,
+            count,
+            ptrs[0],
+            n,
+            rows.data_ptr(),
+            m,
+            slots.data_ptr(),
+            ptrs[1],
+            ptrs[2],
+            layers[0][3].shape[0],
+            torch.get_num_threads(),
+        )
+        if rc == -2:
+            raise ValueError("kda_replay: row or slot out of range")
+        if rc != 0:
+            raise MemoryError("kda_replay: scratch allocation failed")
 
     def mla_block_plan(
         self, w: MlaBlockWeights, heads: int, nope: int, rope: int, q_eps: float, kv_eps: float, scale: float

@@ -13,6 +13,7 @@ import torch
 from ...parallel.context import Reduce
 from .abi import MAX_MIX, STRUCTS
 from .attention import kda_pool_fits
+from .blocks import kda_record_width
 
 StackStruct = STRUCTS["ds_stack_t"]
 StackLayerStruct = STRUCTS["ds_stack_layer_t"]
@@ -95,7 +96,8 @@ class StackPlan:
     """The filled `ds_stack_t` and everything its pointers reach (kept alive here), which layers are
     KDA (the rest MLA), and the most rows a step takes (the tile kernels' AMX_ROWS where they run
     every projection, else MAX_ROWS). `logits`: the plan holds the embeddings and the output head
-    (`decode_logits` runs). `pools` memoises the last step's per-layer pool pointers."""
+    (`decode_logits` runs). `pools` memoises the last step's per-layer pool pointers.
+    `kda_records`: (layer, block plan, record width) of each KDA layer, as `KdaRecord.take` takes them."""
 
     struct: object
     kda_layers: list[int]
@@ -104,6 +106,7 @@ class StackPlan:
     keep: list = field(default_factory=list)
     pools: tuple | None = None
     logits: bool = False
+    kda_records: list = field(default_factory=list)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -179,23 +182,28 @@ class StackBindings:
             struct.vocab, struct.embed, struct.lm_head = head[1].shape[0], head[0].data_ptr(), head[1].data_ptr()
             keep.append(head)
         rows = min(self.multi_rows(k) for k in _widths(layers, d))
-        return StackPlan(struct, kda_layers, mla_layers, rows, keep, logits=logits)
+        kda = [(i, layers[i].attn, kda_record_width(layers[i].attn)) for i in kda_layers]
+        return StackPlan(struct, kda_layers, mla_layers, rows, keep, logits=logits, kda_records=kda)
 
-    def decode_stack(self, plan: StackPlan, x: torch.Tensor, kda_views: list, mla_views: list) -> torch.Tensor | None:
+    def decode_stack(
+        self, plan: StackPlan, x: torch.Tensor, kda_views: list, mla_views: list, records: list | None = None
+    ) -> torch.Tensor | None:
         """The final-normed hidden states [N, D] of one decode step of the embeddings x [N <=
         plan.max_rows, D] bf16, or None where a router's limits do not hold or the tile kernels no
         longer run (nothing computed). `kda_views[i]` is KDA
         layer `plan.kda_layers[i]`'s (tails, states, slots) as `kda_block` takes them, `mla_views[i]`
         MLA layer `plan.mla_layers[i]`'s (rows, write_rows, read_rows, cu_kv) as `mla_block`; the
-        slots and the row indices are the step's, shared by the layers. Updates the pools in place."""
+        slots and the row indices are the step's, shared by the layers. Updates the pools in place.
+        `records[i]` (or None): KDA layer `plan.kda_layers[i]`'s record of the step's rows, as
+        `kda_block` fills it."""
         n, d = x.shape
         if not (x.dtype == torch.bfloat16 and d == plan.struct.D and 0 < n <= plan.max_rows):
             raise ValueError("decode_stack: bad input")
         out = torch.empty(n, d, dtype=torch.bfloat16)
-        return out if self._decode(plan, x.contiguous(), None, n, kda_views, mla_views, out, None) else None
+        return out if self._decode(plan, x.contiguous(), None, n, kda_views, mla_views, out, None, records) else None
 
     def decode_logits(
-        self, plan: StackPlan, ids: torch.Tensor, kda_views: list, mla_views: list
+        self, plan: StackPlan, ids: torch.Tensor, kda_views: list, mla_views: list, records: list | None = None
     ) -> torch.Tensor | None:
         """fp32 logits [N, vocab] of one decode step of the token ids [N] (the values of
         `lm_head(decode_stack(embed(ids))).float()`: the embedding rows, the stack and the output head
@@ -206,11 +214,12 @@ class StackBindings:
         out = torch.empty(n, plan.struct.D, dtype=torch.bfloat16)
         logits = torch.empty(n, plan.struct.vocab, dtype=torch.float32)
         ids = ids.to(torch.int64).contiguous()
-        return logits if self._decode(plan, None, ids, n, kda_views, mla_views, out, logits) else None
+        return logits if self._decode(plan, None, ids, n, kda_views, mla_views, out, logits, records) else None
 
-    def _decode(self, plan: StackPlan, x, ids, n: int, kda_views: list, mla_views: list, out, logits) -> bool:
+    def _decode(self, plan: StackPlan, x, ids, n: int, kda_views: list, mla_views: list, out, logits, records) -> bool:
         """One `ds_decode_stack` call; False where a router's limits or the tiles declined the step."""
         tails, states, rows, num_slots, num_rows = self._pools(plan, kda_views, mla_views)
+        recorded = None if records is None else self._records(plan, n, records)
         slots = kda_views[0][2].contiguous() if kda_views else None
         _, write_rows, read_rows, cu_kv = mla_views[0] if mla_views else (None,) * 4
         if (slots is not None and slots.numel() != n) or (write_rows is not None and write_rows.numel() != n):
@@ -222,6 +231,7 @@ class StackBindings:
             n,
             tails,
             states,
+            recorded,
             _ptr(slots),
             num_slots,
             rows,
@@ -243,6 +253,19 @@ class StackBindings:
         if rc != 0:
             raise MemoryError(f"decode_stack: failed ({rc})")
         return True
+
+    @staticmethod
+    def _records(plan: StackPlan, n: int, records: list):
+        """The per-layer pointer array of the KDA layers' records (NULL for the other layers)."""
+        out = (ctypes.c_void_p * plan.struct.L)()
+        if len(records) != len(plan.kda_layers):
+            raise ValueError("decode_stack: one record per KDA layer is required")
+        for i, r in zip(plan.kda_layers, records):
+            b = plan.struct.layers[i].kda.contents
+            if not (r.dtype == torch.bfloat16 and r.is_contiguous() and r.numel() == n * kda_record_width(b)):
+                raise ValueError("decode_stack: a KDA record disagrees with its layer")
+            out[i] = r.data_ptr()
+        return out
 
     def _pools(self, plan: StackPlan, kda_views: list, mla_views: list) -> tuple:
         """Per-layer pointer arrays of the pools (checked against the plan once per set of pools)."""

@@ -96,9 +96,11 @@ int ds_moe_block_reduced(const ds_moe_block_t *b, const uint16_t *x, int N, ds_r
 }
 
 /* out [N, D] for x [N, D] (N within what the projections take), updating tails/states at slots in
- * place as ds_kda_decode. Returns 0, -1 allocation, -2 a slot outside [0, num_slots). */
+ * place as ds_kda_decode. `record` (or NULL): what ds_kda_decode reads of each row but for the output
+ * gate, as planes q | k | v | f [N, P] then b [N, H] (N (4P + H) bf16: a speculative verify's rows, for
+ * ds_kda_replay). Returns 0, -1 allocation, -2 a slot outside [0, num_slots). */
 int ds_kda_block(const ds_kda_block_t *b, const uint16_t *x, int N, uint16_t *tails, float *states,
-                 const int64_t *slots, int64_t num_slots, uint16_t *out, int nthreads) {
+                 const int64_t *slots, int64_t num_slots, uint16_t *record, uint16_t *out, int nthreads) {
     const int D = b->D, K = b->K, P = b->H * b->K, G = b->full_gate ? P : K;
     for (int n = 0; n < N; ++n)
         if (slots[n] < 0 || slots[n] >= num_slots) return -2;
@@ -115,11 +117,46 @@ int ds_kda_block(const ds_kda_block_t *b, const uint16_t *x, int N, uint16_t *ta
     int rc = project(x, N, D, ws, ns, zero, ys, 6, nthreads) ? -1 : 0;
     if (rc == 0) rc = project(fa, N, K, &b->f_b, &ns[0], zero, &f_out, 1, nthreads) ? -1 : 0;
     if (rc == 0 && !b->full_gate) rc = project(ga, N, K, &b->g_b, &ns[0], zero, &g_out, 1, nthreads) ? -1 : 0;
+    if (rc == 0 && record) {   /* q, k, v are adjacent planes in buf */
+        const size_t np = (size_t)N * P;
+        memcpy(record, q, sizeof(uint16_t) * 3 * np);
+        memcpy(record + 3 * np, f, sizeof(uint16_t) * np);
+        memcpy(record + 4 * np, bl, sizeof(uint16_t) * (size_t)N * b->H);
+    }
     if (rc == 0)
         rc = ds_kda_decode(N, b->H, K, b->W, q, k, v, b->conv_w, tails, states, slots, f, b->a_log, b->dt_bias,
                            b->gate_kind, b->lower_bound, bl, g, b->norm_w, b->eps, b->scale, o, nthreads) ? -1 : 0;
     if (rc == 0) rc = project(o, N, P, &b->o, &nd, zero, &o_out, 1, nthreads) ? -1 : 0;
     free(buf);
+    return rc;
+}
+
+int ds_kda_replay(const ds_kda_block_t *const *layers, int L, const uint16_t *const *records, int N,
+                  const int64_t *rows, int M, const int64_t *slots, uint16_t *const *tails, float *const *states,
+                  int64_t num_slots, int nthreads) {
+    if (M < 1) return 0;
+    for (int i = 0; i < M; ++i)
+        if (rows[i] < 0 || rows[i] >= N || slots[i] < 0 || slots[i] >= num_slots) return -2;
+    int rc = 0;
+    for (int l = 0; rc == 0 && l < L; ++l) {
+        const ds_kda_block_t *b = layers[l];
+        const int H = b->H, P = b->H * b->K;
+        const size_t np = (size_t)N * P, mp = (size_t)M * P;
+        /* the rows' q | k | v | f planes, the output gate (0: the output is not kept), the output, b */
+        uint16_t *buf = calloc(6 * mp + (size_t)M * H, sizeof(uint16_t));
+        if (!buf) return -1;
+        uint16_t *gate = buf + 4 * mp, *o = gate + mp, *bl = o + mp;
+        const uint16_t *rec = records[l];
+        for (int i = 0; i < M; ++i) {
+            for (int part = 0; part < 4; ++part)
+                memcpy(buf + part * mp + (size_t)i * P, rec + part * np + (size_t)rows[i] * P, sizeof(uint16_t) * P);
+            memcpy(bl + (size_t)i * H, rec + 4 * np + (size_t)rows[i] * H, sizeof(uint16_t) * H);
+        }
+        rc = ds_kda_decode(M, H, b->K, b->W, buf, buf + mp, buf + 2 * mp, b->conv_w, tails[l], states[l], slots,
+                           buf + 3 * mp, b->a_log, b->dt_bias, b->gate_kind, b->lower_bound, bl, gate, b->norm_w,
+                           b->eps, b->scale, o, nthreads) ? -1 : 0;
+        free(buf);
+    }
     return rc;
 }
 

@@ -13,7 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define DS_ABI_VERSION 10
+#define DS_ABI_VERSION 11
 
 #define DS_MAX_M 8             /* rows of the register-accumulator (GEMV) kernels: small-M decode */
 #define DS_AMX_ROWS 64         /* rows the AMX tile kernels take in one pass (batched decode) */
@@ -181,8 +181,17 @@ void ds_argmax_rows(const float *x, int64_t N, int64_t V, int64_t *out, int nthr
 
 /* blocks.c: whole decode blocks in one call each. */
 int ds_moe_block(const ds_moe_block_t *b, const uint16_t *x, int N, uint16_t *out, int nthreads);
+/* ds_kda_block's record (or NULL): its rows' q | k | v | f [N, P] and b [N, H] planes, bf16. */
 int ds_kda_block(const ds_kda_block_t *b, const uint16_t *x, int N, uint16_t *tails, float *states,
-                 const int64_t *slots, int64_t num_slots, uint16_t *out, int nthreads);
+                 const int64_t *slots, int64_t num_slots, uint16_t *record, uint16_t *out, int nthreads);
+/* The KDA updates alone (conv tail shift and delta-rule state update, no projection) of M recorded rows
+ * rows[i] of ds_kda_block's records (N rows each), on slots[i], every layer l of `layers` over its pools
+ * tails[l] / states[l] in place, through ds_kda_decode: the tails and states a ds_kda_block of those
+ * rows leaves. Rows sharing a slot are applied in order (they must be adjacent). 0, -1 allocation, -2 a
+ * row or slot out of range. */
+int ds_kda_replay(const ds_kda_block_t *const *layers, int L, const uint16_t *const *records, int N,
+                  const int64_t *rows, int M, const int64_t *slots, uint16_t *const *tails, float *const *states,
+                  int64_t num_slots, int nthreads);
 int ds_mla_block(const ds_mla_block_t *b, const uint16_t *x, int N, uint16_t *rows, int64_t num_rows,
                  const int64_t *write_rows, const int64_t *read_rows, const int64_t *cu_kv, uint16_t *o,
                  uint16_t *gate, int nthreads);
@@ -191,8 +200,8 @@ int ds_mla_block(const ds_mla_block_t *b, const uint16_t *x, int N, uint16_t *ro
  * the module path. */
 void ds_sigmoid_mul_bf16(const uint16_t *o, const uint16_t *g, int64_t n, uint16_t *out, int nthreads);
 int ds_decode_stack(const ds_stack_t *s, const uint16_t *x, const int64_t *ids, int N, uint16_t *const *tails,
-                    float *const *states, const int64_t *slots, int64_t num_slots, uint16_t *const *mla_rows,
-                    int64_t num_rows, const int64_t *write_rows, const int64_t *read_rows, const int64_t *cu_kv,
-                    uint16_t *out, float *logits, int nthreads);
+                    float *const *states, uint16_t *const *records, const int64_t *slots, int64_t num_slots,
+                    uint16_t *const *mla_rows, int64_t num_rows, const int64_t *write_rows,
+                    const int64_t *read_rows, const int64_t *cu_kv, uint16_t *out, float *logits, int nthreads);
 
 #endif

@@ -111,15 +111,17 @@ static int head_logits(const ds_stack_t *s, const uint16_t *h, int N, float *log
 
 /* out [N, D] = the final-normed hidden states of one decode step of x [N, D] (the token embeddings), or
  * with x NULL of the embedding rows ids [N] (s->embed); logits (or NULL) as head_logits (s->lm_head).
- * tails[l] / states[l]: KDA layer l's pools (as ds_kda_block), mla_rows[l]: MLA layer l's rows (as
- * ds_mla_block); the step's slots / write_rows / read_rows / cu_kv are shared by the layers.
+ * tails[l] / states[l]: KDA layer l's pools (as ds_kda_block), records (NULL: none) records[l] its
+ * record of the step's rows (ds_kda_block's; a speculative verify's, for ds_kda_replay), mla_rows[l]: MLA
+ * layer l's rows (as ds_mla_block); the step's slots / write_rows / read_rows / cu_kv are shared by the
+ * layers.
  * N is at most stack_rows(s). Returns 0; -1 allocation or a kernel's failure; -2 an index out of range;
  * -3 a router's limits do not hold; -4 N out of range, or ids or logits without their weights (nothing
  * written but for 0, -1 and -5); -5 a reduce or attend callback failed. */
 int ds_decode_stack(const ds_stack_t *s, const uint16_t *x, const int64_t *ids, int N, uint16_t *const *tails,
-                    float *const *states, const int64_t *slots, int64_t num_slots, uint16_t *const *mla_rows,
-                    int64_t num_rows, const int64_t *write_rows, const int64_t *read_rows, const int64_t *cu_kv,
-                    uint16_t *out, float *logits, int nthreads) {
+                    float *const *states, uint16_t *const *records, const int64_t *slots, int64_t num_slots,
+                    uint16_t *const *mla_rows, int64_t num_rows, const int64_t *write_rows,
+                    const int64_t *read_rows, const int64_t *cu_kv, uint16_t *out, float *logits, int nthreads) {
     const int D = s->D, L = s->L, blk = s->block_size;
     const ds_reduce_fn reduce = (ds_reduce_fn)s->reduce;
     const ds_attend_fn attend = (ds_attend_fn)s->attend;
@@ -153,7 +155,8 @@ int ds_decode_stack(const ds_stack_t *s, const uint16_t *x, const int64_t *ids, 
         if (!y->kda && !y->mla) {   /* the module's attention, summed over the ranks already */
             rc = attend && attend(l, xin, N, a) == 0 ? 0 : -5;
         } else if (y->kda) {
-            rc = ds_kda_block(y->kda, xin, N, tails[l], states[l], slots, num_slots, a, nthreads) ? -1 : 0;
+            rc = ds_kda_block(y->kda, xin, N, tails[l], states[l], slots, num_slots, records ? records[l] : NULL, a,
+                              nthreads) ? -1 : 0;
         } else {
             const ds_mla_block_t *m = y->mla;
             const int w = m->H * m->v;
