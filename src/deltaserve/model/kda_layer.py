@@ -71,7 +71,9 @@ class KdaAttention(OpsModule):
         if cache is not None and cache.decode_only:
             view = getattr(cache, "kda_slot_view", None)
             slot_view = None if view is None else view(self.layer_id)
-            y = self.ops.kda_decode(x, self.prepared, slot_view, lambda: self._attend(x, ctx))
+            record = getattr(cache, "kda_record", None)  # a speculative verify's (ops/kda_record.py)
+            record = None if record is None else record.layer(self.layer_id)
+            y = self.ops.kda_decode(x, self.prepared, slot_view, lambda: self._attend(x, ctx), record)
         else:
             y = self._attend(x, ctx)
         return self.tp.all_reduce(y)

@@ -6,17 +6,27 @@ call (one native call, the same roundings as k + 1 decode steps: greedy output s
 own bit for bit), not the module-by-module prefill path plus a fold.
 
 Rollback: before the call each drafted sequence's live KDA slot (every layer's tail and state)
-is copied aside: one state per request, O(1) in k. The call leaves the slot past all k + 1 tokens;
-`fold` keeps that where every fed token was verified, else puts the copy back and runs the
-verified rows again as one decode call (they write the same MLA rows with the same values). Rows
-past the verified tokens are never read (contexts end at `num_computed`)."""
+is copied aside: one state per request, O(1) in k. During the call the decode kernels record what
+each KDA layer's recurrence reads of every row (`KdaRecord`, ops/kda_record.py: q, k, v before the
+conv, the gate input f and the beta logit, 4P + H bf16 values a row and KDA layer: O(k) rows a
+request). The call leaves the slot past all k + 1 tokens; `fold` keeps that where every fed token
+was verified, else puts the copy back and replays the verified rows' KDA updates alone (conv tail
+shift and delta-rule update, every KDA layer in one native call through the decode kernel's own
+arithmetic: the tails and states plain decode steps of those tokens leave, bit for bit); no
+projection, MoE or MLA runs again. Where some layer went unrecorded (it ran off the native
+kernels) the fold runs the verified rows again as one decode call instead (they rewrite the same
+MLA rows with the same values). Rows past the verified tokens are never read (contexts end at
+`num_computed`)."""
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
 from ...cache.manager import CacheManager
 from ...model.kimi import KimiForCausalLM
+from ...ops.kda_record import KdaRecord
 from .messages import Step
 from .step_batch import every_row, forward_batch
 
@@ -62,11 +72,13 @@ class ChainedVerify:
         kda = cache.kda
         self.live = torch.tensor([step.slots[b] for b in self.drafted], dtype=torch.long, device=kda.states.device)
         self.saved = (kda.tails.index_select(1, self.live), kda.states.index_select(1, self.live))
+        self.record = KdaRecord(len(rows.input_ids)) if self.drafted else None
 
     def logits(self, model: KimiForCausalLM) -> torch.Tensor:
         """fp32 logits of the step's `logit_rows` (the packed rows are the decode rows, in order)."""
         c = self.cache
         batch = forward_batch(self.rows, c.mla, c.kda, c.ckpt_pool, model.device)
+        batch.kda_record = self.record
         logits = model.decode_logits(batch.input_ids, batch.context())
         if every_row(self.step, logits.shape[0]):
             return logits
@@ -85,6 +97,8 @@ class ChainedVerify:
         live = self.live.index_select(0, idx)
         kda.tails.index_copy_(1, live, self.saved[0].index_select(1, idx))
         kda.states.index_copy_(1, live, self.saved[1].index_select(1, idx))
+        if self._replay(model, [self.drafted[i] for i in short], count):
+            return
         keep = [0] * len(self.step.new_lens)
         for i in short:
             keep[self.drafted[i]] = count[self.drafted[i]]
@@ -93,3 +107,13 @@ class ChainedVerify:
             c = self.cache
             batch = forward_batch(again, c.mla, c.kda, c.ckpt_pool, model.device)
             model(batch.input_ids, batch.context())
+
+    def _replay(self, model: KimiForCausalLM, seqs: list[int], count: dict[int, int]) -> bool:
+        """Replay the recorded KDA updates of `seqs`' first `count[b]` rows onto their restored
+        slots; False (nothing done) where the step's record does not cover every KDA layer."""
+        starts = [0, *itertools.accumulate(self.step.new_lens)]
+        rows = [r for b in seqs for r in range(starts[b], starts[b] + count[b])]
+        slots = [self.step.slots[b] for b in seqs for _ in range(count[b])]
+        kda = self.cache.kda
+        views = {layer: kda.layer_view(layer) for layer in model.config.kda_layer_ids}
+        return model.ops.replay_kda(self.record, views, rows, slots)

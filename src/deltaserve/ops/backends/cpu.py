@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels.cpu import GATE_SIGMOID, GATE_SOFTPLUS, MAX_ROWS, MLA_MAX_HEADS, MLA_MAX_RANK
-from ...kernels.cpu.blocks import KdaBlockWeights, MlaBlockWeights
+from ...kernels.cpu.blocks import KdaBlockWeights, MlaBlockWeights, kda_record_width
 from ..fallbacks import fallback
 from ..norms import gated_rms_norm
 from ..operands import KdaSpec, KdaWeights, MlaWeights, ServedShapes, dtype_name
@@ -120,21 +120,29 @@ class CpuNativeOps(CpuStackOps, CpuDenseOps):
             p.plan = self.k.kda_block_plan(p.block, spec.heads, *p.gate_args(), spec.eps, spec.scale)
         return p
 
-    def kda_decode(self, x, prepared: KdaPrepared | None, slot_view, otherwise):
+    def kda_decode(self, x, prepared: KdaPrepared | None, slot_view, otherwise, record=None):
         """The whole step in one call (the block plan) where it fits, else the fused decode kernel
-        between the native projections; `otherwise()` for non-bf16 activations or pools."""
+        between the native projections; `otherwise()` for non-bf16 activations or pools. Either
+        native way fills the layer's `record` where the layer has a block plan (the replay's)."""
         if prepared is None or slot_view is None:
             return otherwise()
         tails, states, slots = slot_view
         if x.dtype != torch.bfloat16 or tails.dtype != torch.bfloat16 or states.dtype != torch.float32:
             fallback("kda_decode", "dtype" if x.dtype != torch.bfloat16 else "cache_dtype")
             return otherwise()
-        if prepared.plan is not None and x.shape[0] <= self.k.kda_block_rows(prepared.plan):
-            return self.k.kda_block(prepared.plan, x, tails, states, slots)
+        plan = prepared.plan
+        buf = None if record is None or plan is None else record(plan, kda_record_width(plan))
+        if plan is not None and x.shape[0] <= self.k.kda_block_rows(plan):
+            return self.k.kda_block(plan, x, tails, states, slots, buf)
         w, spec = prepared.w, prepared.spec
         q, k, v, f_a, b, g = self.linears(x, [w.q, w.k, w.v, w.f_a, w.b, w.g])
         gate = g if w.g_b is None else self.linear(g, w.g_b)
         kind, bound = prepared.gate_args()
+        f = self.linear(f_a, w.f_b)
+        if buf is not None:  # the planes `kda_block` records
+            n, p = q.shape
+            buf[: 4 * n * p].view(4, n, p).copy_(torch.stack([q, k, v, f]))
+            buf[4 * n * p :].view(n, -1).copy_(b)
         o = self.k.kda_decode(
             q,
             k,
@@ -143,7 +151,7 @@ class CpuNativeOps(CpuStackOps, CpuDenseOps):
             tails,
             states,
             slots,
-            self.linear(f_a, w.f_b),
+            f,
             prepared.a_log,
             prepared.dt_bias,
             kind,

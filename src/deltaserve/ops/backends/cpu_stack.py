@@ -70,7 +70,7 @@ class CpuStackOps(TorchOps):
         if prepared is None or x.dtype != torch.bfloat16 or not 0 < x.shape[0] <= prepared.max_rows:
             return otherwise()
         views = self._pool_views(prepared, cache)
-        out = None if views is None else self.k.decode_stack(prepared, x, *views)
+        out = None if views is None else self._recorded(prepared, cache, self.k.decode_stack, x, *views)
         return otherwise() if out is None else out
 
     def decode_logits(self, ids, prepared: StackPlan | None, cache, otherwise):
@@ -84,8 +84,32 @@ class CpuStackOps(TorchOps):
         ):
             return otherwise()
         views = self._pool_views(prepared, cache)
-        out = None if views is None else self.k.decode_logits(prepared, ids, *views)
+        out = None if views is None else self._recorded(prepared, cache, self.k.decode_logits, ids, *views)
         return otherwise() if out is None else out
+
+    @staticmethod
+    def _recorded(prepared: StackPlan, cache, call, *args):
+        """`call(prepared, *args)` with the KDA layers' records where the step's cache carries a
+        `KdaRecord` (ops/kda_record.py: a speculative verify), each with its layer's block plan; a
+        declined step leaves none."""
+        record = getattr(cache, "kda_record", None)
+        if record is None or not prepared.kda_layers:
+            return call(prepared, *args)
+        bufs = record.take(prepared.kda_records)
+        out = call(prepared, *args, records=bufs)
+        if out is None:
+            record.drop(prepared.kda_layers)
+        return out
+
+    def replay_kda(self, record, views: dict, rows: list[int], slots: list[int]) -> bool:
+        """One native call over every KDA layer (`ds_kda_replay`, through the decode kernel's own
+        arithmetic), where each of `views`' layers was recorded (`views`: {layer: (tails, states)})."""
+        if record is None or not record.covers(list(views)):
+            return False
+        layers = [(*record.layers[i], *v) for i, v in views.items()]
+        as_long = (torch.tensor(t, dtype=torch.long) for t in (rows, slots))
+        self.k.kda_replay(layers, record.rows, *as_long)
+        return True
 
     def _pool_views(self, prepared: StackPlan, cache) -> tuple[list, list] | None:
         """Each KDA and MLA layer's pool view as the stack reads them, or None where the cache has

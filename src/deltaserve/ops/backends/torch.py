@@ -156,11 +156,21 @@ class TorchOps:
         return otherwise()
 
     # KDA ---------------------------------------------------------------------------------------
-    def kda_decode(self, x: torch.Tensor, prepared, slot_view, otherwise: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def kda_decode(
+        self, x: torch.Tensor, prepared, slot_view, otherwise: Callable[[], torch.Tensor], record=None
+    ) -> torch.Tensor:
         """A decode step of a KDA layer (its output after o_proj, before the TP reduce): over the pool's
         slots in place where the backend's kernels apply, else `otherwise()` (the layer's `kda_attend`
-        path)."""
+        path). `record` (or None): the step's `KdaRecord.layer` for this layer, which a backend that
+        records its rows' KDA inputs calls (ops/kda_record.py); one that does not leaves it alone."""
         return otherwise()
+
+    def replay_kda(self, record, views: dict, rows: list[int], slots: list[int]) -> bool:
+        """Apply again the KDA updates alone of a decode step's rows `rows` (on `slots`, in order)
+        from its `KdaRecord` (ops/kda_record.py) to the pools `views` ({KDA layer: (tails,
+        states)}, every KDA layer of the model); False (nothing done) where this backend keeps
+        no record or some layer's is missing."""
+        return False
 
     def kda_attend(
         self,

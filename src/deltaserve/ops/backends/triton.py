@@ -86,7 +86,7 @@ class TritonOps(TritonDenseOps, TorchOps):
     def prepare_kda(self, w: KdaWeights, spec: KdaSpec) -> KdaPrepared:
         return KdaPrepared(w, spec, _f32(w.conv), _f32(w.a_log), _f32(w.dt_bias))
 
-    def kda_decode(self, x: torch.Tensor, prepared: KdaPrepared | None, slot_view, otherwise):
+    def kda_decode(self, x: torch.Tensor, prepared: KdaPrepared | None, slot_view, otherwise, record=None):
         """The decode step over the pool's slots in place: projections, conv step kernel (tails
         shift), recurrent kernel (L2 norm, gate, state update), output norm, o_proj. `otherwise()`
         where the pool is not contiguous with fp32 states."""
