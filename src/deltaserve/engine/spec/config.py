@@ -43,7 +43,7 @@ class SpecConfig:
     adaptive: bool = True
     draft_cost: float = 0.35
     step_cost: float = 0.3
-    rollback_cost: float = 1.0
+    rollback_cost: float = 0.35
     probe_interval: int = 16
 
     def __post_init__(self):
