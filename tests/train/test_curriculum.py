@@ -14,8 +14,8 @@ from deltaserve.evals.score import Answer, correct, score
 from deltaserve.model.tokenizer import Tokenizer
 from deltaserve.server.parsers import parse_output
 from deltaserve.tiny import make_tiny
-from deltaserve.train.curriculum import EVAL_SEED_BASE, MIX, batches, draw, eval_set, render
-from deltaserve.train.tasks import TASKS, TRAIN_ONLY
+from deltaserve.train.curriculum import EVAL_SEED_BASE, batches, draw, eval_set, render
+from deltaserve.train.tasks import TASKS
 
 
 @pytest.fixture(scope="module", params=["kimi_k3", "kimi_linear"])
@@ -40,26 +40,6 @@ def test_answers_continue_the_served_prompt_and_parse_back(fam, thinking):
             answer = Answer(parsed.content, parsed.reasoning_content, calls)
             assert correct(s, answer), (task, answer)
             assert (parsed.reasoning_content == s.reasoning) == r.thinking
-
-
-def test_json_fields_spell_the_words_as_json(fam):
-    """The training-only task: every field's value appears in both spellings, the answer is the
-    JSON (or the words) exactly, and training draws it (eval never does)."""
-    family, tok, template = fam
-    assert set(TRAIN_ONLY) <= set(MIX) and not set(TRAIN_ONLY) & set(TASKS)
-    rng = random.Random(5)
-    directions = set()
-    for _ in range(12):
-        s = draw(rng, "json_fields")
-        prompt = s.messages[0]["content"]
-        to_json = prompt.startswith("Write")
-        directions.add(to_json)
-        fields = json.loads(s.content if to_json else prompt.split(": ", 1)[1])
-        words = ", ".join(f"{k} {v}" for k, v in fields.items())
-        assert (words in prompt and s.content == json.dumps(fields)) if to_json else s.content == f"{words}."
-        r = render(tok, family, s, True, template)
-        assert s.content in tok.decode(r.answer, skip_special_tokens=True)
-    assert directions == {True, False}
 
 
 def test_wrong_answers_score_wrong():

@@ -17,19 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from ..chat.render import render_chat
-from .tasks import RECALL_TOKENS_PER_UNIT, TASKS, TRAIN_ONLY, Sample, recall
+from .tasks import RECALL_TOKENS_PER_UNIT, TASKS, Sample, recall
 
 EVAL_SEED_BASE = 1_000_000
 # share of samples per task in training (recall's long contexts make it the largest share of tokens)
-MIX = {
-    "greet": 0.04,
-    "arithmetic": 0.38,
-    "recall": 0.13,
-    "copy": 0.15,
-    "tool_call": 0.17,
-    "tool_answer": 0.07,
-    "json_fields": 0.06,
-}
+MIX = {"greet": 0.05, "arithmetic": 0.38, "recall": 0.12, "copy": 0.17, "tool_call": 0.18, "tool_answer": 0.10}
 
 
 @dataclass
@@ -62,7 +54,7 @@ def draw(rng: random.Random, task: str | None = None, recall_size: tuple[int, in
         task = rng.choices(list(MIX), weights=list(MIX.values()))[0]
     if task == "recall":
         return recall(rng, rng.randint(*recall_size))
-    return (TASKS | TRAIN_ONLY)[task](rng)
+    return TASKS[task](rng)
 
 
 def eval_set(task: str, n: int, seed: int, recall_tokens: tuple[int, int] = (1024, 4096)) -> list[Sample]:

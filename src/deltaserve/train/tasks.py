@@ -304,33 +304,6 @@ def _call_name(text: str) -> str:
     return "search_web"
 
 
-FIELD_VALUES = {
-    "city": lambda rng: rng.choice(PLACES),
-    "to": lambda rng: rng.choice(NAMES),
-    "subject": lambda rng: rng.choice(NOUNS),
-    "query": lambda rng: f"{rng.choice(NOUNS)} {rng.choice(NOUNS)}",
-    "currency": lambda rng: rng.choice(("euro", "yen", "pound")),
-    "minutes": lambda rng: rng.randrange(1, 100),
-    "amount": lambda rng: rng.randrange(1, 1000),
-}
-
-
-def json_fields(rng: random.Random) -> Sample:
-    """Training only: the tools' argument names and values written as JSON, or JSON read back into
-    words. A word after a space and the same word inside a JSON string are different tokens in the
-    small vocabulary (`' L','im','a'` vs `' "','L','im','a'`); tool arguments are that mapping."""
-    keys = rng.sample(list(FIELD_VALUES), rng.randint(1, 3))
-    fields = {k: FIELD_VALUES[k](rng) for k in keys}
-    words = ", ".join(f"{k} {v}" for k, v in fields.items())
-    js = json.dumps(fields, ensure_ascii=False)
-    if rng.random() < 0.7:
-        return Sample("json_fields", _user(f"Write these fields as JSON: {words}."), js, "I write the fields as JSON.")
-    return Sample("json_fields", _user(f"Say these JSON fields in words: {js}"), f"{words}.", "I read the JSON fields.")
-
-
-TRAIN_ONLY = {"json_fields": json_fields}
-"""Tasks training draws that eval does not score."""
-
 TASKS = {
     "greet": greet,
     "arithmetic": arithmetic,
