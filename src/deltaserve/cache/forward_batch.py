@@ -156,7 +156,7 @@ class ForwardBatch:
         self.verify = [b for b, v in enumerate(verify or ()) if v]
         self.decode_only = all(n == 1 for n in new_lens) and min(context_lens) > 0 and not self.verify
         self._kept: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self.kda_record = None  # a `KdaRecord` the decode kernels fill (ops/kda_record.py): a chained verify's
+        self.kda_record = None  # a chained verify's `KdaRecord` the decode kernels fill (ops/kda_record.py)
         ends = [c + n for c, n in zip(context_lens, new_lens)]
         self.dcp = tp if tp.dcp_world > 1 else None
         host = {

@@ -78,7 +78,8 @@ def kda_record_width(plan: KdaBlockPlan) -> int:
     return 4 * plan.H * plan.K + plan.H
 
 
-def _record_fits(record: torch.Tensor, n: int, plan: KdaBlockPlan) -> bool:
+def kda_record_fits(record: torch.Tensor, n: int, plan: KdaBlockPlan) -> bool:
+    """`record` is a contiguous bf16 buffer of n rows of `kda_record_width(plan)`."""
     return record.dtype == torch.bfloat16 and record.is_contiguous() and record.numel() == n * kda_record_width(plan)
 
 
@@ -227,7 +228,7 @@ class BlockBindings:
             and kda_pool_fits(tails, states, plan.H, plan.K, plan.W)
             and slots.dtype == torch.int64
             and slots.numel() == n
-            and (record is None or _record_fits(record, n, plan))
+            and (record is None or kda_record_fits(record, n, plan))
         )
         if not ok:
             raise ValueError("kda_block: operand shapes or dtypes disagree")
@@ -267,7 +268,7 @@ class BlockBindings:
             rows.dtype == slots.dtype == torch.int64
             and slots.numel() == m
             and len({s.shape[0] for *_, s in layers}) <= 1
-            and all(_record_fits(r, n, p) and kda_pool_fits(t, s, p.H, p.K, p.W) for p, r, t, s in layers)
+            and all(kda_record_fits(r, n, p) and kda_pool_fits(t, s, p.H, p.K, p.W) for p, r, t, s in layers)
         )
         if not ok:
             raise ValueError("kda_replay: operand shapes or dtypes disagree")

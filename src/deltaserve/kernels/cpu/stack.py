@@ -13,7 +13,7 @@ import torch
 from ...parallel.context import Reduce
 from .abi import MAX_MIX, STRUCTS
 from .attention import kda_pool_fits
-from .blocks import kda_record_width
+from .blocks import kda_record_fits, kda_record_width
 
 StackStruct = STRUCTS["ds_stack_t"]
 StackLayerStruct = STRUCTS["ds_stack_layer_t"]
@@ -262,7 +262,7 @@ class StackBindings:
             raise ValueError("decode_stack: one record per KDA layer is required")
         for i, r in zip(plan.kda_layers, records):
             b = plan.struct.layers[i].kda.contents
-            if not (r.dtype == torch.bfloat16 and r.is_contiguous() and r.numel() == n * kda_record_width(b)):
+            if not kda_record_fits(r, n, b):
                 raise ValueError("decode_stack: a KDA record disagrees with its layer")
             out[i] = r.data_ptr()
         return out

@@ -141,7 +141,8 @@ class CpuNativeOps(CpuStackOps, CpuDenseOps):
         f = self.linear(f_a, w.f_b)
         if buf is not None:  # the planes `kda_block` records
             n, p = q.shape
-            buf[: 4 * n * p].view(4, n, p).copy_(torch.stack([q, k, v, f]))
+            for plane, t in zip(buf[: 4 * n * p].view(4, n, p), (q, k, v, f)):
+                plane.copy_(t)
             buf[4 * n * p :].view(n, -1).copy_(b)
         o = self.k.kda_decode(
             q,

@@ -137,14 +137,20 @@ int ds_kda_replay(const ds_kda_block_t *const *layers, int L, const uint16_t *co
     if (M < 1) return 0;
     for (int i = 0; i < M; ++i)
         if (rows[i] < 0 || rows[i] >= N || slots[i] < 0 || slots[i] >= num_slots) return -2;
+    size_t most = 0;   /* one scratch for every layer, sized for the widest */
+    for (int l = 0; l < L; ++l) {
+        const size_t need = 6 * (size_t)M * layers[l]->H * layers[l]->K + (size_t)M * layers[l]->H;
+        if (need > most) most = need;
+    }
+    /* the rows' q | k | v | f planes, the output gate, the output, b (the gate reaches only the output,
+     * which is not kept) */
+    uint16_t *buf = calloc(most, sizeof(uint16_t));
+    if (!buf) return -1;
     int rc = 0;
     for (int l = 0; rc == 0 && l < L; ++l) {
         const ds_kda_block_t *b = layers[l];
         const int H = b->H, P = b->H * b->K;
         const size_t np = (size_t)N * P, mp = (size_t)M * P;
-        /* the rows' q | k | v | f planes, the output gate (0: the output is not kept), the output, b */
-        uint16_t *buf = calloc(6 * mp + (size_t)M * H, sizeof(uint16_t));
-        if (!buf) return -1;
         uint16_t *gate = buf + 4 * mp, *o = gate + mp, *bl = o + mp;
         const uint16_t *rec = records[l];
         for (int i = 0; i < M; ++i) {
@@ -155,8 +161,8 @@ int ds_kda_replay(const ds_kda_block_t *const *layers, int L, const uint16_t *co
         rc = ds_kda_decode(M, H, b->K, b->W, buf, buf + mp, buf + 2 * mp, b->conv_w, tails[l], states[l], slots,
                            buf + 3 * mp, b->a_log, b->dt_bias, b->gate_kind, b->lower_bound, bl, gate, b->norm_w,
                            b->eps, b->scale, o, nthreads) ? -1 : 0;
-        free(buf);
     }
+    free(buf);
     return rc;
 }
 
