@@ -15,7 +15,7 @@ from deltaserve.model.tokenizer import Tokenizer
 from deltaserve.server.parsers import parse_output
 from deltaserve.tiny import make_tiny
 from deltaserve.train.curriculum import EVAL_SEED_BASE, batches, draw, eval_set, render
-from deltaserve.train.tasks import TASKS
+from deltaserve.train.tasks import TASKS, tokens_per_unit
 
 
 @pytest.fixture(scope="module", params=["kimi_k3", "kimi_linear"])
@@ -65,6 +65,28 @@ def test_single_digit_tokenizer(fam):
     assert tok.decode(ids) == "12345 + 678 = 13023"
 
 
+def _holds(seq: list[int], part: list[int]) -> bool:
+    return any(seq[i : i + len(part)] == part for i in range(len(seq) - len(part) + 1))
+
+
+def test_tool_arguments_are_the_messages_tokens(fam):
+    """`bare_words`: a string argument is the same tokens in the message and in the call's JSON, so
+    calling a tool is an exact token copy (a cl100k prefix spells ' Lima' and '"Lima' apart)."""
+    _, tok, _ = fam
+    rng = random.Random(3)
+    strings = 0
+    for _ in range(30):
+        s = draw(rng, "tool_call")
+        message, call = tok.encode(s.messages[-1]["content"]), tok.encode(json.dumps(s.expect["arguments"]))
+        for value in s.expect["arguments"].values():
+            if isinstance(value, str):
+                strings += 1
+                word = tok.encode(value)
+                assert _holds(message, word) and _holds(call, word), value
+    assert strings > 10
+    assert tok.encode("in Lima")[-len(tok.encode("Lima")) :] == tok.encode("Lima")
+
+
 def test_datasets_are_functions_of_their_seeds(fam):
     family, tok, template = fam
     a = next(batches(tok, family, 3, 2048, chat_template=template, start_step=5))
@@ -72,8 +94,9 @@ def test_datasets_are_functions_of_their_seeds(fam):
     c = next(batches(tok, family, 4, 2048, chat_template=template, start_step=5))
     assert a.ids.equal(b.ids) and a.targets.equal(b.targets) and not a.ids.equal(c.ids[: a.ids.numel()])
     assert a.answer_tokens > 0 and a.cu_seqlens[-1] == a.ids.numel()
-    held_out = eval_set("recall", 4, 0, (1024, 1100))
-    assert [s.expect for s in held_out] == [s.expect for s in eval_set("recall", 4, 0, (1024, 1100))]
+    unit = tokens_per_unit(tok.encode)
+    held_out = eval_set("recall", 4, 0, (1024, 1100), unit)
+    assert [s.expect for s in held_out] == [s.expect for s in eval_set("recall", 4, 0, (1024, 1100), unit)]
     assert EVAL_SEED_BASE > 10**5
     n_tok = [len(render(tok, family, s, False, template).prompt) for s in held_out]
     assert all(800 <= n <= 1400 for n in n_tok), n_tok

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..train.curriculum import eval_set
-from ..train.tasks import TASKS
+from ..train.tasks import RECALL_TOKENS_PER_UNIT, TASKS, tokens_per_unit
 from .runner import MAX_TOKENS, EvalPath, OfflineRunner, ServerRunner
 from .score import score
 
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"deltaserve eval: unknown task(s) {unknown}; choose from {list(TASKS)}")
     if args.url:
         runner = ServerRunner(args.url, api_key=args.api_key, max_tokens=args.max_tokens)
-        family = None
+        family, unit_tokens = None, RECALL_TOKENS_PER_UNIT
     else:
         path = EvalPath(
             prefix_cache=args.prefix_cache,
@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         )
         runner = OfflineRunner(args.model or _default_model(), path)
         family = runner.family
+        unit_tokens = tokens_per_unit(runner.llm.tokenizer.encode)
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.thinking]
     if family == "kimi_linear":
         modes = [False]
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         for thinking in modes:
             for task in tasks:
-                samples = eval_set(task, args.num_samples, args.seed, (args.recall_min, args.recall_max))
+                samples = eval_set(task, args.num_samples, args.seed, (args.recall_min, args.recall_max), unit_tokens)
                 s = score(samples, runner.run(samples, thinking))[task]
                 report["tasks"][f"{task}/{'think' if thinking else 'no-think'}"] = round(s.accuracy, 4)
         if not args.url:

@@ -63,7 +63,7 @@ def make_tiny(
     mxfp4 = d.mxfp4 if mxfp4 is None else mxfp4
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ids = write_tokenizer(out, family, d.vocab, 1 << 20, tokenizer_ranks, d.single_digits)
+    ids = write_tokenizer(out, family, d.vocab, 1 << 20, tokenizer_ranks, d.single_digits, d.bare_words)
     cfg = hf_config(family, d, ids, mxfp4, _DTYPE_NAMES[dtype], vision)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     gen_cfg = {"bos_token_id": ids["[BOS]"], "eos_token_id": ids[EOS_NAME[family]], "pad_token_id": ids["[PAD]"]}

@@ -12,7 +12,9 @@ Presets (`mini` params count routed experts at their logical bf16 size):
 | small | kimi_linear | 128 | 6 (3, 5) | 4×32 | 4, -/64 | 32×64 (4, 1) | 2.0M |
 
 `small` is the size `deltaserve train-tiny` trains (the shipped default models): its tokenizer has
-single-digit numbers (`single_digits`: no multi-digit BPE tokens, so arithmetic is per digit).
+single-digit numbers (`single_digits`: no multi-digit BPE tokens, so arithmetic is per digit) and bare
+words (`bare_words`: no token glues a space or punctuation to a letter, so a name is the same tokens
+in a message and in a tool call's JSON `"..."`, and copying it is an exact token copy).
 
 Layer pattern: 1-based MLA layers = every 4th layer plus the last; the rest are KDA (§1.2).
 """
@@ -48,6 +50,7 @@ class Dims:
     shard_bytes: int
     mxfp4: bool  # default when make_tiny(mxfp4=None)
     single_digits: bool = False  # tokenizer without multi-digit tokens (tokenizer.base_ranks_lines)
+    bare_words: bool = False  # tokenizer without space/punctuation-glued word tokens (same)
 
     @property
     def full_attn_layers(self) -> list[int]:
@@ -168,6 +171,7 @@ _K3_SMALL = Dims(
     shard_bytes=4 << 20,
     mxfp4=True,
     single_digits=True,
+    bare_words=True,
 )
 _KL_SMALL = dataclasses.replace(_K3_SMALL, q_lora_rank=None, top_k=4, latent=None, attn_res_block=None, mxfp4=False)
 PRESETS = {

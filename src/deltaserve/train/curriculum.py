@@ -57,11 +57,18 @@ def draw(rng: random.Random, task: str | None = None, recall_size: tuple[int, in
     return TASKS[task](rng)
 
 
-def eval_set(task: str, n: int, seed: int, recall_tokens: tuple[int, int] = (1024, 4096)) -> list[Sample]:
+def eval_set(
+    task: str,
+    n: int,
+    seed: int,
+    recall_tokens: tuple[int, int] = (1024, 4096),
+    unit_tokens: float = RECALL_TOKENS_PER_UNIT,
+) -> list[Sample]:
     """`n` held-out samples of `task` (seed offset by `EVAL_SEED_BASE`); recall contexts of about
-    `recall_tokens` tokens."""
+    `recall_tokens` tokens at `unit_tokens` tokens per size unit (`tasks.tokens_per_unit` of the
+    model's tokenizer)."""
     rng = random.Random(EVAL_SEED_BASE + seed * 1009 + sorted(TASKS).index(task))
-    size = tuple(round(t / RECALL_TOKENS_PER_UNIT) for t in recall_tokens)
+    size = tuple(round(t / unit_tokens) for t in recall_tokens)
     return [draw(rng, task, size) for _ in range(n)]
 
 

@@ -174,7 +174,14 @@ def passage(rng: random.Random, sentences: int) -> str:
     return " ".join((_trip if rng.random() < 0.34 else _sentence)(rng) for _ in range(sentences))
 
 
-RECALL_TOKENS_PER_UNIT = 1.75  # measured: a filler sentence is ~14 tokens of the small models' vocabulary
+RECALL_TOKENS_PER_UNIT = 803 / 512  # `tokens_per_unit` of the single-digit cl100k-prefix vocabulary
+
+
+def tokens_per_unit(encode) -> float:
+    """Tokens per recall size unit under `encode` (a tokenizer's), measured on a fixed draw of 64
+    filler sentences (8 units each): sizes scaled by it keep their token lengths on any vocabulary."""
+    rng = random.Random(0)
+    return len(encode(" ".join(_sentence(rng) for _ in range(64)))) / (64 * 8)
 
 
 def recall(rng: random.Random, size: int = 1024) -> Sample:

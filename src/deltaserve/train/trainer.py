@@ -33,6 +33,7 @@ from ..tiny import make_tiny
 from .curriculum import Batch, batches
 from .export import expert_params, export, mxfp4_roundtrip, trainable_model
 from .record import write_record
+from .tasks import RECALL_TOKENS_PER_UNIT, tokens_per_unit
 
 
 @dataclass
@@ -48,7 +49,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     qat_from: float = 0.75  # fraction of the steps after which experts train through MXFP4
     thinking_share: float = 0.5
-    recall_max: int = 3072  # largest recall size trained (`tasks.recall`: ~5.4k tokens; grows over the run)
+    recall_max: int = 3072  # largest recall size trained (`tasks.recall`: ~4.8k tokens)
     checkpoint_every: int = 50
 
     def lr_at(self, step: int) -> float:
@@ -58,8 +59,8 @@ class TrainConfig:
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
     def recall_size(self, step: int) -> tuple[int, int]:
-        """Recall sizes (`tasks.recall`): 256-1024 (~450-1800 tokens) for the first third, then
-        512 to `recall_max`."""
+        """Recall sizes (`tasks.recall`) at `RECALL_TOKENS_PER_UNIT`: 256-1024 (~400-1600 tokens)
+        for the first third, then 512 to `recall_max` (the trainer rescales them to its tokenizer)."""
         if step < self.steps // 3:
             return (256, 1024)
         return (512, self.recall_max)
@@ -77,6 +78,7 @@ class Trainer:
         self.model = trainable_model(init)
         self.tokenizer = Tokenizer.from_pretrained(init)
         self.template = load_chat_template(init)
+        self.unit_tokens = tokens_per_unit(self.tokenizer.encode)
         self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         decay = [p for p in self.params.values() if p.dim() >= 2]
         rest = [p for p in self.params.values() if p.dim() < 2]
@@ -87,6 +89,11 @@ class Trainer:
         self.history: list[dict] = []
         self.seconds = 0.0
         self._resume()
+
+    def recall_size(self, step: int) -> tuple[int, int]:
+        """`cfg.recall_size` rescaled so the contexts keep their token lengths on this tokenizer."""
+        scale = RECALL_TOKENS_PER_UNIT / self.unit_tokens
+        return tuple(max(4, round(x * scale)) for x in self.cfg.recall_size(step))
 
     # --- state ----------------------------------------------------------------------------------
 
@@ -167,7 +174,7 @@ class Trainer:
             cfg.seed,
             cfg.tokens_per_step,
             cfg.thinking_share,
-            cfg.recall_size,
+            self.recall_size,
             self.template,
             start_step=self.step,
         )
