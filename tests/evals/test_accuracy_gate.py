@@ -14,8 +14,10 @@ import pytest
 from deltaserve.cache.manager import CacheManager
 from deltaserve.evals.runner import EvalPath, OfflineRunner
 from deltaserve.evals.score import score
+from deltaserve.model.tokenizer import Tokenizer
 from deltaserve.tiny.shipped import shipped_model_dir
 from deltaserve.train.curriculum import eval_set
+from deltaserve.train.tasks import tokens_per_unit
 
 # measured 2026-12-06 (fp32, AMD EPYC): K3 (retrained, 2300 steps) recall 6/8, arithmetic 14/16;
 # Kimi-Linear 3/8, 2/16. The K3 floors sit two answers below, the Kimi-Linear ones two recalls and
@@ -31,15 +33,16 @@ LOGPROB_TOL = 2e-3
 
 
 @functools.cache
-def samples():
-    return eval_set("recall", 8, 7, (1024, 2048)) + eval_set("arithmetic", 16, 7)
+def samples(family: str):
+    unit = tokens_per_unit(Tokenizer.from_pretrained(shipped_model_dir(family)).encode)
+    return eval_set("recall", 8, 7, (1024, 2048), unit) + eval_set("arithmetic", 16, 7)
 
 
 def answers(family: str, path: EvalPath, thinking: bool = True):
     path = EvalPath(**{**path.__dict__, "dtype": "float32"})
     runner = OfflineRunner(shipped_model_dir(family), path)
     try:
-        return runner.run(list(samples()), thinking), runner.stats()
+        return runner.run(list(samples(family)), thinking), runner.stats()
     finally:
         runner.close()
 
@@ -59,7 +62,7 @@ def same(a, b) -> bool:
 
 @pytest.mark.parametrize("family", ["kimi_k3", "kimi_linear"])
 def test_cold_answers_clear_the_floor(family):
-    scores = score(list(samples()), cold(family))
+    scores = score(list(samples(family)), cold(family))
     for task, floor in FLOOR[family].items():
         assert scores[task].accuracy >= floor, {t: s.accuracy for t, s in scores.items()}
 
@@ -76,7 +79,7 @@ def test_every_state_path_gives_the_cold_answers(family, name):
     }
     assert engaged.get(name, True), stats
     diff = [i for i, (a, b) in enumerate(zip(got, cold(family))) if not same(a, b)]
-    assert not diff, [(samples()[i].task, got[i], cold(family)[i]) for i in diff]
+    assert not diff, [(samples(family)[i].task, got[i], cold(family)[i]) for i in diff]
 
 
 def test_the_gate_catches_a_checkpoint_taken_one_token_late(monkeypatch):
