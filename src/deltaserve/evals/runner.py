@@ -34,6 +34,7 @@ class EvalPath:
     prefix_cache: bool = False  # run every prompt twice; score the second (cache-hit) pass
     chunk_size: int | None = None  # max_num_batched_tokens: long prompts prefill in chunks
     preempt: bool = False  # a KV budget that forces preemptions
+    preempt_len: int | None = None  # with preempt: the longest request it must fit (PREEMPT_MODEL_LEN)
     tensor_parallel_size: int = 1
     dtype: str = "bfloat16"
     max_num_seqs: int = 16
@@ -53,17 +54,18 @@ class EvalPath:
         if self.chunk_size:
             kw["max_num_batched_tokens"] = self.chunk_size
         if self.preempt:
-            kw["max_model_len"] = PREEMPT_MODEL_LEN
+            kw["max_model_len"] = self.preempt_len or PREEMPT_MODEL_LEN
             kw["kv_cache_memory"] = self.preempt_budget(model_dir)
         return kw
 
     def preempt_budget(self, model_dir) -> int:
-        """A KV budget of `max_num_seqs` KDA slots and MLA pages for 1.25 x `PREEMPT_MODEL_LEN` tokens:
+        """A KV budget of `max_num_seqs` KDA slots and MLA pages for 1.25 x `preempt_len` tokens:
         one longest request fits, a few long ones at once do not, so the scheduler preempts."""
         cfg = ModelConfig.from_pretrained(model_dir)
         dtype = torch.float32 if self.dtype == "float32" else torch.bfloat16
         slot, page = unit_bytes(cfg, PAGE_SIZE, dtype, torch.float32)
-        return self.max_num_seqs * slot + -(-PREEMPT_MODEL_LEN * 5 // 4 // PAGE_SIZE) * page
+        tokens = (self.preempt_len or PREEMPT_MODEL_LEN) * 5 // 4
+        return self.max_num_seqs * slot + -(-tokens // PAGE_SIZE) * page
 
 
 MAX_MODEL_LEN = 8192

@@ -118,7 +118,9 @@ def special_tokens(family: str, n_base: int) -> dict[str, int]:
 
 
 def _glued_word(tok: bytes) -> bool:
-    """A space or ASCII punctuation byte followed by a letter (' Lima', '"Lima', '.get')."""
+    """An ASCII space or punctuation byte, then a byte that reads as a letter in Latin-1 (' Lima',
+    '"Lima', '.get'; also a few UTF-8 lead bytes: ' \xe2\x80\x9c', a space and a curly quote, goes
+    too). The shipped small models' vocabulary is this filter's: changing it changes theirs."""
     return len(tok) >= 2 and tok[0] < 128 and not chr(tok[0]).isalnum() and chr(tok[1]).isalpha()
 
 
