@@ -90,3 +90,31 @@ def test_native_verify_publishes_the_states_spec_off_publishes(ckpt):
                 assert rel_err(a.mla.rows(layer)[mine], b.mla.rows(layer)[theirs]) < 2e-2
             units += 1
     assert states >= 3 and units >= 8, (states, units)
+
+
+def test_bf16_steps_stay_within_the_bit_identical_rows(ckpt, monkeypatch):
+    """Twelve sequences drafting every step they may (adaptive off): on the native bf16 path a
+    step's decode rows and drafts stay within `BIT_IDENTICAL_ROWS`, so greedy output equals spec
+    off (past 8 rows a verify takes the tile kernels and rounds otherwise: bench spec's batch 8
+    copy row drifted on the default model before the cap)."""
+    from deltaserve.engine.sched.scheduler import Scheduler
+    from deltaserve.engine.spec.decoder import BIT_IDENTICAL_ROWS
+
+    widths = []
+    real = Scheduler.schedule
+
+    def schedule(self):
+        out = real(self)
+        if any(s.drafts for s in out):  # the decode rows and their drafts
+            widths.append(sum(s.width for s in out if s.num_new == 1))
+        return out
+
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
+    kw = dict(dtype="bfloat16", num_pages=200, max_num_seqs=12, max_num_batched_tokens=64)
+    on, off = engine(ckpt, spec, **kw), engine(ckpt, None, **kw)
+    prompts = workload(5, 12)
+    assert tokens(on.generate(prompts, GREEDY, use_tqdm=False)) == tokens(off.generate(prompts, GREEDY, use_tqdm=False))
+    assert widths and max(widths) <= BIT_IDENTICAL_ROWS, widths
+    assert on.stats()["spec_decode"]["accepted_tokens"] > 0
+    assert on.engine.scheduler.max_step_rows == BIT_IDENTICAL_ROWS

@@ -45,7 +45,7 @@ from ..request.sequence import InvalidRequestError, SeqStatus, Sequence
 from ..request.structured import GrammarCompiler, GrammarState, StructuredOutputError
 from ..sched.handoff import claimable
 from ..sched.scheduler import Scheduler
-from ..spec.decoder import SpecDecoder
+from ..spec.decoder import SpecDecoder, step_row_cap
 from .deltas import SeqDelta, step_deltas
 
 
@@ -100,6 +100,7 @@ class EngineCore:
         self.spec = spec
         if spec is not None:
             self.scheduler.drafter = spec.propose
+            self.scheduler.max_step_rows = step_row_cap(model)
         if encoder is not None:
             self.scheduler.gate = encoder.gate
         pad = model.config.media_placeholder_token_id

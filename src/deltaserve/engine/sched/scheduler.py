@@ -13,7 +13,8 @@ oldest running sequence always makes progress, so no request starves.
 
 Speculative decoding (`drafter`, engine/spec): a decoding sequence (one pending token) may get
 draft tokens after it, fed in the same step and counted against the token budget; if its pages
-cannot cover them it goes without (drafts never preempt anyone).
+cannot cover them it goes without (drafts never preempt anyone); with `max_step_rows` set, a
+step's decode rows and drafts stay within it.
 
 Images (`gate`): a sequence computes no position at or past the first image whose rows are not
 encoded yet; the text before it may run. A running sequence so blocked is skipped (it keeps its
@@ -76,6 +77,7 @@ class Scheduler:
         self.gate: Callable[[Sequence, int], int | None] | None = None
         # (seq, most tokens) -> draft tokens after a decoding sequence's last one (engine/spec)
         self.drafter: Callable[[Sequence, int], list[int]] | None = None
+        self.max_step_rows: int | None = None  # decode rows + drafts a step may feed (None: no cap)
 
     def _room(self, seq: Sequence, start: int) -> int:
         """Tokens `seq` may compute from `start` as far as its images allow."""
@@ -122,6 +124,7 @@ class Scheduler:
         returns the budget left and whether anything was preempted."""
         budget = self.max_num_batched_tokens
         preempted = False
+        drafted = 0
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -129,7 +132,7 @@ class Scheduler:
             if n <= 0:  # waits for an image's encode; keeps its place and cache
                 i += 1
                 continue
-            drafts = self._drafts(seq, n, budget)
+            drafts = self._drafts(seq, n, budget, drafted)
             while not self.cache.grow(seq.seq_id, seq.num_computed + n + len(drafts)):
                 if drafts:  # drafts never preempt anyone: the step goes without them
                     drafts = ()
@@ -143,15 +146,20 @@ class Scheduler:
                 break
             out.append(ScheduledSeq(seq, n, drafts))
             budget -= n + len(drafts)
+            drafted += len(drafts)
             i += 1
         return budget, preempted
 
-    def _drafts(self, seq: Sequence, n: int, budget: int) -> tuple[int, ...]:
+    def _drafts(self, seq: Sequence, n: int, budget: int, drafted: int) -> tuple[int, ...]:
         """The drafter's tokens for a decoding sequence (its one pending token is its last), within
-        the step's token budget; () for any other."""
-        if self.drafter is None or n != 1 or seq.num_pending != 1 or seq.prefill_only or budget < 2:
+        the step's token budget and `max_step_rows` (each running sequence feeds a row at least,
+        `drafted` drafts are planned already); () for any other."""
+        room = budget - 1
+        if self.max_step_rows is not None:
+            room = min(room, self.max_step_rows - len(self.running) - drafted)
+        if self.drafter is None or n != 1 or seq.num_pending != 1 or seq.prefill_only or room < 1:
             return ()
-        return tuple(self.drafter(seq, budget - 1))
+        return tuple(self.drafter(seq, room))
 
     def _admit(self, out: list[ScheduledSeq], budget: int) -> None:
         """Admit waiting sequences into `budget`: first every preadmitted one (it holds its KDA

@@ -48,6 +48,18 @@ def model_free(config: SpecConfig) -> Proposer:
     )
 
 
+BIT_IDENTICAL_ROWS = 8  # rows a native bf16 whole-stack call rounds as one-row calls do (GEMV kernels)
+
+
+def step_row_cap(model) -> int | None:
+    """Rows (decodes + drafts) a speculative step may feed: on the native bf16 whole-stack path,
+    `BIT_IDENTICAL_ROWS`, so a verify rounds as plain decode steps do and greedy tokens equal
+    spec-off's (more rows take the tile kernels, which round otherwise); None elsewhere."""
+    stack = getattr(getattr(model, "model", None), "prepared", None)
+    bf16 = next(model.parameters()).dtype == torch.bfloat16
+    return BIT_IDENTICAL_ROWS if stack is not None and bf16 else None
+
+
 class SpecDecoder:
     def __init__(
         self, config: SpecConfig, max_model_len: int, unit: int | None = None, proposer: Proposer | None = None
