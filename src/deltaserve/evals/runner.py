@@ -27,6 +27,9 @@ from .score import Answer
 MAX_TOKENS = 192  # room for the longest answer (a thought and a copied passage)
 
 
+PREEMPT_MODEL_LEN = 6144  # room for the longest eval prompt (recall at 4096 tokens) and its answer
+
+
 @dataclass
 class EvalPath:
     """Engine options that route requests through one state path."""
@@ -34,7 +37,7 @@ class EvalPath:
     prefix_cache: bool = False  # run every prompt twice; score the second (cache-hit) pass
     chunk_size: int | None = None  # max_num_batched_tokens: long prompts prefill in chunks
     preempt: bool = False  # a KV budget that forces preemptions
-    preempt_len: int | None = None  # with preempt: the longest request it must fit (PREEMPT_MODEL_LEN)
+    preempt_len: int = PREEMPT_MODEL_LEN  # with preempt: the longest request the budget must fit
     tensor_parallel_size: int = 1
     dtype: str = "bfloat16"
     max_num_seqs: int = 16
@@ -54,7 +57,7 @@ class EvalPath:
         if self.chunk_size:
             kw["max_num_batched_tokens"] = self.chunk_size
         if self.preempt:
-            kw["max_model_len"] = self.preempt_len or PREEMPT_MODEL_LEN
+            kw["max_model_len"] = self.preempt_len
             kw["kv_cache_memory"] = self.preempt_budget(model_dir)
         return kw
 
@@ -64,12 +67,10 @@ class EvalPath:
         cfg = ModelConfig.from_pretrained(model_dir)
         dtype = torch.float32 if self.dtype == "float32" else torch.bfloat16
         slot, page = unit_bytes(cfg, PAGE_SIZE, dtype, torch.float32)
-        tokens = (self.preempt_len or PREEMPT_MODEL_LEN) * 5 // 4
-        return self.max_num_seqs * slot + -(-tokens // PAGE_SIZE) * page
+        return self.max_num_seqs * slot + -(-self.preempt_len * 5 // 4 // PAGE_SIZE) * page
 
 
 MAX_MODEL_LEN = 8192
-PREEMPT_MODEL_LEN = 6144  # room for the longest eval prompt (recall at 4096 tokens) and its answer
 PAGE_SIZE = 16  # the engine's default page size
 
 

@@ -28,6 +28,7 @@ import weakref
 
 import torch
 
+from ...kernels.cpu.abi import MAX_ROWS
 from ..exec.runner import ModelRunner
 from ..exec.sampler import Sampler, SamplingRow
 from ..request.sequence import Sequence
@@ -48,7 +49,7 @@ def model_free(config: SpecConfig) -> Proposer:
     )
 
 
-BIT_IDENTICAL_ROWS = 8  # rows a native bf16 whole-stack call rounds as one-row calls do (GEMV kernels)
+BIT_IDENTICAL_ROWS = MAX_ROWS  # rows a native bf16 whole-stack call rounds as one-row calls do (GEMV kernels)
 
 
 def step_row_cap(model) -> int | None:
