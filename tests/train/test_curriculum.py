@@ -14,8 +14,8 @@ from deltaserve.evals.score import Answer, correct, score
 from deltaserve.model.tokenizer import Tokenizer
 from deltaserve.server.parsers import parse_output
 from deltaserve.tiny import make_tiny
-from deltaserve.train.curriculum import EVAL_SEED_BASE, batches, draw, eval_set, render
-from deltaserve.train.tasks import TASKS, tokens_per_unit
+from deltaserve.train.curriculum import EVAL_SEED_BASE, batches, draw, eval_set, pack, render
+from deltaserve.train.tasks import TASKS, Sample, tokens_per_unit
 
 
 @pytest.fixture(scope="module", params=["kimi_k3", "kimi_linear"])
@@ -100,3 +100,29 @@ def test_datasets_are_functions_of_their_seeds(fam):
     assert EVAL_SEED_BASE > 10**5
     n_tok = [len(render(tok, family, s, False, template).prompt) for s in held_out]
     assert all(800 <= n <= 1400 for n in n_tok), n_tok
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_dialogue_recall_learns_every_answer_as_generated(fam, thinking):
+    """A training recall context asks several names, one per turn; every assistant turn is learned
+    as exactly the tokens the server generates at that turn (rendered from its own request)."""
+    family, tok, template = fam
+    rng = random.Random(11)
+    turns = 0
+    for _ in range(12):
+        s = draw(rng, "recall", (64, 96), dialogue=True)
+        r = render(tok, family, s, thinking, template)
+        assert len(r.history) == sum(m["role"] == "assistant" for m in s.messages)
+        learned = pack([r]).targets
+        want = []
+        for j, m in enumerate(s.messages + [s.assistant(thinking)]):
+            if m["role"] == "assistant":
+                req = Sample("recall", s.messages[:j], m["content"], m["reasoning_content"], expect=s.expect)
+                want += render(tok, family, req, thinking, template).answer
+        assert learned[learned >= 0].tolist() == want
+        codes = [m["content"].split()[-1].rstrip(".") for m in s.messages if m["role"] == "assistant"]
+        assert all(code in s.messages[0]["content"] for code in codes)
+        turns += len(r.history)
+    assert turns > 5
+    single = draw(random.Random(5), "recall", (64, 96))
+    assert len(single.messages) == 1 and draw(random.Random(5), "recall", (64, 96)).messages == single.messages

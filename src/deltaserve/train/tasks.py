@@ -184,9 +184,12 @@ def tokens_per_unit(encode) -> float:
     return len(encode(" ".join(_sentence(rng) for _ in range(64)))) / (64 * 8)
 
 
-def recall(rng: random.Random, size: int = 1024) -> Sample:
+def recall(rng: random.Random, size: int = 1024, dialogue: bool = False) -> Sample:
     """Facts "The code of NAME is NNNN." stated in the first quarter of `size // 8` filler sentences
-    (about `size * RECALL_TOKENS_PER_UNIT` tokens), one of them asked at the end."""
+    (about `size * RECALL_TOKENS_PER_UNIT` tokens), one of them asked at the end. With `dialogue`
+    (training), earlier turns first ask 0 to all-but-one of the other names, one per turn, each
+    answered in the history: one long context teaches several lookups (`curriculum.render` learns
+    every assistant turn). Without it the draws are those of the single-question sample."""
     names = rng.sample(NAMES, rng.randint(2, 5))
     codes = {n: str(rng.randrange(1000, 10000)) for n in names}
     n_sent = max(4, size // 8)
@@ -194,9 +197,20 @@ def recall(rng: random.Random, size: int = 1024) -> Sample:
     for n in names:
         body.insert(rng.randrange(0, max(1, n_sent // 4)), f"The code of {n} is {codes[n]}.")
     who = rng.choice(names)
-    q = f"Read the text and answer.\n\n{' '.join(body)}\n\nWhat is the code of {who}?"
+    others = [n for n in names if n != who]
+    asked = rng.sample(others, rng.randint(0, len(others))) + [who] if dialogue else [who]
+    think = "I look for the code of {} in the text."
+    messages: list[dict] = []
+    for i, n in enumerate(asked):
+        question = f"What is the code of {n}?"
+        if i == 0:
+            question = f"Read the text and answer.\n\n{' '.join(body)}\n\n{question}"
+        else:
+            turn = f"The code of {asked[i - 1]} is {codes[asked[i - 1]]}."
+            messages.append({"role": "assistant", "content": turn, "reasoning_content": think.format(asked[i - 1])})
+        messages.append({"role": "user", "content": question})
     answer = f"The code of {who} is {codes[who]}."
-    return Sample("recall", _user(q), answer, f"I look for the code of {who} in the text.", expect=codes[who])
+    return Sample("recall", messages, answer, think.format(who), expect=codes[who])
 
 
 def copy_edit(rng: random.Random, sentences: int | None = None) -> Sample:

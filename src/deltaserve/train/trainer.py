@@ -50,6 +50,7 @@ class TrainConfig:
     qat_from: float = 0.75  # fraction of the steps after which experts train through MXFP4
     thinking_share: float = 0.5
     recall_max: int = 3072  # largest recall size trained (`tasks.recall`: ~4.8k tokens)
+    recall_dialogue: bool = True  # ask several of a context's facts, one per turn (`tasks.recall`)
     checkpoint_every: int = 50
 
     def lr_at(self, step: int) -> float:
@@ -177,6 +178,7 @@ class Trainer:
             self.recall_size,
             self.template,
             start_step=self.step,
+            dialogue=cfg.recall_dialogue,
         )
         bar = tqdm(total=cfg.steps, initial=self.step, disable=not progress, desc=f"train {cfg.family}")
         smooth = None
