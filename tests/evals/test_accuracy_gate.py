@@ -12,7 +12,7 @@ import math
 import pytest
 
 from deltaserve.cache.manager import CacheManager
-from deltaserve.evals.runner import EvalPath, OfflineRunner
+from deltaserve.evals.runner import EvalPath, OfflineRunner, longest_request
 from deltaserve.evals.score import score
 from deltaserve.model.tokenizer import Tokenizer
 from deltaserve.tiny.shipped import shipped_model_dir
@@ -26,9 +26,9 @@ FLOOR = {"kimi_k3": {"recall": 0.25, "arithmetic": 0.625}, "kimi_linear": {"reca
 PATHS = {
     "prefix hit": EvalPath(prefix_cache=True),
     "chunked": EvalPath(chunk_size=96),
-    # pages for 1.25 x the longest request (a ~2.1k-token prompt + MAX_TOKENS): two recall prompts
-    # and their answers do not fit at once (measured: 4-6 preemptions for either model, either order)
-    "preempted": EvalPath(preempt=True, preempt_len=2304),
+    # pages for 1.25 x the longest request (`answers` sizes it: a ~2.1k-token prompt + MAX_TOKENS):
+    # two recall prompts and their answers do not fit at once, so the scheduler preempts
+    "preempted": EvalPath(preempt=True),
     "tp2": EvalPath(tensor_parallel_size=2, threads=1),
 }
 LOGPROB_TOL = 2e-3
@@ -42,6 +42,9 @@ def samples(family: str):
 
 def answers(family: str, path: EvalPath, thinking: bool = True):
     path = EvalPath(**{**path.__dict__, "dtype": "float32"})
+    if path.preempt:
+        batch = list(samples(family))
+        path.preempt_len = longest_request(shipped_model_dir(family), family, batch, [thinking], path.max_tokens)
     runner = OfflineRunner(shipped_model_dir(family), path)
     try:
         return runner.run(list(samples(family)), thinking), runner.stats()

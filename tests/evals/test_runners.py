@@ -44,3 +44,13 @@ def test_eval_command_prints_a_score_per_task_and_mode(tmp_path, capsys):
     assert report["prefix_cache_hits"] > 0
     with pytest.raises(SystemExit):
         main(["eval", str(ckpt), "--tasks", "nope"])
+
+
+def test_eval_preempt_sizes_each_tasks_budget_to_its_longest_request(tmp_path, capsys):
+    """--preempt gives every task an engine whose KV budget fits its longest request once, so
+    short tasks are preempted too (a fixed recall-sized budget held all arithmetic requests)."""
+    ckpt = make_tiny(tmp_path / "m", family="kimi_k3", preset="tiny", seed=0)
+    argv = ["eval", str(ckpt), "--tasks", "arithmetic", "-n", "6", "--thinking", "off", "--json", "--preempt"]
+    assert main([*argv, "--dtype", "float32", "--max-tokens", "48"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(report["tasks"]) == {"arithmetic/no-think"} and report["preemptions"] > 0

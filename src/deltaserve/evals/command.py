@@ -6,9 +6,11 @@ import argparse
 import json
 from pathlib import Path
 
+from ..model.config import ModelConfig
+from ..model.tokenizer import Tokenizer
 from ..train.curriculum import eval_set
 from ..train.tasks import RECALL_TOKENS_PER_UNIT, TASKS, tokens_per_unit
-from .runner import MAX_TOKENS, EvalPath, OfflineRunner, ServerRunner
+from .runner import MAX_TOKENS, EvalPath, OfflineRunner, ServerRunner, longest_request
 from .score import score
 
 
@@ -38,37 +40,45 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(tasks) - set(TASKS))
     if unknown:
         raise SystemExit(f"deltaserve eval: unknown task(s) {unknown}; choose from {list(TASKS)}")
+    server = model = None
     if args.url:
-        runner = ServerRunner(args.url, api_key=args.api_key, max_tokens=args.max_tokens)
+        server = ServerRunner(args.url, api_key=args.api_key, max_tokens=args.max_tokens)
         family, unit_tokens = None, RECALL_TOKENS_PER_UNIT
     else:
-        path = EvalPath(
-            prefix_cache=args.prefix_cache,
-            chunk_size=args.chunk_size,
-            preempt=args.preempt,
-            tensor_parallel_size=args.tensor_parallel_size,
-            dtype=args.dtype,
-            max_tokens=args.max_tokens,
-        )
-        runner = OfflineRunner(args.model or _default_model(), path)
-        family = runner.family
-        unit_tokens = tokens_per_unit(runner.llm.tokenizer.encode)
+        model = Path(args.model or _default_model())
+        family = ModelConfig.from_pretrained(model).family
+        unit_tokens = tokens_per_unit(Tokenizer.from_pretrained(model).encode)
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.thinking]
     if family == "kimi_linear":
         modes = [False]
-    report: dict = {"tasks": {}, "seed": args.seed, "num_samples": args.num_samples}
+    recall = (args.recall_min, args.recall_max)
+    sets = {t: eval_set(t, args.num_samples, args.seed, recall, unit_tokens) for t in tasks}
+    # offline with --preempt: an engine per task, its KV budget sized to that task's longest request
+    groups = [[t] for t in tasks] if model is not None and args.preempt else [tasks]
+    accuracy, hits, preemptions = {}, 0, 0
     try:
-        for thinking in modes:
-            for task in tasks:
-                samples = eval_set(task, args.num_samples, args.seed, (args.recall_min, args.recall_max), unit_tokens)
-                s = score(samples, runner.run(samples, thinking))[task]
-                report["tasks"][f"{task}/{'think' if thinking else 'no-think'}"] = round(s.accuracy, 4)
-        if not args.url:
-            st = runner.stats()
-            report["prefix_cache_hits"] = st.get("prefix_cache", {}).get("hits", 0)
-            report["preemptions"] = st["preemptions"]
+        for group in groups:
+            runner = server or OfflineRunner(model, _path(args, model, family, [sets[t] for t in group], modes))
+            try:
+                for thinking in modes:
+                    for task in group:
+                        accuracy[task, thinking] = score(sets[task], runner.run(sets[task], thinking))[task].accuracy
+                if runner is not server:
+                    st = runner.stats()
+                    hits += st.get("prefix_cache", {}).get("hits", 0)
+                    preemptions += st["preemptions"]
+            finally:
+                if runner is not server:
+                    runner.close()
     finally:
-        runner.close()
+        if server is not None:
+            server.close()
+    report: dict = {"tasks": {}, "seed": args.seed, "num_samples": args.num_samples}
+    for thinking in modes:
+        for task in tasks:
+            report["tasks"][f"{task}/{'think' if thinking else 'no-think'}"] = round(accuracy[task, thinking], 4)
+    if model is not None:
+        report["prefix_cache_hits"], report["preemptions"] = hits, preemptions
     if args.json:
         print(json.dumps(report))
     else:
@@ -76,6 +86,23 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name:28s} {acc:6.3f}", flush=True)
         print({k: v for k, v in report.items() if k != "tasks"})
     return 0
+
+
+def _path(args: argparse.Namespace, model: Path, family: str, sets: list[list], modes: list[bool]) -> EvalPath:
+    """The engine options of `args`; with --preempt, a KV budget sized to the longest request of
+    `sets` (its rendered prompt in any of `modes` plus --max-tokens): one such request fits,
+    several at once do not."""
+    path = EvalPath(
+        prefix_cache=args.prefix_cache,
+        chunk_size=args.chunk_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+        dtype=args.dtype,
+        max_tokens=args.max_tokens,
+    )
+    if args.preempt:
+        samples = [s for ss in sets for s in ss]
+        path.preempt, path.preempt_len = True, longest_request(model, family, samples, modes, args.max_tokens)
+    return path
 
 
 def _default_model() -> Path:
