@@ -12,6 +12,7 @@ import math
 import pytest
 
 from deltaserve.cache.manager import CacheManager
+from deltaserve.chat.render import load_chat_template
 from deltaserve.evals.runner import EvalPath, OfflineRunner, longest_request
 from deltaserve.evals.score import score
 from deltaserve.model.tokenizer import Tokenizer
@@ -43,8 +44,10 @@ def samples(family: str):
 def answers(family: str, path: EvalPath, thinking: bool = True):
     path = EvalPath(**{**path.__dict__, "dtype": "float32"})
     if path.preempt:
+        d = shipped_model_dir(family)
+        tokenizer, template = Tokenizer.from_pretrained(d), load_chat_template(d)
         batch = list(samples(family))
-        path.preempt_len = longest_request(shipped_model_dir(family), family, batch, [thinking], path.max_tokens)
+        path.preempt_len = longest_request(tokenizer, template, family, batch, [thinking], path.max_tokens)
     runner = OfflineRunner(shipped_model_dir(family), path)
     try:
         return runner.run(list(samples(family)), thinking), runner.stats()

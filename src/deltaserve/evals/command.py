@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+from contextlib import closing
 from pathlib import Path
 
+from ..chat.render import load_chat_template
 from ..model.config import ModelConfig
 from ..model.tokenizer import Tokenizer
 from ..train.curriculum import eval_set
@@ -40,14 +42,14 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(tasks) - set(TASKS))
     if unknown:
         raise SystemExit(f"deltaserve eval: unknown task(s) {unknown}; choose from {list(TASKS)}")
-    server = model = None
+    model = tokenizer = template = None
     if args.url:
-        server = ServerRunner(args.url, api_key=args.api_key, max_tokens=args.max_tokens)
         family, unit_tokens = None, RECALL_TOKENS_PER_UNIT
     else:
         model = Path(args.model or _default_model())
-        family = ModelConfig.from_pretrained(model).family
-        unit_tokens = tokens_per_unit(Tokenizer.from_pretrained(model).encode)
+        family, tokenizer = ModelConfig.from_pretrained(model).family, Tokenizer.from_pretrained(model)
+        template = load_chat_template(model)
+        unit_tokens = tokens_per_unit(tokenizer.encode)
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.thinking]
     if family == "kimi_linear":
         modes = [False]
@@ -56,23 +58,30 @@ def run(args: argparse.Namespace) -> int:
     # offline with --preempt: an engine per task, its KV budget sized to that task's longest request
     groups = [[t] for t in tasks] if model is not None and args.preempt else [tasks]
     accuracy, hits, preemptions = {}, 0, 0
-    try:
-        for group in groups:
-            runner = server or OfflineRunner(model, _path(args, model, family, [sets[t] for t in group], modes))
-            try:
-                for thinking in modes:
-                    for task in group:
-                        accuracy[task, thinking] = score(sets[task], runner.run(sets[task], thinking))[task].accuracy
-                if runner is not server:
-                    st = runner.stats()
-                    hits += st.get("prefix_cache", {}).get("hits", 0)
-                    preemptions += st["preemptions"]
-            finally:
-                if runner is not server:
-                    runner.close()
-    finally:
-        if server is not None:
-            server.close()
+    for group in groups:
+        if model is None:
+            runner = ServerRunner(args.url, api_key=args.api_key, max_tokens=args.max_tokens)
+        else:
+            path = EvalPath(
+                prefix_cache=args.prefix_cache,
+                chunk_size=args.chunk_size,
+                tensor_parallel_size=args.tensor_parallel_size,
+                dtype=args.dtype,
+                max_tokens=args.max_tokens,
+            )
+            if args.preempt:  # a KV budget for 1.25x the group's longest request: several do not fit
+                samples = [s for t in group for s in sets[t]]
+                path.preempt = True
+                path.preempt_len = longest_request(tokenizer, template, family, samples, modes, args.max_tokens)
+            runner = OfflineRunner(model, path)
+        with closing(runner):
+            for thinking in modes:
+                for task in group:
+                    accuracy[task, thinking] = score(sets[task], runner.run(sets[task], thinking))[task].accuracy
+            if model is not None:
+                st = runner.stats()
+                hits += st.get("prefix_cache", {}).get("hits", 0)
+                preemptions += st["preemptions"]
     report: dict = {"tasks": {}, "seed": args.seed, "num_samples": args.num_samples}
     for thinking in modes:
         for task in tasks:
@@ -86,23 +95,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name:28s} {acc:6.3f}", flush=True)
         print({k: v for k, v in report.items() if k != "tasks"})
     return 0
-
-
-def _path(args: argparse.Namespace, model: Path, family: str, sets: list[list], modes: list[bool]) -> EvalPath:
-    """The engine options of `args`; with --preempt, a KV budget sized to the longest request of
-    `sets` (its rendered prompt in any of `modes` plus --max-tokens): one such request fits,
-    several at once do not."""
-    path = EvalPath(
-        prefix_cache=args.prefix_cache,
-        chunk_size=args.chunk_size,
-        tensor_parallel_size=args.tensor_parallel_size,
-        dtype=args.dtype,
-        max_tokens=args.max_tokens,
-    )
-    if args.preempt:
-        samples = [s for ss in sets for s in ss]
-        path.preempt, path.preempt_len = True, longest_request(model, family, samples, modes, args.max_tokens)
-    return path
 
 
 def _default_model() -> Path:

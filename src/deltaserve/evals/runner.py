@@ -19,7 +19,6 @@ from ..chat.render import load_chat_template
 from ..engine.llm import LLM
 from ..engine.request.sampling_params import SamplingParams
 from ..model.config import ModelConfig
-from ..model.tokenizer import Tokenizer
 from ..server.parsers import control_token_ids, parse_output
 from ..train.curriculum import render
 from ..train.tasks import Sample
@@ -75,10 +74,9 @@ MAX_MODEL_LEN = 8192
 PAGE_SIZE = 16  # the engine's default page size
 
 
-def longest_request(model_dir, family: str, samples: list[Sample], modes: list[bool], max_tokens: int) -> int:
+def longest_request(tokenizer, template, family: str, samples: list[Sample], modes: list[bool], max_tokens: int) -> int:
     """Tokens of the longest of `samples`' requests (its prompt rendered in any thinking mode of
     `modes`, plus `max_tokens`): what `EvalPath.preempt_len` must fit."""
-    tokenizer, template = Tokenizer.from_pretrained(model_dir), load_chat_template(model_dir)
     return max(len(render(tokenizer, family, s, m, template).prompt) for s in samples for m in modes) + max_tokens
 
 

@@ -192,25 +192,19 @@ def recall(rng: random.Random, size: int = 1024, dialogue: bool = False) -> Samp
     every assistant turn). Without it the draws are those of the single-question sample."""
     names = rng.sample(NAMES, rng.randint(2, 5))
     codes = {n: str(rng.randrange(1000, 10000)) for n in names}
+    fact, think = "The code of {} is {}.".format, "I look for the code of {} in the text.".format
     n_sent = max(4, size // 8)
     body = [_sentence(rng) for _ in range(n_sent)]
     for n in names:
-        body.insert(rng.randrange(0, max(1, n_sent // 4)), f"The code of {n} is {codes[n]}.")
+        body.insert(rng.randrange(0, max(1, n_sent // 4)), fact(n, codes[n]))
     who = rng.choice(names)
     others = [n for n in names if n != who]
     asked = rng.sample(others, rng.randint(0, len(others))) + [who] if dialogue else [who]
-    think = "I look for the code of {} in the text."
-    messages: list[dict] = []
-    for i, n in enumerate(asked):
-        question = f"What is the code of {n}?"
-        if i == 0:
-            question = f"Read the text and answer.\n\n{' '.join(body)}\n\n{question}"
-        else:
-            turn = f"The code of {asked[i - 1]} is {codes[asked[i - 1]]}."
-            messages.append({"role": "assistant", "content": turn, "reasoning_content": think.format(asked[i - 1])})
-        messages.append({"role": "user", "content": question})
-    answer = f"The code of {who} is {codes[who]}."
-    return Sample("recall", messages, answer, think.format(who), expect=codes[who])
+    messages = _user(f"Read the text and answer.\n\n{' '.join(body)}\n\nWhat is the code of {asked[0]}?")
+    for prev, n in zip(asked, asked[1:]):
+        messages.append({"role": "assistant", "content": fact(prev, codes[prev]), "reasoning_content": think(prev)})
+        messages.append({"role": "user", "content": f"What is the code of {n}?"})
+    return Sample("recall", messages, fact(who, codes[who]), think(who), expect=codes[who])
 
 
 def copy_edit(rng: random.Random, sentences: int | None = None) -> Sample:
