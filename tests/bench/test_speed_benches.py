@@ -210,3 +210,21 @@ def test_throughput_under_tensor_parallelism_reports_comm_and_ratio(capsys, ckpt
     assert par["tensor_parallel_size"] == 2 and par["tp1_threads"] == 2 and par["comm_calls"] > out["steps"] > 0
     positive(par, ["comm_s", "comm_ms_per_step", "output_tok_s_at_max_vs_tp1"])
     assert out["roofline"] is None  # ranks share the machine: no one-process roofline
+
+
+def test_spec_bench_times_decode_with_and_without_drafts(ckpts, capsys):
+    """bench spec: a row per workload and batch (resend and self at batch 1), finite positive rates,
+    the same tokens with speculation as without, drafts verified on the copy workload."""
+    out = bench(
+        capsys, "spec", "--model", ckpts["kimi_k3"], "--dtype", "float32", "--threads", "1",
+        "--batch-sizes", "1,2", "--repeats", "1", "--output-tokens", "24", "--no-adaptive",
+    )  # fmt: skip
+    rows = out["rows"]
+    assert [(r["workload"], r["batch"]) for r in rows] == [
+        ("copy", 1), ("free", 1), ("copy-resend", 1), ("copy-self", 1), ("copy", 2), ("free", 2),
+    ]  # fmt: skip
+    assert all(r["same_tokens"] for r in rows)
+    for r in rows:
+        assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("tok_s_off", "tok_s_on", "speedup"))
+    self_row = next(r for r in rows if r["workload"] == "copy-self")
+    assert self_row["drafted_steps"] > 0 and self_row["acceptance_rate"] > 0.5

@@ -14,19 +14,24 @@ the session store holding the first answers: what an agent's re-sent edit gets) 
 verification and a target-sized drafter cost, apart from how well the model copies). Every
 engine shares every other setting; prefix caching is off.
 
-Decode tokens/s = (tokens - one per request) / (time of the whole generation - time of a
-generation of one token), each the best of `--repeats` after a warm-up, off and on interleaved:
-prefill is not counted.
+Decode tokens/s = (tokens - one per request) / the time from the step that gave the last request
+its first token to the step that finished the last one, timed inside each run (the prompts are
+rendered once before; rendering, prefill and the first token are not counted). Off and on run
+in pairs, back to back, after a warm-up pair: a row's rates are each engine's best of `--repeats`
+runs, its speedup the median of the pairs' ratios (the machine's speed drifts between phases
+that last several runs; a pair shares one).
 Every row reports the mean accepted length and acceptance rate of its timed runs and whether the
 tokens with speculation equal those without (they must at temperature 0; exit 1 otherwise)."""
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
+import statistics
 import time
 
-from .common import emit, meta, model_dir
+from .common import apply_threads, emit, meta, model_dir
 
 
 def conversations(kind: str, batch: int, seed: int, sentences: int) -> list[list[dict]]:
@@ -39,29 +44,50 @@ def conversations(kind: str, batch: int, seed: int, sentences: int) -> list[list
     return [arithmetic(rng).messages for _ in range(batch)]
 
 
-def _timed(llm, convs, params) -> tuple[float, list]:
-    t0 = time.perf_counter()
-    outs = llm.chat(convs, params, use_tqdm=False)
-    return time.perf_counter() - t0, outs
+def prompts(llm, convs) -> list[list[int]]:
+    """The conversations as the chat endpoint renders them (K3: thinking on), token ids."""
+    from ..chat.render import load_chat_template
+    from ..engine.request.chat_inputs import chat_prompt
+
+    render = dict(add_generation_prompt=True, thinking=True, chat_template=load_chat_template(llm.config.model) or None)
+    return [chat_prompt(llm.tokenizer, llm.model.config.family, c, **render)["prompt_token_ids"] for c in convs]
 
 
-def decode_rates(engines: list, convs, params, first, repeats: int) -> list[tuple[float, list[list[int]]]]:
-    """Per engine (decode tokens/s: generated tokens past each request's first over the time they
-    added, the tokens), the engines' runs interleaved (a load that comes and goes hits them alike),
-    each time the best of `repeats` after a warm-up."""
-    best = [[float("inf"), float("inf")] for _ in engines]
+def decode_run(llm, ids: list[list[int]], params) -> tuple[float, int, list[list[int]]]:
+    """One generation of `ids` on `llm`'s engine, stepped here: (decode seconds, decode tokens, the
+    tokens), decode as the module docstring defines it."""
+    engine = llm.engine
+    rids = [f"bench-spec-{next(_ids)}" for _ in ids]
+    for rid, prompt in zip(rids, ids):
+        engine.add_request(rid, prompt, params)
+    seqs = [engine.requests[rid].seqs[0] for rid in rids]
+    start = None
+    while engine.has_unfinished():
+        engine.step()
+        if start is None and all(s.output_ids for s in seqs):
+            start = time.perf_counter()
+    tokens = [list(s.output_ids) for s in seqs]
+    return time.perf_counter() - start, sum(map(len, tokens)) - len(tokens), tokens
+
+
+_ids = itertools.count()
+
+
+def decode_rates(engines: list, ids: list[list[int]], params, repeats: int) -> tuple[list[float], float, list]:
+    """(each engine's best decode tokens/s, the median over runs of the second's rate over the
+    first's, each engine's tokens): the engines run back to back `repeats` times after a warm-up."""
+    best = [0.0] * len(engines)
+    ratios: list[float] = []
     outs: list = [None] * len(engines)
     for r in range(repeats + 1):
+        rates = []
         for i, llm in enumerate(engines):
-            t_first, _ = _timed(llm, convs, first)
-            t_all, outs[i] = _timed(llm, convs, params)
-            if r:  # the first round warms up
-                best[i] = [min(best[i][0], t_first), min(best[i][1], t_all)]
-    rates = []
-    for (t_first, t_all), o in zip(best, outs):
-        tokens = [list(x.outputs[0].token_ids) for x in o]
-        rates.append(((sum(map(len, tokens)) - len(tokens)) / max(t_all - t_first, 1e-9), tokens))
-    return rates
+            seconds, n, outs[i] = decode_run(llm, ids, params)
+            rates.append(n / max(seconds, 1e-9))
+        if r:  # the first round warms up
+            best = [max(b, x) for b, x in zip(best, rates)]
+            ratios.append(rates[-1] / rates[0])
+    return best, statistics.median(ratios), outs
 
 
 def _spec_delta(llm, before: dict) -> dict:
@@ -76,16 +102,16 @@ def _spec_delta(llm, before: dict) -> dict:
     )
 
 
-def row(name: str, batch: int, off, on, convs, params, first, repeats: int) -> dict:
-    """One row: `off` and `on` over the same conversations."""
+def row(name: str, batch: int, off, on, ids, params, repeats: int) -> dict:
+    """One row: `off` and `on` over the same prompts."""
     before = on.stats()["spec_decode"]
-    (rate_off, want), (rate_on, got) = decode_rates([off, on], convs, params, first, repeats)
+    (rate_off, rate_on), speedup, (want, got) = decode_rates([off, on], ids, params, repeats)
     return dict(
         workload=name,
         batch=batch,
         tok_s_off=rate_off,
         tok_s_on=rate_on,
-        speedup=rate_on / rate_off,
+        speedup=speedup,
         **_spec_delta(on, before),
         out_tokens=sum(map(len, want)),
         same_tokens=got == want,
@@ -118,17 +144,18 @@ def run(args: argparse.Namespace) -> list[dict]:
     from ..engine.request.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens)
-    first = SamplingParams(temperature=0.0, max_tokens=1)
     rows = []
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         e = engines(args, batch)
-        work = {kind: conversations(kind, batch, args.seed, args.sentences) for kind in ("copy", "free")}
-        for kind, convs in work.items():
-            rows.append(row(kind, batch, e["off"], e["on"], convs, params, first, args.repeats))
+        work = {
+            kind: prompts(e["off"], conversations(kind, batch, args.seed, args.sentences)) for kind in ("copy", "free")
+        }
+        for kind, ids in work.items():
+            rows.append(row(kind, batch, e["off"], e["on"], ids, params, args.repeats))
         if "resend" in e:
-            e["resend"].chat(work["copy"], params, use_tqdm=False)  # the first send fills the session store
-            rows.append(row("copy-resend", batch, e["off"], e["resend"], work["copy"], params, first, args.repeats))
-            rows.append(row("copy-self", batch, e["off"], e["self"], work["copy"], params, first, args.repeats))
+            decode_run(e["resend"], work["copy"], params)  # the first send fills the session store
+            rows.append(row("copy-resend", batch, e["off"], e["resend"], work["copy"], params, args.repeats))
+            rows.append(row("copy-self", batch, e["off"], e["self"], work["copy"], params, args.repeats))
         for llm in e.values():
             llm.shutdown()
     return rows
@@ -162,11 +189,15 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-extra-rows", action="store_true", help="no resend and self rows at batch 1")
     p.add_argument("--no-adaptive", action="store_true", help="--method drafts k every step (adaptive k off)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.output_tokens < 2 or args.repeats < 1:
+        raise SystemExit("bench spec: --output-tokens must be at least 2 and --repeats at least 1")
     args.model = str(model_dir(args))
+    apply_threads(args)
     rows = run(args)
     emit(args, {"meta": meta(args, args.model), "rows": rows}, rows, COLS)
     return 0 if all(r["same_tokens"] for r in rows) else 1

@@ -1,6 +1,7 @@
 """Drafters (exact proposals), the adaptive draft length, the metrics and the config's checks."""
 
 import random
+import types
 
 import pytest
 
@@ -76,7 +77,7 @@ def test_adaptive_k_follows_acceptance_and_turns_off_then_probes():
         k.observe(3, 0)
     assert [(k.next_k(), k.probe_due) for _ in range(4)] == [(0, False)] * 3 + [(0, True)]
     k.probe_taken()
-    k.observe(6, 0)  # the probe's score: it did not pay, the next one 8 steps on
+    k.probe_scored(6, 0)  # the probe's score: it did not pay, the next one 8 steps on
     assert [(k.next_k(), k.probe_due) for _ in range(8)] == [(0, False)] * 7 + [(0, True)]
     assert AdaptiveK(4, 0.1, 4, adaptive=False).next_k() == 4
 
@@ -101,10 +102,10 @@ def test_adaptive_k_weighs_a_drafted_steps_cost_and_backs_off_its_probes():
     assert probes(k, 2) == [1, 2]  # due at once; not taken (no draft): still due
     k.probe_taken()
     assert probes(k, 3) == []  # out: no other probe, the idle count waits
-    k.observe(4, 0)  # scored: a = 1/3
+    k.probe_scored(4, 0)  # scored: a = 1/3
     assert probes(k, 8) == [8]
     k.probe_taken()
-    k.observe(4, 0)
+    k.probe_scored(4, 0)
     assert probes(k, 16) == [16]
 
 
@@ -115,13 +116,55 @@ def test_adaptive_k_turns_on_after_an_accepted_probe_and_off_when_rejected():
     k = AdaptiveK(4, cost=0.25, probe_interval=4, step_cost=0.25, rollback_cost=0.5)
     assert probes(k, 1) == [1]
     k.probe_taken()
-    k.observe(4, 4)
+    k.probe_scored(4, 4)
     assert k.acceptance == pytest.approx(5 / 6) and k.next_k() == 4 and not k.probe_due
     assert k.rate(4) == pytest.approx((1 - (5 / 6) ** 5) * 6 / (2.25 + 0.5 * (1 - (5 / 6) ** 4)))
     k.observe(4, 0)
     assert k.acceptance == pytest.approx(12 / 17) and k.next_k() == 2
     k.observe(2, 0)
     assert probes(k, 4) == [4]
+
+
+def test_free_probes_overlap_and_back_off_to_every_8th_step():
+    """Probes that cost nothing (a model-free proposer): due from the first decode step at an
+    interval of 1, several out at once; each failed one doubles the interval up to 8, one that came
+    true in full sets it back to 1."""
+    k = AdaptiveK(4, cost=0.25, probe_interval=16, step_cost=0.25, rollback_cost=0.5, free=True)
+    assert probes(k, 3) == [1, 2, 3]  # none taken (no draft): due at every step
+    k.probe_taken()
+    k.probe_taken()
+    assert k.out == 2 and probes(k, 1) == [1]  # others may go out while two are
+    k.probe_scored(4, 0)
+    k.probe_scored(4, 0)
+    k.probe_taken()  # stays out to the end
+    assert k.interval == 4 and probes(k, 4) == [4]
+    for accepted in (0, 1):
+        k.probe_taken()
+        k.probe_scored(4, accepted)
+    assert k.interval == 8 and probes(k, 8) == [8]
+    k.probe_taken()
+    k.probe_scored(4, 4)
+    assert k.best == 0 and k.interval == 1 and k.out == 1
+
+
+def test_decoder_scores_overlapping_probes_as_their_tokens_decode():
+    """ngram: a request starts with drafting off (the prior does not pay) and probes at every decode
+    step, several out at once; each is scored once the tokens it guessed are decoded, and the first
+    fully accepted one turns drafting on."""
+    dec = SpecDecoder(SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 3}), 64)
+    runner = types.SimpleNamespace(keep_hidden=False)
+    s = seq([1, 2, 3, 4, 5, 1, 2])
+    s.num_computed = s.num_tokens - 1
+    out = []
+    for t in [3, 4, 5]:
+        dec.prepare(runner, [s])
+        out.append((len(dec._shadow.get(s, [])), dec.propose(s, 3)))
+        s.output_ids.append(t)
+        s.num_computed += 1
+    assert out == [(1, []), (2, []), (3, [])] and dec.probes == 0
+    dec.prepare(runner, [s])  # the first probe ([3, 4, 5]) came true: drafting is on
+    assert dec.probes == 1 and len(dec._shadow[s]) == 2
+    assert dec.propose(s, 3) == [1, 2, 3][: dec._k[s].best] and dec._k[s].best > 0
 
 
 def test_adaptive_k_counts_a_draft_models_forwards():

@@ -14,16 +14,21 @@ over [0, k_max] (ties: the smaller k), so a request whose acceptance does not pa
 to k = 0: drafting off for it. Then (and from its first decode step) it probes in the shadow: the
 decoder asks the proposer for k_max drafts without verifying them and, once the tokens they
 guessed are decoded, scores them as a verify step would (greedy acceptance) -- a probe costs a
-proposer call, never a verify step. A probe after which drafting still does not pay doubles
-`interval`, the decode steps to the next one (up to `MAX_PROBE_INTERVAL`); one after which it
-pays resets it to `probe_interval`: a request whose text turns repetitive later gets drafting
-back, one whose text never does asks ever less (a draft model's probe costs its forwards)."""
+proposer call, never a verify step. A probe that came true in full, or after which drafting pays,
+sets `interval`, the decode steps to the next probe, to `probe_interval`; any other doubles it (up
+to `MAX_PROBE_INTERVAL`): a request whose text turns repetitive later gets drafting back, one whose
+text never does asks ever less (a draft model's probe costs its forwards). A proposer whose probes
+cost nothing but an index lookup (`free`) probes from an interval of 1 that grows to at most
+`MAX_FREE_PROBE_INTERVAL`, with any number of probes out (each scored as its tokens are decoded):
+a repetitive stretch turns drafting on within a few tokens, free text pays a lookup every few
+steps."""
 
 from __future__ import annotations
 
 DECAY = 0.95
 PRIOR_PASS, PRIOR_TESTS = 1.0, 2.0
 MAX_PROBE_INTERVAL = 256
+MAX_FREE_PROBE_INTERVAL = 8
 
 
 class AdaptiveK:
@@ -35,14 +40,18 @@ class AdaptiveK:
         adaptive: bool = True,
         step_cost: float = 0.0,
         rollback_cost: float = 0.0,
+        free: bool = False,
     ):
-        """`cost`: per draft token, `step_cost` and `rollback_cost` as the module docstring's cost."""
+        """`cost`: per draft token, `step_cost` and `rollback_cost` as the module docstring's cost.
+        `free`: probes cost nothing (`probe_interval` is then 1; see the module docstring)."""
+        probe_interval = 1 if free else probe_interval
         self.k_max, self.cost, self.probe_interval, self.adaptive = k_max, cost, probe_interval, adaptive
+        self.free, self.most = free, MAX_FREE_PROBE_INTERVAL if free else MAX_PROBE_INTERVAL
         self.step_cost, self.rollback_cost = step_cost, rollback_cost
         self.passed, self.tested = 0.0, 0.0
-        self.idle = probe_interval - 1  # decode steps since drafting was last on (a new request probes)
+        self.idle = probe_interval - 1  # decode steps since the last probe (a new request probes at once)
         self.interval = probe_interval  # decode steps between probes while k = 0
-        self.probing = False  # a shadow probe is out (its `observe` settles it)
+        self.out = 0  # shadow probes out (each settled by its `probe_scored`)
         self.best = self.best_k()
 
     @property
@@ -69,18 +78,32 @@ class AdaptiveK:
         if self.best > 0:
             self.idle, self.interval = 0, self.probe_interval
             return self.best
-        if not self.probing:
+        if self.free or not self.out:
             self.idle += 1
         return 0
 
     @property
     def probe_due(self) -> bool:
-        """Whether to take a shadow probe now (k = 0, none out, `interval` steps since the last)."""
-        return self.adaptive and self.best == 0 and not self.probing and self.idle >= self.interval
+        """Whether to take a shadow probe now (k = 0, `interval` steps since the last, and none out
+        unless probes are free)."""
+        ready = self.free or not self.out
+        return self.adaptive and self.best == 0 and ready and self.idle >= self.interval
 
     def probe_taken(self) -> None:
-        """A shadow probe's drafts are out; the `observe` of their score settles it."""
-        self.probing = True
+        """A shadow probe's drafts are out; `probe_scored` settles it."""
+        self.out += 1
+        self.idle = 0
+
+    def probe_scored(self, drafted: int, accepted: int) -> None:
+        """A probe's score (as a greedy verify step's): observed, and the next probe's interval set."""
+        self.observe(drafted, accepted)
+        self.out -= 1
+        if accepted == drafted or self.best > 0:
+            self.interval = self.probe_interval
+        else:
+            self.interval = min(2 * self.interval, self.most)
+        if not self.free:
+            self.idle = 0  # the next probe `interval` steps after this one's score
 
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
@@ -88,9 +111,6 @@ class AdaptiveK:
         self.passed = DECAY * self.passed + accepted
         self.tested = DECAY * self.tested + min(accepted + 1, drafted)
         self.best = self.best_k()
-        if self.probing:
-            self.interval = self.probe_interval if self.best > 0 else min(2 * self.interval, MAX_PROBE_INTERVAL)
-            self.idle, self.probing = 0, False
 
 
 class SpecMetrics:

@@ -26,7 +26,9 @@ class SpecConfig:
     draft_model: a small model of our family at `model` (a checkpoint directory with the target's
     vocabulary and tokenizer) drafts greedily (spec/draft_model.py).
     `adaptive`: each request's k follows its running acceptance (0 turns drafting off for it
-    until a probe `probe_interval` decode steps later, backing off while probes fail), weighing
+    until a probe `probe_interval` decode steps later, backing off while probes fail; a model-free
+    method's probes cost an index lookup: it probes from every decode step on, backing off to
+    every 8th), weighing
     costs in decode steps (spec/adaptive.py): `draft_cost` of verifying one draft token (a draft
     model adds its own forward's), `step_cost` of a drafted step's fixed work, `rollback_cost` of
     undoing rejected drafts. The defaults are the native CPU path's, measured on the small

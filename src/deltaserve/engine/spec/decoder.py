@@ -74,8 +74,8 @@ class SpecDecoder:
         self._pending = None  # (batch, verify flags, accepted counts) between execute and settle
         self._drafts: dict[Sequence, list[int]] = {}  # this step's proposals, taken by `propose`
         self._hidden: weakref.WeakKeyDictionary[Sequence, torch.Tensor] = weakref.WeakKeyDictionary()
-        self._decoding: weakref.WeakSet[Sequence] = weakref.WeakSet()  # sequences the proposer was asked for
-        self._shadow: weakref.WeakKeyDictionary[Sequence, tuple] = weakref.WeakKeyDictionary()  # probes out
+        self._decoding: set[Sequence] = set()  # sequences the proposer was asked for (left at release or finish)
+        self._shadow: weakref.WeakKeyDictionary[Sequence, list] = weakref.WeakKeyDictionary()  # probes out
         self.probes = 0  # shadow probes scored
 
     @staticmethod
@@ -96,9 +96,15 @@ class SpecDecoder:
         control = self._k.get(seq)
         if control is None:
             c = self.config
-            per_token = c.draft_cost + getattr(self.proposer, "draft_cost", 0.0)
+            drafting = getattr(self.proposer, "draft_cost", 0.0)
             control = self._k[seq] = AdaptiveK(
-                c.num_speculative_tokens, per_token, c.probe_interval, c.adaptive, c.step_cost, c.rollback_cost
+                c.num_speculative_tokens,
+                c.draft_cost + drafting,
+                c.probe_interval,
+                c.adaptive,
+                c.step_cost,
+                c.rollback_cost,
+                free=drafting == 0,
             )
         return control
 
@@ -107,9 +113,8 @@ class SpecDecoder:
         without finishing (preempted, aborted: an abort is released here, at the next step), then
         ask the proposer once for the drafts of every running decoding sequence whose k is
         positive now, and for the shadow probes due (adaptive.py), which are only scored."""
-        runner.keep_hidden = self.proposer.wants_hidden
-        live = set(running)
-        for seq in [s for s in self._decoding if s not in live]:  # preempted or aborted (`finished` left)
+        taps = runner.keep_hidden = self.proposer.wants_hidden
+        for seq in self._decoding.difference(running):  # preempted or aborted (`finished` left)
             self._decoding.discard(seq)
             self._hidden.pop(seq, None)
             self.proposer.release(seq)
@@ -119,35 +124,36 @@ class SpecDecoder:
                 continue
             control = self._control(seq)
             shadow = self._shadow.get(seq)
-            if shadow is not None:
-                self._score_probe(seq, control, *shadow)
+            if shadow:
+                self._score_probes(seq, control, shadow)
             k = control.next_k()
             k = min(k, self._room(seq)) if k else 0
             if k > 0:
-                requests.append(DraftRequest(seq, k, self._hidden.pop(seq, None)))
+                requests.append(DraftRequest(seq, k, self._hidden.pop(seq, None) if taps else None))
             elif control.probe_due and self._room(seq) > 0:
-                probes.append(DraftRequest(seq, control.k_max, self._hidden.pop(seq, None)))
+                probes.append(DraftRequest(seq, control.k_max, self._hidden.pop(seq, None) if taps else None))
         asked = requests + probes
         proposals = self.proposer.propose(asked) if asked else []
-        for r in asked:
-            self._decoding.add(r.seq)
+        self._decoding.update(r.seq for r in asked)
         self._drafts = {r.seq: d[: r.k] for r, d in zip(requests, proposals)}
         for r, d in zip(probes, proposals[len(requests) :]):
             if d:  # else the probe stays due: a step without a draft costs nothing
-                self._shadow[r.seq] = (r.seq.num_tokens, list(d[: r.k]))
+                self._shadow.setdefault(r.seq, []).append((r.seq.num_tokens, list(d[: r.k])))
                 self._k[r.seq].probe_taken()
 
-    def _score_probe(self, seq: Sequence, control: AdaptiveK, start: int, drafts: list[int]) -> None:
-        """Once decoded tokens decide it, score a shadow probe as a greedy verify step: its leading
+    def _score_probes(self, seq: Sequence, control: AdaptiveK, shadow: list) -> None:
+        """Score each shadow probe that decoded tokens decide as a greedy verify step: its leading
         drafts equal to the tokens decoded at their positions are accepted."""
-        have = seq.token_slice(start, min(seq.num_tokens, start + len(drafts)))
-        m = 0
-        while m < len(have) and have[m] == drafts[m]:
-            m += 1
-        if m < len(have) or m == len(drafts):
-            del self._shadow[seq]
-            self.probes += 1
-            control.observe(len(drafts), m)
+        for probe in list(shadow):
+            start, drafts = probe
+            have = seq.token_slice(start, min(seq.num_tokens, start + len(drafts)))
+            m = 0
+            while m < len(have) and have[m] == drafts[m]:
+                m += 1
+            if m < len(have) or m == len(drafts):
+                shadow.remove(probe)
+                self.probes += 1
+                control.probe_scored(len(drafts), m)
 
     def propose(self, seq: Sequence, most: int) -> list[int]:
         """The scheduler's drafter: this step's proposal for a decoding sequence, at most `most`."""
