@@ -182,7 +182,9 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--method", default="ngram", choices=["ngram", "suffix", "draft_model"])
     p.add_argument("--draft-model", help="draft_model's checkpoint directory (default: --model itself)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument(
+        "--num-speculative-tokens", type=int, default=7, help="the most drafts a step (adaptive k picks per request)"
+    )
     p.add_argument("--sentences", type=int, default=6, help="sentences of each copy passage (~14 tokens each)")
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)

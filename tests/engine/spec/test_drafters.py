@@ -7,7 +7,7 @@ import pytest
 
 from deltaserve import SamplingParams
 from deltaserve.engine.request.sequence import Sequence
-from deltaserve.engine.spec.adaptive import AdaptiveK, SpecMetrics
+from deltaserve.engine.spec.adaptive import MAX_FREE_PROBE_INTERVAL, AdaptiveK, SpecMetrics
 from deltaserve.engine.spec.config import SpecConfig
 from deltaserve.engine.spec.decoder import SpecDecoder
 from deltaserve.engine.spec.drafters import NgramDrafter, SuffixDrafter
@@ -125,10 +125,11 @@ def test_adaptive_k_turns_on_after_an_accepted_probe_and_off_when_rejected():
     assert probes(k, 4) == [4]
 
 
-def test_free_probes_overlap_and_back_off_to_every_8th_step():
+def test_free_probes_overlap_and_back_off_to_a_few_steps():
     """Probes that cost nothing (a model-free proposer): due from the first decode step at an
-    interval of 1, several out at once; each failed one doubles the interval up to 8, one that came
-    true in full sets it back to 1."""
+    interval of 1, several out at once; each failed one doubles the interval up to
+    MAX_FREE_PROBE_INTERVAL, one that came true in full sets it back to 1 and buys a trial step of
+    k_max drafts."""
     k = AdaptiveK(4, cost=0.25, probe_interval=16, step_cost=0.25, rollback_cost=0.5, free=True)
     assert probes(k, 3) == [1, 2, 3]  # none taken (no draft): due at every step
     k.probe_taken()
@@ -138,13 +139,17 @@ def test_free_probes_overlap_and_back_off_to_every_8th_step():
     k.probe_scored(4, 0)
     k.probe_taken()  # stays out to the end
     assert k.interval == 4 and probes(k, 4) == [4]
-    for accepted in (0, 1):
+    for accepted in (0, 1, 2, 0):
         k.probe_taken()
         k.probe_scored(4, accepted)
-    assert k.interval == 8 and probes(k, 8) == [8]
+    most = MAX_FREE_PROBE_INTERVAL
+    assert k.interval == most and probes(k, most) == [most]
     k.probe_taken()
     k.probe_scored(4, 4)
     assert k.best == 0 and k.interval == 1 and k.out == 1
+    assert k.next_k() == 4  # the trial
+    k.observe(4, 1)
+    assert k.next_k() == 0
 
 
 def test_decoder_scores_overlapping_probes_as_their_tokens_decode():
@@ -158,13 +163,13 @@ def test_decoder_scores_overlapping_probes_as_their_tokens_decode():
     out = []
     for t in [3, 4, 5]:
         dec.prepare(runner, [s])
-        out.append((len(dec._shadow.get(s, [])), dec.propose(s, 3)))
+        out.append((len(dec._seqs[s].shadow), dec.propose(s, 3)))
         s.output_ids.append(t)
         s.num_computed += 1
     assert out == [(1, []), (2, []), (3, [])] and dec.probes == 0
     dec.prepare(runner, [s])  # the first probe ([3, 4, 5]) came true: drafting is on
-    assert dec.probes == 1 and len(dec._shadow[s]) == 2
-    assert dec.propose(s, 3) == [1, 2, 3][: dec._k[s].best] and dec._k[s].best > 0
+    assert dec.probes == 1 and len(dec._seqs[s].shadow) == 2
+    assert dec.propose(s, 3) == [1, 2, 3][: dec._seqs[s].control.best] and dec._seqs[s].control.best > 0
 
 
 def test_adaptive_k_counts_a_draft_models_forwards():
@@ -178,7 +183,7 @@ def test_adaptive_k_counts_a_draft_models_forwards():
     spec = SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 4})
     proposer = ModelFreeProposer(NgramDrafter(2, 3))
     proposer.draft_cost = 1.0
-    assert SpecDecoder(spec, 64, proposer=proposer)._control(seq([1, 2, 3])).cost == spec.draft_cost + 1.0
+    assert SpecDecoder(spec, 64, proposer=proposer)._state(seq([1, 2, 3])).control.cost == spec.draft_cost + 1.0
 
 
 def test_metrics_count_by_position():

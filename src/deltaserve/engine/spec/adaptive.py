@@ -21,14 +21,17 @@ text never does asks ever less (a draft model's probe costs its forwards). A pro
 cost nothing but an index lookup (`free`) probes from an interval of 1 that grows to at most
 `MAX_FREE_PROBE_INTERVAL`, with any number of probes out (each scored as its tokens are decoded):
 a repetitive stretch turns drafting on within a few tokens, free text pays a lookup every few
-steps."""
+steps. Drafts that all came true (a probe's or a verify step's) buy the next decode step a trial
+of k_max drafts where the estimate does not pay yet: drafting runs on while whole proposals keep
+coming true, so a copy drafts from its first full hit, not only once the estimate has caught up
+(free text rarely guesses k_max tokens in a row)."""
 
 from __future__ import annotations
 
 DECAY = 0.95
 PRIOR_PASS, PRIOR_TESTS = 1.0, 2.0
 MAX_PROBE_INTERVAL = 256
-MAX_FREE_PROBE_INTERVAL = 8
+MAX_FREE_PROBE_INTERVAL = 4
 
 
 class AdaptiveK:
@@ -52,6 +55,7 @@ class AdaptiveK:
         self.idle = probe_interval - 1  # decode steps since the last probe (a new request probes at once)
         self.interval = probe_interval  # decode steps between probes while k = 0
         self.out = 0  # shadow probes out (each settled by its `probe_scored`)
+        self.streak = False  # the latest scored drafts (a probe's or a verify step's) all came true
         self.best = self.best_k()
 
     @property
@@ -75,9 +79,9 @@ class AdaptiveK:
         """Drafts to verify in this decode step (0: none; `probe_due` then says whether to probe)."""
         if not self.adaptive:
             return self.k_max
-        if self.best > 0:
+        if self.best > 0 or self.streak:
             self.idle, self.interval = 0, self.probe_interval
-            return self.best
+            return self.best or self.k_max
         if self.free or not self.out:
             self.idle += 1
         return 0
@@ -110,6 +114,7 @@ class AdaptiveK:
             return
         self.passed = DECAY * self.passed + accepted
         self.tested = DECAY * self.tested + min(accepted + 1, drafted)
+        self.streak = accepted == drafted
         self.best = self.best_k()
 
 

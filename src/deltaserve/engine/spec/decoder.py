@@ -61,6 +61,15 @@ def step_row_cap(model) -> int | None:
     return BIT_IDENTICAL_ROWS if stack is not None and bf16 else None
 
 
+@dataclasses.dataclass
+class Speculating:
+    """A decoding sequence's speculation state: its draft length control and its shadow probes out
+    ((first position, drafts) each)."""
+
+    control: AdaptiveK
+    shadow: list[tuple[int, list[int]]]
+
+
 class SpecDecoder:
     def __init__(
         self, config: SpecConfig, max_model_len: int, unit: int | None = None, proposer: Proposer | None = None
@@ -70,12 +79,11 @@ class SpecDecoder:
         self.config, self.max_model_len, self.unit = config, max_model_len, unit
         self.proposer = proposer if proposer is not None else model_free(config)
         self.metrics = SpecMetrics(config.num_speculative_tokens)
-        self._k: weakref.WeakKeyDictionary[Sequence, AdaptiveK] = weakref.WeakKeyDictionary()
+        self._seqs: weakref.WeakKeyDictionary[Sequence, Speculating] = weakref.WeakKeyDictionary()
         self._pending = None  # (batch, verify flags, accepted counts) between execute and settle
         self._drafts: dict[Sequence, list[int]] = {}  # this step's proposals, taken by `propose`
         self._hidden: weakref.WeakKeyDictionary[Sequence, torch.Tensor] = weakref.WeakKeyDictionary()
         self._decoding: set[Sequence] = set()  # sequences the proposer was asked for (left at release or finish)
-        self._shadow: weakref.WeakKeyDictionary[Sequence, list] = weakref.WeakKeyDictionary()  # probes out
         self.probes = 0  # shadow probes scored
 
     @staticmethod
@@ -92,12 +100,12 @@ class SpecDecoder:
             room = min(room, (seq.num_computed // self.unit + 1) * self.unit - seq.num_computed - 1)
         return room
 
-    def _control(self, seq: Sequence) -> AdaptiveK:
-        control = self._k.get(seq)
-        if control is None:
+    def _state(self, seq: Sequence) -> Speculating:
+        state = self._seqs.get(seq)
+        if state is None:
             c = self.config
             drafting = getattr(self.proposer, "draft_cost", 0.0)
-            control = self._k[seq] = AdaptiveK(
+            control = AdaptiveK(
                 c.num_speculative_tokens,
                 c.draft_cost + drafting,
                 c.probe_interval,
@@ -106,7 +114,8 @@ class SpecDecoder:
                 c.rollback_cost,
                 free=drafting == 0,
             )
-        return control
+            state = self._seqs[seq] = Speculating(control, [])
+        return state
 
     def prepare(self, runner: ModelRunner, running: list[Sequence]) -> None:
         """Before scheduling: release the sequences that stopped running since the last step
@@ -122,10 +131,10 @@ class SpecDecoder:
         for seq in running:
             if seq.num_pending != 1 or not self.eligible(seq):
                 continue
-            control = self._control(seq)
-            shadow = self._shadow.get(seq)
-            if shadow:
-                self._score_probes(seq, control, shadow)
+            state = self._state(seq)
+            control = state.control
+            if state.shadow:
+                self._score_probes(seq, control, state.shadow)
             k = control.next_k()
             k = min(k, self._room(seq)) if k else 0
             if k > 0:
@@ -138,8 +147,9 @@ class SpecDecoder:
         self._drafts = {r.seq: d[: r.k] for r, d in zip(requests, proposals)}
         for r, d in zip(probes, proposals[len(requests) :]):
             if d:  # else the probe stays due: a step without a draft costs nothing
-                self._shadow.setdefault(r.seq, []).append((r.seq.num_tokens, list(d[: r.k])))
-                self._k[r.seq].probe_taken()
+                state = self._seqs[r.seq]
+                state.shadow.append((r.seq.num_tokens, list(d[: r.k])))
+                state.control.probe_taken()
 
     def _score_probes(self, seq: Sequence, control: AdaptiveK, shadow: list) -> None:
         """Score each shadow probe that decoded tokens decide as a greedy verify step: its leading
@@ -224,8 +234,9 @@ class SpecDecoder:
             tokens[i], logprobs[i] = out, [None] * len(out)
             accepted.append(len(out) - 1)
             self.metrics.observe(len(s.drafts), len(out) - 1)
-            if s.seq in self._k:
-                self._k[s.seq].observe(len(s.drafts), len(out) - 1)
+            state = self._seqs.get(s.seq)
+            if state is not None:
+                state.control.observe(len(s.drafts), len(out) - 1)
         return accepted
 
     @staticmethod
@@ -256,7 +267,7 @@ class SpecDecoder:
     def finished(self, seq: Sequence) -> None:
         """A sequence finished: its proposer state goes (into the session store, for suffix)."""
         self._decoding.discard(seq)
-        self._shadow.pop(seq, None)
+        self._seqs.pop(seq, None)
         self.proposer.finished(seq)
 
     def stats(self) -> dict:

@@ -47,16 +47,18 @@ class _NgramIndex(_Tokens):
     def grow(self, seq: Sequence) -> list[int]:
         first = len(self.ids)
         new = super().grow(seq)
-        ids = self.ids
+        ids, lo, hi, after = self.ids, self.lo, self.hi, self.after
         for e in range(max(first, 1), len(ids)):  # the n-grams ending at e - 1, continued at e
-            for n in range(self.lo, min(self.hi, e) + 1):
-                self.after[tuple(ids[e - n : e])] = e
+            tail = tuple(ids[max(0, e - hi) : e])
+            for n in range(lo, len(tail) + 1):
+                after[tail[-n:]] = e
         return new
 
     def propose(self, k: int) -> list[int]:
         ids = self.ids
-        for n in range(min(self.hi, len(ids)), self.lo - 1, -1):
-            e = self.after.get(tuple(ids[len(ids) - n :]))
+        tail = tuple(ids[-self.hi :])
+        for n in range(len(tail), self.lo - 1, -1):
+            e = self.after.get(tail[-n:])
             if e is not None:
                 return _copy_from(ids, e, k)
         return []

@@ -110,6 +110,44 @@ static inline __attribute__((always_inline)) void ml_scores(const uint16_t *qb, 
 #endif
 
 #ifdef ML_AVX512BF16
+/* The fp32 scores (D % 16 == 0, not the vdpbf16ps path): s[h * MLA_CHUNK + j] = scale * dot_f32(q_h,
+ * row_j) for the n rows of idx and every head, bit for bit: each (row, head) pair keeps dot_f32's
+ * 16 lane sums (products then adds, in d order), and 16 pairs at a time are summed across their
+ * lanes in dot_f32's order with one vector add a lane (the lanes gathered from the pairs' stored
+ * sums), instead of 16 dependent scalar adds a pair. */
+static void ml_scores_pairs(const float *qf, int H, int D, const uint16_t *rows, const int64_t *idx, int n,
+                            float scale, float *s) {
+    const __m512i lane = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+    const __m512 sc = _mm512_set1_ps(scale);
+    float part[16 * 16] __attribute__((aligned(64)));
+    float dot[16] __attribute__((aligned(64)));
+    const int pairs = n * H;
+    for (int p0 = 0; p0 < pairs; p0 += 16) {
+        const int np = pairs - p0 < 16 ? pairs - p0 : 16;
+        const uint16_t *r[16];
+        const float *q[16];
+        for (int i = 0; i < 16; ++i) {   /* past np: pair p0's again (its sums unused) */
+            const int p = p0 + (i < np ? i : 0);
+            r[i] = rows + idx[p / H] * (int64_t)D;
+            q[i] = qf + (int64_t)(p % H) * D;
+        }
+        __m512 acc[16];
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+        for (int d = 0; d < D; d += 16)   /* the 16 pairs' chains interleaved: independent adds */
+            for (int i = 0; i < 16; ++i) {
+                const __m256i b = _mm256_loadu_si256((const __m256i *)(r[i] + d));
+                const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+                acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_loadu_ps(q[i] + d), x));
+            }
+        for (int i = 0; i < 16; ++i) _mm512_store_ps(part + 16 * i, acc[i]);
+        __m512 sum = _mm512_setzero_ps();
+        for (int l = 0; l < 16; ++l)
+            sum = _mm512_add_ps(sum, _mm512_i32gather_ps(_mm512_add_epi32(lane, _mm512_set1_epi32(l)), part, 4));
+        _mm512_store_ps(dot, _mm512_mul_ps(sc, sum));
+        for (int i = 0; i < np; ++i) s[((p0 + i) % H) * MLA_CHUNK + (p0 + i) / H] = dot[i];
+    }
+}
+
 /* Sweep t of a chunk's `sweeps` passes over its rows (the score pass, then one per 32 value columns)
  * prefetches lines [first_line(t), first_line(t + 1)) of each of the next chunk's rows into L2: the
  * next chunk's reads spread evenly over this chunk's compute. */
@@ -135,7 +173,15 @@ static void mla_chunk(const float *qf, const uint16_t *qb, int H, int D, int R, 
     const int lines = (D * 2 + 63) / 64, sweeps = 1 + R / 32;
 #endif
     const int fast = ml_fast(D);
-    for (int j = 0, nb; j < n; j += nb) {
+    int scored = 0;   /* rows whose scores are in s */
+#ifdef ML_AVX512BF16
+    if (!fast && D % 16 == 0) {
+        ml_scores_pairs(qf, H, D, rows, idx + j0, n, scale, s);
+        for (int j = 0; j < next_n && next; ++j) prefetch_lines(rows, next[j], D, 0, first_line(1, sweeps, lines));
+        scored = n;
+    }
+#endif
+    for (int j = scored, nb; j < n; j += nb) {
         nb = fast && j + 3 <= n ? 3 : 1;   /* three rows a pass over the query */
         const uint16_t *r[3];
         float dots[3][DS_MLA_MAX_HEADS];
