@@ -74,16 +74,17 @@ _ids = itertools.count()
 
 
 def decode_rates(engines: list, ids: list[list[int]], params, repeats: int) -> tuple[list[float], float, list]:
-    """(each engine's best decode tokens/s, the median over runs of the second's rate over the
-    first's, each engine's tokens): the engines run back to back `repeats` times after a warm-up."""
+    """(each engine's best decode tokens/s, the median over runs of the last's rate over the
+    first's, each engine's tokens): the engines run back to back `repeats` times after a warm-up,
+    in turn first and last (so neither always follows the other)."""
     best = [0.0] * len(engines)
     ratios: list[float] = []
     outs: list = [None] * len(engines)
     for r in range(repeats + 1):
-        rates = []
-        for i, llm in enumerate(engines):
-            seconds, n, outs[i] = decode_run(llm, ids, params)
-            rates.append(n / max(seconds, 1e-9))
+        rates = [0.0] * len(engines)
+        for i in range(len(engines)) if r % 2 else reversed(range(len(engines))):
+            seconds, n, outs[i] = decode_run(engines[i], ids, params)
+            rates[i] = n / max(seconds, 1e-9)
         if r:  # the first round warms up
             best = [max(b, x) for b, x in zip(best, rates)]
             ratios.append(rates[-1] / rates[0])

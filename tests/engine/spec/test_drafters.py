@@ -131,7 +131,7 @@ def test_free_probes_overlap_and_back_off_to_a_few_steps():
     MAX_FREE_PROBE_INTERVAL, one that came true in full sets it back to 1 and buys a trial step of
     k_max drafts."""
     k = AdaptiveK(4, cost=0.25, probe_interval=16, step_cost=0.25, rollback_cost=0.5, free=True)
-    assert probes(k, 3) == [1, 2, 3]  # none taken (no draft): due at every step
+    assert k.probe_k == 4 and probes(k, 3) == [1, 2, 3]  # none taken (no draft): due at every step
     k.probe_taken()
     k.probe_taken()
     assert k.out == 2 and probes(k, 1) == [1]  # others may go out while two are
@@ -147,7 +147,7 @@ def test_free_probes_overlap_and_back_off_to_a_few_steps():
     k.probe_taken()
     k.probe_scored(4, 4)
     assert k.best == 0 and k.interval == 1 and k.out == 1
-    assert k.next_k() == 4  # the trial
+    assert k.next_k() == 4  # the trial: 2 x the 4 drafts that came true, at most k_max
     k.observe(4, 1)
     assert k.next_k() == 0
 
@@ -240,3 +240,18 @@ def test_bench_workloads_copy_a_passage_and_free_form_does_not():
     sums = [arithmetic(rng) for _ in range(4)]
     assert conversations("free", 4, 0, 6) == [a.messages for a in sums]
     assert not any(a.content in a.messages[0]["content"] for a in sums)
+
+
+def test_best_k_is_the_argmax_of_rate():
+    """`best_k`'s running powers pick what the argmax of `rate` over [0, k_max] picks (ties: the
+    smaller k), over acceptances and costs."""
+    rng = random.Random(3)
+    for _ in range(300):
+        k = AdaptiveK(
+            rng.randint(1, 8), rng.uniform(0, 1), 4, step_cost=rng.uniform(0, 1), rollback_cost=rng.uniform(0, 1)
+        )
+        for _ in range(rng.randint(0, 6)):
+            d = rng.randint(1, k.k_max)
+            k.observe(d, rng.randint(0, d))
+        rates = [k.rate(j) for j in range(k.k_max + 1)]
+        assert k.best_k() == max(range(k.k_max + 1), key=lambda j: (rates[j], -j))

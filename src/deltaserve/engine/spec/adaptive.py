@@ -12,7 +12,7 @@ proposer spends on it, a draft model's forward; `rollback`: undoing rejected dra
 is rejected); a step without drafts yields 1 token at cost 1. k is the argmax of tokens per cost
 over [0, k_max] (ties: the smaller k), so a request whose acceptance does not pay for a drafted step falls
 to k = 0: drafting off for it. Then (and from its first decode step) it probes in the shadow: the
-decoder asks the proposer for k_max drafts without verifying them and, once the tokens they
+decoder asks the proposer for drafts (`PROBE_DRAFTS` at most) without verifying them and, once the tokens they
 guessed are decoded, scores them as a verify step would (greedy acceptance) -- a probe costs a
 proposer call, never a verify step. A probe that came true in full, or after which drafting pays,
 sets `interval`, the decode steps to the next probe, to `probe_interval`; any other doubles it (up
@@ -21,17 +21,19 @@ text never does asks ever less (a draft model's probe costs its forwards). A pro
 cost nothing but an index lookup (`free`) probes from an interval of 1 that grows to at most
 `MAX_FREE_PROBE_INTERVAL`, with any number of probes out (each scored as its tokens are decoded):
 a repetitive stretch turns drafting on within a few tokens, free text pays a lookup every few
-steps. Drafts that all came true (a probe's or a verify step's) buy the next decode step a trial
-of k_max drafts where the estimate does not pay yet: drafting runs on while whole proposals keep
+steps. A probe asks for at most `PROBE_DRAFTS` drafts (scored within as many tokens). k drafts that
+all came true (a probe's or a verify step's) buy the next decode step a trial of min(2k, k_max)
+drafts where the estimate does not pay yet: drafting runs on, growing, while whole proposals keep
 coming true, so a copy drafts from its first full hit, not only once the estimate has caught up
-(free text rarely guesses k_max tokens in a row)."""
+(free text rarely guesses that many tokens in a row)."""
 
 from __future__ import annotations
 
 DECAY = 0.95
 PRIOR_PASS, PRIOR_TESTS = 1.0, 2.0
 MAX_PROBE_INTERVAL = 256
-MAX_FREE_PROBE_INTERVAL = 4
+MAX_FREE_PROBE_INTERVAL = 8
+PROBE_DRAFTS = 4
 
 
 class AdaptiveK:
@@ -55,7 +57,8 @@ class AdaptiveK:
         self.idle = probe_interval - 1  # decode steps since the last probe (a new request probes at once)
         self.interval = probe_interval  # decode steps between probes while k = 0
         self.out = 0  # shadow probes out (each settled by its `probe_scored`)
-        self.streak = False  # the latest scored drafts (a probe's or a verify step's) all came true
+        self.trial = 0  # drafts of a trial step: the latest scored drafts (a probe's, a verify's) all came true
+        self.probe_k = min(k_max, PROBE_DRAFTS)  # drafts a shadow probe asks for
         self.best = self.best_k()
 
     @property
@@ -71,17 +74,25 @@ class AdaptiveK:
         return (1.0 - a ** (k + 1)) / (1.0 - a) / cost
 
     def best_k(self) -> int:
-        """The k in [0, k_max] with the most expected tokens per unit of step cost."""
-        rates = [self.rate(k) for k in range(self.k_max + 1)]
-        return max(range(self.k_max + 1), key=lambda k: (rates[k], -k))
+        """The k in [0, k_max] with the most expected tokens per unit of step cost (`rate`'s, the
+        powers of a multiplied up as k grows; ties: the smaller k)."""
+        a = min(self.acceptance, 1.0 - 1e-9)
+        best, most, power = 0, 1.0, 1.0
+        for k in range(1, self.k_max + 1):
+            power *= a  # a^k
+            cost = 1.0 + self.step_cost + self.cost * k + self.rollback_cost * (1.0 - power)
+            rate = (1.0 - power * a) / (1.0 - a) / cost
+            if rate > most:
+                best, most = k, rate
+        return best
 
     def next_k(self) -> int:
         """Drafts to verify in this decode step (0: none; `probe_due` then says whether to probe)."""
         if not self.adaptive:
             return self.k_max
-        if self.best > 0 or self.streak:
+        if self.best > 0 or self.trial > 0:
             self.idle, self.interval = 0, self.probe_interval
-            return self.best or self.k_max
+            return self.best or self.trial
         if self.free or not self.out:
             self.idle += 1
         return 0
@@ -93,9 +104,10 @@ class AdaptiveK:
         ready = self.free or not self.out
         return self.adaptive and self.best == 0 and ready and self.idle >= self.interval
 
-    def probe_taken(self) -> None:
-        """A shadow probe's drafts are out; `probe_scored` settles it."""
-        self.out += 1
+    def probe_taken(self, drafted: bool = True) -> None:
+        """A shadow probe was asked for: its drafts are out (`probe_scored` settles it), or the
+        proposer had none (nothing to score; the next probe is `interval` steps on as well)."""
+        self.out += drafted
         self.idle = 0
 
     def probe_scored(self, drafted: int, accepted: int) -> None:
@@ -114,7 +126,7 @@ class AdaptiveK:
             return
         self.passed = DECAY * self.passed + accepted
         self.tested = DECAY * self.tested + min(accepted + 1, drafted)
-        self.streak = accepted == drafted
+        self.trial = min(self.k_max, 2 * drafted) if accepted == drafted else 0
         self.best = self.best_k()
 
 

@@ -43,8 +43,8 @@ class SpecConfig:
     suffix_min_prob: float = 0.1
     suffix_cache_requests: int = 64
     adaptive: bool = True
-    draft_cost: float = 0.35
-    step_cost: float = 0.3
+    draft_cost: float = 0.2
+    step_cost: float = 0.45
     rollback_cost: float = 0.35
     probe_interval: int = 16
 

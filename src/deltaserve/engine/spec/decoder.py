@@ -123,33 +123,38 @@ class SpecDecoder:
         ask the proposer once for the drafts of every running decoding sequence whose k is
         positive now, and for the shadow probes due (adaptive.py), which are only scored."""
         taps = runner.keep_hidden = self.proposer.wants_hidden
-        for seq in self._decoding.difference(running):  # preempted or aborted (`finished` left)
-            self._decoding.discard(seq)
-            self._hidden.pop(seq, None)
-            self.proposer.release(seq)
+        if self._decoding:
+            for seq in self._decoding.difference(running):  # preempted or aborted (`finished` left)
+                self._decoding.discard(seq)
+                self._hidden.pop(seq, None)
+                self.proposer.release(seq)
         requests, probes = [], []
         for seq in running:
             if seq.num_pending != 1 or not self.eligible(seq):
                 continue
-            state = self._state(seq)
+            state = self._seqs.get(seq) or self._state(seq)
             control = state.control
             if state.shadow:
                 self._score_probes(seq, control, state.shadow)
             k = control.next_k()
-            k = min(k, self._room(seq)) if k else 0
-            if k > 0:
-                requests.append(DraftRequest(seq, k, self._hidden.pop(seq, None) if taps else None))
+            if k:  # cut to the room left (0: none, and no probe either)
+                k = min(k, self._room(seq))
+                if k > 0:
+                    requests.append(DraftRequest(seq, k, self._hidden.pop(seq, None) if taps else None))
             elif control.probe_due and self._room(seq) > 0:
-                probes.append(DraftRequest(seq, control.k_max, self._hidden.pop(seq, None) if taps else None))
+                probes.append(DraftRequest(seq, control.probe_k, self._hidden.pop(seq, None) if taps else None))
+        if not (requests or probes):
+            self._drafts = {}
+            return
         asked = requests + probes
-        proposals = self.proposer.propose(asked) if asked else []
+        proposals = self.proposer.propose(asked)
         self._decoding.update(r.seq for r in asked)
         self._drafts = {r.seq: d[: r.k] for r, d in zip(requests, proposals)}
         for r, d in zip(probes, proposals[len(requests) :]):
-            if d:  # else the probe stays due: a step without a draft costs nothing
-                state = self._seqs[r.seq]
+            state = self._seqs[r.seq]
+            if d:
                 state.shadow.append((r.seq.num_tokens, list(d[: r.k])))
-                state.control.probe_taken()
+            state.control.probe_taken(bool(d))  # none: the next probe `interval` steps on all the same
 
     def _score_probes(self, seq: Sequence, control: AdaptiveK, shadow: list) -> None:
         """Score each shadow probe that decoded tokens decide as a greedy verify step: its leading
@@ -167,7 +172,7 @@ class SpecDecoder:
 
     def propose(self, seq: Sequence, most: int) -> list[int]:
         """The scheduler's drafter: this step's proposal for a decoding sequence, at most `most`."""
-        return self._drafts.pop(seq, [])[:most]
+        return self._drafts.pop(seq, [])[:most] if self._drafts else []
 
     def execute(
         self, runner: ModelRunner, scheduled: list[ScheduledSeq], rows: list[SamplingRow | None]
@@ -218,8 +223,10 @@ class SpecDecoder:
         pos = self._positions(scheduled, rows, verify)
         mine = [i for i, v in enumerate(verify) if v]
         vrows = [r for i in mine for r in self._rows_at(rows[i], scheduled[i])]
-        idx = torch.tensor([p for i in mine for p in pos[i]], device=logits.device)
-        x = Sampler.penalized_logits(logits.index_select(0, idx), vrows)
+        at = [p for i in mine for p in pos[i]]
+        if at != list(range(logits.shape[0])):  # else every row, in order: no gather
+            logits = logits.index_select(0, torch.tensor(at, device=logits.device))
+        x = Sampler.penalized_logits(logits, vrows)
         ops = getattr(runner.model, "ops", None)
         choices = (ops.argmax_rows(x) if ops is not None else x.argmax(dim=-1)).tolist()
         accepted, at = [], 0

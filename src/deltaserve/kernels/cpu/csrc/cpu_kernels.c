@@ -70,7 +70,16 @@ rows_bf16_avx(const uint16_t *x, const int M, int K, const uint16_t *w, const in
     float sums[16];
     for (int r = 0; r < R; ++r)
         for (int m = 0; m < M; ++m) v[r * M + m] = a[r][m];
-    ds_reduce_add_n(v, R * M, sums);   /* R * M <= 8: R is DS_ROWS(M) or 1 */
+    const __m512 all = ds_reduce_add_vec(v, R * M);   /* R * M <= 16: R is DS_ROWS(M) or 1 */
+    if (k == K) {   /* no tail: each weight row's M sums straight from the lanes into acc */
+        for (int r = 0; r < R; ++r) {
+            const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(r * M), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
+                                                                                             10, 11, 12, 13, 14, 15));
+            _mm512_mask_storeu_ps(acc + r * DS_MAX_M, (__mmask16)((1u << M) - 1), _mm512_permutexvar_ps(at, all));
+        }
+        return;
+    }
+    _mm512_storeu_ps(sums, all);
     for (int r = 0; r < R; ++r)
         for (int m = 0; m < M; ++m) {
             float s = sums[r * M + m];
@@ -110,13 +119,13 @@ static void rows_bf16(const uint16_t *x, int M, int K, const uint16_t *w, int R,
     if (R == DS_ROWS(M)) {
         switch (M) {   /* constant M and R so the accumulators live in registers */
         case 1: rows_bf16_seq1(x, K, w, 8, acc); return;
-        case 2: rows_bf16_avx(x, 2, K, w, 4, acc); return;
-        case 3: rows_bf16_avx(x, 3, K, w, 2, acc); return;
-        case 4: rows_bf16_avx(x, 4, K, w, 2, acc); return;
-        case 5: rows_bf16_avx(x, 5, K, w, 1, acc); return;
-        case 6: rows_bf16_avx(x, 6, K, w, 1, acc); return;
-        case 7: rows_bf16_avx(x, 7, K, w, 1, acc); return;
-        case 8: rows_bf16_avx(x, 8, K, w, 1, acc); return;
+        case 2: rows_bf16_avx(x, 2, K, w, 8, acc); return;
+        case 3: rows_bf16_avx(x, 3, K, w, 5, acc); return;
+        case 4: rows_bf16_avx(x, 4, K, w, 4, acc); return;
+        case 5: rows_bf16_avx(x, 5, K, w, 3, acc); return;
+        case 6: rows_bf16_avx(x, 6, K, w, 2, acc); return;
+        case 7: rows_bf16_avx(x, 7, K, w, 2, acc); return;
+        case 8: rows_bf16_avx(x, 8, K, w, 2, acc); return;
         default: break;
         }
     }
@@ -128,45 +137,64 @@ static void rows_bf16(const uint16_t *x, int M, int K, const uint16_t *w, int R,
 #endif
 }
 
+/* Output tiles: TILE_ROWS(R) weight rows (whole row blocks of R, at most 16) are computed into one
+ * accumulator tile, then each input row's results are rounded and stored as one contiguous run (a
+ * vector store; storing each block's M results at once scattered them M ways). */
+#define TILE_ROWS(R) ((R) * (16 / (R)))
+
+/* acc [rows, DS_MAX_M] = x[M, K] . w[r] for the `rows` <= TILE_ROWS(R) rows of w, in row blocks of R. */
+static inline void tile_rows(const uint16_t *x, int M, int K, const uint16_t *w, int R, int rows, float *acc) {
+    for (int r0 = 0; r0 < rows; r0 += R)
+        rows_bf16(x, M, K, w + (int64_t)r0 * K, rows - r0 < R ? rows - r0 : R, acc + r0 * DS_MAX_M);
+}
+
+/* y[m * ldy + r] = acc[r * DS_MAX_M + m] (bf16, or fp32 where f32) for r < rows, m < M. */
+static inline void store_tile(const float *acc, int rows, int M, void *y, int64_t ldy, int f32) {
+    for (int m = 0; m < M; ++m) {
+        if (f32) {
+            float *ym = (float *)y + m * ldy;
+            for (int r = 0; r < rows; ++r) ym[r] = acc[r * DS_MAX_M + m];
+        } else {
+            uint16_t *ym = (uint16_t *)y + m * ldy;
+            for (int r = 0; r < rows; ++r) ym[r] = f32_to_bf16(acc[r * DS_MAX_M + m]);
+        }
+    }
+}
+
 /* y[M, N] (row stride ldy) = x[M, K] @ w[N, K]^T; M <= DS_MAX_M. */
 void ds_linear_bf16(const uint16_t *x, int M, int K, const uint16_t *w, int N, uint16_t *y,
                     int64_t ldy, int nthreads) {
-    const int R = DS_ROWS(M);
+    const int R = DS_ROWS(M), T = TILE_ROWS(R);
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (N >= 256)
-    for (int n0 = 0; n0 < N; n0 += R) {
-        float acc[8 * DS_MAX_M];
-        const int rows = N - n0 < R ? N - n0 : R;
-        rows_bf16(x, M, K, w + (int64_t)n0 * K, rows, acc);
-        for (int r = 0; r < rows; ++r)
-            for (int m = 0; m < M; ++m) y[(int64_t)m * ldy + n0 + r] = f32_to_bf16(acc[r * DS_MAX_M + m]);
+    for (int n0 = 0; n0 < N; n0 += T) {
+        float acc[16 * DS_MAX_M];
+        const int rows = N - n0 < T ? N - n0 : T;
+        tile_rows(x, M, K, w + (int64_t)n0 * K, R, rows, acc);
+        store_tile(acc, rows, M, y + n0, ldy, 0);
     }
 }
 
 /* Several linears of one input in one parallel region: y_i[M, N_i] = x[M, K] @ w_i[N_i, K]^T for
- * i < nw (each y_i contiguous; fp32 when f32[i], else bf16). Row blocks of all weights are dealt
+ * i < nw (each y_i contiguous; fp32 when f32[i], else bf16). Tiles of all weights are dealt
  * out together, so small projections share the threads' memory streams. Returns -1 if nw > DS_MAX_MULTI. */
 int ds_linear_bf16_multi(const uint16_t *x, int M, int K, const uint16_t *const *w, const int *N,
                          const int *f32, void *const *y, int nw, int nthreads) {
     enum { MAXW = DS_MAX_MULTI };
     if (nw > MAXW) return -1;
-    const int R = DS_ROWS(M);
+    const int R = DS_ROWS(M), T = TILE_ROWS(R);
     int first[MAXW + 1];
     first[0] = 0;
-    for (int i = 0; i < nw; ++i) first[i + 1] = first[i] + (N[i] + R - 1) / R;
+    for (int i = 0; i < nw; ++i) first[i + 1] = first[i] + (N[i] + T - 1) / T;
     const int blocks = first[nw];
-    #pragma omp parallel for num_threads(nthreads) schedule(static) if (blocks * R >= 256)
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (blocks * T >= 256)
     for (int b = 0; b < blocks; ++b) {
         int i = 0;
         while (first[i + 1] <= b) ++i;
-        const int n0 = (b - first[i]) * R, rows = N[i] - n0 < R ? N[i] - n0 : R;
-        float acc[8 * DS_MAX_M];
-        rows_bf16(x, M, K, w[i] + (int64_t)n0 * K, rows, acc);
-        for (int r = 0; r < rows; ++r)
-            for (int m = 0; m < M; ++m) {
-                const int64_t at = (int64_t)m * N[i] + n0 + r;
-                if (f32[i]) ((float *)y[i])[at] = acc[r * DS_MAX_M + m];
-                else ((uint16_t *)y[i])[at] = f32_to_bf16(acc[r * DS_MAX_M + m]);
-            }
+        const int n0 = (b - first[i]) * T, rows = N[i] - n0 < T ? N[i] - n0 : T;
+        float acc[16 * DS_MAX_M];
+        tile_rows(x, M, K, w[i] + (int64_t)n0 * K, R, rows, acc);
+        if (f32[i]) store_tile(acc, rows, M, (float *)y[i] + n0, N[i], 1);
+        else store_tile(acc, rows, M, (uint16_t *)y[i] + n0, N[i], 0);
     }
     return 0;
 }
@@ -174,15 +202,14 @@ int ds_linear_bf16_multi(const uint16_t *x, int M, int K, const uint16_t *const 
 /* Per-head linear: y[h, M, N] = x[h, M, K] @ w[h, N, K]^T, all contiguous; M <= DS_MAX_M. */
 void ds_linear_bf16_heads(const uint16_t *x, int H, int M, int K, const uint16_t *w, int N, uint16_t *y,
                           int nthreads) {
-    const int R = DS_ROWS(M), blocks = (N + R - 1) / R;
+    const int R = DS_ROWS(M), T = TILE_ROWS(R), blocks = (N + T - 1) / T;
     #pragma omp parallel for num_threads(nthreads) schedule(static) if ((int64_t)H * N >= 256)
     for (int t = 0; t < H * blocks; ++t) {
-        const int h = t / blocks, n0 = (t % blocks) * R;
-        float acc[8 * DS_MAX_M];
-        const int rows = N - n0 < R ? N - n0 : R;
-        rows_bf16(x + (int64_t)h * M * K, M, K, w + ((int64_t)h * N + n0) * K, rows, acc);
-        for (int r = 0; r < rows; ++r)
-            for (int m = 0; m < M; ++m) y[((int64_t)h * M + m) * N + n0 + r] = f32_to_bf16(acc[r * DS_MAX_M + m]);
+        const int h = t / blocks, n0 = (t % blocks) * T;
+        float acc[16 * DS_MAX_M];
+        const int rows = N - n0 < T ? N - n0 : T;
+        tile_rows(x + (int64_t)h * M * K, M, K, w + ((int64_t)h * N + n0) * K, R, rows, acc);
+        store_tile(acc, rows, M, y + ((int64_t)h * M) * N + n0, N, 0);
     }
 }
 

@@ -50,8 +50,9 @@ int ds_moe_block_reduced(const ds_moe_block_t *b, const uint16_t *x, int N, ds_r
                          int nthreads);
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define DS_ROWS(M) ((M) >= 8 ? 1 : 8 / (M))   /* weight rows per pass of the DS_MAX_M kernels */
-#define DS_MX_ROWS(M) ((M) <= 2 ? DS_ROWS(M) : (M) <= 4 ? 4 : 3)   /* the same over MXFP4 weights */
+/* weight rows per pass of the DS_MAX_M kernels: up to 16 accumulators (M = 1: 8 rows in sequence) */
+#define DS_ROWS(M) ((M) <= 2 ? 8 : 16 / (M))
+#define DS_MX_ROWS(M) ((M) <= 2 ? 8 / (M) : (M) <= 4 ? 4 : 3)   /* the same over MXFP4 weights */
 #elif defined(__AVX2__) && defined(__FMA__)   /* avx2.h: rows one after another, any count */
 #define DS_ROWS(M) ((M) >= 8 ? 1 : 8 / (M))
 #define DS_MX_ROWS(M) 8   /* the activations are split once per call */
@@ -119,10 +120,10 @@ static inline void ds_transpose16(__m512i z[16]) {
     }
 }
 
-/* out[i] = _mm512_reduce_add_ps(v[i]) for i < n <= 16, bit for bit: the same pairing (lane j with
+/* Lane i: _mm512_reduce_add_ps(v[i]) for i < n <= 16 (0 past n), bit for bit: the same pairing (lane j with
  * j + 8, then j + 4, j + 2, j + 1; fp32 addition commutes exactly), but two vectors combined per step,
  * 15 steps of two shuffles and one add for 16 sums instead of 16 separate 8-op reductions. */
-static inline __attribute__((always_inline)) void ds_reduce_add_n(const __m512 *v, const int n, float *out) {
+static inline __attribute__((always_inline)) __m512 ds_reduce_add_vec(const __m512 *v, const int n) {
     __m512 a[16], b[8];
     for (int i = 0; i < 16; ++i) a[i] = i < n ? v[i] : _mm512_setzero_ps();
     for (int i = 0; i < 8; ++i)   /* lanes 0-7: v[2i]'s j + (j + 8); 8-15: v[2i + 1]'s */
@@ -138,9 +139,12 @@ static inline __attribute__((always_inline)) void ds_reduce_add_n(const __m512 *
     /* lane 4q + c: the sum of v[4c + q] */
     const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(b[0], b[1], 0x88), _mm512_shuffle_ps(b[0], b[1], 0xdd));
     const __m512i at = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    float all[16];
-    _mm512_storeu_ps(all, _mm512_permutexvar_ps(at, sums));
-    for (int i = 0; i < n; ++i) out[i] = all[i];
+    return _mm512_permutexvar_ps(at, sums);
+}
+
+/* out[i] = _mm512_reduce_add_ps(v[i]) for i < n <= 16 (ds_reduce_add_vec's lanes, stored). */
+static inline __attribute__((always_inline)) void ds_reduce_add_n(const __m512 *v, const int n, float *out) {
+    _mm512_mask_storeu_ps(out, (__mmask16)((1u << n) - 1), ds_reduce_add_vec(v, n));
 }
 #ifdef __AVX512BF16__
 /* acc + the pair products of the dword at w broadcast to every lane with x (VDPBF16PS with an embedded

@@ -110,41 +110,74 @@ static inline __attribute__((always_inline)) void ml_scores(const uint16_t *qb, 
 #endif
 
 #ifdef ML_AVX512BF16
-/* The fp32 scores (D % 16 == 0, not the vdpbf16ps path): s[h * MLA_CHUNK + j] = scale * dot_f32(q_h,
- * row_j) for the n rows of idx and every head, bit for bit: each (row, head) pair keeps dot_f32's
- * 16 lane sums (products then adds, in d order), and 16 pairs at a time are summed across their
- * lanes in dot_f32's order with one vector add a lane (the lanes gathered from the pairs' stored
- * sums), instead of 16 dependent scalar adds a pair. */
-static void ml_scores_pairs(const float *qf, int H, int D, const uint16_t *rows, const int64_t *idx, int n,
-                            float scale, float *s) {
-    const __m512i lane = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
-    const __m512 sc = _mm512_set1_ps(scale);
-    float part[16 * 16] __attribute__((aligned(64)));
-    float dot[16] __attribute__((aligned(64)));
-    const int pairs = n * H;
-    for (int p0 = 0; p0 < pairs; p0 += 16) {
-        const int np = pairs - p0 < 16 ? pairs - p0 : 16;
-        const uint16_t *r[16];
-        const float *q[16];
-        for (int i = 0; i < 16; ++i) {   /* past np: pair p0's again (its sums unused) */
-            const int p = p0 + (i < np ? i : 0);
-            r[i] = rows + idx[p / H] * (int64_t)D;
-            q[i] = qf + (int64_t)(p % H) * D;
+/* out[l] lane i = in[i] lane l (a 16 x 16 transpose: unpacks within 128-bit blocks, then blocks). */
+static inline __attribute__((always_inline)) void ml_transpose16(const __m512 *in, __m512 *out) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(in[2 * i], in[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(in[2 * i], in[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i)   /* u[4i + c], block b: lane 4b + c of in[4i .. 4i + 3] */
+        for (int h = 0; h < 2; ++h) {
+            const __m512d a = _mm512_castps_pd(t[4 * i + h]), b = _mm512_castps_pd(t[4 * i + 2 + h]);
+            u[4 * i + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+            u[4 * i + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
         }
-        __m512 acc[16];
+    for (int c = 0; c < 4; ++c) {   /* blocks: out[4b + c] block g = u[4g + c] block b */
+        const __m512 v0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xee);
+        const __m512 v2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44);
+        const __m512 v3 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xee);
+        out[c] = _mm512_shuffle_f32x4(v0, v2, 0x88);
+        out[4 + c] = _mm512_shuffle_f32x4(v0, v2, 0xdd);
+        out[8 + c] = _mm512_shuffle_f32x4(v1, v3, 0x88);
+        out[12 + c] = _mm512_shuffle_f32x4(v1, v3, 0xdd);
+    }
+}
+
+/* The fp32 scores (D % 16 == 0 and H | 16, not the vdpbf16ps path): s[h * MLA_CHUNK + j] = scale *
+ * dot_f32(q_h, row_j) for the n rows of idx and every head, bit for bit: each (row, head) pair keeps
+ * dot_f32's 16 lane sums (products then adds, in d order), each row block converted once for its H
+ * heads; 16 / H rows at a time, their 16 pairs' lane sums are transposed and added lane after lane in
+ * dot_f32's order (one vector add a lane, instead of 16 dependent scalar adds a pair). */
+static inline __attribute__((always_inline)) void ml_scores_f32(const float *qf, const int H, int D,
+                                                               const uint16_t *rows, const int64_t *idx, int n,
+                                                               float scale, float *s) {
+    const int P = 16 / H;
+    const __m512 sc = _mm512_set1_ps(scale);
+    float dot[16] __attribute__((aligned(64)));
+    for (int j0 = 0; j0 < n; j0 += P) {
+        const int np = n - j0 < P ? n - j0 : P;
+        const uint16_t *r[16];
+        for (int p = 0; p < P; ++p) r[p] = rows + idx[j0 + (p < np ? p : 0)] * (int64_t)D;   /* past np: unused */
+        __m512 acc[16], sums[16];
         for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-        for (int d = 0; d < D; d += 16)   /* the 16 pairs' chains interleaved: independent adds */
-            for (int i = 0; i < 16; ++i) {
-                const __m256i b = _mm256_loadu_si256((const __m256i *)(r[i] + d));
+        for (int d = 0; d < D; d += 16)
+            for (int p = 0; p < P; ++p) {
+                const __m256i b = _mm256_loadu_si256((const __m256i *)(r[p] + d));
                 const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-                acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_loadu_ps(q[i] + d), x));
+                for (int h = 0; h < H; ++h)
+                    acc[p * H + h] = _mm512_add_ps(acc[p * H + h], _mm512_mul_ps(_mm512_loadu_ps(qf + h * D + d), x));
             }
-        for (int i = 0; i < 16; ++i) _mm512_store_ps(part + 16 * i, acc[i]);
+        ml_transpose16(acc, sums);
         __m512 sum = _mm512_setzero_ps();
-        for (int l = 0; l < 16; ++l)
-            sum = _mm512_add_ps(sum, _mm512_i32gather_ps(_mm512_add_epi32(lane, _mm512_set1_epi32(l)), part, 4));
+        for (int l = 0; l < 16; ++l) sum = _mm512_add_ps(sum, sums[l]);
         _mm512_store_ps(dot, _mm512_mul_ps(sc, sum));
-        for (int i = 0; i < np; ++i) s[((p0 + i) % H) * MLA_CHUNK + (p0 + i) / H] = dot[i];
+        for (int p = 0; p < np; ++p)
+            for (int h = 0; h < H; ++h) s[h * MLA_CHUNK + j0 + p] = dot[p * H + h];
+    }
+}
+
+/* ml_scores_f32 for H in {1, 2, 4, 8, 16} (constant H: the accumulators stay in registers); 0 for
+ * other H (the caller computes the scores row by row). */
+static int ml_scores_pairs(const float *qf, int H, int D, const uint16_t *rows, const int64_t *idx, int n,
+                           float scale, float *s) {
+    switch (H) {
+    case 1: ml_scores_f32(qf, 1, D, rows, idx, n, scale, s); return 1;
+    case 2: ml_scores_f32(qf, 2, D, rows, idx, n, scale, s); return 1;
+    case 4: ml_scores_f32(qf, 4, D, rows, idx, n, scale, s); return 1;
+    case 8: ml_scores_f32(qf, 8, D, rows, idx, n, scale, s); return 1;
+    case 16: ml_scores_f32(qf, 16, D, rows, idx, n, scale, s); return 1;
+    default: return 0;
     }
 }
 
@@ -175,8 +208,7 @@ static void mla_chunk(const float *qf, const uint16_t *qb, int H, int D, int R, 
     const int fast = ml_fast(D);
     int scored = 0;   /* rows whose scores are in s */
 #ifdef ML_AVX512BF16
-    if (!fast && D % 16 == 0) {
-        ml_scores_pairs(qf, H, D, rows, idx + j0, n, scale, s);
+    if (!fast && D % 16 == 0 && ml_scores_pairs(qf, H, D, rows, idx + j0, n, scale, s)) {
         for (int j = 0; j < next_n && next; ++j) prefetch_lines(rows, next[j], D, 0, first_line(1, sweeps, lines));
         scored = n;
     }
