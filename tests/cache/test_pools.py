@@ -151,6 +151,25 @@ def test_flat_rows_plain_and_numpy_equal_the_page_walk(monkeypatch, plain):
     assert got.dtype == torch.long and got.tolist() == want
 
 
+@pytest.mark.parametrize("plain", [True, False])
+def test_flat_rows_of_one_shared_page_list_equal_the_page_walk(monkeypatch, plain):
+    """A verify's chained rows share one page list (nested contexts 0..c+i): the table and the rows
+    by prefixes of the longest context, as the page walk gives them; writes (starts > 0) too."""
+    from deltaserve.cache import forward_batch as fbm
+
+    monkeypatch.setattr(fbm, "_PYTHON_ROWS", 10**9 if plain else 0)
+    size, shared = 4, torch.randperm(40, generator=torch.Generator().manual_seed(2))[:9].tolist()
+    pages = [shared] * 5
+    table = fbm._page_table(pages)
+    assert table.tolist() == [shared] * 5
+    for starts, ends in (
+        ([0] * 5, [27 + i for i in range(5)]),
+        ([27 + i for i in range(5)], [28 + i for i in range(5)]),
+    ):
+        want = [shared[t // size] * size + t % size for s, e in zip(starts, ends) for t in range(s, e)]
+        assert fbm._flat_rows(pages, table, starts, ends, size).tolist() == want
+
+
 def test_layer_views_are_made_once_and_alias_the_pools():
     kda = KdaStatePool([1, 3], 2, (2, 6), (2, 4, 4), torch.bfloat16)
     mla = MlaPagePool([0, 2], 3, 4, 5, torch.bfloat16)

@@ -30,8 +30,15 @@ from .mla_pool import MlaPagePool
 _DCP_VIEW = "this ForwardBatch is context-parallel: its MLA rows are read through mla_dcp_context"
 
 
+def _shared(page_tables: list[list[int]]) -> bool:
+    """Whether every sequence's page list is one list (a speculative verify's chained rows)."""
+    return len(page_tables) > 1 and all(p is page_tables[0] for p in page_tables)
+
+
 def _page_table(page_tables: list[list[int]]) -> np.ndarray:
     """[B, max pages] int64 page ids, zero-padded (at least one column)."""
+    if _shared(page_tables) and page_tables[0]:
+        return np.tile(np.asarray(page_tables[0], dtype=np.int64), (len(page_tables), 1))
     table = np.zeros((len(page_tables), max((len(p) for p in page_tables), default=0) or 1), dtype=np.int64)
     for b, pages in enumerate(page_tables):
         table[b, : len(pages)] = pages
@@ -52,6 +59,10 @@ def _flat_rows(
     if sum(ends) - sum(starts) <= _PYTHON_ROWS:
         rows = [p[t // size] * size + t % size for p, s, e in zip(pages, starts, ends) for t in range(s, e)]
         return torch.tensor(rows, dtype=torch.long)
+    if _shared(pages) and not any(starts):  # nested contexts of one page list: prefixes of the longest
+        pos = np.arange(max(ends), dtype=np.int64)
+        base = table[0, pos // size] * size + pos % size
+        return torch.from_numpy(np.concatenate([base[:e] for e in ends]))
     lens = np.subtract(ends, starts, dtype=np.int64)
     seq = np.repeat(np.arange(len(table)), lens)
     pos = np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(

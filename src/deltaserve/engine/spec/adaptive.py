@@ -106,9 +106,12 @@ class AdaptiveK:
 
     def probe_taken(self, drafted: bool = True) -> None:
         """A shadow probe was asked for: its drafts are out (`probe_scored` settles it), or the
-        proposer had none (nothing to score; the next probe is `interval` steps on as well)."""
-        self.out += drafted
+        proposer had none (nothing repeats: the interval doubles as after a failed probe)."""
         self.idle = 0
+        if drafted:
+            self.out += 1
+        else:
+            self.interval = min(2 * self.interval, self.most)
 
     def probe_scored(self, drafted: int, accepted: int) -> None:
         """A probe's score (as a greedy verify step's): observed, and the next probe's interval set."""

@@ -71,12 +71,8 @@ rows_bf16_avx(const uint16_t *x, const int M, int K, const uint16_t *w, const in
     for (int r = 0; r < R; ++r)
         for (int m = 0; m < M; ++m) v[r * M + m] = a[r][m];
     const __m512 all = ds_reduce_add_vec(v, R * M);   /* R * M <= 16: R is DS_ROWS(M) or 1 */
-    if (k == K) {   /* no tail: each weight row's M sums straight from the lanes into acc */
-        for (int r = 0; r < R; ++r) {
-            const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(r * M), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
-                                                                                             10, 11, 12, 13, 14, 15));
-            _mm512_mask_storeu_ps(acc + r * DS_MAX_M, (__mmask16)((1u << M) - 1), _mm512_permutexvar_ps(at, all));
-        }
+    if (k == K) {   /* no tail */
+        ds_store_sums(all, R, M, acc);
         return;
     }
     _mm512_storeu_ps(sums, all);

@@ -142,6 +142,16 @@ static inline __attribute__((always_inline)) __m512 ds_reduce_add_vec(const __m5
     return _mm512_permutexvar_ps(at, sums);
 }
 
+/* acc[r * DS_MAX_M + m] = lane r * M + m of sums, for r < R, m < M (R * M <= 16): each weight row's M
+ * sums straight from the lanes (a permute and a masked store a row; storing the lanes, then copying
+ * them one float at a time, stalled each load on the wide store). */
+static inline __attribute__((always_inline)) void ds_store_sums(const __m512 sums, const int R, const int M, float *acc) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int r = 0; r < R; ++r)
+        _mm512_mask_storeu_ps(acc + r * DS_MAX_M, (__mmask16)((1u << M) - 1),
+                              _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(r * M), lane), sums));
+}
+
 /* out[i] = _mm512_reduce_add_ps(v[i]) for i < n <= 16 (ds_reduce_add_vec's lanes, stored). */
 static inline __attribute__((always_inline)) void ds_reduce_add_n(const __m512 *v, const int n, float *out) {
     _mm512_mask_storeu_ps(out, (__mmask16)((1u << n) - 1), ds_reduce_add_vec(v, n));
