@@ -7,7 +7,7 @@ import pytest
 
 from deltaserve import SamplingParams
 from deltaserve.engine.request.sequence import Sequence
-from deltaserve.engine.spec.adaptive import MAX_FREE_PROBE_INTERVAL, AdaptiveK, SpecMetrics
+from deltaserve.engine.spec.adaptive import MAX_FREE_PROBE_INTERVAL, PROBE_DRAFTS, AdaptiveK, SpecMetrics
 from deltaserve.engine.spec.config import SpecConfig
 from deltaserve.engine.spec.decoder import SpecDecoder
 from deltaserve.engine.spec.drafters import NgramDrafter, SuffixDrafter
@@ -131,7 +131,7 @@ def test_free_probes_overlap_and_back_off_to_a_few_steps():
     MAX_FREE_PROBE_INTERVAL, one that came true in full sets it back to 1 and buys a trial step of
     k_max drafts."""
     k = AdaptiveK(4, cost=0.25, probe_interval=16, step_cost=0.25, rollback_cost=0.5, free=True)
-    assert k.probe_k == 4 and probes(k, 3) == [1, 2, 3]  # none taken (no draft): due at every step
+    assert k.probe_k == min(4, PROBE_DRAFTS) and probes(k, 3) == [1, 2, 3]  # none taken (no draft): due at every step
     k.probe_taken()
     k.probe_taken()
     assert k.out == 2 and probes(k, 1) == [1]  # others may go out while two are
@@ -255,3 +255,28 @@ def test_best_k_is_the_argmax_of_rate():
             k.observe(d, rng.randint(0, d))
         rates = [k.rate(j) for j in range(k.k_max + 1)]
         assert k.best_k() == max(range(k.k_max + 1), key=lambda j: (rates[j], -j))
+
+
+def test_prepare_asks_only_for_the_rows_a_capped_step_leaves():
+    """Under `max_step_rows` (the native bf16 verify cap): nothing is asked for while the decodes fill
+    it; one spare row takes one probe; a draft cut to the spare rows is dropped where the cut k does
+    not pay (acceptance 0.7: k = 3 pays, k = 1 does not)."""
+    dec = SpecDecoder(SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 3}), 64)
+    runner = types.SimpleNamespace(keep_hidden=False)
+    a, b = seq([1, 2, 3, 1, 2]), seq([4, 5, 6, 4, 5])
+    for s in (a, b):
+        s.num_computed = s.num_tokens - 1
+    dec.max_step_rows = 2
+    dec.prepare(runner, [a, b])
+    assert not dec._seqs and dec.propose(a, 3) == []
+    dec.prepare(runner, [a])
+    assert len(dec._seqs[a].shadow) == 1
+    control = dec._seqs[a].control
+    control.passed, control.tested = 69.0, 98.0
+    control.best = control.best_k()
+    assert control.acceptance == pytest.approx(0.7) and control.best == 3 and control.rate(1) < 1.0
+    dec.prepare(runner, [a])
+    assert dec.propose(a, 3) == []
+    dec.max_step_rows = None
+    dec.prepare(runner, [a])
+    assert dec.propose(a, 3) == [3, 1, 2]

@@ -100,7 +100,7 @@ class EngineCore:
         self.spec = spec
         if spec is not None:
             self.scheduler.drafter = spec.propose
-            self.scheduler.max_step_rows = step_row_cap(model)
+            self.scheduler.max_step_rows = spec.max_step_rows = step_row_cap(model)
         if encoder is not None:
             self.scheduler.gate = encoder.gate
         pad = model.config.media_placeholder_token_id

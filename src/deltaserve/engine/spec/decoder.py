@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 import weakref
 
 import torch
@@ -85,6 +86,7 @@ class SpecDecoder:
         self._hidden: weakref.WeakKeyDictionary[Sequence, torch.Tensor] = weakref.WeakKeyDictionary()
         self._decoding: set[Sequence] = set()  # sequences the proposer was asked for (left at release or finish)
         self.probes = 0  # shadow probes scored
+        self.max_step_rows: int | None = None  # the scheduler's cap on a step's rows (decodes + drafts)
 
     @staticmethod
     def eligible(seq: Sequence) -> bool:
@@ -121,15 +123,20 @@ class SpecDecoder:
         """Before scheduling: release the sequences that stopped running since the last step
         without finishing (preempted, aborted: an abort is released here, at the next step), then
         ask the proposer once for the drafts of every running decoding sequence whose k is
-        positive now, and for the shadow probes due (adaptive.py), which are only scored."""
+        positive now, and for the shadow probes due (adaptive.py), which are only scored. Under
+        `max_step_rows` only as many drafts (a probe counting one) as the rows the running
+        sequences leave: none while they fill it."""
         taps = runner.keep_hidden = self.proposer.wants_hidden
         if self._decoding:
             for seq in self._decoding.difference(running):  # preempted or aborted (`finished` left)
                 self._decoding.discard(seq)
                 self._hidden.pop(seq, None)
                 self.proposer.release(seq)
+        spare = sys.maxsize if self.max_step_rows is None else self.max_step_rows - len(running)
         requests, probes = [], []
         for seq in running:
+            if spare < 1:  # no row left for a draft: nothing more to ask for (probes wait as well)
+                break
             if seq.num_pending != 1 or not self.eligible(seq):
                 continue
             state = self._seqs.get(seq) or self._state(seq)
@@ -138,11 +145,14 @@ class SpecDecoder:
                 self._score_probes(seq, control, state.shadow)
             k = control.next_k()
             if k:  # cut to the room left (0: none, and no probe either)
-                k = min(k, self._room(seq))
+                cut = min(k, self._room(seq), spare)
+                k = cut if cut == k or not control.adaptive or control.rate(cut) > 1.0 else 0  # a cut k must pay
                 if k > 0:
                     requests.append(DraftRequest(seq, k, self._hidden.pop(seq, None) if taps else None))
+                    spare -= k
             elif control.probe_due and self._room(seq) > 0:
                 probes.append(DraftRequest(seq, control.probe_k, self._hidden.pop(seq, None) if taps else None))
+                spare -= 1  # a probe stands for the row a draft of it would take
         if not (requests or probes):
             self._drafts = {}
             return
