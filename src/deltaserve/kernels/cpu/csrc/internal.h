@@ -152,9 +152,12 @@ static inline __attribute__((always_inline)) void ds_store_sums(const __m512 sum
                               _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(r * M), lane), sums));
 }
 
-/* out[i] = _mm512_reduce_add_ps(v[i]) for i < n <= 16 (ds_reduce_add_vec's lanes, stored). */
+/* out[i] = _mm512_reduce_add_ps(v[i]) for i < n <= 16 (ds_reduce_add_vec's lanes, stored whole and
+ * copied: a masked store would not forward to the loads that soon read `out`). */
 static inline __attribute__((always_inline)) void ds_reduce_add_n(const __m512 *v, const int n, float *out) {
-    _mm512_mask_storeu_ps(out, (__mmask16)((1u << n) - 1), ds_reduce_add_vec(v, n));
+    float all[16];
+    _mm512_storeu_ps(all, ds_reduce_add_vec(v, n));
+    for (int i = 0; i < n; ++i) out[i] = all[i];
 }
 #ifdef __AVX512BF16__
 /* acc + the pair products of the dword at w broadcast to every lane with x (VDPBF16PS with an embedded

@@ -120,9 +120,12 @@ rows_mxfp4_avx(const uint16_t *x, const int M, int K, const uint8_t *p, const ui
         }
     }
     __m512 v[4 * DS_MAX_M];
+    float sums[4 * DS_MAX_M];
     for (int r = 0; r < NR; ++r)
         for (int m = 0; m < M; ++m) v[r * M + m] = a[r][m];
-    ds_store_sums(ds_reduce_add_vec(v, NR * M), NR, M, acc);   /* NR * M <= 16 */
+    ds_reduce_add_n(v, NR * M, sums);   /* NR * M <= 16 */
+    for (int r = 0; r < NR; ++r)
+        for (int m = 0; m < M; ++m) acc[r * DS_MAX_M + m] = sums[r * M + m];
 }
 /* Five to eight activation rows: three weight rows a pass (up to 24 accumulators), each group's three
  * rows decoded into registers, then each activation row loaded once beside them (holding all M
