@@ -17,9 +17,9 @@ engine shares every other setting; prefix caching is off.
 Decode tokens/s = (tokens - one per request) / the time from the step that gave the last request
 its first token to the step that finished the last one, timed inside each run (the prompts are
 rendered once before; rendering, prefill and the first token are not counted). Off and on run
-in pairs, back to back, after a warm-up pair: a row's rates are each engine's best of `--repeats`
-runs, its speedup the median of the pairs' ratios (the machine's speed drifts between phases
-that last several runs; a pair shares one).
+in pairs, back to back, in turn first and last, after a warm-up pair: a row's rates are each
+engine's best of `--repeats` runs, its speedup the median of the pairs' ratios (the machine's
+speed drifts between phases that last several runs; a pair shares one).
 Every row reports the mean accepted length and acceptance rate of its timed runs and whether the
 tokens with speculation equal those without (they must at temperature 0; exit 1 otherwise)."""
 
@@ -53,6 +53,9 @@ def prompts(llm, convs) -> list[list[int]]:
     return [chat_prompt(llm.tokenizer, llm.model.config.family, c, **render)["prompt_token_ids"] for c in convs]
 
 
+_ids = itertools.count()  # request ids of the timed runs
+
+
 def decode_run(llm, ids: list[list[int]], params) -> tuple[float, int, list[list[int]]]:
     """One generation of `ids` on `llm`'s engine, stepped here: (decode seconds, decode tokens, the
     tokens), decode as the module docstring defines it."""
@@ -68,9 +71,6 @@ def decode_run(llm, ids: list[list[int]], params) -> tuple[float, int, list[list
             start = time.perf_counter()
     tokens = [list(s.output_ids) for s in seqs]
     return time.perf_counter() - start, sum(map(len, tokens)) - len(tokens), tokens
-
-
-_ids = itertools.count()
 
 
 def decode_rates(engines: list, ids: list[list[int]], params, repeats: int) -> tuple[list[float], float, list]:

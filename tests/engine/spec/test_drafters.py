@@ -180,6 +180,7 @@ def test_adaptive_k_counts_a_draft_models_forwards():
         for _ in range(50):
             k.observe(4, 4)
     assert cheap.best_k() == 4 and dear.best_k() == 0
+    assert dear.next_k() == 0  # whole proposals came true, but no trial: drafting never pays for it
     spec = SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 4})
     proposer = ModelFreeProposer(NgramDrafter(2, 3))
     proposer.draft_cost = 1.0

@@ -25,7 +25,8 @@ steps. A probe asks for at most `PROBE_DRAFTS` drafts (scored within as many tok
 all came true (a probe's or a verify step's) buy the next decode step a trial of min(2k, k_max)
 drafts where the estimate does not pay yet: drafting runs on, growing, while whole proposals keep
 coming true, so a copy drafts from its first full hit, not only once the estimate has caught up
-(free text rarely guesses that many tokens in a row)."""
+(free text rarely guesses that many tokens in a row); never where drafting would not pay even at
+acceptance 1 (a drafter near the target's size)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ class AdaptiveK:
         self.interval = probe_interval  # decode steps between probes while k = 0
         self.out = 0  # shadow probes out (each settled by its `probe_scored`)
         self.trial = 0  # drafts of a trial step: the latest scored drafts (a probe's, a verify's) all came true
+        self.trials = k_max * (1.0 - cost) > step_cost  # drafting pays at acceptance 1 (k_max + 1 tokens)
         self.probe_k = min(k_max, PROBE_DRAFTS)  # drafts a shadow probe asks for
         self.best = self.best_k()
 
@@ -129,7 +131,7 @@ class AdaptiveK:
             return
         self.passed = DECAY * self.passed + accepted
         self.tested = DECAY * self.tested + min(accepted + 1, drafted)
-        self.trial = min(self.k_max, 2 * drafted) if accepted == drafted else 0
+        self.trial = min(self.k_max, 2 * drafted) if self.trials and accepted == drafted else 0
         self.best = self.best_k()
 
 

@@ -139,7 +139,7 @@ class SpecDecoder:
                 break
             if seq.num_pending != 1 or not self.eligible(seq):
                 continue
-            state = self._seqs.get(seq) or self._state(seq)
+            state = self._state(seq)
             control = state.control
             if state.shadow:
                 self._score_probes(seq, control, state.shadow)
@@ -233,9 +233,9 @@ class SpecDecoder:
         pos = self._positions(scheduled, rows, verify)
         mine = [i for i, v in enumerate(verify) if v]
         vrows = [r for i in mine for r in self._rows_at(rows[i], scheduled[i])]
-        at = [p for i in mine for p in pos[i]]
-        if at != list(range(logits.shape[0])):  # else every row, in order: no gather
-            logits = logits.index_select(0, torch.tensor(at, device=logits.device))
+        picked = [p for i in mine for p in pos[i]]
+        if picked != list(range(logits.shape[0])):  # else every row, in order: no gather
+            logits = logits.index_select(0, torch.tensor(picked, device=logits.device))
         x = Sampler.penalized_logits(logits, vrows)
         ops = getattr(runner.model, "ops", None)
         choices = (ops.argmax_rows(x) if ops is not None else x.argmax(dim=-1)).tolist()
