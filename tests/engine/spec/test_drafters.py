@@ -281,3 +281,24 @@ def test_prepare_asks_only_for_the_rows_a_capped_step_leaves():
     dec.max_step_rows = None
     dec.prepare(runner, [a])
     assert dec.propose(a, 3) == [3, 1, 2]
+
+
+def test_ngram_index_equals_a_rescan_however_it_grows():
+    """The index grown in random steps holds, for every n-gram of lo..hi tokens, the position after its
+    latest occurrence (a rescan of all tokens), and proposes what a rescan proposes."""
+    rng = random.Random(5)
+    for _ in range(40):
+        lo, hi = rng.randint(1, 3), rng.randint(3, 6)
+        d = NgramDrafter(lo, hi)
+        s = seq([rng.randrange(6) for _ in range(rng.randint(0, 30))])
+        for _ in range(rng.randint(1, 8)):
+            got = d.propose(s, 5)
+            ids = s.all_ids()
+            want_after = {}
+            for e in range(1, len(ids)):
+                for n in range(lo, min(hi, e) + 1):
+                    want_after[tuple(ids[e - n : e])] = e
+            assert d._index[s].after == want_after
+            fresh = NgramDrafter(lo, hi)
+            assert got == fresh.propose(seq(ids), 5)
+            s.output_ids += [rng.randrange(6) for _ in range(rng.randint(0, 12))]

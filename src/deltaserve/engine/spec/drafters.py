@@ -45,13 +45,17 @@ class _NgramIndex(_Tokens):
         self.after: dict[tuple[int, ...], int] = {}
 
     def grow(self, seq: Sequence) -> list[int]:
+        """Index the n-grams ending at e - 1, continued at e, for every new position e (a later e
+        replaces an earlier one): per n one `dict.update` over zipped slices (a prompt's first index
+        in C loops, not one tuple a position and n in Python)."""
         first = len(self.ids)
         new = super().grow(seq)
-        ids, lo, hi, after = self.ids, self.lo, self.hi, self.after
-        for e in range(max(first, 1), len(ids)):  # the n-grams ending at e - 1, continued at e
-            tail = tuple(ids[max(0, e - hi) : e])
-            for n in range(lo, len(tail) + 1):
-                after[tail[-n:]] = e
+        ids, end = self.ids, len(self.ids)
+        for n in range(self.lo, self.hi + 1):
+            e0 = max(first, 1, n)
+            if e0 < end:
+                keys = zip(*(ids[e0 - n + i : end - n + i] for i in range(n)))
+                self.after.update(zip(keys, range(e0, end)))
         return new
 
     def propose(self, k: int) -> list[int]:
