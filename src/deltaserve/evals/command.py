@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from contextlib import closing
 from pathlib import Path
@@ -58,21 +59,21 @@ def run(args: argparse.Namespace) -> int:
     # offline with --preempt: an engine per task, its KV budget sized to that task's longest request
     groups = [[t] for t in tasks] if model is not None and args.preempt else [tasks]
     accuracy, hits, preemptions = {}, 0, 0
+    path = EvalPath(
+        prefix_cache=args.prefix_cache,
+        chunk_size=args.chunk_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+        dtype=args.dtype,
+        max_tokens=args.max_tokens,
+    )
     for group in groups:
         if model is None:
             runner = ServerRunner(args.url, api_key=args.api_key, max_tokens=args.max_tokens)
         else:
-            path = EvalPath(
-                prefix_cache=args.prefix_cache,
-                chunk_size=args.chunk_size,
-                tensor_parallel_size=args.tensor_parallel_size,
-                dtype=args.dtype,
-                max_tokens=args.max_tokens,
-            )
             if args.preempt:  # a KV budget for 1.25x the group's longest request: several do not fit
                 samples = [s for t in group for s in sets[t]]
-                path.preempt = True
-                path.preempt_len = longest_request(tokenizer, template, family, samples, modes, args.max_tokens)
+                most = longest_request(tokenizer, template, family, samples, modes, args.max_tokens)
+                path = dataclasses.replace(path, preempt=True, preempt_len=most)
             runner = OfflineRunner(model, path)
         with closing(runner):
             for thinking in modes:

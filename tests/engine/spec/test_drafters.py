@@ -267,18 +267,16 @@ def test_prepare_asks_only_for_the_rows_a_capped_step_leaves():
     a, b = seq([1, 2, 3, 1, 2]), seq([4, 5, 6, 4, 5])
     for s in (a, b):
         s.num_computed = s.num_tokens - 1
-    dec.max_step_rows = 2
-    dec.prepare(runner, [a, b])
+    dec.prepare(runner, [a, b], max_step_rows=2)
     assert not dec._seqs and dec.propose(a, 3) == []
-    dec.prepare(runner, [a])
+    dec.prepare(runner, [a], max_step_rows=2)
     assert len(dec._seqs[a].shadow) == 1
     control = dec._seqs[a].control
     control.passed, control.tested = 69.0, 98.0
     control.best = control.best_k()
     assert control.acceptance == pytest.approx(0.7) and control.best == 3 and control.rate(1) < 1.0
-    dec.prepare(runner, [a])
+    dec.prepare(runner, [a], max_step_rows=2)
     assert dec.propose(a, 3) == []
-    dec.max_step_rows = None
     dec.prepare(runner, [a])
     assert dec.propose(a, 3) == [3, 1, 2]
 

@@ -100,7 +100,7 @@ class EngineCore:
         self.spec = spec
         if spec is not None:
             self.scheduler.drafter = spec.propose
-            self.scheduler.max_step_rows = spec.max_step_rows = step_row_cap(model)
+            self.scheduler.max_step_rows = step_row_cap(model)
         if encoder is not None:
             self.scheduler.gate = encoder.gate
         pad = model.config.media_placeholder_token_id
@@ -231,7 +231,7 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """One scheduler step and its share of image encodes; returns the finished requests."""
         if self.spec is not None:  # the step's drafts, asked for once for every decoding sequence
-            self.spec.prepare(self.runner, self.scheduler.running)
+            self.spec.prepare(self.runner, self.scheduler.running, self.scheduler.max_step_rows)
         scheduled = self.scheduler.schedule()
         if self.runner.encoder is not None:
             self.runner.encoder.step(self.scheduler.running)

@@ -12,16 +12,16 @@ proposer spends on it, a draft model's forward; `rollback`: undoing rejected dra
 is rejected); a step without drafts yields 1 token at cost 1. k is the argmax of tokens per cost
 over [0, k_max] (ties: the smaller k), so a request whose acceptance does not pay for a drafted step falls
 to k = 0: drafting off for it. Then (and from its first decode step) it probes in the shadow: the
-decoder asks the proposer for drafts (`PROBE_DRAFTS` at most) without verifying them and, once the tokens they
-guessed are decoded, scores them as a verify step would (greedy acceptance) -- a probe costs a
-proposer call, never a verify step. A probe that came true in full, or after which drafting pays,
-sets `interval`, the decode steps to the next probe, to `probe_interval`; any other doubles it (up
-to `MAX_PROBE_INTERVAL`): a request whose text turns repetitive later gets drafting back, one whose
-text never does asks ever less (a draft model's probe costs its forwards). A proposer whose probes
-cost nothing but an index lookup (`free`) probes from an interval of 1 that grows to at most
-`MAX_FREE_PROBE_INTERVAL`, with any number of probes out (each scored as its tokens are decoded):
-a repetitive stretch turns drafting on within a few tokens, free text pays a lookup every few
-steps. A probe asks for at most `PROBE_DRAFTS` drafts (scored within as many tokens). k drafts that
+decoder asks the proposer for drafts (`PROBE_DRAFTS` at most) without verifying them and, once the
+tokens they guessed are decoded, scores them as a verify step would (greedy acceptance) -- a probe
+costs a proposer call, never a verify step. A probe that came true in full, or after which drafting
+pays, sets `interval`, the decode steps to the next probe, to `probe_interval`; any other (or one
+the proposer had no drafts for) doubles it (up to `MAX_PROBE_INTERVAL`): a request whose text
+turns repetitive later gets drafting back, one whose text never does asks ever less (a draft
+model's probe costs its forwards). A proposer whose probes cost nothing but an index lookup
+(`free`) probes from an interval of 1 that grows to at most `MAX_FREE_PROBE_INTERVAL`, with any
+number of probes out (each scored as its tokens are decoded): a repetitive stretch turns drafting
+on within a few tokens, free text pays a lookup every few steps. k drafts that
 all came true (a probe's or a verify step's) buy the next decode step a trial of min(2k, k_max)
 drafts where the estimate does not pay yet: drafting runs on, growing, while whole proposals keep
 coming true, so a copy drafts from its first full hit, not only once the estimate has caught up

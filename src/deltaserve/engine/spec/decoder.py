@@ -86,7 +86,6 @@ class SpecDecoder:
         self._hidden: weakref.WeakKeyDictionary[Sequence, torch.Tensor] = weakref.WeakKeyDictionary()
         self._decoding: set[Sequence] = set()  # sequences the proposer was asked for (left at release or finish)
         self.probes = 0  # shadow probes scored
-        self.max_step_rows: int | None = None  # the scheduler's cap on a step's rows (decodes + drafts)
 
     @staticmethod
     def eligible(seq: Sequence) -> bool:
@@ -119,20 +118,20 @@ class SpecDecoder:
             state = self._seqs[seq] = Speculating(control, [])
         return state
 
-    def prepare(self, runner: ModelRunner, running: list[Sequence]) -> None:
+    def prepare(self, runner: ModelRunner, running: list[Sequence], max_step_rows: int | None = None) -> None:
         """Before scheduling: release the sequences that stopped running since the last step
         without finishing (preempted, aborted: an abort is released here, at the next step), then
         ask the proposer once for the drafts of every running decoding sequence whose k is
         positive now, and for the shadow probes due (adaptive.py), which are only scored. Under
-        `max_step_rows` only as many drafts (a probe counting one) as the rows the running
-        sequences leave: none while they fill it."""
+        `max_step_rows` (the scheduler's cap on a step's rows) only as many drafts (a probe counting
+        one) as the rows the running sequences leave: none while they fill it."""
         taps = runner.keep_hidden = self.proposer.wants_hidden
         if self._decoding:
             for seq in self._decoding.difference(running):  # preempted or aborted (`finished` left)
                 self._decoding.discard(seq)
                 self._hidden.pop(seq, None)
                 self.proposer.release(seq)
-        spare = sys.maxsize if self.max_step_rows is None else self.max_step_rows - len(running)
+        spare = sys.maxsize if max_step_rows is None else max_step_rows - len(running)
         requests, probes = [], []
         for seq in running:
             if spare < 1:  # no row left for a draft: nothing more to ask for (probes wait as well)
@@ -164,7 +163,7 @@ class SpecDecoder:
             state = self._seqs[r.seq]
             if d:
                 state.shadow.append((r.seq.num_tokens, list(d[: r.k])))
-            state.control.probe_taken(bool(d))  # none: the next probe `interval` steps on all the same
+            state.control.probe_taken(bool(d))  # none: nothing repeats, the interval doubles
 
     def _score_probes(self, seq: Sequence, control: AdaptiveK, shadow: list) -> None:
         """Score each shadow probe that decoded tokens decide as a greedy verify step: its leading

@@ -144,14 +144,14 @@ static inline void tile_rows(const uint16_t *x, int M, int K, const uint16_t *w,
         rows_bf16(x, M, K, w + (int64_t)r0 * K, rows - r0 < R ? rows - r0 : R, acc + r0 * DS_MAX_M);
 }
 
-/* y[m * ldy + r] = acc[r * DS_MAX_M + m] (bf16, or fp32 where f32) for r < rows, m < M. */
-static inline void store_tile(const float *acc, int rows, int M, void *y, int64_t ldy, int f32) {
+/* y[m * ldy + n0 + r] = acc[r * DS_MAX_M + m] (bf16, or fp32 where f32) for r < rows, m < M. */
+static inline void store_tile(const float *acc, int rows, int M, void *y, int64_t n0, int64_t ldy, int f32) {
     for (int m = 0; m < M; ++m) {
         if (f32) {
-            float *ym = (float *)y + m * ldy;
+            float *ym = (float *)y + m * ldy + n0;
             for (int r = 0; r < rows; ++r) ym[r] = acc[r * DS_MAX_M + m];
         } else {
-            uint16_t *ym = (uint16_t *)y + m * ldy;
+            uint16_t *ym = (uint16_t *)y + m * ldy + n0;
             for (int r = 0; r < rows; ++r) ym[r] = f32_to_bf16(acc[r * DS_MAX_M + m]);
         }
     }
@@ -166,7 +166,7 @@ void ds_linear_bf16(const uint16_t *x, int M, int K, const uint16_t *w, int N, u
         float acc[16 * DS_MAX_M];
         const int rows = N - n0 < T ? N - n0 : T;
         tile_rows(x, M, K, w + (int64_t)n0 * K, R, rows, acc);
-        store_tile(acc, rows, M, y + n0, ldy, 0);
+        store_tile(acc, rows, M, y, n0, ldy, 0);
     }
 }
 
@@ -189,8 +189,7 @@ int ds_linear_bf16_multi(const uint16_t *x, int M, int K, const uint16_t *const 
         const int n0 = (b - first[i]) * T, rows = N[i] - n0 < T ? N[i] - n0 : T;
         float acc[16 * DS_MAX_M];
         tile_rows(x, M, K, w[i] + (int64_t)n0 * K, R, rows, acc);
-        if (f32[i]) store_tile(acc, rows, M, (float *)y[i] + n0, N[i], 1);
-        else store_tile(acc, rows, M, (uint16_t *)y[i] + n0, N[i], 0);
+        store_tile(acc, rows, M, y[i], n0, N[i], f32[i]);
     }
     return 0;
 }
@@ -205,7 +204,7 @@ void ds_linear_bf16_heads(const uint16_t *x, int H, int M, int K, const uint16_t
         float acc[16 * DS_MAX_M];
         const int rows = N - n0 < T ? N - n0 : T;
         tile_rows(x + (int64_t)h * M * K, M, K, w + ((int64_t)h * N + n0) * K, R, rows, acc);
-        store_tile(acc, rows, M, y + ((int64_t)h * M) * N + n0, N, 0);
+        store_tile(acc, rows, M, y + (int64_t)h * M * N, n0, N, 0);
     }
 }
 

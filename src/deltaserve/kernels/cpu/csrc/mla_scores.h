@@ -7,6 +7,7 @@
 #define DELTASERVE_MLA_SCORES_H
 #include <stdint.h>
 #include "ds_abi.h"
+#include "internal.h"
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define ML_AVX512BF16 1
@@ -68,30 +69,6 @@ static inline __attribute__((always_inline)) void ml_scores(const uint16_t *qb, 
 #endif
 
 #ifdef ML_AVX512BF16
-/* out[l] lane i = in[i] lane l (a 16 x 16 transpose: unpacks within 128-bit blocks, then blocks). */
-static inline __attribute__((always_inline)) void ml_transpose16(const __m512 *in, __m512 *out) {
-    __m512 t[16], u[16];
-    for (int i = 0; i < 8; ++i) {
-        t[2 * i] = _mm512_unpacklo_ps(in[2 * i], in[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(in[2 * i], in[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; ++i)   /* u[4i + c], block b: lane 4b + c of in[4i .. 4i + 3] */
-        for (int h = 0; h < 2; ++h) {
-            const __m512d a = _mm512_castps_pd(t[4 * i + h]), b = _mm512_castps_pd(t[4 * i + 2 + h]);
-            u[4 * i + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-            u[4 * i + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-        }
-    for (int c = 0; c < 4; ++c) {   /* blocks: out[4b + c] block g = u[4g + c] block b */
-        const __m512 v0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xee);
-        const __m512 v2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44);
-        const __m512 v3 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xee);
-        out[c] = _mm512_shuffle_f32x4(v0, v2, 0x88);
-        out[4 + c] = _mm512_shuffle_f32x4(v0, v2, 0xdd);
-        out[8 + c] = _mm512_shuffle_f32x4(v1, v3, 0x88);
-        out[12 + c] = _mm512_shuffle_f32x4(v1, v3, 0xdd);
-    }
-}
-
 /* The fp32 scores (D % 16 == 0 and H | 16, not the vdpbf16ps path): s[h * MLA_CHUNK + j] = scale *
  * dot_f32(q_h, row_j) for the n rows of idx and every head, bit for bit: each (row, head) pair keeps
  * dot_f32's 16 lane sums (products then adds, in d order), each row block converted once for its H
@@ -107,7 +84,8 @@ static inline __attribute__((always_inline)) void ml_scores_f32(const float *qf,
         const int np = n - j0 < P ? n - j0 : P;
         const uint16_t *r[16];
         for (int p = 0; p < P; ++p) r[p] = rows + idx[j0 + (p < np ? p : 0)] * (int64_t)D;   /* past np: unused */
-        __m512 acc[16], sums[16];
+        __m512 acc[16];
+        __m512i lanes[16];
         for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
         for (int d = 0; d < D; d += 16)
             for (int p = 0; p < P; ++p) {
@@ -116,9 +94,10 @@ static inline __attribute__((always_inline)) void ml_scores_f32(const float *qf,
                 for (int h = 0; h < H; ++h)
                     acc[p * H + h] = _mm512_add_ps(acc[p * H + h], _mm512_mul_ps(_mm512_loadu_ps(qf + h * D + d), x));
             }
-        ml_transpose16(acc, sums);
+        for (int i = 0; i < 16; ++i) lanes[i] = _mm512_castps_si512(acc[i]);
+        ds_transpose16(lanes);   /* lanes[l] lane i: pair i's lane sum l */
         __m512 sum = _mm512_setzero_ps();
-        for (int l = 0; l < 16; ++l) sum = _mm512_add_ps(sum, sums[l]);
+        for (int l = 0; l < 16; ++l) sum = _mm512_add_ps(sum, _mm512_castsi512_ps(lanes[l]));
         _mm512_store_ps(dot, _mm512_mul_ps(sc, sum));
         for (int p = 0; p < np; ++p)
             for (int h = 0; h < H; ++h) s[h * MLA_CHUNK + j0 + p] = dot[p * H + h];
